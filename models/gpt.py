@@ -1,0 +1,78 @@
+"""Decoder-only transformer: embedding -> pre-norm blocks -> norm -> output head.
+
+Parallel details live in the layers (megatron-core); this file reads like a textbook decoder.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.attention import build_attention
+from models.config import ModelConfig
+from models.layers import Rotary, column_linear, normal_init, parallel_config, tp_size
+from models.mlp import build_mlp
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, attention_kind: str):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = build_attention(cfg, layer, attention_kind)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = build_mlp(cfg, layer)
+
+    def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False):
+        super().__init__()
+        if cfg.padded_vocab_size % tp_size():
+            raise ValueError(
+                f"padded vocabulary {cfg.padded_vocab_size} is not divisible by tensor parallel size "
+                f"{tp_size()}; set model.vocab_pad_to to a multiple of it"
+            )
+        self.cfg = cfg
+        self.activation_checkpointing = activation_checkpointing
+        self.embed = tensor_parallel.VocabParallelEmbedding(
+            cfg.padded_vocab_size, cfg.hidden_size, init_method=normal_init(cfg.init_std), config=parallel_config()
+        )
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+        self.blocks = nn.ModuleList(
+            Block(cfg, i, kind) for i, kind in enumerate(cfg.attention_kinds())
+        )
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        # With tied embeddings the head borrows the embedding's (vocab-split) weight.
+        self.head = column_linear(
+            cfg, cfg.hidden_size, cfg.padded_vocab_size, skip_weight_param_allocation=cfg.tie_embeddings
+        )
+
+    def logits(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
+        """Logits for this rank's vocabulary shard: [batch, seq, padded_vocab / tp]."""
+        ctx = {} if ctx is None else ctx
+        ctx["rotary"] = self.rotary
+        x = self.embed(tokens)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, ctx, use_reentrant=False)
+            else:
+                x = block(x, ctx)
+        x = self.norm(x)
+        weight = self.embed.weight if self.cfg.tie_embeddings else None
+        logits, _ = self.head(x, weight=weight)
+        return logits
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy plus any auxiliary (load-balancing) losses."""
+        logits = self.logits(tokens)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
+        return loss + self.aux_loss()
+
+    def aux_loss(self) -> torch.Tensor | float:
+        losses = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]
+        return sum(losses) if losses else 0.0

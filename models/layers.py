@@ -1,0 +1,105 @@
+"""Building blocks shared by every model: megatron-core parallel linears, RoPE, SwiGLU MLP.
+
+Weights are initialised on the CPU from one full-size master tensor and then split, so a
+model built with the same seed holds the same numbers at every tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+
+from models.config import ModelConfig
+
+
+def tp_size() -> int:
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def parallel_config(params_dtype: torch.dtype = torch.float32) -> ModelParallelConfig:
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp_size(),
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        params_dtype=params_dtype,
+        perform_initialization=True,
+    )
+
+
+def normal_init(std: float):
+    return partial(nn.init.normal_, mean=0.0, std=std)
+
+
+def output_init(cfg: ModelConfig):
+    # Residual-branch outputs scaled by depth, as in GPT-2 / Megatron.
+    return normal_init(cfg.init_std / math.sqrt(2.0 * cfg.num_layers))
+
+
+def column_linear(cfg: ModelConfig, in_features: int, out_features: int, **kwargs) -> nn.Module:
+    """Output features split across TP ranks; the result stays split (gather_output=False)."""
+    return tensor_parallel.ColumnParallelLinear(
+        in_features,
+        out_features,
+        config=parallel_config(),
+        init_method=kwargs.pop("init_method", normal_init(cfg.init_std)),
+        bias=False,
+        gather_output=False,
+        **kwargs,
+    )
+
+
+def row_linear(cfg: ModelConfig, in_features: int, out_features: int) -> nn.Module:
+    """Input features split across TP ranks; the output is all-reduced."""
+    return tensor_parallel.RowParallelLinear(
+        in_features,
+        out_features,
+        config=parallel_config(),
+        init_method=output_init(cfg),
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (half-split layout, as in Llama)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim]."""
+        seq = x.shape[-2]
+        cos = self.cos[:seq].to(x.dtype)
+        sin = self.sin[:seq].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP. Gate and up rows interleave (gate_0, up_0, gate_1, ...) so that a
+    contiguous TP split gives every rank matching gate/up neurons."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
+        super().__init__()
+        self.hidden = hidden or cfg.ffn_hidden_size
+        if self.hidden % tp_size():
+            raise ValueError(f"MLP width {self.hidden} is not divisible by tensor parallel size {tp_size()}")
+        self.w_in = column_linear(cfg, cfg.hidden_size, 2 * self.hidden)
+        self.w_out = row_linear(cfg, self.hidden, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.w_in(x)
+        gate_up = gate_up.unflatten(-1, (-1, 2))
+        out, _ = self.w_out(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+        return out

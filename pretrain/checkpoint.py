@@ -1,0 +1,162 @@
+"""Checkpoints: DeepSpeed's sharded model/optimizer files plus, per rank, the data-loader and
+RNG state; a COMPLETE marker written after every rank finished; `latest` moved last.
+
+A crash at any point leaves `latest` at the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+TAG_PATTERN = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def model_signature(model_config: dict) -> dict:
+    """The part of a model config that fixes the shapes of its weights."""
+    return {k: v for k, v in model_config.items() if k not in ("init_std",)}
+
+
+def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_last: int) -> Path:
+    """Collective: every rank calls it at the same step."""
+    tag = tag_for(step)
+    rank = dist.get_rank()
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    path = ckpt_dir / tag
+    buffer = _torch_bytes({"rng": rng_state(), **rank_state})
+    _atomic_write(path / f"rank_{rank:05d}.pt", buffer)
+    dist.barrier()
+    if rank == 0:
+        marker = {**meta, "step": step, "world_size": dist.get_world_size(), "time": time.time()}
+        _atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
+        _atomic_write(ckpt_dir / LATEST, tag.encode())
+        _prune(ckpt_dir, keep_last, keep=tag)
+    dist.barrier()
+    return path
+
+
+def _torch_bytes(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
+    complete = sorted(d.name for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and (d / COMPLETE).exists())
+    for name in complete[:-keep_last]:
+        if name != keep:
+            shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+    # Partial checkpoints older than the newest complete one are leftovers of crashed saves.
+    for d in ckpt_dir.iterdir():
+        if TAG_PATTERN.match(d.name) and not (d / COMPLETE).exists() and d.name < keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def latest_complete(ckpt_dir: Path) -> Path | None:
+    """The checkpoint `latest` names if complete, else the newest complete one."""
+    pointer = ckpt_dir / LATEST
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        if (ckpt_dir / tag / COMPLETE).is_file():
+            return ckpt_dir / tag
+    if not ckpt_dir.is_dir():
+        return None
+    complete = sorted(d for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and (d / COMPLETE).is_file())
+    return complete[-1] if complete else None
+
+
+def resolve_resume(resume: str, run_dir: str) -> Path | None:
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_complete(checkpoint_dir(run_dir))
+    path = Path(resume)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(
+            f"train.resume={resume}: not a complete checkpoint (no {COMPLETE} marker); "
+            "use train.resume=auto to pick the newest complete one"
+        )
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((path / COMPLETE).read_text())
+
+
+def check_compatible(meta: dict, model_config: dict, tokenizer_sha256: str | None, path: Path) -> None:
+    saved = model_signature(meta["model"])
+    wanted = model_signature(model_config)
+    diff = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    if diff:
+        details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {wanted.get(k)!r}" for k in diff)
+        raise CheckpointError(
+            f"checkpoint {path} belongs to another model ({details}); point train.resume at a "
+            "checkpoint of this model, use a new run.dir, or set train.resume=none"
+        )
+    if tokenizer_sha256 and meta.get("tokenizer_sha256") and meta["tokenizer_sha256"] != tokenizer_sha256:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]} "
+            f"vs {tokenizer_sha256[:12]}); use the tokenizer of that run"
+        )
+
+
+def load(engine, path: Path) -> dict:
+    """Restore model, optimizer and schedule; return this rank's saved state (loader, RNG)."""
+    engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True)
+    rank_file = path / f"rank_{dist.get_rank():05d}.pt"
+    if not rank_file.is_file():  # another world size: fall back to rank 0's data state
+        rank_file = path / "rank_00000.pt"
+    state = torch.load(rank_file, weights_only=False)
+    if rank_file.name == f"rank_{dist.get_rank():05d}.pt":
+        set_rng_state(state["rng"])
+    return state

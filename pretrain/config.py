@@ -1,0 +1,251 @@
+"""The run's config tree: typed dataclasses, loaded from YAML, overridden by dotted CLI keys,
+validated before any process group, model or data loader is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from models.config import MLP_KINDS, ModelConfig, parse_attention_pattern
+
+
+class ConfigError(ValueError):
+    """A config problem, stated with the key at fault and the fix."""
+
+
+@dataclass
+class DataConfig:
+    shards: str = "data/shards"  # directory with train/, val/ and manifest.json (or a remote URL)
+    cache: str = ""  # local cache when `shards` is remote
+    tokenizer: str = "data/tokenizer"
+    num_workers: int = 0
+    shuffle_seed: int = 1234
+    num_canonical_nodes: int = 1  # keep fixed for a run: it defines the sample order
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    expert: int = 1
+    zero_stage: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    micro_batch: int = 4
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    activation_checkpointing: bool = False
+    eval_interval: int = 50
+    eval_batches: int = 4
+    log_interval: int = 10
+    save_interval: int = 100
+    keep_last: int = 3
+    resume: str = "auto"  # auto | none | <checkpoint tag directory>
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    dir: str = "runs/demo"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value, annotation, key: str):
+    """Turn a YAML/CLI value into the field's declared type."""
+    hint = annotation if not isinstance(annotation, str) else eval(annotation, vars(typing), {})  # noqa: S307
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if isinstance(value, str) and list in [typing.get_origin(a) or a for a in typing.get_args(hint)]:
+            text = value.strip()
+            return yaml.safe_load(text) if text.startswith("[") else value
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if hint in (int, float, str):
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected {hint.__name__}") from None
+    return value
+
+
+def _apply(obj, values: dict, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
+            _apply(current, value, key + ".")
+        else:
+            setattr(obj, name, _coerce(value, hints[name], key))
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        dotted, raw = item.split("=", 1)
+        node = tree
+        *parents, leaf = dotted.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(raw) if raw.strip().startswith("[") else raw
+    return tree
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    cfg = Config()
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train)")
+        _apply(cfg, values)
+    _apply(cfg, parse_overrides(overrides or []))
+    return cfg
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check everything that can be checked without building anything expensive."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"head dimension {m.head_dim} must be even for rotary embeddings")
+    if p.tensor < 1 or p.expert < 1:
+        raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
+    if m.num_heads % p.tensor:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
+            "choose a tensor-parallel size that divides the heads"
+        )
+    if m.ffn_hidden_size % p.tensor:
+        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tensor={p.tensor}")
+    if m.padded_vocab_size % p.tensor:
+        raise ConfigError(f"model.vocab_pad_to={m.vocab_pad_to} must be a multiple of parallel.tensor={p.tensor}")
+    if world_size % p.tensor:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor={p.tensor}; "
+            "launch a multiple of the tensor-parallel size processes"
+        )
+    dp = world_size // p.tensor
+    if dp % p.expert:
+        raise ConfigError(
+            f"data-parallel size {dp} (world {world_size} / tensor {p.tensor}) is not divisible by "
+            f"parallel.expert={p.expert}"
+        )
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: choose 0, 1, 2 or 3")
+    try:
+        parse_attention_pattern(m.attention, m.num_layers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if m.mlp not in MLP_KINDS:
+        raise ConfigError(f"model.mlp={m.mlp!r}: choose one of {MLP_KINDS}")
+    if m.mlp != "dense":
+        moe = m.moe
+        if moe.num_experts % p.expert:
+            raise ConfigError(
+                f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={p.expert}"
+            )
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+        if p.zero_stage == 3:
+            raise ConfigError(
+                "parallel.zero_stage=3 does not support expert layers (DeepSpeed refuses MoE with ZeRO-3); "
+                "use parallel.zero_stage=1 or 2 for moe/uoe models"
+            )
+    elif p.expert != 1:
+        raise ConfigError("parallel.expert > 1 needs an expert model: set model.mlp to moe or uoe")
+    if t.precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"train.precision={t.precision!r}: choose auto, fp32 or bf16")
+    for key in ("steps", "micro_batch", "grad_accum", "log_interval", "eval_interval", "save_interval", "keep_last"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
+    if t.warmup_steps >= t.steps:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
+
+
+def validate_data(cfg: Config) -> dict:
+    """Match the model against the shards' manifest and the tokenizer, before training starts."""
+    shards = cfg.data.shards
+    if "://" in shards:
+        return {}
+    manifest_path = Path(shards) / "manifest.json"
+    if not manifest_path.is_file():
+        raise ConfigError(
+            f"data.shards={shards}: no manifest.json there; build shards with "
+            "python -m data_prep.build_shards --out " + shards
+        )
+    manifest = json.loads(manifest_path.read_text())
+    if manifest["seq_len"] != cfg.model.max_seq_len:
+        raise ConfigError(
+            f"model.max_seq_len={cfg.model.max_seq_len} but the shards hold sequences of "
+            f"{manifest['seq_len']}; set model.max_seq_len={manifest['seq_len']} or rebuild the shards"
+        )
+    if manifest["vocab_size"] != cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} but the shards' tokenizer has "
+            f"{manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
+        )
+    tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
+    if not tokenizer_meta.is_file():
+        raise ConfigError(
+            f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "
+            f"python -m data_prep.train_tokenizer --out {cfg.data.tokenizer}"
+        )
+    tokenizer = json.loads(tokenizer_meta.read_text())
+    if tokenizer["sha256"] != manifest["tokenizer_sha256"]:
+        raise ConfigError(
+            f"the shards in {shards} were built with a different tokenizer than {cfg.data.tokenizer}; "
+            "point data.tokenizer at the one used for the shards, or rebuild them"
+        )
+    return manifest

@@ -1,0 +1,87 @@
+"""Streaming shards -> micro-batches, partitioned by data-parallel rank, resumable mid-epoch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core import parallel_state as ps
+from streaming import StreamingDataLoader, StreamingDataset
+from streaming.base.util import clean_stale_shared_memory
+
+from pretrain.config import Config
+
+_cleaned = False
+
+
+def clean_shared_memory_once() -> None:
+    """Shared memory left by a killed run breaks the next start; clear it before any dataset."""
+    global _cleaned
+    if not _cleaned:
+        clean_stale_shared_memory()
+        _cleaned = True
+
+
+def _collate(samples: list[dict]) -> torch.Tensor:
+    return torch.from_numpy(np.stack([s["tokens"].astype(np.int64) for s in samples]))
+
+
+def _split_location(cfg: Config, split: str) -> dict:
+    if "://" in cfg.data.shards:
+        cache = Path(cfg.data.cache or os.path.join("/tmp/pretrain-cache", cfg.run.name)) / split
+        return {"remote": f"{cfg.data.shards.rstrip('/')}/{split}", "local": str(cache)}
+    return {"remote": None, "local": str(Path(cfg.data.shards) / split)}
+
+
+def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
+    """A fresh dataset and loader. Resume must load state into a fresh loader: a used one
+    ignores the state and restarts at sample 0."""
+    clean_shared_memory_once()
+    dataset = StreamingDataset(
+        **_split_location(cfg, split),
+        shuffle=shuffle,
+        shuffle_seed=cfg.data.shuffle_seed,
+        num_canonical_nodes=cfg.data.num_canonical_nodes,
+        batch_size=cfg.train.micro_batch,
+        # Tensor-parallel peers are consecutive ranks and must see identical samples.
+        replication=ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else None,
+    )
+    return StreamingDataLoader(
+        dataset,
+        batch_size=cfg.train.micro_batch,
+        num_workers=cfg.data.num_workers,
+        collate_fn=_collate,
+        drop_last=True,
+        persistent_workers=False,
+    )
+
+
+def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples hold seq_len + 1 tokens: inputs and next-token labels."""
+    batch = batch.to(device, non_blocking=True)
+    return batch[:, :-1], batch[:, 1:]
+
+
+class Batches:
+    """Endless iterator over a loader: a new epoch starts when the last one ends."""
+
+    def __init__(self, loader: StreamingDataLoader):
+        self.loader = loader
+        self._it = None
+
+    def __next__(self) -> torch.Tensor:
+        if self._it is None:
+            self._it = iter(self.loader)
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+            return next(self._it)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)

@@ -1,0 +1,103 @@
+"""Process-group setup under torchrun or srun, megatron-core parallel state, and the `mpu`
+adapter DeepSpeed needs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def read_env() -> DistEnv:
+    """Rank layout from torchrun's variables, or from Slurm's when srun starts the processes.
+
+    The Slurm values are exported under torchrun's names, since DeepSpeed and streaming read those.
+    """
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
+        tasks_per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        os.environ.setdefault("LOCAL_WORLD_SIZE", tasks_per_node or os.environ["SLURM_NTASKS"])
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    for key, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", local_rank),
+                       ("LOCAL_WORLD_SIZE", local_world_size)):
+        os.environ.setdefault(key, str(value))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    return DistEnv(rank, world_size, local_rank, local_world_size)
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(tensor: int = 1, expert: int = 1) -> DistEnv:
+    """Start the default process group (nccl on GPU, gloo on CPU) and megatron-core's groups."""
+    env = read_env()
+    if not torch.cuda.is_available():
+        # DeepSpeed picks its accelerator at import time; without a GPU it must be the CPU one.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor, expert_model_parallel_size=expert)
+    return env
+
+
+def destroy_distributed() -> None:
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class MegatronCoreMPU:
+    """What DeepSpeed calls on `mpu`, answered from megatron-core's parallel state.
+
+    megatron-core dropped the legacy `get_model_parallel_rank/world_size` and
+    `get_data_parallel_group_ranks` that DeepSpeed still uses.
+    """
+
+    get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_src_rank = staticmethod(ps.get_tensor_model_parallel_src_rank)
+    get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(ps.get_pipeline_model_parallel_world_size)
+    get_model_parallel_group = staticmethod(ps.get_model_parallel_group)
+    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
+
+    @staticmethod
+    def get_model_parallel_rank() -> int:
+        return dist.get_rank(group=ps.get_model_parallel_group())
+
+    @staticmethod
+    def get_model_parallel_world_size() -> int:
+        return dist.get_world_size(group=ps.get_model_parallel_group())
+
+    @staticmethod
+    def get_data_parallel_group_ranks() -> list[int]:
+        return dist.get_process_group_ranks(ps.get_data_parallel_group())

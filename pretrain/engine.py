@@ -1,0 +1,77 @@
+"""DeepSpeed engine: ZeRO stage, precision, AdamW, warmup + cosine schedule, clipping."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pretrain.config import Config
+from pretrain.distributed import MegatronCoreMPU
+
+
+def use_bf16(cfg: Config) -> bool:
+    if cfg.train.precision == "auto":
+        return torch.cuda.is_available()
+    return cfg.train.precision == "bf16"
+
+
+def deepspeed_config(cfg: Config) -> dict:
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "steps_per_print": 10**9,  # the trainer prints its own progress line
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": use_bf16(cfg)},
+        "zero_optimization": {
+            "stage": cfg.parallel.zero_stage,
+            "contiguous_gradients": True,
+            "overlap_comm": torch.cuda.is_available(),
+            "reduce_scatter": True,
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": [t.beta1, t.beta2],
+                "eps": 1e-8,
+                "weight_decay": t.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": t.steps,
+                "warmup_num_steps": t.warmup_steps,
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": t.min_lr_ratio,
+                "warmup_type": "linear",
+            },
+        },
+    }
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """No weight decay on norms and other vectors."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_engine(cfg: Config, model: nn.Module):
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model),
+        config=deepspeed_config(cfg),
+        mpu=MegatronCoreMPU(),
+    )
+    return engine

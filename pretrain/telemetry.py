@@ -1,0 +1,97 @@
+"""Console progress lines, TensorBoard scalars, throughput, TFLOP/s and MFU."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device, by substring of the CUDA device name.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+
+
+def device_peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def peak_memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Throughput:
+    """Tokens/s and model TFLOP/s per device over the interval since the last call."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, world_size: int):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak = device_peak_tflops()
+        self.reset()
+
+    def reset(self) -> None:
+        self._t0 = time.perf_counter()
+        self._steps = 0
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def measure(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        tokens_per_s = self._steps * self.tokens_per_step / elapsed
+        tflops = tokens_per_s * self.flops_per_token / self.world_size / 1e12
+        out = {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "step_time_s": elapsed / max(self._steps, 1)}
+        if self.peak:
+            out["mfu"] = tflops / self.peak
+        self.reset()
+        return out
+
+
+class Logger:
+    """Rank 0 writes TensorBoard events and a JSON-lines metrics file; other ranks stay quiet."""
+
+    def __init__(self, run_dir: str | Path, rank: int):
+        self.rank = rank
+        self.writer = None
+        self.metrics_file = None
+        if rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            run_dir = Path(run_dir)
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.metrics_file = open(run_dir / "metrics.jsonl", "a")
+
+    def scalars(self, step: int, values: dict[str, float], prefix: str = "") -> None:
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            self.writer.add_scalar(f"{prefix}{key}", value, step)
+        record = {"step": step, "time": time.time(), **{f"{prefix}{k}": v for k, v in values.items()}}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+
+    def print(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.metrics_file.close()
+
+
+def progress_line(step: int, total: int, values: dict[str, float]) -> str:
+    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}", f"lr {values['lr']:.2e}",
+             f"gnorm {values.get('grad_norm', float('nan')):.3f}", f"{values['tokens_per_s']:.0f} tok/s",
+             f"{values['tflops_per_device']:.3f} TFLOP/s/dev"]
+    if "mfu" in values:
+        parts.append(f"MFU {100 * values['mfu']:.1f}%")
+    parts.append(f"mem {values['peak_memory_gb']:.2f} GB")
+    return " | ".join(parts)

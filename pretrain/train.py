@@ -1,0 +1,121 @@
+"""Training entry point.
+
+    python -m pretrain.train --config configs/tiny_dense.yaml train.steps=100 parallel.tensor=2
+
+Run under torchrun or srun (one process per device); a single process runs without either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from pretrain import checkpoint, signals
+from pretrain.config import Config, ConfigError, load_config, save_config, validate, validate_data
+from pretrain.distributed import destroy_distributed, device, init_distributed, read_env
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (defaults apply to anything it leaves out)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 model.num_layers=4")
+    return parser.parse_args(argv)
+
+
+def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None]:
+    """Every check that needs no process group: config, shards, tokenizer, checkpoint."""
+    validate(cfg, world_size)
+    manifest = validate_data(cfg)
+    resume_path = checkpoint.resolve_resume(cfg.train.resume, cfg.run.dir)
+    if resume_path is not None:
+        checkpoint.check_compatible(checkpoint.read_meta(resume_path), cfg.to_dict()["model"],
+                                    manifest.get("tokenizer_sha256"), resume_path)
+    return manifest, resume_path
+
+
+def load_val_batches(cfg: Config) -> list[torch.Tensor]:
+    """A fixed validation set: the same samples at every evaluation, split by data-parallel rank."""
+    from megatron.core import parallel_state as ps
+    from streaming import StreamingDataset
+
+    from pretrain.data import _split_location, clean_shared_memory_once
+
+    location = _split_location(cfg, "val")
+    if location["remote"] is None and not (Path(location["local"]) / "index.json").is_file():
+        return []
+    clean_shared_memory_once()
+    dataset = StreamingDataset(**location, shuffle=False, batch_size=cfg.train.micro_batch)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    micro = cfg.train.micro_batch
+    batches = []
+    for b in range(cfg.train.eval_batches):
+        indices = [(dp_rank + (b * micro + i) * dp_size) % len(dataset) for i in range(micro)]
+        batches.append(torch.stack([torch.from_numpy(dataset[i]["tokens"].astype("int64")) for i in indices]))
+    return batches
+
+
+def run(cfg: Config) -> int:
+    """Train per `cfg`; returns the process exit code."""
+    from models.counting import flops_per_token, param_counts
+    from models.gpt import GPT
+    from pretrain.data import Batches, build_loader
+    from pretrain.engine import build_engine
+    from pretrain.telemetry import Logger
+    from pretrain.trainer import Trainer
+
+    env = read_env()
+    manifest, resume_path = prepare(cfg, env.world_size)
+    init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
+    signals.install()
+    run_dir = Path(cfg.run.dir)
+    if env.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
+    engine = build_engine(cfg, model)
+    batches = Batches(build_loader(cfg, "train", shuffle=True))
+    counts = param_counts(cfg.model)
+    meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
+            "flops_per_token": flops_per_token(cfg.model), "params": counts}
+    logger = Logger(run_dir, env.rank)
+    logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
+                 f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
+                 f"{env.world_size // cfg.parallel.tensor}, ZeRO-{cfg.parallel.zero_stage}")
+    start_step = 0
+    if resume_path is not None:
+        state = checkpoint.load(engine, resume_path)
+        batches.load_state_dict(state["data"])
+        start_step = checkpoint.read_meta(resume_path)["step"]
+        logger.print(f"resumed from {resume_path} at step {start_step}")
+    trainer = Trainer(cfg, engine, batches, load_val_batches(cfg), logger, device(), meta)
+    trainer.fit(start_step)
+    if env.rank == 0:
+        with open(run_dir / "losses.jsonl", "a") as f:
+            for step, loss in trainer.losses:
+                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    logger.close()
+    return signals.EXIT_CODE_SAVED_ON_SIGNAL if trainer.stopped_by_signal else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        code = run(cfg)
+    except (ConfigError, checkpoint.CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        destroy_distributed()
+    return code
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The training loop: step, validate, log, checkpoint, stop on signals or non-finite loss.
+
+Cross-cutting concerns are callbacks; the loop itself stays small.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from pretrain import checkpoint, signals
+from pretrain.config import Config
+from pretrain.data import Batches, split_batch
+from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    metrics: dict = field(default_factory=dict)
+
+
+class Callback:
+    """Hooks into the loop; override what you need."""
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
+
+    def on_train_end(self, trainer: Trainer, step: int) -> None: ...
+
+
+def dp_mean(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    group = ps.get_data_parallel_group()
+    dist.all_reduce(value, group=group)
+    return value.item() / dist.get_world_size(group)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, engine, batches: Batches, val_batches: list[torch.Tensor],
+                 logger: Logger, device: torch.device, meta: dict, callbacks: list[Callback] = ()):
+        self.cfg = cfg
+        self.engine = engine
+        self.batches = batches
+        self.val_batches = val_batches
+        self.logger = logger
+        self.device = device
+        self.meta = meta
+        self.callbacks = list(callbacks)
+        self.losses: list[tuple[int, float]] = []
+        self.stopped_by_signal = False
+
+    @property
+    def model(self):
+        return self.engine.module
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.train.grad_accum):
+            inputs, labels = split_batch(next(self.batches), self.device)
+            loss = self.engine(inputs, labels)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        return total / self.cfg.train.grad_accum
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if not self.val_batches:
+            return None
+        self.engine.eval()
+        total = torch.zeros((), device=self.device)
+        for batch in self.val_batches:
+            if signals.received_locally():
+                break
+            inputs, labels = split_batch(batch, self.device)
+            total += self.engine(inputs, labels).float()
+        self.engine.train()
+        return dp_mean(total / len(self.val_batches))
+
+    def save(self, step: int) -> None:
+        checkpoint.save(self.engine, checkpoint.checkpoint_dir(self.cfg.run.dir), step, self.meta,
+                        {"data": self.batches.state_dict()}, self.cfg.train.keep_last)
+        self.logger.print(f"saved checkpoint step {step} in {checkpoint.checkpoint_dir(self.cfg.run.dir)}")
+
+    def fit(self, start_step: int) -> int:
+        """Train from `start_step` to `train.steps`; returns the last completed step."""
+        t = self.cfg.train
+        seq_len = self.cfg.model.max_seq_len
+        dp = ps.get_data_parallel_world_size()
+        throughput = Throughput(t.micro_batch * t.grad_accum * seq_len * dp, self.meta["flops_per_token"],
+                                dist.get_world_size())
+        step = start_step
+        while step < t.steps:
+            loss = self.train_step()
+            step += 1
+            throughput.step()
+            finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0])
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if not finite.item():
+                raise NonFiniteLossError(
+                    f"loss became {loss.item()} at step {step}; nothing was saved for this step. "
+                    f"Resume from the last checkpoint in {checkpoint.checkpoint_dir(self.cfg.run.dir)} "
+                    "with a lower train.lr or stronger train.grad_clip"
+                )
+            result = StepResult(step, dp_mean(loss))
+            self.losses.append((step, result.loss))
+            if step % t.log_interval == 0 or step == t.steps:
+                result.metrics = {"loss": result.loss, "lr": self.engine.get_lr()[0],
+                                  "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                                  **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
+                self.logger.scalars(step, result.metrics, prefix="train/")
+                self.logger.print(progress_line(step, t.steps, result.metrics))
+            if step % t.eval_interval == 0 or step == t.steps:
+                val = self.evaluate()
+                if val is not None:
+                    self.logger.scalars(step, {"loss": val, "perplexity": math.exp(min(val, 50))}, prefix="val/")
+                    self.logger.print(f"step {step} | val loss {val:.4f}")
+            for callback in self.callbacks:
+                callback.on_step_end(self, result)
+            if signals.any_rank_received(self.device):
+                self.save(step)
+                self.stopped_by_signal = True
+                self.logger.print(f"stopping at step {step} on signal; resume with train.resume=auto")
+                return step
+            if step % t.save_interval == 0 or step == t.steps:
+                self.save(step)
+        for callback in self.callbacks:
+            callback.on_train_end(self, step)
+        return step
