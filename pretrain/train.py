@@ -63,6 +63,7 @@ def run(cfg: Config) -> int:
     """Train per `cfg`; returns the process exit code."""
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
+    from pretrain.callbacks import build_callbacks
     from pretrain.data import Batches, build_loader
     from pretrain.engine import build_engine
     from pretrain.telemetry import Logger
@@ -93,7 +94,8 @@ def run(cfg: Config) -> int:
         batches.load_state_dict(state["data"])
         start_step = checkpoint.read_meta(resume_path)["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}")
-    trainer = Trainer(cfg, engine, batches, load_val_batches(cfg), logger, device(), meta)
+    trainer = Trainer(cfg, engine, batches, load_val_batches(cfg), logger, device(), meta,
+                      build_callbacks(cfg))
     trainer.fit(start_step)
     if env.rank == 0:
         with open(run_dir / "losses.jsonl", "a") as f:
