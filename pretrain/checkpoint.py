@@ -75,7 +75,8 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     _atomic_write(path / f"rank_{rank:05d}.pt", buffer)
     dist.barrier()
     if rank == 0:
-        marker = {**meta, "step": step, "world_size": dist.get_world_size(), "time": time.time()}
+        marker = {**meta, "step": step, "world_size": dist.get_world_size(), "time": time.time(),
+                  "expert_parallel": _expert_parallel_size()}
         _atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
         _atomic_write(ckpt_dir / LATEST, tag.encode())
         _prune(ckpt_dir, keep_last, keep=tag)
@@ -150,9 +151,21 @@ def check_compatible(meta: dict, model_config: dict, tokenizer_sha256: str | Non
         )
 
 
+def _expert_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
 def load(engine, path: Path) -> dict:
-    """Restore model, optimizer and schedule; return this rank's saved state (loader, RNG)."""
-    engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True)
+    """Restore model, optimizer and schedule; return this rank's saved state (loader, RNG).
+
+    Experts are stored one file per global expert id, so their weights load at any expert-parallel
+    size; ZeRO optimizer shards are laid out per EP size, so after an EP change the optimizer
+    restarts from the loaded weights (moments reset) while the LR schedule is restored."""
+    same_ep = read_meta(path).get("expert_parallel", 1) == _expert_parallel_size()
+    engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
+                           load_optimizer_states=same_ep)
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if not rank_file.is_file():  # another world size: fall back to rank 0's data state
         rank_file = path / "rank_00000.pt"

@@ -58,6 +58,7 @@ class TrainConfig:
     save_interval: int = 100
     keep_last: int = 3
     resume: str = "auto"  # auto | none | <checkpoint tag directory>
+    stop_at_step: int = 0  # save and exit at this step (0 = run to train.steps); the schedule still spans train.steps
 
 
 @dataclass

@@ -132,8 +132,11 @@ class Trainer:
                 self.stopped_by_signal = True
                 self.logger.print(f"stopping at step {step} on signal; resume with train.resume=auto")
                 return step
-            if step % t.save_interval == 0 or step == t.steps:
+            if step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step:
                 self.save(step)
+            if step == t.stop_at_step:
+                self.logger.print(f"stopping at train.stop_at_step={step}")
+                return step
         for callback in self.callbacks:
             callback.on_train_end(self, step)
         return step

@@ -1,0 +1,35 @@
+"""Worker functions for layer- and model-level parallel equivalence tests (run under spawn)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+
+def full_tensor(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    """Reassemble a tensor-parallel shard (or return a replicated tensor as is)."""
+    if not getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_world_size() == 1:
+        return tensor.detach().clone()
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int = 0) -> None:
+    """Build a GPT with a fixed seed, run one forward/backward on a fixed batch and save the
+    loss plus full (TP-gathered) gradients from rank 0."""
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    cfg = ModelConfig(**model_kwargs)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    grads = {name: full_tensor(p, p.grad) for name, p in model.named_parameters()}
+    weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"loss": loss.detach(), "grads": grads, "weights": weights}, out_path)

@@ -1,0 +1,94 @@
+"""Whole training runs under torchrun on gloo: data/ZeRO/tensor layouts give the single-process
+losses, a resumed run continues the uninterrupted loss curve, bad resumes fail clearly."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.dist_utils import train
+from tests.synthetic import tiny_overrides, write_synthetic_shards
+
+STEPS = 6
+
+
+def losses(run_dir) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "losses.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_synthetic_shards(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """Single process, micro-batch 8: the global batch of the DP=2 runs below."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    train(1, tiny_overrides(data, run, **{"train.steps": STEPS, "train.micro_batch": 8}))
+    return losses(run)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_data_parallel_zero_matches_single_process(data, reference, tmp_path, stage):
+    run = tmp_path / "run"
+    train(2, tiny_overrides(data, run, **{"train.steps": STEPS, "parallel.zero_stage": stage}))
+    got = losses(run)
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (stage, step)
+    assert got[STEPS] < got[1]  # it learns
+
+
+def test_tensor_parallel_training_matches_single_process(data, tmp_path):
+    ref_run, tp_run = tmp_path / "tp1", tmp_path / "tp2"
+    overrides = {"train.steps": STEPS, "train.grad_clip": 0.05}  # clipping active: the TP grad norm must be global
+    train(1, tiny_overrides(data, ref_run, **overrides))
+    train(2, tiny_overrides(data, tp_run, **overrides, **{"parallel.tensor": 2}))
+    ref, got = losses(ref_run), losses(tp_run)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5, abs=1e-6), step
+
+
+def test_resume_reproduces_uninterrupted_losses(data, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = {"train.steps": 8, "train.save_interval": 100, "parallel.zero_stage": 2}
+    train(2, tiny_overrides(data, straight, **common))
+    first = train(2, tiny_overrides(data, resumed, **common, **{"train.stop_at_step": 4}))
+    assert "stopping at train.stop_at_step=4" in first.stdout
+    second = train(2, tiny_overrides(data, resumed, **common))
+    assert "resumed from" in second.stdout and "step_00000004" in second.stdout
+    want, got = losses(straight), losses(resumed)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise on CPU
+
+
+def test_resume_auto_ignores_partial_checkpoint(data, tmp_path):
+    run = tmp_path / "run"
+    train(1, tiny_overrides(data, run, **{"train.steps": 8, "train.stop_at_step": 4}))
+    ckpt = run / "checkpoints"
+    # A save killed halfway: files copied but truncated, no COMPLETE marker, pointer moved.
+    partial = ckpt / "step_00000006"
+    shutil.copytree(ckpt / "step_00000004", partial)
+    (partial / "COMPLETE").unlink()
+    for f in partial.glob("*.pt"):
+        f.write_bytes(f.read_bytes()[:100])
+    (ckpt / "latest").write_text("step_00000006")
+    out = train(1, tiny_overrides(data, run, **{"train.steps": 8}))
+    assert "resumed from" in out.stdout and "step_00000004" in out.stdout
+    assert sorted(losses(run)) == list(range(1, 9))
+    assert (ckpt / "step_00000008" / "COMPLETE").is_file()
+    assert (ckpt / "latest").read_text() == "step_00000008"
+    assert not partial.exists()  # leftovers of the crashed save are cleaned up
+
+
+def test_checkpoint_from_another_model_is_rejected(data, tmp_path):
+    run = tmp_path / "run"
+    train(1, tiny_overrides(data, run, **{"train.steps": 4}))
+    out = train(1, tiny_overrides(data, run, **{"train.steps": 8, "model.hidden_size": 32}), check=False)
+    assert out.returncode != 0
+    assert "belongs to another model" in out.stderr and "hidden_size" in out.stderr
