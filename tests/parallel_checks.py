@@ -33,3 +33,15 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
     weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
     if rank == 0:
         torch.save({"loss": loss.detach(), "grads": grads, "weights": weights}, out_path)
+
+
+def loader_batches(rank: int, shards_root: str, out_dir: str, batches: int = 3) -> None:
+    """Save the first micro-batches this rank's training loader yields."""
+    from pretrain.config import Config
+    from pretrain.data import Batches, build_loader
+
+    cfg = Config()
+    cfg.data.shards = f"{shards_root}/shards"
+    cfg.train.micro_batch = 4
+    it = Batches(build_loader(cfg, "train", shuffle=True))
+    torch.save(torch.cat([next(it) for _ in range(batches)]), f"{out_dir}/rank{rank}.pt")

@@ -13,15 +13,16 @@ FAKE_TOKENIZER_SHA = "0" * 64
 
 def write_synthetic_shards(root: Path, vocab_size: int = 256, seq_len: int = 32, train: int = 256,
                            val: int = 16, seed: int = 0) -> Path:
-    """Sequences that count upward with random starts and strides, so a model can learn them."""
-    rng = np.random.default_rng(seed)
+    """Distinct sequences that count upward with different starts and strides, so a model can
+    learn them and tests can tell samples apart."""
     root = Path(root)
-    for split, count in (("train", train), ("val", val)):
+    span = vocab_size - 4
+    for split, count, offset in (("train", train, 0), ("val", val, train)):
         with MDSWriter(out=str(root / "shards" / split), columns={"tokens": "ndarray:uint16"},
                        compression="zstd", size_limit=1 << 16) as writer:
-            for _ in range(count):
-                start, stride = rng.integers(4, vocab_size), rng.integers(1, 4)
-                tokens = (start + stride * np.arange(seq_len + 1)) % (vocab_size - 4) + 4
+            for i in range(offset + seed, offset + seed + count):
+                start, stride = i % span, 1 + (i // span) % 7
+                tokens = (start + stride * np.arange(seq_len + 1)) % span + 4
                 writer.write({"tokens": tokens.astype(np.uint16)})
     manifest = {"seq_len": seq_len, "vocab_size": vocab_size, "tokenizer_sha256": FAKE_TOKENIZER_SHA,
                 "samples": {"train": train, "val": val}}

@@ -1,0 +1,62 @@
+"""Config loading, dotted overrides and validation errors that name the key and the fix."""
+
+import json
+
+import pytest
+
+from pretrain.config import ConfigError, load_config, validate, validate_data
+from tests.synthetic import write_synthetic_shards
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layers: 3\ntrain:\n  lr: 0.01\n")
+    cfg = load_config(path, ["train.lr=3e-4", "model.tie_embeddings=true", "model.attention=[softmax, relu, lisa]"])
+    assert cfg.model.num_layers == 3 and cfg.train.lr == 3e-4 and cfg.model.tie_embeddings is True
+    assert cfg.model.attention_kinds() == ["softmax", "relu", "lisa"]
+
+
+@pytest.mark.parametrize("override, message", [
+    (["model.nonexistent=1"], "unknown config key 'model.nonexistent'"),
+    (["train.lr=fast"], "train.lr='fast': expected float"),
+    (["model.tie_embeddings=maybe"], "expected true or false"),
+    (["train"], "must look like section.key=value"),
+])
+def test_bad_overrides(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, override)
+
+
+@pytest.mark.parametrize("override, world, message", [
+    (["model.num_heads=4", "parallel.tensor=3"], 3, "num_heads=4 is not divisible by parallel.tensor=3"),
+    (["model.hidden_size=100", "model.num_heads=3"], 1, "hidden_size=100 is not divisible by model.num_heads=3"),
+    (["parallel.tensor=2"], 3, "world size 3 is not divisible by parallel.tensor=2"),
+    (["parallel.expert=2"], 2, "needs an expert model"),
+    (["model.mlp=uoe", "model.moe.num_experts=3", "parallel.expert=2"], 2, "num_experts=3 is not divisible"),
+    (["model.mlp=moe", "parallel.zero_stage=3"], 1, "does not support expert layers"),
+    (["model.attention=sx"], 1, "unknown letters"),
+    (["model.attention=softmax,relu", "model.num_layers=3"], 1, "lists 2 layers"),
+    (["train.warmup_steps=500", "train.steps=100"], 1, "warmup_steps=500 must be smaller"),
+])
+def test_validation_errors(override, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, override), world)
+
+
+def test_data_mismatch_errors(tmp_path):
+    root = write_synthetic_shards(tmp_path, seq_len=32, vocab_size=256, train=8, val=2)
+    base = [f"data.shards={root}/shards", f"data.tokenizer={root}/tokenizer"]
+    cfg = load_config(None, base + ["model.max_seq_len=64", "model.vocab_size=256"])
+    with pytest.raises(ConfigError, match="set model.max_seq_len=32"):
+        validate_data(cfg)
+    cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=512"])
+    with pytest.raises(ConfigError, match="set model.vocab_size=256"):
+        validate_data(cfg)
+    meta = root / "tokenizer" / "tokenizer.json"
+    meta.write_text(json.dumps({"vocab_size": 256, "sha256": "f" * 64}))
+    cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=256"])
+    with pytest.raises(ConfigError, match="different tokenizer"):
+        validate_data(cfg)
+    cfg = load_config(None, [f"data.shards={tmp_path}/nowhere"])
+    with pytest.raises(ConfigError, match="build shards with"):
+        validate_data(cfg)
