@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     parser.add_argument("--nproc", type=int, default=1, help="processes on this machine (one per GPU)")
     parser.add_argument("--port", type=int, default=29500, help="rendezvous port")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, args.nproc)

@@ -1,0 +1,217 @@
+"""Corpus readers: turn files on disk into a stream of text documents.
+
+Supported inputs (any number of them, mixed):
+
+* a directory tree: every ``.txt`` / ``.py`` / ``.md`` / ``.jsonl`` / ``.jsonl.gz``
+  file below it, walked recursively in sorted order so runs are reproducible;
+* a single file of one of those types;
+* a :class:`Source` with its own suffix filter and excluded directory names
+  (this is how :func:`default_corpus` restricts the standard library to ``.py``).
+
+Plain-text files are one document each (origin ``"path"``); JSONL files are one
+document per line (origin ``"path:line"``), the text taken from a configurable field.
+
+Bad input never stops a run halfway: unreadable files, non-UTF-8 files and
+malformed JSONL lines are skipped and counted in a :class:`BadInputReport`,
+which keeps the first few examples so the user can find them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sysconfig
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+TEXT_SUFFIXES = (".txt", ".py", ".md")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+ALL_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
+
+# Directories of the standard library left out of the default corpus: installed
+# third-party packages are not part of Python, and the test suites are large
+# (about as big as the rest together), repetitive, and contain deliberately
+# broken or non-UTF-8 files.
+DEFAULT_CORPUS_EXCLUDES = ("site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__")
+
+
+class EmptyCorpusError(ValueError):
+    """The given sources contain no documents at all."""
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    origin: str  # "path" for a whole file, "path:line" for a JSONL record
+
+
+@dataclass(frozen=True)
+class Source:
+    """A file or directory plus which files below it count as corpus."""
+
+    path: Path
+    suffixes: tuple[str, ...] = ALL_SUFFIXES
+    exclude_dirs: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass
+class BadInputReport:
+    """Counts skipped inputs and keeps the first ``max_examples`` for the summary."""
+
+    max_examples: int = 5
+    count: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, where: str, reason: str) -> None:
+        self.count += 1
+        self.by_reason[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(f"{where}: {reason}")
+
+    def to_dict(self) -> dict:
+        return {"count": self.count, "by_reason": dict(sorted(self.by_reason.items())),
+                "examples": list(self.examples)}
+
+    def summary(self) -> str:
+        if not self.count:
+            return "bad inputs: none"
+        lines = [f"bad inputs: {self.count} skipped ("
+                 + ", ".join(f"{n} {r}" for r, n in sorted(self.by_reason.items())) + ")"]
+        lines += [f"  {e}" for e in self.examples]
+        if self.count > len(self.examples):
+            lines.append(f"  ... and {self.count - len(self.examples)} more")
+        return "\n".join(lines)
+
+
+def default_corpus() -> Source:
+    """The running Python's standard library ``.py`` files: a corpus that needs no download.
+
+    Picks every ``.py`` file under ``sysconfig.get_paths()['stdlib']`` except the
+    directories in ``DEFAULT_CORPUS_EXCLUDES`` (site-packages, test suites, idlelib):
+    on CPython 3.11 about 670 files / 11 MB of text / 3.5M tokens at a 4k vocabulary.
+    """
+    return Source(Path(sysconfig.get_paths()["stdlib"]), suffixes=(".py",),
+                  exclude_dirs=DEFAULT_CORPUS_EXCLUDES)
+
+
+def as_sources(sources: Iterable[str | os.PathLike | Source] | str | os.PathLike | Source | None
+               ) -> list[Source]:
+    """Normalise user input (paths, Source objects, or None for the default corpus)."""
+    if sources is None:
+        return [default_corpus()]
+    if isinstance(sources, (str, os.PathLike, Source)):
+        sources = [sources]
+    out = [s if isinstance(s, Source) else Source(Path(s)) for s in sources]
+    if not out:
+        return [default_corpus()]
+    return out
+
+
+def _has_suffix(name: str, suffixes: Sequence[str]) -> bool:
+    return any(name.endswith(s) for s in suffixes)
+
+
+def list_files(sources) -> list[Path]:
+    """All corpus files of ``sources`` in a deterministic order.
+
+    A source path that does not exist, or a single file of an unsupported type, is
+    an error right away: it is almost always a typo, and finding out after an hour
+    of processing the other sources would be worse.
+    """
+    files: list[Path] = []
+    for src in as_sources(sources):
+        p = src.path
+        if p.is_dir():
+            for dirpath, dirnames, filenames in os.walk(p):
+                # Sorting in place also fixes the order os.walk descends in.
+                dirnames[:] = sorted(d for d in dirnames if d not in src.exclude_dirs)
+                files += [Path(dirpath) / f for f in sorted(filenames) if _has_suffix(f, src.suffixes)]
+        elif p.exists() or p.is_symlink():
+            if not _has_suffix(p.name, ALL_SUFFIXES):
+                raise ValueError(f"unsupported corpus file {p}: expected one of {', '.join(ALL_SUFFIXES)}")
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"corpus source not found: {p}")
+    return files
+
+
+def _read_text_file(path: Path, report: BadInputReport) -> Iterator[Document]:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        report.add(str(path), f"unreadable ({e.strerror or type(e).__name__})")
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        report.add(str(path), f"not UTF-8 (byte {e.start})")
+        return
+    if text:
+        yield Document(text, str(path))
+
+
+def _read_jsonl_file(path: Path, text_field: str, report: BadInputReport) -> Iterator[Document]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    lineno = 0
+    try:
+        # Binary mode so a single bad line costs only that line, not the whole file.
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                if not raw.strip():
+                    continue  # blank lines are harmless padding, not errors
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    report.add(where, "not UTF-8")
+                    continue
+                except json.JSONDecodeError:
+                    report.add(where, "malformed JSON")
+                    continue
+                text = rec.get(text_field) if isinstance(rec, dict) else None
+                if not isinstance(text, str):
+                    report.add(where, f"missing or non-string {text_field!r} field")
+                    continue
+                if text:
+                    yield Document(text, where)
+    except (OSError, EOFError) as e:
+        # Unopenable file, or a truncated/corrupt gzip stream partway through.
+        where = f"{path}:{lineno + 1}" if lineno else str(path)
+        report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
+
+
+def iter_documents(sources=None, *, text_field: str = "text", report: BadInputReport | None = None,
+                   max_docs: int | None = None) -> Iterator[Document]:
+    """Yield non-empty documents from ``sources`` (None = :func:`default_corpus`)."""
+    report = report if report is not None else BadInputReport()
+    n = 0
+    for path in list_files(sources):
+        if _has_suffix(path.name, JSONL_SUFFIXES):
+            docs = _read_jsonl_file(path, text_field, report)
+        else:
+            docs = _read_text_file(path, report)
+        for doc in docs:
+            if max_docs is not None and n >= max_docs:
+                return
+            n += 1
+            yield doc
+
+
+def require_documents(sources=None, *, text_field: str = "text") -> None:
+    """Fail fast, before any expensive work, if ``sources`` hold no document at all."""
+    srcs = as_sources(sources)
+    if next(iter_documents(srcs, text_field=text_field), None) is None:
+        names = ", ".join(str(s) for s in srcs)
+        suffixes = sorted({x for s in srcs for x in s.suffixes})
+        raise EmptyCorpusError(
+            f"empty corpus: no documents found in {names} (looked for non-empty, readable "
+            f"{' / '.join(suffixes)} files; JSONL records need a string {text_field!r} field). "
+            "Pass --sources with a directory or file that contains text, or leave --sources out "
+            "to use the built-in default corpus (the Python standard library).")

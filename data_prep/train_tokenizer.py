@@ -1,0 +1,186 @@
+"""Train a SentencePiece tokenizer on a corpus.
+
+    python -m data_prep.train_tokenizer --out data/tok --vocab-size 4096
+
+Writes ``OUT/tokenizer.model`` and ``OUT/tokenizer.json`` (ids, vocab size and the
+model's sha256, so shards built with it can be traced back to it).
+
+Choices that matter downstream:
+
+* byte_fallback: any character outside the vocabulary becomes its UTF-8 bytes, so
+  there is never an ``<unk>`` in practice and decoding is lossless.
+* identity normalisation, no whitespace squashing and no dummy prefix: decoding a
+  token stream gives back exactly the text that was encoded, also across the
+  document boundaries of a packed sample.
+* fixed special ids unk=0 bos=1 eos=2 pad=3, which the training code relies on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import sentencepiece as spm
+
+from data_prep.sources import BadInputReport, as_sources, iter_documents, require_documents
+
+MODEL_FILE = "tokenizer.model"
+META_FILE = "tokenizer.json"
+SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
+# SentencePiece silently drops training sentences longer than this many bytes.
+MAX_SENTENCE_BYTES = 4192
+
+
+def _training_lines(docs, max_sentences: int, max_doc_chars: int, stats: dict) -> Iterator[str]:
+    """Lines of the documents, the unit SentencePiece learns from.
+
+    Whole documents would be cut by MAX_SENTENCE_BYTES; lines keep the memory use
+    and the per-sentence limit in check. ``max_doc_chars`` keeps one huge file from
+    dominating the sample, ``max_sentences`` bounds the total training time.
+    """
+    for doc in docs:
+        stats["documents"] += 1
+        for line in doc.text[:max_doc_chars].splitlines():
+            if not line.strip():
+                continue
+            if len(line.encode("utf-8")) > MAX_SENTENCE_BYTES:
+                line = line.encode("utf-8")[:MAX_SENTENCE_BYTES].decode("utf-8", "ignore")
+            if stats["sentences"] >= max_sentences:
+                return
+            stats["sentences"] += 1
+            stats["chars"] += len(line)
+            yield line
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _train(lines, model_writer, vocab_size: int, model_type: str, num_threads: int) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model_writer,
+        vocab_size=vocab_size, model_type=model_type,
+        byte_fallback=True, **SPECIAL_IDS,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+        # Code is full of indentation: let runs of spaces become single tokens.
+        allow_whitespace_only_pieces=True,
+        # Rare characters are better served by byte fallback than by a vocab slot.
+        character_coverage=0.9995,
+        # A small corpus may not support the requested size; take what it gives
+        # instead of failing (the real size is recorded in tokenizer.json).
+        hard_vocab_limit=False,
+        max_sentence_length=MAX_SENTENCE_BYTES, num_threads=num_threads, minloglevel=2,
+    )
+
+
+def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 4096,
+                    model_type: str = "bpe", *, max_sentences: int = 300_000,
+                    max_doc_chars: int = 100_000, seed: int = 0, overwrite: bool = False,
+                    text_field: str = "text", num_threads: int = 2,
+                    bad_inputs: BadInputReport | None = None) -> dict:
+    """Train a tokenizer on ``sources`` (None = default corpus) and return its metadata."""
+    out_dir = Path(out_dir)
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    if vocab_size <= 256 + len(SPECIAL_IDS):
+        raise ValueError(f"vocab_size {vocab_size} is too small: the 256 byte-fallback pieces "
+                         f"and {len(SPECIAL_IDS)} special tokens alone need {256 + len(SPECIAL_IDS)}")
+    if (out_dir / MODEL_FILE).exists() and not overwrite:
+        raise FileExistsError(f"tokenizer already exists at {out_dir}: pass --overwrite to replace it")
+    srcs = as_sources(sources)
+    require_documents(srcs, text_field=text_field)
+
+    report = bad_inputs if bad_inputs is not None else BadInputReport()
+    stats = {"documents": 0, "sentences": 0, "chars": 0}
+    lines = _training_lines(iter_documents(srcs, text_field=text_field, report=report),
+                            max_sentences, max_doc_chars, stats)
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)
+    try:
+        _train(lines, model, vocab_size, model_type, num_threads)
+    except RuntimeError as e:
+        # SentencePiece reports e.g. "not enough sentences" this way; say which corpus.
+        raise ValueError(f"SentencePiece training failed on {', '.join(map(str, srcs))} "
+                         f"({stats['sentences']} lines read): {e}") from e
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Write to a temporary name first so an interrupted run never leaves a
+    # half-written model that later looks valid.
+    tmp = out_dir / (MODEL_FILE + ".tmp")
+    tmp.write_bytes(model.getvalue())
+    tmp.replace(out_dir / MODEL_FILE)
+    sp = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE))
+    meta = {
+        "vocab_size": sp.get_piece_size(),
+        "unk_id": sp.unk_id(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id(), "pad_id": sp.pad_id(),
+        "model_type": model_type,
+        "sha256": sha256_file(out_dir / MODEL_FILE),
+        "byte_fallback": True,
+        "normalization": "identity",
+        "add_dummy_prefix": False,
+        "requested_vocab_size": vocab_size,
+        "sources": [str(s) for s in srcs],
+        "training": {**stats, "max_sentences": max_sentences, "max_doc_chars": max_doc_chars,
+                     "seed": seed},
+        "bad_inputs": report.to_dict(),
+    }
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def load_tokenizer(tokenizer_dir) -> tuple[spm.SentencePieceProcessor, dict]:
+    """Load ``DIR/tokenizer.model`` and its metadata, with a clear error if absent or stale."""
+    d = Path(tokenizer_dir)
+    model, meta_file = d / MODEL_FILE, d / META_FILE
+    if not model.is_file() or not meta_file.is_file():
+        raise FileNotFoundError(f"no tokenizer at {d}: run python -m data_prep.train_tokenizer --out {d}")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("sha256") != sha256_file(model):
+        raise ValueError(f"{model} does not match the sha256 in {meta_file}: the model was replaced "
+                         "after training; retrain it with --overwrite")
+    return spm.SentencePieceProcessor(model_file=str(model)), meta
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data_prep.train_tokenizer", description=__doc__.split("\n")[0])
+    p.add_argument("--sources", nargs="+", default=None, metavar="PATH",
+                   help="files/directories of .txt/.py/.md/.jsonl/.jsonl.gz "
+                        "(default: the Python standard library's .py files)")
+    p.add_argument("--out", required=True, help="output directory for tokenizer.model/.json")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--max-sentences", type=int, default=300_000,
+                   help="cap on training lines fed to SentencePiece (bounds time and memory)")
+    p.add_argument("--max-doc-chars", type=int, default=100_000,
+                   help="use at most this many characters of each document")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --out")
+    args = p.parse_args(argv)
+
+    start = time.time()
+    report = BadInputReport()
+    try:
+        meta = train_tokenizer(args.sources, args.out, args.vocab_size, args.model_type,
+                               max_sentences=args.max_sentences, max_doc_chars=args.max_doc_chars,
+                               seed=args.seed, overwrite=args.overwrite, text_field=args.text_field,
+                               bad_inputs=report)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t = meta["training"]
+    print(f"trained {meta['model_type']} tokenizer, vocab {meta['vocab_size']}, on {t['documents']} documents "
+          f"({t['sentences']} lines, {t['chars']:,} chars) in {time.time() - start:.1f}s")
+    print(f"wrote {Path(args.out) / MODEL_FILE} and {Path(args.out) / META_FILE} (sha256 {meta['sha256'][:12]})")
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

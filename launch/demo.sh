@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The main job on the built-in default, on CPU:
+#   1. set up .venv and install requirements,
+#   2. train a tokenizer on this machine's Python standard library sources,
+#   3. write train/val streaming shards,
+#   4. train a small model on 2 processes, stop at step STOP with a checkpoint,
+#   5. resume from that checkpoint and train to STEPS.
+#
+#   bash launch/demo.sh [CONFIG] [dotted overrides...]
+#
+# Env: DEMO_DATA (default data/demo) keeps the tokenizer and shards between runs;
+# the run directory (run.dir of the config) is started afresh each time.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+CONFIG=${1:-configs/demo.yaml}
+shift || true
+DATA=${DEMO_DATA:-data/demo}
+NPROC=${DEMO_NPROC:-2}
+PY=.venv/bin/python
+export PYTHONPATH=$PWD
+
+bash tests/setup_env.sh
+
+if [[ ! -f $DATA/tokenizer/tokenizer.model ]]; then
+    $PY -m data_prep.train_tokenizer --out "$DATA/tokenizer" --vocab-size 4096
+fi
+if [[ ! -f $DATA/shards/manifest.json ]]; then
+    $PY -m data_prep.build_shards --tokenizer "$DATA/tokenizer" --out "$DATA/shards" --seq-len 128 \
+        --val-fraction 0.02
+fi
+
+RUN_DIR=$($PY -c "from pretrain.config import load_config; import sys; print(load_config(sys.argv[1], sys.argv[2:]).run.dir)" \
+    "$CONFIG" "$@")
+STEPS=$($PY -c "from pretrain.config import load_config; import sys; print(load_config(sys.argv[1], sys.argv[2:]).train.steps)" \
+    "$CONFIG" "$@")
+STOP=$((STEPS / 2))
+rm -rf "$RUN_DIR"
+COMMON=(data.shards="$DATA/shards" data.tokenizer="$DATA/tokenizer")
+
+echo "== training to step $STOP of $STEPS, then stopping with a checkpoint"
+$PY -m launch.local "$CONFIG" --nproc "$NPROC" "${COMMON[@]}" "$@" train.stop_at_step=$STOP
+echo "== resuming from the latest checkpoint in $RUN_DIR/checkpoints"
+$PY -m launch.local "$CONFIG" --nproc "$NPROC" "${COMMON[@]}" "$@" train.resume=auto
+echo "== done: checkpoints in $RUN_DIR/checkpoints"
+echo "   TensorBoard: .venv/bin/tensorboard --logdir $RUN_DIR/tensorboard"

@@ -1,0 +1,299 @@
+"""Tests of data_prep: corpus readers, tokenizer training, shard building and reading back."""
+
+import gzip
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import build_shards as bs
+from data_prep import train_tokenizer as tt
+from data_prep.sources import (BadInputReport, EmptyCorpusError, default_corpus, iter_documents,
+                               list_files)
+
+WORDS = ("the quick brown fox jumps over lazy dog data model token shard train value sample "
+         "def return class import self print for while if else none true false alpha beta gamma").split()
+
+
+def make_text(rng: random.Random, lines: int) -> str:
+    out = []
+    for _ in range(lines):
+        indent = "    " * rng.randrange(3)
+        out.append(indent + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 12))))
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    """A small tokenizer trained once for the whole module."""
+    root = tmp_path_factory.mktemp("tokcorpus")
+    rng = random.Random(0)
+    for i in range(20):
+        (root / f"doc{i:02d}.txt").write_text(make_text(rng, 40))
+    out = tmp_path_factory.mktemp("tok")
+    tt.train_tokenizer([root], out, vocab_size=400, model_type="bpe", overwrite=True)
+    return out
+
+
+def read_split(path: Path) -> list[np.ndarray]:
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    ds = StreamingDataset(local=str(path), shuffle=False, batch_size=1)
+    samples = [ds[i]["tokens"] for i in range(ds.num_samples)]
+    del ds
+    return samples
+
+
+def split_docs(tokens: np.ndarray, eos: int) -> list[list[int]]:
+    """Complete documents in a token stream (the part after the last EOS is cut off)."""
+    docs, cur = [], []
+    for t in tokens.tolist():
+        if t == eos:
+            docs.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    return docs
+
+
+# --- tokenizer -------------------------------------------------------------------
+
+def test_tokenizer_files_ids_and_byte_fallback(tok_dir):
+    meta = json.loads((tok_dir / "tokenizer.json").read_text())
+    assert (tok_dir / "tokenizer.model").is_file()
+    assert {k: meta[k] for k in ("unk_id", "bos_id", "eos_id", "pad_id")} == \
+        {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
+    assert meta["model_type"] == "bpe"
+    assert meta["sha256"] == tt.sha256_file(tok_dir / "tokenizer.model")
+
+    sp, loaded = tt.load_tokenizer(tok_dir)
+    assert loaded == meta
+    assert meta["vocab_size"] == sp.get_piece_size() <= 400
+    # Characters never seen in training come out as UTF-8 byte pieces, not <unk>.
+    text = "fox ☃ 𝔘 ü\n\t  two  spaces\n"
+    ids = sp.encode(text)
+    assert 0 not in ids
+    assert any(sp.id_to_piece(i).startswith("<0x") for i in ids)
+    assert sp.decode(ids) == text
+
+
+def test_unigram_and_overwrite_guard(tmp_path, tok_dir):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(make_text(random.Random(1), 300))
+    meta = tt.train_tokenizer([corpus], tmp_path / "tok", vocab_size=300, model_type="unigram")
+    assert meta["model_type"] == "unigram" and meta["eos_id"] == 2
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        tt.train_tokenizer([corpus], tmp_path / "tok", vocab_size=300)
+    meta2 = tt.train_tokenizer([corpus], tmp_path / "tok", vocab_size=300, model_type="bpe", overwrite=True)
+    assert meta2["model_type"] == "bpe"
+
+
+def test_train_tokenizer_cli(tmp_path, capsys):
+    corpus = tmp_path / "c.md"
+    corpus.write_text(make_text(random.Random(2), 200))
+    out = tmp_path / "tok"
+    assert tt.main(["--sources", str(corpus), "--out", str(out), "--vocab-size", "300"]) == 0
+    assert "tokenizer.model" in capsys.readouterr().out
+    assert tt.main(["--sources", str(corpus), "--out", str(out), "--vocab-size", "300"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_load_tokenizer_missing(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError,
+                       match=re.escape(f"no tokenizer at {missing}: run python -m data_prep.train_tokenizer --out {missing}")):
+        tt.load_tokenizer(missing)
+
+
+def test_load_tokenizer_detects_replaced_model(tmp_path, tok_dir):
+    import shutil
+
+    copy = shutil.copytree(tok_dir, tmp_path / "tok")
+    meta = json.loads((copy / "tokenizer.json").read_text())
+    (copy / "tokenizer.json").write_text(json.dumps({**meta, "sha256": "0" * 64}))
+    with pytest.raises(ValueError, match="does not match the sha256"):
+        tt.load_tokenizer(copy)
+
+
+# --- sources -------------------------------------------------------------------
+
+def test_default_corpus_is_stdlib_py():
+    import sysconfig
+
+    src = default_corpus()
+    assert src.path == Path(sysconfig.get_paths()["stdlib"])
+    files = list_files([src])
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    assert not any({"site-packages", "test", "tests"} & set(f.relative_to(src.path).parts) for f in files)
+    docs = list(iter_documents(None, max_docs=3))
+    assert len(docs) == 3 and docs[0].origin == str(files[0])
+
+
+def test_empty_corpus_is_clear_error(tmp_path, tok_dir):
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "sub" / "data.bin").write_bytes(b"\0\1")
+    (empty / "blank.txt").write_text("")
+    with pytest.raises(EmptyCorpusError, match=re.escape(f"no documents found in {empty}") + ".*--sources"):
+        tt.train_tokenizer([empty], tmp_path / "tok", vocab_size=300)
+    with pytest.raises(EmptyCorpusError, match=re.escape(f"no documents found in {empty}")):
+        bs.build_shards([empty], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0)
+    with pytest.raises(FileNotFoundError, match="corpus source not found"):
+        bs.build_shards([tmp_path / "missing"], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0)
+
+
+# --- shards --------------------------------------------------------------------
+
+def test_roundtrip_single_document(tmp_path, tok_dir):
+    text = make_text(random.Random(3), 60)
+    (tmp_path / "one.txt").write_text(text)
+    m = bs.build_shards([tmp_path / "one.txt"], tok_dir, tmp_path / "out", seq_len=16, val_fraction=0, workers=1)
+    sp, _ = tt.load_tokenizer(tok_dir)
+    expected = sp.encode(text) + [sp.eos_id()]
+
+    samples = read_split(tmp_path / "out" / "train")
+    assert len(samples) == m["splits"]["train"]["samples"] == len(expected) // 17
+    assert all(s.shape == (17,) and s.dtype == np.uint16 for s in samples)
+    stream = np.concatenate(samples)
+    assert stream.tolist() == expected[: len(stream)]
+    decoded = sp.decode(stream[stream != sp.eos_id()].tolist())
+    assert text.startswith(decoded) and len(decoded) > len(text) - 17 * 8
+    assert m["splits"]["train"]["tokens"] == len(expected)
+    assert m["splits"]["val"]["samples"] == 0
+
+
+def test_documents_keep_order_with_workers(tmp_path, tok_dir):
+    rng = random.Random(4)
+    texts = [make_text(rng, rng.randrange(1, 6)) for _ in range(30)]
+    for i, t in enumerate(texts):
+        (tmp_path / f"d{i:02d}.txt").write_text(t)
+    bs.BATCH_DOCS, old = 3, bs.BATCH_DOCS  # many small batches so several are in flight at once
+    try:
+        bs.build_shards([tmp_path], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0, workers=2)
+    finally:
+        bs.BATCH_DOCS = old
+    sp, _ = tt.load_tokenizer(tok_dir)
+    docs = split_docs(np.concatenate(read_split(tmp_path / "out" / "train")), sp.eos_id())
+    assert len(docs) >= 25
+    assert [sp.decode(d) for d in docs] == texts[: len(docs)]
+
+
+def test_split_deterministic_disjoint_and_counted(tmp_path, tok_dir):
+    src = tmp_path / "docs.jsonl"
+    with src.open("w") as f:
+        for i in range(80):
+            f.write(json.dumps({"text": f"doc{i:03d} the quick brown fox\n"}) + "\n")
+    kw = dict(seq_len=16, val_fraction=0.3, seed=7, workers=1)
+    m1 = bs.build_shards([src], tok_dir, tmp_path / "a", **kw)
+    m2 = bs.build_shards([src], tok_dir, tmp_path / "b", **kw)
+    assert m1 == m2 == json.loads((tmp_path / "a" / "manifest.json").read_text())
+    for split in ("train", "val"):
+        for f in (tmp_path / "a" / split).iterdir():
+            assert f.read_bytes() == (tmp_path / "b" / split / f.name).read_bytes()
+
+    tr, va = m1["splits"]["train"], m1["splits"]["val"]
+    assert tr["documents"] + va["documents"] == m1["documents"] == 80
+    assert 0 < va["documents"] < 80
+    for st in (tr, va):
+        assert 0 < st["samples"] * 17 <= st["tokens"]
+        assert st["tokens"] - st["samples"] * 17 == st["dropped_tokens"] < 17
+    assert m1["token_dtype"] == "uint16" and m1["seq_len"] == 16
+
+    sp, _ = tt.load_tokenizer(tok_dir)
+    seen = {}
+    for split in ("train", "val"):
+        stream = np.concatenate(read_split(tmp_path / "a" / split))
+        assert len(stream) == m1["splits"][split]["samples"] * 17
+        seen[split] = {sp.decode(d)[:6] for d in split_docs(stream, sp.eos_id())}
+        want = {f"doc{i:03d}" for i in range(80) if bs.assign_split(f"{src}:{i + 1}", 7, 0.3) == split}
+        assert seen[split] and seen[split] <= want
+    assert not seen["train"] & seen["val"]
+    # The seed really picks the split.
+    picks = [{i for i in range(80) if bs.assign_split(f"{src}:{i + 1}", seed, 0.3) == "val"} for seed in (7, 8)]
+    assert picks[0] != picks[1]
+
+
+def test_bad_inputs_counted_and_reported(tmp_path, tok_dir, capsys):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "good.txt").write_text("fox jumps over the lazy dog\n" * 10)
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (d / "gone.txt").symlink_to(tmp_path / "does-not-exist")  # unreadable, even for root
+    (d / "data.jsonl").write_text("\n".join([
+        json.dumps({"text": "good json line fox\n" * 5}),
+        "{not json",
+        json.dumps({"other": "no text field"}),
+        json.dumps({"text": 5}),
+        "[1, 2]",
+        "",
+        json.dumps({"text": "another good line dog\n" * 5}),
+    ]) + "\n")
+    out = tmp_path / "out"
+    assert bs.main(["--sources", str(d), "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", "8",
+                    "--val-fraction", "0", "--workers", "1", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "bad inputs: 6 skipped" in printed and f"{d / 'data.jsonl'}:2: malformed JSON" in printed
+
+    m = json.loads((out / "manifest.json").read_text())
+    bad = m["bad_inputs"]
+    assert bad["count"] == 6
+    assert bad["by_reason"] == {"malformed JSON": 1, "missing or non-string 'text' field": 3,
+                                "not UTF-8 (byte 3)": 1, "unreadable (No such file or directory)": 1}
+    assert len(bad["examples"]) == 5
+    assert bad["examples"][:4] == [f"{d / 'data.jsonl'}:2: malformed JSON",
+                                   f"{d / 'data.jsonl'}:3: missing or non-string 'text' field",
+                                   f"{d / 'data.jsonl'}:4: missing or non-string 'text' field",
+                                   f"{d / 'data.jsonl'}:5: missing or non-string 'text' field"]
+    assert bad["examples"][4].startswith(f"{d / 'gone.txt'}: unreadable")
+    assert m["documents"] == 3  # two good JSONL lines + good.txt
+    assert m["splits"]["train"]["samples"] > 0
+
+
+def test_jsonl_gz_with_text_field(tmp_path, tok_dir):
+    src = tmp_path / "docs.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        for i in range(5):
+            f.write(json.dumps({"content": f"fox number {i} jumps\n" * 4}) + "\n")
+    report = BadInputReport()
+    docs = list(iter_documents([src], text_field="content", report=report))
+    assert [d.origin for d in docs] == [f"{src}:{i}" for i in range(1, 6)] and report.count == 0
+    m = bs.build_shards([src], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0, text_field="content",
+                        workers=1)
+    assert m["documents"] == 5 and m["splits"]["train"]["samples"] > 0
+
+
+def test_missing_tokenizer_and_bad_args(tmp_path, tok_dir):
+    (tmp_path / "a.txt").write_text("fox\n")
+    with pytest.raises(FileNotFoundError, match="no tokenizer at .*train_tokenizer --out"):
+        bs.build_shards([tmp_path / "a.txt"], tmp_path / "no-tok", tmp_path / "out", seq_len=8)
+    for kw in ({"seq_len": 0}, {"val_fraction": 1.0}, {"val_fraction": -0.1}):
+        args = {"seq_len": 8, "val_fraction": 0.1, **kw}
+        with pytest.raises(ValueError, match="seq_len|val_fraction"):
+            bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", **args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_too_few_tokens_for_a_sample(tmp_path, tok_dir):
+    (tmp_path / "a.txt").write_text("fox jumps\n")
+    with pytest.raises(ValueError, match="no complete sample.*--seq-len"):
+        bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", seq_len=4096, val_fraction=0, workers=1)
+    assert not (tmp_path / "out" / "train").exists() and not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_existing_shards_need_overwrite(tmp_path, tok_dir):
+    src = tmp_path / "a.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    out = tmp_path / "out"
+    kw = dict(seq_len=8, val_fraction=0, workers=1)
+    first = bs.build_shards([src], tok_dir, out, **kw)
+    (out / "train" / "stale.mds").write_bytes(b"old")
+    with pytest.raises(FileExistsError, match="already contains shards.*--overwrite"):
+        bs.build_shards([src], tok_dir, out, **kw)
+    again = bs.build_shards([src], tok_dir, out, overwrite=True, **kw)
+    assert again == first and not (out / "train" / "stale.mds").exists()
+    assert len(read_split(out / "train")) == first["splits"]["train"]["samples"]
