@@ -17,7 +17,8 @@ def full_tensor(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int = 0) -> None:
+def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int = 0,
+                       activation_checkpointing: bool = False) -> None:
     """Build a GPT with a fixed seed, run one forward/backward on a fixed batch and save the
     loss plus full (TP-gathered) gradients from rank 0."""
     from models.config import ModelConfig
@@ -25,7 +26,7 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
 
     cfg = ModelConfig(**model_kwargs)
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = GPT(cfg, activation_checkpointing=activation_checkpointing)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()

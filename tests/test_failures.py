@@ -1,0 +1,66 @@
+"""Failure handling in real runs: a killed job restarts cleanly from its last complete
+checkpoint (stale streaming shared memory included), a non-finite loss stops the run, and
+activation checkpointing changes nothing numerically."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from tests.dist_utils import REPO, child_env, free_port, spawn, train
+from tests.parallel_checks import gpt_loss_and_grads
+from tests.synthetic import tiny_overrides, write_synthetic_shards
+
+
+def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
+    data = write_synthetic_shards(tmp_path / "data")
+    run = tmp_path / "run"
+    overrides = tiny_overrides(data, run, **{"train.steps": 40, "train.save_interval": 3})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "pretrain.train", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            if metrics.is_file() and sum(1 for _ in metrics.open()) >= 8:
+                break
+            assert proc.poll() is None, "training exited before it could be killed"
+            time.sleep(0.2)
+        else:
+            pytest.fail("training made no progress")
+    finally:
+        # torchrun starts its workers in sessions of their own: kill the whole tree, with no
+        # chance to clean up shared memory or finish a save.
+        tree = psutil.Process(proc.pid)
+        for p in [tree, *tree.children(recursive=True)]:
+            p.send_signal(signal.SIGKILL)
+        proc.wait()
+    latest = (run / "checkpoints" / "latest").read_text()
+    out = train(2, overrides)
+    assert f"resumed from {run / 'checkpoints' / latest}" in out.stdout
+    assert (run / "checkpoints" / "step_00000040" / "COMPLETE").is_file()
+
+
+def test_non_finite_loss_stops_without_saving(tmp_path):
+    data = write_synthetic_shards(tmp_path / "data")
+    run = tmp_path / "run"
+    out = train(1, tiny_overrides(data, run, **{"model.init_std": "inf"}), check=False)
+    assert out.returncode != 0
+    assert "loss became nan at step 1" in out.stderr
+    assert not (run / "checkpoints" / "latest").exists()
+
+
+def test_activation_checkpointing_gives_same_loss_and_grads(tmp_path):
+    kwargs = dict(vocab_size=300, hidden_size=64, num_heads=4, num_layers=2, ffn_hidden_size=96, max_seq_len=32)
+    spawn(gpt_loss_and_grads, 1, kwargs, str(tmp_path / "plain.pt"))
+    spawn(gpt_loss_and_grads, 1, kwargs, str(tmp_path / "ckpt.pt"), 0, True)
+    plain, ckpt = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "ckpt.pt")
+    assert torch.equal(plain["loss"], ckpt["loss"])
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(ckpt["grads"][name], grad, rtol=0, atol=0, msg=name)
