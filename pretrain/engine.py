@@ -45,7 +45,7 @@ def deepspeed_config(cfg: Config) -> dict:
             "params": {
                 "total_num_steps": t.steps,
                 "warmup_num_steps": t.warmup_steps,
-                "warmup_min_ratio": 0.0,
+                "warmup_min_ratio": 1.0 / max(t.warmup_steps, 1),  # the first step already learns
                 "cos_min_ratio": t.min_lr_ratio,
                 "warmup_type": "linear",
             },
