@@ -4,7 +4,8 @@
 
 Times one attention module (projections + core + output projection) in one process (TP = 1) on
 whatever device is present. Kinds: softmax (SDPA), softmax_sink (SDPA with a sink column), relu
-(blocked ReLU attention), lisa (shared scores given, align FFN + low-rank Q/K), and
+(blocked ReLU attention), lisa (shared scores given, align FFN + low-rank Q/K), lisa_linear
+(the same with model.lisa.align_hidden = 0: linear head mixing only), and
 softmax+publish (a softmax layer that materialises its scores for a following LISA layer: the
 extra cost a LISA layer puts on its predecessor).
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ["softmax", "softmax_sink", "relu", "lisa", "softmax+publish"]
+KINDS = ["softmax", "softmax_sink", "relu", "lisa", "lisa_linear", "softmax+publish"]
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
@@ -30,8 +31,9 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     cfg = ModelConfig(hidden_size=hidden, num_heads=heads, num_layers=2, max_seq_len=seq, attention="softmax")
     cfg.relu_attention.block_size = 256
     cfg.lisa.keep_full_layers = 1
-    if kind == "lisa":
+    if kind in ("lisa", "lisa_linear"):
         cfg.attention = "softmax,lisa"
+        cfg.lisa.align_hidden = 0 if kind == "lisa_linear" else cfg.lisa.align_hidden
         return build_attention(cfg, 1, "lisa"), cfg
     module = build_attention(cfg, 0, "softmax" if kind == "softmax+publish" else kind)
     module.publish_scores = kind == "softmax+publish"

@@ -34,10 +34,20 @@ class ReLUAttentionConfig:
 
 @dataclass
 class LISAConfig:
-    rank: int = 8  # low-rank Q/K correction
-    align_hidden: int = 16  # width of the head-alignment FFN
-    align_group: int = 0  # heads mixed together; 0 = all local heads
+    # Low-rank Q/K correction, rank per head; 0 = head_dim // 8 (8x fewer Q/K parameters).
+    # Must be even (RoPE).
+    rank: int = 0
+    align_hidden: int = 16  # width of the head-alignment FFN; 0 = linear head mixing only
+    # Heads mixed together by the alignment FFN; 0 = all heads. Groups never straddle tensor-parallel
+    # ranks, so the group must divide num_heads / parallel.tensor.
+    align_group: int = 0
     keep_full_layers: int = 2  # the first layers never share attention
+
+    def resolved_rank(self, head_dim: int) -> int:
+        return self.rank or max(2, head_dim // 8 // 2 * 2)
+
+    def resolved_group(self, num_heads: int) -> int:
+        return self.align_group or num_heads
 
 
 @dataclass
@@ -71,7 +81,10 @@ class ModelConfig:
         return (self.vocab_size + pad - 1) // pad * pad
 
     def attention_kinds(self) -> list[str]:
-        return parse_attention_pattern(self.attention, self.num_layers)
+        kinds = parse_attention_pattern(self.attention, self.num_layers)
+        if "lisa" in kinds:
+            check_lisa(self, kinds)
+        return kinds
 
     def mlp_kind(self, layer: int) -> str:
         if self.mlp == "dense" or self.moe.moe_layers == "all":
@@ -104,4 +117,29 @@ def parse_attention_pattern(pattern: str | list[str], num_layers: int) -> list[s
             f"model.attention lists {len(kinds)} layers but model.num_layers={num_layers}; "
             "give one kind per layer or a single kind for all"
         )
+    if kinds and kinds[0] == "lisa":
+        raise ValueError(
+            "model.attention: layer 0 is lisa, but a lisa layer reuses the previous layer's attention "
+            "scores and layer 0 has none; start with softmax, softmax_sink or relu layers"
+        )
     return kinds
+
+
+def check_lisa(cfg: ModelConfig, kinds: list[str]) -> None:
+    """Where lisa layers may go and whether their sizes fit; raises ValueError."""
+    lisa = cfg.lisa
+    early = [i for i, k in enumerate(kinds[: lisa.keep_full_layers]) if k == "lisa"]
+    if early:
+        raise ValueError(
+            f"model.attention puts lisa at layers {early}, but model.lisa.keep_full_layers="
+            f"{lisa.keep_full_layers} keeps the first layers as full attention; move them later or "
+            "lower keep_full_layers"
+        )
+    rank = lisa.resolved_rank(cfg.head_dim)
+    if rank % 2 or rank < 2:
+        raise ValueError(f"model.lisa.rank={lisa.rank} must be even and >= 2 (RoPE rotates pairs)")
+    group = lisa.resolved_group(cfg.num_heads)
+    if cfg.num_heads % group:
+        raise ValueError(
+            f"model.lisa.align_group={lisa.align_group} must divide model.num_heads={cfg.num_heads}"
+        )

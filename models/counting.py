@@ -52,3 +52,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     counts = param_counts(cfg)
     matmul = counts["active_non_embedding"] + (cfg.padded_vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0)
     return 6.0 * matmul + 12.0 * cfg.num_layers * cfg.hidden_size * seq
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """Parameters of the routed experts (sharded by expert parallelism); the rest is dense."""
+    moe = cfg.moe
+    per_layer = moe.num_experts * 3 * cfg.hidden_size * moe.expert_hidden_size
+    return sum(per_layer for i in range(cfg.num_layers) if cfg.mlp_kind(i) != "dense")

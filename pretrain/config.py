@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from models.config import MLP_KINDS, ModelConfig, parse_attention_pattern
+from models.config import MLP_KINDS, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -186,7 +186,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: choose 0, 1, 2 or 3")
     try:
-        parse_attention_pattern(m.attention, m.num_layers)
+        m.attention_kinds()
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if m.mlp not in MLP_KINDS:
@@ -199,6 +199,30 @@ def validate(cfg: Config, world_size: int) -> None:
             )
         if not 1 <= moe.top_k <= moe.num_experts:
             raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+        if moe.expert_hidden_size % p.tensor or (m.mlp == "moe" and moe.shared_hidden_size % p.tensor):
+            raise ConfigError(
+                f"model.moe.expert_hidden_size={moe.expert_hidden_size} and shared_hidden_size="
+                f"{moe.shared_hidden_size} must be divisible by parallel.tensor={p.tensor} (experts are TP-split)"
+            )
+        if m.mlp == "uoe":
+            routing = moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
+            if routing < 1:
+                raise ConfigError(
+                    "model.mlp=uoe needs routing neurons: set model.moe.routing_neurons, or "
+                    f"model.moe.shared_hidden_size >= num_experts={moe.num_experts} (N_s = shared // experts)"
+                )
+            if routing * moe.num_experts % p.tensor:
+                raise ConfigError(
+                    f"UoE virtual shared expert width {routing * moe.num_experts} (num_experts x routing neurons) "
+                    f"is not divisible by parallel.tensor={p.tensor}"
+                )
+            if moe.score not in ("h", "silu", "z") or moe.vse_mode not in ("overlap", "disjoint"):
+                raise ConfigError(
+                    f"model.moe.score={moe.score!r} / vse_mode={moe.vse_mode!r}: choose score h|silu|z "
+                    "and vse_mode overlap|disjoint"
+                )
+        if moe.capacity_factor < 0 or moe.bias_update_rate < 0:
+            raise ConfigError("model.moe.capacity_factor and bias_update_rate must be >= 0 (0 = off)")
         if p.zero_stage == 3:
             raise ConfigError(
                 "parallel.zero_stage=3 does not support expert layers (DeepSpeed refuses MoE with ZeRO-3); "

@@ -30,6 +30,8 @@ class ProjectedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
+        # Set by build_attention when the next layer is a LISA layer that reuses this one's scores.
+        self.publish_scores = False
         self.local_heads = check_heads_divisible(cfg)
         self.head_dim = cfg.head_dim
         self.qkv = column_linear(cfg, cfg.hidden_size, 3 * cfg.hidden_size)
@@ -45,6 +47,19 @@ class ProjectedAttention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         raise NotImplementedError
+
+    def publish(self, ctx: dict, scores: torch.Tensor) -> None:
+        """Hand this layer's pre-activation scores [batch, local_heads, seq, seq] to a following
+        LISA layer (only when one needs them)."""
+        if self.publish_scores:
+            ctx.setdefault("attention_scores", {})[self.layer] = scores
+
+    def capture(self, ctx: dict, weights: torch.Tensor, normalised: bool) -> None:
+        """Store the weights applied to the values for metrics, when ctx["capture_attention"] is set.
+        normalised=False marks kernels whose rows need not sum to one (ReLU attention)."""
+        if ctx.get("capture_attention"):
+            ctx.setdefault("attention_maps", {})[self.layer] = weights.detach()
+            ctx.setdefault("attention_normalised", {})[self.layer] = normalised
 
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         q, k, v = self.project(x, ctx)

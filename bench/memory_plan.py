@@ -1,0 +1,93 @@
+"""Planner memory estimate vs measured peak memory of real training steps (CPU, fp32).
+
+    python -m bench.memory_plan [--steps 3]
+
+Each size runs in a fresh process: resident memory before the model is built is the baseline,
+the peak after a few DeepSpeed steps minus the baseline is the measurement. Prints a table and
+writes bench/results/memory_plan.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SIZES = {  # name: (hidden, layers, heads, ffn, seq, micro_batch)
+    "h256-l4": (256, 4, 4, 704, 256, 8),
+    "h512-l8": (512, 8, 8, 1408, 256, 8),
+    "h768-l8-ckpt": (768, 8, 12, 2048, 512, 8),
+}
+
+
+def measurement_env() -> dict:
+    """A fixed mmap threshold makes freed tensors leave resident memory at once, so the peak
+    resident size tracks live tensors instead of the allocator's fragmentation."""
+    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+
+
+def rss_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def measure(name: str, steps: int) -> dict:
+    import torch
+
+    os.environ.setdefault("MASTER_PORT", "29541")
+    from launch.plan import plan
+    from models.config import ModelConfig
+    from models.gpt import GPT
+    from pretrain.config import Config
+    from pretrain.distributed import init_distributed
+    from pretrain.engine import build_engine
+
+    hidden, layers, heads, ffn, seq, micro = SIZES[name]
+    init_distributed()
+    cfg = Config()
+    cfg.model = ModelConfig(vocab_size=4096, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                            ffn_hidden_size=ffn, max_seq_len=seq)
+    cfg.train.micro_batch, cfg.train.steps, cfg.train.warmup_steps = micro, 100, 1
+    cfg.train.activation_checkpointing = name.endswith("ckpt")
+    estimate = plan(cfg, 1, 1, 1e6, "cpu", bf16=False)
+    baseline = rss_kib("VmRSS")
+    torch.manual_seed(0)
+    engine = build_engine(cfg, GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing))
+    for _ in range(steps):
+        batch = torch.randint(0, 4096, (micro, seq + 1))
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    peak = (rss_kib("VmHWM") - baseline) / 2**20
+    return {"size": name, "measured_gb": peak, "estimated_gb": estimate["memory_total_gb"],
+            "ratio": estimate["memory_total_gb"] / peak, "breakdown_gb": estimate["memory_gb"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="bench/results/memory_plan.json")
+    args = parser.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(measure(args.one, args.steps)))
+        return
+    rows = []
+    for name in SIZES:
+        out = subprocess.run([sys.executable, "-m", "bench.memory_plan", "--one", name, "--steps", str(args.steps)],
+                             capture_output=True, text=True, check=True, env=measurement_env())
+        rows.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))
+    print(f"{'size':<14}{'measured GB':>12}{'estimate GB':>12}{'est/meas':>10}")
+    for r in rows:
+        print(f"{r['size']:<14}{r['measured_gb']:>12.3f}{r['estimated_gb']:>12.3f}{r['ratio']:>10.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

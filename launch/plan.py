@@ -1,0 +1,198 @@
+"""Will a layout fit, and how fast will it run? Memory per GPU and step time from the config.
+
+    python -m launch.plan CONFIG [key=value ...] --nodes N --gpus-per-node G --gpu-mem-gb M \
+        [--gpu h100|h200|a100] [--mfu 0.4] [--json]
+
+Formulas (per GPU; P = parameters held by this GPU after tensor/expert sharding, D = data-parallel
+size, De = expert-data-parallel size D / EP):
+  weights        P x 2 bytes (bf16) or 4 (fp32); ZeRO-3 divides by D (De for experts)
+  gradients      the .grad tensors (bytes as weights; ZeRO-2/3 free them into buckets) plus, with
+                 ZeRO >= 1, the fp32 gradient partition of the optimizer (4 bytes/param / D)
+  optimizer      fp32 master + Adam m, v = 12 bytes/param (DeepSpeed keeps the master partition
+                 even in fp32); ZeRO-1/2/3 divide by D
+  activations    per layer and token, elements: 4h (residual and norm inputs/outputs)
+                 + 7h/t (q, k, v, rotated q and k, attention output, output-projection input) + 4f/t (MLP: gate/up
+                 output, activation, product; f = active MLP width) + a*s/t attention scores for
+                 kinds that store them (all but flash softmax); full activation checkpointing keeps
+                 h per layer plus one layer's full set; plus the fp32 logits, 2 x V/t per token
+  buffers        DeepSpeed's reduce/all-gather buckets (ZeRO-1/2: 2 x min(5e8, P) elements;
+                 ZeRO-3: prefetch bucket + live parameters)
+Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
+of the forward pass and are freed as the backward pass produces gradients.
+FLOPs per token: 6 x active matmul parameters + 12 x layers x hidden x seq (Megatron's formula);
+step time = FLOPs per step / (GPUs x peak x MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+from models.counting import expert_params, flops_per_token, param_counts
+from pretrain.config import Config, ConfigError, load_config, validate
+
+PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "cpu": 1.0}
+GIB = 2**30
+
+
+@dataclass
+class Layout:
+    world: int
+    tensor: int
+    expert: int
+    data: int
+    zero_stage: int
+    micro_batch: int
+    bf16: bool
+    checkpointing: bool
+
+
+def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
+    moe, kind = cfg.moe, cfg.mlp_kind(layer)
+    if kind == "dense":
+        return cfg.ffn_hidden_size
+    if kind == "moe":
+        return moe.top_k * moe.expert_hidden_size + moe.shared_hidden_size
+    routing = moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
+    return moe.top_k * moe.expert_hidden_size + moe.num_experts * routing
+
+
+def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
+    t, h, a = layout.tensor, cfg.hidden_size, cfg.num_heads
+    elem = 2 if layout.bf16 else 4
+    stores_scores = lambda kind: kind != "softmax" or not layout.bf16  # noqa: E731 (flash on GPU only)
+    per_layer = [4 * h + 7 * h / t + 4 * active_mlp_width(cfg, i) / t + (a * seq / t if stores_scores(k) else 0)
+                 for i, k in enumerate(cfg.attention_kinds())]
+    tokens = layout.micro_batch * seq
+    if layout.checkpointing:
+        layers = cfg.num_layers * h + max(per_layer)
+    else:
+        layers = sum(per_layer)
+    logits = 2 * cfg.padded_vocab_size / t * 4 / elem  # fp32 logits and their gradient
+    return tokens * (layers + h + logits) * elem
+
+
+def peak_bytes(memory: dict[str, float]) -> float:
+    return (memory["weights"] + memory["optimizer"]
+            + max(memory["activations"], memory["gradients"] + memory["buffers"]))
+
+
+def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
+    m = cfg.model
+    counts = param_counts(m)
+    experts = expert_params(m)
+    dense = counts["total"] - experts
+    dense_local = dense / layout.tensor
+    expert_local = experts / (layout.tensor * layout.expert)
+    expert_dp = max(layout.data // layout.expert, 1)
+    elem = 2 if layout.bf16 else 4
+    opt_bytes = 12  # DeepSpeed keeps a separate fp32 master partition even when training in fp32
+    z = layout.zero_stage
+
+    def sharded(per_param: float, stage_from: int) -> float:
+        if z >= stage_from:
+            return per_param * (dense_local / layout.data + expert_local / expert_dp)
+        return per_param * (dense_local + expert_local)
+
+    local = dense_local + expert_local
+    if z >= 3:
+        buffers = (5e7 + min(1e9, local)) * elem  # prefetch bucket + live parameters
+    elif z >= 1:
+        buffers = 2 * min(5e8, local) * elem
+    else:
+        buffers = 0.0
+    return {
+        "weights": sharded(elem, 3),
+        "gradients": (sharded(elem, 2) if z < 2 else 0.0) + (sharded(4, 1) if z >= 1 else 0.0),
+        "optimizer": sharded(opt_bytes, 1),
+        "activations": activation_bytes(m, layout, m.max_seq_len),
+        "buffers": buffers,
+    }
+
+
+def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: str = "h100",
+         mfu: float = 0.4, bf16: bool = True) -> dict:
+    world = nodes * gpus_per_node
+    validate(cfg, world)
+    p, t = cfg.parallel, cfg.train
+    layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
+                    t.activation_checkpointing)
+    memory = memory_breakdown(cfg, layout)
+    total = peak_bytes(memory)
+    fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context
+    largest = 0
+    for micro in range(1, 257):
+        trial = Layout(**{**layout.__dict__, "micro_batch": micro})
+        if peak_bytes(memory_breakdown(cfg, trial)) > gpu_mem_gb * GIB * 0.95:
+            break
+        largest = micro
+    tokens_per_step = t.micro_batch * t.grad_accum * layout.data * cfg.model.max_seq_len
+    fpt = flops_per_token(cfg.model)
+    step_time = fpt * tokens_per_step / (world * PEAK_TFLOPS[gpu] * 1e12 * mfu)
+    counts = param_counts(cfg.model)
+    result = {
+        "layout": layout.__dict__, "params_total": counts["total"], "params_active": counts["active"],
+        "flops_per_token": fpt, "memory_gb": {k: v / GIB for k, v in memory.items()},
+        "memory_total_gb": total / GIB, "gpu_mem_gb": gpu_mem_gb, "fits": fits,
+        "largest_micro_batch": largest, "tokens_per_step": tokens_per_step,
+        "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time, "assumed_mfu": mfu, "gpu": gpu,
+    }
+    if not fits:
+        result["reason"] = (
+            f"needs {total / GIB:.1f} GB per GPU but {gpu_mem_gb:.0f} GB are available; "
+            + (f"the largest micro-batch that fits is {largest}" if largest else
+               "no micro-batch fits: raise parallel.tensor / parallel.zero_stage or enable "
+               "train.activation_checkpointing")
+        )
+    return result
+
+
+def format_plan(r: dict) -> str:
+    lay = r["layout"]
+    lines = [
+        f"parameters: {r['params_total'] / 1e9:.3f}B total, {r['params_active'] / 1e9:.3f}B active; "
+        f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token",
+        f"layout: {lay['world']} GPUs = tensor {lay['tensor']} x data {lay['data']} (expert {lay['expert']}), "
+        f"ZeRO-{lay['zero_stage']}, micro-batch {lay['micro_batch']}, "
+        f"activation checkpointing {'on' if lay['checkpointing'] else 'off'}",
+        f"{'memory per GPU':<16}{'GB':>10}",
+    ]
+    for key, value in r["memory_gb"].items():
+        lines.append(f"  {key:<14}{value:>10.2f}")
+    lines.append(f"  {'peak':<14}{r['memory_total_gb']:>10.2f}  of {r['gpu_mem_gb']:.0f} GB -> "
+                 f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
+    lines.append(f"largest micro-batch that fits: {r['largest_micro_batch']}")
+    lines.append(f"estimated step time {r['step_time_s']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s "
+                 f"at {100 * r['assumed_mfu']:.0f}% MFU on {r['gpu']}")
+    if not r["fits"]:
+        lines.append(f"reason: {r['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    parser.add_argument("--gpu", choices=sorted(PEAK_TFLOPS), default="h100")
+    parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        result = plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.gpu, args.mfu,
+                      bf16=args.gpu != "cpu")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else format_plan(result))
+    return 0 if result["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Causal ReLU attention without row normalisation:
+
+    o_i = sum_{j <= i} ReLU(q_i . k_j / sqrt(d)) v_j / n_i,   n_i in {1, i (visible keys), seq_len}
+
+(model.relu_attention.normalizer = none | prefix | seqlen). Rows of the weights need not sum to
+one, so a head can output ~0 without parking weight on a sink token. Queries are processed in
+blocks of model.relu_attention.block_size in forward and backward (the backward recomputes the
+block's scores), so memory is O(block x seq) per head rather than O(seq^2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.attention.base import ProjectedAttention
+from models.attention.softmax import causal_mask, scaled_scores
+from models.config import ModelConfig
+
+NORMALIZERS = ("none", "prefix", "seqlen")
+
+
+def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0) -> torch.Tensor:
+    """n_i for queries offset..offset+q_len-1 as a [q_len, 1] float tensor."""
+    if normalizer == "none":
+        return torch.ones(q_len, 1, device=device)
+    if normalizer == "prefix":  # number of keys query i sees (1-based position)
+        return torch.arange(offset + 1, offset + q_len + 1, device=device, dtype=torch.float32).unsqueeze(1)
+    if normalizer == "seqlen":
+        return torch.full((q_len, 1), float(seq_len), device=device)
+    raise ValueError(f"model.relu_attention.normalizer={normalizer!r}: choose one of {NORMALIZERS}")
+
+
+def relu_weights(scores: torch.Tensor, normalizer: str) -> torch.Tensor:
+    """Absolute weights ReLU(s_ij) / n_i on visible keys from unmasked scores [.., q, k]."""
+    sq, sk = scores.shape[-2:]
+    mask = causal_mask(sq, sk, scores.device)
+    n = relu_normaliser(normalizer, sq, sk, scores.device).to(scores.dtype)
+    return scores.relu().masked_fill(~mask, 0.0) / n
+
+
+class _BlockedReLUAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, normalizer: str, block: int):
+        seq, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
+        for start in range(0, seq, block):
+            end = min(start + block, seq)
+            scores = (q[..., start:end, :] @ k[..., :end, :].transpose(-2, -1)) * scale
+            mask = causal_mask(end - start, end, q.device, offset=start)
+            n = relu_normaliser(normalizer, end - start, seq, q.device, offset=start).to(scores.dtype)
+            weights = scores.relu().masked_fill(~mask, 0.0) / n
+            out[..., start:end, :] = weights.to(v.dtype) @ v[..., :end, :]
+        ctx.save_for_backward(q, k, v)
+        ctx.normalizer, ctx.block = normalizer, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        seq, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+        grad_out = grad_out.contiguous()
+        acc = torch.promote_types(q.dtype, torch.float32)  # accumulate low precision in fp32
+        dq = torch.zeros_like(q, dtype=acc)
+        dk = torch.zeros_like(k, dtype=acc)
+        dv = torch.zeros_like(v, dtype=acc)
+        for start in range(0, seq, ctx.block):
+            end = min(start + ctx.block, seq)
+            q_blk, g = q[..., start:end, :], grad_out[..., start:end, :]
+            k_pre, v_pre = k[..., :end, :], v[..., :end, :]
+            scores = (q_blk @ k_pre.transpose(-2, -1)) * scale
+            mask = causal_mask(end - start, end, q.device, offset=start)
+            n = relu_normaliser(ctx.normalizer, end - start, seq, q.device, offset=start).to(scores.dtype)
+            active = (scores > 0) & mask
+            weights = scores.masked_fill(~active, 0.0) / n
+            dv[..., :end, :] += (weights.transpose(-2, -1) @ g.to(weights.dtype)).to(acc)
+            d_weights = g @ v_pre.transpose(-2, -1).to(g.dtype)
+            d_scores = d_weights.masked_fill(~active, 0.0).to(scores.dtype) / n * scale
+            dq[..., start:end, :] = (d_scores @ k_pre).to(acc)
+            dk[..., :end, :] += (d_scores.transpose(-2, -1) @ q_blk).to(acc)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str = "prefix",
+                   block: int = 256) -> torch.Tensor:
+    """Blocked causal ReLU attention on [batch, heads, seq, head_dim]."""
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"model.relu_attention.normalizer={normalizer!r}: choose one of {NORMALIZERS}")
+    return _BlockedReLUAttention.apply(q, k, v, normalizer, max(1, int(block)))
+
+
+class ReLUAttention(ProjectedAttention):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.normalizer = cfg.relu_attention.normalizer
+        self.block_size = cfg.relu_attention.block_size
+        if self.normalizer not in NORMALIZERS:
+            raise ValueError(
+                f"model.relu_attention.normalizer={self.normalizer!r}: choose one of {NORMALIZERS}")
+        if self.block_size < 1:
+            raise ValueError(f"model.relu_attention.block_size={self.block_size} must be >= 1")
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        if not (self.publish_scores or ctx.get("capture_attention")):
+            return relu_attention(q, k, v, self.normalizer, self.block_size)
+        scores = scaled_scores(q, k)
+        self.publish(ctx, scores)  # pre-activation scores
+        weights = relu_weights(scores, self.normalizer)
+        self.capture(ctx, weights, normalised=False)
+        return weights.to(v.dtype) @ v

@@ -1,0 +1,65 @@
+"""Softmax attention with a learnable per-head sink logit b_h in the denominator (as in gpt-oss):
+
+    p_ij = exp(s_ij) / (exp(b_h) + sum_{j' <= i} exp(s_ij'))
+
+so a head can put weight "nowhere" instead of on the first token. The fast path runs SDPA with
+extra all-zero key/value columns, the first with additive bias b_h.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+from torch import nn
+
+from models.attention.base import ProjectedAttention
+from models.attention.softmax import causal_mask, scaled_scores
+from models.config import ModelConfig
+
+
+def sink_softmax_weights(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Weights on the real keys [batch, heads, q, k] from unmasked scores and sink logits [heads];
+    each row sums to 1 - (weight on the sink)."""
+    b, h, sq, sk = scores.shape
+    mask = causal_mask(sq, sk, scores.device)
+    sink_col = sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+    logits = torch.cat([sink_col, scores.masked_fill(~mask, float("-inf"))], dim=-1)
+    return logits.softmax(-1)[..., 1:]
+
+
+def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sink: torch.Tensor) -> torch.Tensor:
+    """Causal attention with sink logits [heads], via SDPA and extra zero key/value columns: the
+    first carries the sink logit as its bias, the rest (padding the key length to a multiple of 8
+    for fused kernels' mask alignment) are masked out."""
+    b, h, s, d = q.shape
+    extra = 1 + (-(s + 1)) % 8
+    zeros = q.new_zeros(b, h, extra, d)
+    k = torch.cat([zeros, k], dim=2)
+    v = torch.cat([zeros.to(v.dtype), v], dim=2)
+    causal = torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(
+        ~causal_mask(s, s, q.device), float("-inf"))
+    pad = torch.full((h, s, extra - 1), float("-inf"), dtype=q.dtype, device=q.device)
+    bias = torch.cat([sink.to(q.dtype).view(h, 1, 1).expand(h, s, 1), pad, causal.expand(h, s, s)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
+
+
+class SinkSoftmaxAttention(ProjectedAttention):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        # Full-size init then this rank's heads: the same numbers at every tensor-parallel size.
+        full = torch.empty(cfg.num_heads).normal_(0.0, cfg.init_std)
+        rank = ps.get_tensor_model_parallel_rank()
+        self.sink = nn.Parameter(full[rank * self.local_heads:(rank + 1) * self.local_heads].clone())
+        set_tensor_model_parallel_attributes(self.sink, True, 0, 1)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        if not (self.publish_scores or ctx.get("capture_attention")):
+            return sink_softmax_attention(q, k, v, self.sink)
+        scores = scaled_scores(q, k)
+        self.publish(ctx, scores)
+        weights = sink_softmax_weights(scores, self.sink)
+        self.capture(ctx, weights, normalised=False)
+        return weights.to(v.dtype) @ v

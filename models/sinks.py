@@ -1,0 +1,104 @@
+"""Attention-sink metrics (Gu et al., "When Attention Sink Emerges in LMs"):
+
+    alpha_1^{l,h} = mean over queries t of A^{l,h}_{t,1}     (weight on the first token)
+    Sink_1^eps    = (1/L) sum_l (1/H) sum_h 1(alpha_1^{l,h} > eps),  eps = 0.3
+
+A is the weight each query puts on each value. For softmax it is a probability; for
+softmax_sink rows sum to 1 - (weight on the sink logit); for ReLU attention it is the ABSOLUTE
+weight ReLU(s)/n_i. For kernels whose rows need not sum to one the share of the row on the first
+token would call a head that outputs ~0 a sink, so alpha_1 is the absolute weight and the mean
+row total sum_j A_{t,j} is reported beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_EPS = 0.3
+DEFAULT_SEQ = 64  # Gu et al. measure at T = 64
+
+
+@dataclass
+class SinkStats:
+    alpha1: torch.Tensor  # [layers, heads] mean absolute weight on the first token
+    row_total: torch.Tensor  # [layers, heads] mean over queries of sum_j A_tj
+    share1: torch.Tensor  # [layers, heads] mean over queries of A_t1 / sum_j A_tj (proxy, for contrast)
+    layers: list[int]
+
+    def sink_rate(self, eps: float = DEFAULT_EPS) -> float:
+        return float((self.alpha1 > eps).float().mean())
+
+    def layer_sink_rate(self, eps: float = DEFAULT_EPS) -> torch.Tensor:
+        return (self.alpha1 > eps).float().mean(-1)
+
+
+def head_stats(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(alpha1, row_total, share1), each [heads], from weights [batch, heads, q, k] (or [heads, q, k])."""
+    w = weights.float()
+    if w.dim() == 3:
+        w = w.unsqueeze(0)
+    first = w[..., 0]  # [batch, heads, q]
+    total = w.sum(-1)
+    share = first / total.clamp_min(1e-12)
+    return first.mean((0, 2)), total.mean((0, 2)), share.mean((0, 2))
+
+
+def sink_stats(maps: dict[int, torch.Tensor]) -> SinkStats:
+    """Stats over captured maps {layer: [batch, heads, q, k]} (heads as held by this rank)."""
+    layers = sorted(maps)
+    per = [head_stats(maps[layer]) for layer in layers]
+    return SinkStats(*(torch.stack([p[i] for p in per]) for i in range(3)), layers=layers)
+
+
+@torch.no_grad()
+def capture_attention(model, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Run model.logits on tokens [batch, seq] with capture on; returns {layer: weights}.
+    Under tensor parallelism every rank of the group must call it (it runs the forward)."""
+    ctx = {"capture_attention": True}
+    model.logits(tokens, ctx)
+    return ctx["attention_maps"]
+
+
+def measure(model, tokens: torch.Tensor) -> SinkStats:
+    was_training = model.training
+    model.eval()
+    try:
+        return sink_stats(capture_attention(model, tokens))
+    finally:
+        model.train(was_training)
+
+
+def gather_heads(t: torch.Tensor) -> torch.Tensor:
+    """[layers, local_heads] on each tensor-parallel rank -> [layers, heads] in global head order
+    (rank r holds heads r*local .. (r+1)*local - 1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def gathered(stats: SinkStats) -> SinkStats:
+    return SinkStats(gather_heads(stats.alpha1), gather_heads(stats.row_total), gather_heads(stats.share1),
+                     stats.layers)
+
+
+def scalars(stats: SinkStats, eps: float = DEFAULT_EPS, per_head: bool = True) -> dict[str, float]:
+    """Flat TensorBoard scalars: overall Sink_1^eps, per layer rate / mean alpha_1 / row total,
+    and per head alpha_1."""
+    out = {"sink_rate": stats.sink_rate(eps), "alpha1_mean": float(stats.alpha1.mean())}
+    rates = stats.layer_sink_rate(eps)
+    for i, layer in enumerate(stats.layers):
+        key = f"layer{layer:02d}"
+        out[f"{key}/sink_rate"] = float(rates[i])
+        out[f"{key}/alpha1_mean"] = float(stats.alpha1[i].mean())
+        out[f"{key}/row_total"] = float(stats.row_total[i].mean())
+        if per_head:
+            for h in range(stats.alpha1.shape[1]):
+                out[f"{key}/head{h:02d}/alpha1"] = float(stats.alpha1[i, h])
+    return out

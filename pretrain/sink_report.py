@@ -1,0 +1,204 @@
+"""Attention-sink metrics: a training callback and a checkpoint report.
+
+    python -m pretrain.sink_report --checkpoint RUN_DIR/checkpoints/step_00001000 --out DIR
+
+loads the checkpoint into one process (tensor-parallel shards mp_rank_XX are concatenated along
+each parameter's partition dimension; expert weights stored outside the model-states files are not
+read), runs a validation batch (T = 64 tokens, as in Gu et al.) with attention capture, prints the
+per-layer table and writes sink_report.json and a layer x head heatmap of alpha_1 to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, SinkStats, gathered, measure, scalars
+from pretrain.trainer import Callback
+
+
+class SinkMetricsCallback(Callback):
+    """Every `interval` steps (and at the last step) measure alpha_1 / Sink_1^eps on the first
+    `seq` tokens of the fixed validation batch trainer.val_batches[0] and log them under sinks/.
+    Every rank runs the forward (tensor-parallel collectives); heads are gathered across the
+    tensor-parallel group and only rank 0 writes."""
+
+    def __init__(self, interval: int, eps: float = DEFAULT_EPS, seq: int = DEFAULT_SEQ, per_head: bool = True):
+        self.interval, self.eps, self.seq, self.per_head = interval, eps, seq, per_head
+
+    def on_step_end(self, trainer, result) -> None:
+        if result.step % self.interval and result.step != trainer.cfg.train.steps:
+            return
+        if not trainer.val_batches:
+            return
+        seq = min(self.seq, trainer.cfg.model.max_seq_len)
+        tokens = trainer.val_batches[0][:, :seq].to(trainer.device)
+        stats = gathered(measure(trainer.model, tokens))
+        trainer.logger.scalars(result.step, scalars(stats, self.eps, self.per_head), prefix="sinks/")
+
+
+# --- checkpoint report -------------------------------------------------------------------------------
+
+def init_single_process() -> None:
+    import socket
+
+    from pretrain.distributed import init_distributed
+
+    if "MASTER_PORT" not in os.environ and "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    init_distributed(1, 1)
+
+
+def model_config_from_meta(model: dict):
+    from models.config import ModelConfig
+    from pretrain.config import _apply
+
+    cfg = ModelConfig()
+    _apply(cfg, model, "model.")
+    return cfg
+
+
+def merged_module_state(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """DeepSpeed's 'module' state; with several tensor-parallel files the shards are concatenated
+    along each parameter's partition_dim (taken from a tensor-parallel-size-1 model)."""
+    files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"{ckpt}: no mp_rank_XX_model_states.pt; is this a checkpoint tag directory?")
+    shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
+    if len(shards) == 1:
+        return shards[0]
+    params = dict(model.named_parameters())
+    merged = {}
+    for name, value in shards[0].items():
+        p = params.get(name)
+        if p is not None and getattr(p, "tensor_model_parallel", False):
+            merged[name] = torch.cat([s[name] for s in shards], dim=p.partition_dim)
+        else:
+            merged[name] = value
+    return merged
+
+
+def load_checkpoint_model(ckpt: str | Path):
+    """(GPT with the checkpoint's weights in fp32, ModelConfig, meta) in this single process."""
+    from models.gpt import GPT
+    from pretrain.checkpoint import read_meta
+
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    cfg = model_config_from_meta(meta["model"])
+    init_single_process()
+    model = GPT(cfg)
+    state = merged_module_state(ckpt, model)
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}, strict=False)
+    if unexpected or [m for m in missing if "expert" not in m]:
+        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
+    if missing:
+        print(f"warning: {len(missing)} expert parameters are not in the model-states files and keep their "
+              "initial values", file=sys.stderr)
+    return model.eval(), cfg, meta
+
+
+def run_config(ckpt: Path):
+    from pretrain.config import load_config
+
+    path = ckpt.parent.parent / "config.yaml"
+    return load_config(path) if path.is_file() else None
+
+
+def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> tuple[torch.Tensor, str]:
+    """Validation tokens [batch, seq] from the shards (the run's own by default), else random."""
+    from pretrain.train import load_val_batches
+
+    full = run_config(ckpt)
+    if full is not None or shards:
+        from pretrain.config import Config
+
+        full = full or Config()
+        if shards:
+            full.data.shards = shards
+        full.train.micro_batch, full.train.eval_batches = batch, 1
+        try:
+            batches = load_val_batches(full)
+        except Exception as err:  # noqa: BLE001 - fall back to random tokens, but say so
+            print(f"warning: could not read validation shards ({err}); using random tokens", file=sys.stderr)
+            batches = []
+        if batches:
+            return batches[0][:, :seq], f"validation shards {full.data.shards}"
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen), "random tokens"
+
+
+def table(stats: SinkStats, kinds: list[str], eps: float) -> str:
+    lines = [f"{'layer':>5} {'kind':<13} {'alpha1 mean':>11} {'alpha1 max':>10} {'Sink1 rate':>10} "
+             f"{'row total':>9} {'share1':>7}"]
+    rates = stats.layer_sink_rate(eps)
+    for i, layer in enumerate(stats.layers):
+        lines.append(f"{layer:>5} {kinds[layer]:<13} {stats.alpha1[i].mean():>11.4f} {stats.alpha1[i].max():>10.4f} "
+                     f"{rates[i]:>10.3f} {stats.row_total[i].mean():>9.4f} {stats.share1[i].mean():>7.4f}")
+    lines.append(f"Sink_1^{eps} over all layers and heads: {100 * stats.sink_rate(eps):.2f}%")
+    return "\n".join(lines)
+
+
+def heatmap(stats: SinkStats, kinds: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers, heads = stats.alpha1.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * heads + 2), max(3.0, 0.35 * layers + 1.5)))
+    im = ax.imshow(stats.alpha1.numpy(), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(layers), [f"{layer} {kinds[layer]}" for layer in stats.layers])
+    ax.set_xticks(range(heads))
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="alpha_1 (weight on first token)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="checkpoint tag directory (RUN/checkpoints/step_X)")
+    parser.add_argument("--out", required=True, help="directory for sink_report.json and sink_heatmap.png")
+    parser.add_argument("--shards", help="shards directory with val/ (default: the run's data.shards)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=DEFAULT_SEQ)
+    parser.add_argument("--eps", type=float, default=DEFAULT_EPS)
+    args = parser.parse_args(argv)
+    ckpt = Path(args.checkpoint)
+    model, cfg, meta = load_checkpoint_model(ckpt)
+    tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
+    stats = measure(model, tokens)
+    kinds = cfg.attention_kinds()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"checkpoint {ckpt} (step {meta.get('step')}), {tokens.shape[0]} x {tokens.shape[1]} tokens from {source}")
+    print(table(stats, kinds, args.eps))
+    report = {"checkpoint": str(ckpt), "step": meta.get("step"), "tokens": source, "eps": args.eps,
+              "seq": tokens.shape[1], "sink_rate": stats.sink_rate(args.eps), "kinds": kinds,
+              "alpha1": stats.alpha1.tolist(), "row_total": stats.row_total.tolist(),
+              "share1": stats.share1.tolist()}
+    (out / "sink_report.json").write_text(json.dumps(report, indent=1))
+    heatmap(stats, kinds, out / "sink_heatmap.png", f"alpha_1, step {meta.get('step')}")
+    print(f"wrote {out / 'sink_report.json'} and {out / 'sink_heatmap.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    finally:
+        from pretrain.distributed import destroy_distributed
+
+        destroy_distributed()

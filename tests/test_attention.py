@@ -1,0 +1,317 @@
+"""Attention kinds: causality, references, LISA sharing and sizes, tensor-parallel equivalence."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from models.attention.relu import relu_attention
+from models.attention.sink import sink_softmax_attention, sink_softmax_weights
+from models.attention.softmax import causal_softmax_weights, scaled_scores, softmax_attention
+from models.config import LISAConfig, ModelConfig
+from tests.dist_utils import free_port, spawn
+
+VOCAB = 128
+
+
+def small_cfg(attention: str, **extra) -> ModelConfig:
+    num_layers = len(attention) if len(attention) > 1 else 2
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_heads=4, num_layers=num_layers, ffn_hidden_size=96,
+                      max_seq_len=24, attention=attention, vocab_pad_to=64,
+                      lisa=LISAConfig(align_group=2, keep_full_layers=1), **extra)
+    cfg.relu_attention.block_size = 5  # several query blocks at seq 24
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """Megatron parallel state for one gloo process inside pytest (TP = 1)."""
+    from pretrain.distributed import destroy_distributed, init_distributed
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                             "MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    init_distributed(1, 1)
+    yield
+    destroy_distributed()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def full_values(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a full-size tensor, following the parameter's TP partitioning."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, rank = param.partition_dim, ps.get_tensor_model_parallel_rank()
+    size = param.shape[dim]
+    return full.narrow(dim, rank * size, size)
+
+
+def perturb_lisa(model, cfg: ModelConfig, seed: int = 7) -> None:
+    """Give the zero-initialised LISA pieces (key correction, FFN output) TP-independent values."""
+    from models.attention.lisa import LISAAttention
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in model.blocks:
+            attn = block.attn
+            if isinstance(attn, LISAAttention):
+                pieces = [(attn.qk.weight, (2 * cfg.num_heads * attn.rank, cfg.hidden_size))]
+                if attn.align.hidden:
+                    pieces.append((attn.align.w2, (cfg.num_heads // attn.align.group, attn.align.group,
+                                                   cfg.lisa.align_hidden)))
+                for param, full_shape in pieces:
+                    full = torch.randn(full_shape, generator=gen) * 0.3
+                    param.copy_(full_values(param, full))
+
+
+def build(cfg: ModelConfig, seed: int = 0):
+    from models.gpt import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    perturb_lisa(model, cfg)
+    return model
+
+
+# --- cores against references (no process group needed) -------------------------------------------
+
+def naive_relu(q, k, v, normalizer):
+    b, h, s, d = q.shape
+    out = torch.zeros_like(v)
+    for i in range(s):
+        n = {"none": 1.0, "prefix": float(i + 1), "seqlen": float(s)}[normalizer]
+        for j in range(i + 1):
+            w = torch.relu((q[:, :, i] * k[:, :, j]).sum(-1) / math.sqrt(d)) / n
+            out[:, :, i] += w.unsqueeze(-1) * v[:, :, j]
+    return out
+
+
+@pytest.mark.parametrize("normalizer", ["none", "prefix", "seqlen"])
+def test_relu_matches_naive_reference_with_grads(normalizer):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 11, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 3, 11, 8, generator=gen, dtype=torch.float64)
+    ref = naive_relu(q, k, v, normalizer)
+    ref_grads = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    for block in (1, 4, 11, 64):
+        out = relu_attention(q, k, v, normalizer, block)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_softmax_matches_explicit_reference():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = softmax_attention(q, k, v)
+    ref = torch.zeros_like(v)
+    for i in range(9):
+        s = (q[:, :, i:i + 1] @ k[:, :, : i + 1].transpose(-2, -1)).squeeze(-2) / math.sqrt(8)
+        ref[:, :, i] = (s.exp() / s.exp().sum(-1, keepdim=True)).unsqueeze(-2).matmul(v[:, :, : i + 1]).squeeze(-2)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(causal_softmax_weights(q, k) @ v, ref)
+
+
+def test_sink_softmax_matches_formula_and_fast_path():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 7, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sink = torch.tensor([-1.0, 0.5, 3.0], dtype=torch.float64, requires_grad=True)
+    weights = sink_softmax_weights(scaled_scores(q, k), sink)
+    s = scaled_scores(q, k)
+    for i in range(7):  # p_ij = e^s_ij / (e^b_h + sum_j' e^s_ij')
+        denom = sink.exp().view(1, 3) + s[:, :, i, : i + 1].exp().sum(-1)
+        torch.testing.assert_close(weights[:, :, i, : i + 1], s[:, :, i, : i + 1].exp() / denom.unsqueeze(-1))
+        assert torch.all(weights[:, :, i, i + 1:] == 0)
+    explicit = weights @ v
+    fast = sink_softmax_attention(q, k, v, sink)
+    torch.testing.assert_close(fast, explicit)
+    g1 = torch.autograd.grad(fast.sum(), (q, k, v, sink))
+    g2 = torch.autograd.grad(explicit.sum(), (q, k, v, sink))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+
+
+# --- whole models, one process ----------------------------------------------------------------------
+
+PATTERNS = ["s", "k", "r", "sl", "rl", "kll"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_no_information_from_future_tokens(single_process, pattern):
+    cfg = small_cfg(pattern)
+    model = build(cfg).double()
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    for capture in (False, True):  # fast kernels and the explicit (published / captured) path
+        base = model.logits(tokens, {"capture_attention": capture})
+        for t in (0, 9, 22):
+            changed = tokens.clone()
+            changed[:, t + 1] = (changed[:, t + 1] + 1) % VOCAB
+            out = model.logits(changed, {"capture_attention": capture})
+            torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-12)
+            assert not torch.allclose(out[:, t + 1], base[:, t + 1])
+
+
+@pytest.mark.parametrize("pattern", ["s", "k", "r"])
+def test_capture_does_not_change_outputs(single_process, pattern):
+    cfg = small_cfg(pattern)
+    model = build(cfg).double()
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
+    ctx = {"capture_attention": True}
+    torch.testing.assert_close(model.logits(tokens, ctx), model.logits(tokens))
+    assert sorted(ctx["attention_maps"]) == [0, 1]
+
+
+def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch):
+    """Scores handed across checkpointed blocks through ctx, and the alignment FFN in row blocks:
+    same loss and grads as one plain pass."""
+    from models.attention.lisa import HeadAlign
+    from models.gpt import GPT
+
+    cfg = small_cfg("krlsl")
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
+    grads = []
+    for ckpt, row_block in ((False, 256), (True, 7)):
+        monkeypatch.setattr(HeadAlign, "ROW_BLOCK", row_block)
+        torch.manual_seed(0)
+        model = GPT(cfg, activation_checkpointing=ckpt).double().train()
+        perturb_lisa(model, cfg)
+        with torch.no_grad():
+            for block in model.blocks:
+                if hasattr(block.attn, "align"):
+                    block.attn.align.b1.normal_()
+        loss = model(tokens, torch.roll(tokens, -1, 1))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for name, g in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], g, msg=name)
+
+
+@pytest.mark.parametrize("source", ["s", "r"])
+def test_lisa_identity_alignment_reproduces_previous_weights(single_process, source):
+    from models.attention.lisa import LISAAttention
+
+    cfg = small_cfg(source + "l")
+    torch.manual_seed(0)
+    from models.gpt import GPT
+
+    model = GPT(cfg).double()
+    lisa = model.blocks[1].attn
+    assert isinstance(lisa, LISAAttention) and model.blocks[0].attn.publish_scores
+    with torch.no_grad():
+        lisa.qk.weight.zero_()
+        lisa.align.w1.normal_()  # the FFN's hidden layer is live, only its output weight is zero
+        assert torch.equal(lisa.align.mix, torch.eye(2).expand_as(lisa.align.mix))
+    ctx = {"capture_attention": True}
+    model.logits(torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5)), ctx)
+    maps = ctx["attention_maps"]
+    torch.testing.assert_close(maps[1], maps[0], rtol=0, atol=1e-14)
+    with torch.no_grad():  # a head permutation is representable too: swap heads within each group
+        lisa.align.mix.copy_(torch.tensor([[0.0, 1.0], [1.0, 0.0]]).expand_as(lisa.align.mix))
+    ctx = {"capture_attention": True}
+    model.logits(torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5)), ctx)
+    maps = ctx["attention_maps"]
+    torch.testing.assert_close(maps[1], maps[0][:, [1, 0, 3, 2]], rtol=0, atol=1e-14)
+
+
+def test_lisa_qk_compression_and_exact_param_count(single_process):
+    from models.attention.lisa import lisa_param_count, qk_compression
+    from models.counting import param_counts
+
+    for hidden, heads in ((64, 4), (128, 4), (768, 12), (2048, 16)):
+        cfg = ModelConfig(hidden_size=hidden, num_heads=heads)
+        assert qk_compression(cfg) >= 6.0, (hidden, heads)
+        r = cfg.lisa.resolved_rank(cfg.head_dim)
+        assert 2 * hidden * hidden >= 6 * 2 * hidden * heads * r
+    cfg = small_cfg("kslrl")
+    model = build(cfg)
+    lisa = model.blocks[2].attn
+    assert sum(p.numel() for p in lisa.parameters()) == lisa_param_count(cfg)
+    qk_lisa = lisa.qk.weight.numel()
+    qk_full = 2 * cfg.hidden_size ** 2
+    assert qk_full / qk_lisa == qk_compression(cfg) >= 6
+    assert sum(p.numel() for p in model.parameters()) == param_counts(cfg)["total"]
+    cfg.lisa.align_hidden = 0  # linear head mixing only
+    model = build(cfg)
+    assert model.logits(torch.randint(0, VOCAB, (1, 24))).isfinite().all()
+    assert sum(p.numel() for p in model.blocks[2].attn.parameters()) == lisa_param_count(cfg)
+    assert sum(p.numel() for p in model.parameters()) == param_counts(cfg)["total"]
+
+
+def test_lisa_placement_is_validated():
+    cfg = ModelConfig(num_layers=4, attention="ssll", lisa=LISAConfig(keep_full_layers=3))
+    with pytest.raises(ValueError, match="keep_full_layers"):
+        cfg.attention_kinds()
+    cfg = ModelConfig(num_layers=2, attention="ls", lisa=LISAConfig(keep_full_layers=0))
+    with pytest.raises(ValueError, match="layer 0 is lisa"):
+        cfg.attention_kinds()
+    cfg = ModelConfig(num_layers=3, attention="srl", num_heads=4, lisa=LISAConfig(align_group=3, keep_full_layers=1))
+    with pytest.raises(ValueError, match="align_group"):
+        cfg.attention_kinds()
+    ModelConfig(num_layers=4, attention="ssll").attention_kinds()  # default keep_full_layers=2
+
+
+# --- tensor parallel = 2 equals tensor parallel = 1 ------------------------------------------------
+
+TP_PATTERN = "kslrl"
+
+
+def outputs_and_grads(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Full-vocabulary logits and full (TP-gathered) grads of a fixed loss."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    model = build(cfg).double()
+    world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(6))
+    local = model.logits(tokens)  # [batch, seq, padded_vocab / tp]
+    # A fixed random linear read-out of the full logits: each rank sums its vocabulary shard's part,
+    # and the column-parallel head all-reduces the input gradient, so grads are those of the total.
+    readout = torch.randn(2, 24, cfg.padded_vocab_size, generator=torch.Generator().manual_seed(8),
+                          dtype=torch.float64)
+    width = local.shape[-1]
+    (local * readout[..., rank * width:(rank + 1) * width]).sum().backward()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    logits = torch.cat(parts, dim=-1)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach()
+        if world > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g.contiguous(), group=ps.get_tensor_model_parallel_group())
+            g = torch.cat(parts, dim=p.partition_dim)
+        grads[name] = g
+    return logits.detach(), grads
+
+
+def _tp_worker(rank: int, out_path: str) -> None:
+    logits, grads = outputs_and_grads(small_cfg(TP_PATTERN))
+    if rank == 0:
+        torch.save({"logits": logits, "grads": grads}, out_path)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_1(single_process, tmp_path):
+    ref_logits, ref_grads = outputs_and_grads(small_cfg(TP_PATTERN))
+    spawn(_tp_worker, 2, str(tmp_path / "tp2.pt"), tensor=2)
+    tp2 = torch.load(tmp_path / "tp2.pt")
+    torch.testing.assert_close(tp2["logits"], ref_logits, rtol=1e-9, atol=1e-10)
+    assert tp2["grads"].keys() == ref_grads.keys()
+    checked = 0
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(tp2["grads"][name], g, rtol=1e-8, atol=1e-10, msg=name)
+        checked += bool(g.abs().sum() > 0)
+    assert any("sink" in n for n in ref_grads) and any("align.w1" in n for n in ref_grads)
+    assert checked >= len(ref_grads) - 1  # every parameter gets a gradient (all paths are live)

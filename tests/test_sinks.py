@@ -1,0 +1,148 @@
+"""Attention-sink metrics on hand-built maps, the trigger task, and a hybrid training run that
+logs sink metrics (TP = 2) followed by the checkpoint report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models.sinks import head_stats, scalars, sink_stats
+from tests import dist_utils
+from tests.dist_utils import REPO, train
+from tests.synthetic import tiny_overrides, write_synthetic_shards
+
+
+def causal_uniform(t: int) -> torch.Tensor:
+    return torch.ones(t, t).tril() / torch.arange(1, t + 1).unsqueeze(1)
+
+
+def test_alpha1_of_known_maps():
+    t = 8
+    full_sink = torch.zeros(t, t)
+    full_sink[:, 0] = 1.0
+    uniform = causal_uniform(t)
+    diagonal = torch.eye(t)
+    maps = torch.stack([full_sink, uniform, diagonal])  # three heads
+    alpha, total, share = head_stats(maps)
+    harmonic = sum(1.0 / (i + 1) for i in range(t)) / t  # mean_t 1/t
+    torch.testing.assert_close(alpha, torch.tensor([1.0, harmonic, 1.0 / t]))
+    torch.testing.assert_close(total, torch.ones(3))
+    stats = sink_stats({0: maps.unsqueeze(0), 1: torch.stack([uniform, uniform, full_sink]).unsqueeze(0)})
+    # alpha > 0.3: layer 0 heads (1, 0.34, 0.125) -> 2 of 3; layer 1 (0.34, 0.34, 1) -> 3 of 3
+    assert harmonic > 0.3
+    assert stats.sink_rate(0.3) == pytest.approx(5 / 6)
+    torch.testing.assert_close(stats.layer_sink_rate(0.3), torch.tensor([2 / 3, 1.0]))
+    assert stats.sink_rate(0.5) == pytest.approx(2 / 6)
+    flat = scalars(stats, 0.3)
+    assert flat["sink_rate"] == pytest.approx(5 / 6)
+    assert flat["layer00/head02/alpha1"] == pytest.approx(1 / t)
+
+
+def test_relu_absolute_weight_is_not_a_share():
+    """A ReLU head that outputs ~0 everywhere with a tiny weight on the first token: the share of
+    the row (Gu's proxy) says 'sink', the absolute weight does not."""
+    t = 16
+    quiet = torch.zeros(t, t)
+    quiet[:, 0] = 0.02  # only the first token gets any weight, and very little
+    busy = causal_uniform(t) * 2.0  # rows sum to 2, weight spread evenly
+    alpha, total, share = head_stats(torch.stack([quiet, busy]))
+    torch.testing.assert_close(alpha[0], torch.tensor(0.02))
+    torch.testing.assert_close(share[0], torch.tensor(1.0))  # the proxy would report a perfect sink
+    torch.testing.assert_close(total, torch.tensor([0.02, 2.0]))
+    stats = sink_stats({0: torch.stack([quiet, busy]).unsqueeze(0)})
+    # busy: alpha = 2 * mean 1/t = 0.68 > 0.3 is a real (absolute) concentration; quiet is not
+    assert stats.alpha1[0, 1] > 0.3
+    assert stats.sink_rate(0.3) == pytest.approx(0.5)
+
+
+def test_trigger_task_trains():
+    from bench.sink_trigger import TaskSpec, make_batch, train_model
+
+    spec = TaskSpec(seq=12, dim=8)
+    inputs, targets, trigger = make_batch(spec, 64, torch.Generator().manual_seed(0))
+    b, i = map(int, torch.nonzero(trigger)[0])
+    torch.testing.assert_close(targets[b, i], inputs[b, 1:i, :8].mean(0))  # mean of non-BOS content
+    assert targets[~trigger].abs().sum() == 0 and inputs[:, 0, 8].eq(1).all()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: extra threads only contend
+    try:
+        relu = train_model("relu", layers=1, heads=1, steps=40, spec=spec, width=16, seed=0, batch=32)
+        soft = train_model("softmax", layers=1, heads=2, steps=40, spec=spec, width=16, seed=0, batch=32)
+    finally:
+        torch.set_num_threads(threads)
+    for result in (relu, soft):
+        assert result["loss_end"] < 0.8 * result["loss_start"], result
+        assert 0.0 <= result["bos_mass_nontrigger"] <= 1.0
+    assert relu["row_total_nontrigger"] >= 0.0
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory):
+    """A 4-step TP = 2 run of a 5-layer hybrid (softmax, softmax_sink, softmax, relu, lisa)."""
+    tmp = tmp_path_factory.mktemp("hybrid")
+    root = write_synthetic_shards(tmp / "data", seq_len=32)
+    run = tmp / "run"
+    overrides = tiny_overrides(root, run, **{"train.steps": 4, "train.eval_interval": 2, "train.save_interval": 4})
+    train(2, overrides + ["model.attention=sksrl", "model.num_layers=5", "parallel.tensor=2",
+                          "model.lisa.align_group=2", "model.relu_attention.block_size=8"])
+    return root, run
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=dist_utils.child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path):
+    _, run = hybrid_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    sinks = [r for r in records if "sinks/sink_rate" in r]
+    assert [r["step"] for r in sinks] == [2, 4]
+    last = sinks[-1]
+    # TP = 2 holds 2 heads per rank; the logged heads are the gathered 4
+    assert {f"sinks/layer{l:02d}/head{h:02d}/alpha1" for l in range(5) for h in range(4)} <= last.keys()
+    assert "sinks/layer05/head00/alpha1" not in last and "sinks/layer00/head04/alpha1" not in last
+    assert 0.0 <= last["sinks/sink_rate"] <= 1.0
+    assert last["sinks/layer00/row_total"] == pytest.approx(1.0, abs=1e-5)  # softmax rows sum to one
+    assert last["sinks/layer01/row_total"] < 1.0  # softmax_sink: the sink logit takes a share
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+    out = tmp_path / "report"
+    proc = run_module("pretrain.sink_report", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
+                      "--out", str(out))
+    assert "Sink_1^0.3" in proc.stdout and "lisa" in proc.stdout
+    report = json.loads((out / "sink_report.json").read_text())
+    assert report["kinds"] == ["softmax", "softmax_sink", "softmax", "relu", "lisa"]
+    assert torch.tensor(report["alpha1"]).shape == (5, 4)
+    # the report merges the two tensor-parallel shards and measures the same batch: same numbers
+    for l in range(5):
+        for h in range(4):
+            assert report["alpha1"][l][h] == pytest.approx(last[f"sinks/layer{l:02d}/head{h:02d}/alpha1"], abs=1e-4)
+    assert (out / "sink_heatmap.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path):
+    root, run = hybrid_run
+    out = tmp_path / "lisa"
+    proc = run_module("pretrain.convert_lisa", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
+                      "--layers", "auto", "--calib-shards", str(root / "shards"), "--out", str(out),
+                      "--steps", "6", "--calib-batches", "2")
+    report = json.loads((out / "conversion.json").read_text())
+    # layers 0-1 are kept full; layer 3 (relu) cannot share a softmax layer's scores; so layer 2
+    assert report["layers"] == [2]
+    assert report["attention"] == "softmax,softmax_sink,lisa,relu,lisa"
+    assert report["qk_params"]["compression"] >= 6
+    p = report["params"]
+    assert p["converted"] < p["source"] and 0 < p["trained"] < 0.1 * p["converted"]
+    assert all(v == v and v < 10 for v in report["val_loss"].values())
+    assert "val loss: source" in proc.stdout
+    saved = torch.load(out / "lisa_model.pt", weights_only=False)
+    assert saved["model"]["attention"] == report["attention"]
