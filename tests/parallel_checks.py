@@ -46,3 +46,18 @@ def loader_batches(rank: int, shards_root: str, out_dir: str, batches: int = 3) 
     cfg.train.micro_batch = 4
     it = Batches(build_loader(cfg, "train", shuffle=True))
     torch.save(torch.cat([next(it) for _ in range(batches)]), f"{out_dir}/rank{rank}.pt")
+
+
+def meta_param_counts(rank: int, config_paths: list[str], out_path: str) -> None:
+    """Instantiate each config's model on the meta device; save counted vs instantiated sizes."""
+    from models.counting import param_counts
+    from models.gpt import GPT
+    from pretrain.config import load_config
+
+    results = {}
+    for path in config_paths:
+        cfg = load_config(path)
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        results[path] = (param_counts(cfg.model)["total"], sum(p.numel() for p in model.parameters()))
+    torch.save(results, out_path)

@@ -1,0 +1,98 @@
+"""Dropless token dispatch and combine over the expert-model-parallel group.
+
+Tokens are sorted by expert, exchanged with `all_to_all_single` using uneven splits (the
+per-expert counts are exchanged first), run through the local experts in expert-major order,
+sent back and summed per token with their routing weights. Every collective has an autograd
+backward, so gradients reach the experts, the inputs and the routing weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; the backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def capacity_mask(expert_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Keep the first `capacity` assignments of every expert, in token order (position policy).
+
+    expert_ids: [A] flattened (token-major) assignments. Returns a bool mask [A]."""
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.empty_like(expert_ids)
+    position[order] = torch.arange(expert_ids.numel(), device=expert_ids.device) - starts[expert_ids[order]]
+    return position < capacity
+
+
+def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts,
+                     num_experts: int, group=None) -> torch.Tensor:
+    """y[t] = sum_k weights[t, k] * expert_{expert_ids[t, k]}(x[t]) over the experts of the group.
+
+    x: [T, d]; expert_ids: [T, K] (-1 = dropped assignment); weights: [T, K] (any float dtype);
+    experts: the local experts (a sequence of modules, expert-major; global id = rank * L + i);
+    group: the expert-model-parallel group (None or size 1 = all experts local).
+    """
+    T, d = x.shape
+    K = expert_ids.shape[1]
+    ep = 1 if group is None else dist.get_world_size(group)
+    local = len(experts)
+    if local * ep != num_experts:
+        raise ValueError(f"{local} local experts x expert-parallel size {ep} != {num_experts} experts")
+    flat_ids = expert_ids.reshape(-1)
+    token_ids = torch.arange(T, device=x.device).repeat_interleave(K)
+    flat_w = weights.reshape(-1)
+    kept = flat_ids >= 0
+    flat_ids, token_ids, flat_w = flat_ids[kept], token_ids[kept], flat_w[kept]
+    order = torch.argsort(flat_ids, stable=True)  # expert-major (rank-major too)
+    sorted_ids, sorted_tokens = flat_ids[order], token_ids[order]
+    counts = torch.bincount(sorted_ids, minlength=num_experts)
+    send = x[sorted_tokens]
+    if ep > 1:
+        # How many tokens each source rank sends to each of my local experts: [ep, local].
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)
+        recv_counts = recv_counts.view(ep, local)
+        in_splits = counts.view(ep, local).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        received = all_to_all(send, out_splits, in_splits, group)
+        # Received rows are (source rank, local expert)-major; regroup them expert-major.
+        seg_expert = torch.arange(local, device=x.device).repeat(ep)
+        row_expert = seg_expert.repeat_interleave(recv_counts.reshape(-1))
+        regroup = torch.argsort(row_expert, stable=True)
+        per_expert = recv_counts.sum(0).tolist()
+        inputs = received[regroup]
+    else:
+        per_expert = counts.tolist()
+        inputs = send
+    outputs = []
+    for expert, chunk in zip(experts, inputs.split(per_expert)):
+        outputs.append(expert(chunk))
+    out = torch.cat(outputs) if outputs else inputs
+    if ep > 1:
+        restored = torch.empty_like(out)
+        restored = restored.index_copy(0, regroup, out) if out.numel() else out
+        out = all_to_all(restored, in_splits, out_splits, group)
+    out = out * flat_w[order].to(out.dtype).unsqueeze(-1)
+    return x.new_zeros(T, out.shape[-1]).index_add(0, sorted_tokens, out)

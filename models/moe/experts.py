@@ -1,0 +1,177 @@
+"""Routed experts in a DeepSpeed MoE container, with megatron-core's expert groups.
+
+DeepSpeed treats parameters as experts only inside a `deepspeed.moe.layer.MoE` module: the engine
+then reduces their gradients over the expert-data-parallel group (dividing by the full
+data-parallel size), builds MoE-aware ZeRO-1/2 optimizer groups, and saves each expert in its
+own `layer_{L}_expert_{E}_mp_rank_XX_model_states.pt` file keyed by the global expert id.
+`ExpertContainer` subclasses that MoE class but replaces its gate and GShard dispatch with the
+caller's routing and the dropless all-to-all in `models.moe.dispatch`.
+
+Process groups have one source of truth, megatron-core's parallel_state: when the engine asks the
+container to set up its groups, megatron-core's expert-model-parallel and expert-data-parallel
+groups are registered in DeepSpeed under the name `ep_size_{EP}`, instead of DeepSpeed creating
+its own. A differing pre-existing DeepSpeed group of that name is an error.
+
+Expert tensor parallelism follows megatron-core's default (expert TP size = TP size): each expert's
+D_e neurons are split across the tensor-parallel ranks like a dense SwiGLU (interleaved gate/up
+rows), every TP rank routes the same tokens, and the partial outputs are summed over TP by the
+caller. The expert-parallel group is then made of ranks with the same TP rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.moe.experts import Experts
+from deepspeed.moe.layer import MoE
+from megatron.core import parallel_state as ps
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import output_init, tp_size
+from models.moe.dispatch import dispatch_combine
+
+
+def ep_world() -> int:
+    return ps.get_expert_model_parallel_world_size()
+
+
+def ep_rank() -> int:
+    return ps.get_expert_model_parallel_rank()
+
+
+def group_name(ep: int) -> str:
+    return f"ep_size_{ep}"
+
+
+def register_deepspeed_expert_groups() -> str:
+    """Make DeepSpeed's expert / expert-data groups megatron-core's. Idempotent; returns the name."""
+    from deepspeed.utils import groups
+
+    ep = ep_world()
+    name = group_name(ep)
+    pairs = (
+        (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ps.get_expert_model_parallel_group()),
+        (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+         ps.get_expert_data_parallel_group()),
+    )
+    for registry, ranks_registry, group in pairs:
+        ranks = dist.get_process_group_ranks(group)
+        if name in registry:
+            existing = dist.get_process_group_ranks(registry[name])
+            if existing != ranks:
+                raise RuntimeError(f"DeepSpeed group {name} has ranks {existing} but megatron-core's has {ranks}")
+            continue
+        registry[name] = group
+        ranks_registry[name] = ranks
+    return name
+
+
+class ExpertMLP(nn.Module):
+    """One SwiGLU expert of width D_e, split over tensor-parallel ranks (gate/up rows interleaved).
+
+    `forward` returns this rank's partial output; the caller sums it over TP."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        local = width // tp_size()
+        self.w_in = nn.Parameter(torch.empty(2 * local, hidden))
+        self.w_out = nn.Parameter(torch.empty(hidden, local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.w_in).unflatten(-1, (-1, 2))
+        return F.linear(F.silu(gate_up[..., 0]) * gate_up[..., 1], self.w_out)
+
+
+class _Dispatcher(nn.Module):
+    """Stands where DeepSpeed's MOELayer stands (`deepspeed_moe`): holds `experts`."""
+
+    def __init__(self, experts: Experts, num_experts: int):
+        super().__init__()
+        self.experts = experts
+        self.num_experts = num_experts
+        self.ep_group = None
+        self.l_aux = None
+        self.exp_counts = None
+
+    def _set_ep_group(self, group) -> None:
+        self.ep_group = group
+
+    def forward(self, x, expert_ids, weights):
+        group = self.ep_group
+        if group is _SINGLE:
+            group = None
+        elif group is None:
+            group = ps.get_expert_model_parallel_group()
+        if group is not None and dist.get_world_size(group) == 1:
+            group = None
+        return dispatch_combine(x, expert_ids, weights, self.experts.deepspeed_experts, self.num_experts, group)
+
+
+class ExpertContainer(MoE):
+    """The N routed SwiGLU experts of one layer (this rank's N / EP of them), as a DeepSpeed MoE.
+
+    forward(x [T, d], expert_ids [T, K], weights [T, K]) -> this TP rank's partial [T, d].
+    Parameter keys follow DeepSpeed: `deepspeed_moe.experts.deepspeed_experts.{local}.w_in|w_out`.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_experts: int, width: int, ep_size: int | None = None):
+        nn.Module.__init__(self)  # MoE.__init__ would build a TopKGate whose weight stays unused
+        ep = ep_world() if ep_size is None else ep_size
+        if num_experts % ep:
+            raise ValueError(f"{num_experts} experts are not divisible by expert-parallel size {ep}")
+        if width % tp_size():
+            raise ValueError(f"expert width {width} is not divisible by tensor parallel size {tp_size()}")
+        if ps.get_expert_tensor_parallel_world_size() != tp_size():
+            raise ValueError("experts are split over the tensor-parallel group: megatron-core's expert tensor "
+                             "parallel size must equal the tensor parallel size (its default)")
+        self.use_residual = False
+        self.enable_expert_tensor_parallelism = False
+        self.ep_size = ep
+        self.expert_group_name = group_name(ep)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep
+        self.width = width
+        experts = Experts(ExpertMLP(cfg.hidden_size, width), self.num_local_experts, self.expert_group_name)
+        self.deepspeed_moe = _Dispatcher(experts, num_experts)
+        if ep == 1:
+            self.deepspeed_moe.ep_group = _SINGLE
+        self._init_weights(cfg, ep_rank() if ep > 1 else 0)
+        for param in self.parameters():
+            if tp_size() > 1:  # really split over TP: DeepSpeed must count it on every TP rank
+                param.tensor_model_parallel = True
+
+    @torch.no_grad()
+    def _init_weights(self, cfg: ModelConfig, rank: int) -> None:
+        """All N experts are drawn from the global RNG at full width, then this rank keeps its
+        slice: the same seed gives the same experts at every EP and TP size."""
+        d, n, width = cfg.hidden_size, self.num_experts, self.width
+        w_in = torch.empty(n, 2 * width, d)
+        nn.init.normal_(w_in, mean=0.0, std=cfg.init_std)
+        w_out = torch.empty(n, d, width)
+        output_init(cfg)(w_out)
+        tp, tp_rank = tp_size(), ps.get_tensor_model_parallel_rank()
+        local = width // tp
+        for i, expert in enumerate(self.deepspeed_moe.experts.deepspeed_experts):
+            g = rank * self.num_local_experts + i
+            expert.w_in.copy_(w_in[g, 2 * local * tp_rank: 2 * local * (tp_rank + 1)])
+            expert.w_out.copy_(w_out[g, :, local * tp_rank: local * (tp_rank + 1)])
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        if use_data_before_expert_parallel_:
+            raise ValueError("use_data_before_expert_parallel is not supported; megatron-core defines the groups")
+        if self.ep_size != ep_world():
+            raise RuntimeError(f"layer built for expert-parallel size {self.ep_size}, megatron-core has {ep_world()}")
+        register_deepspeed_expert_groups()
+        self.deepspeed_moe._set_ep_group(ps.get_expert_model_parallel_group())
+
+    def forward(self, x, expert_ids, weights):  # noqa: D102 (signature differs from MoE on purpose)
+        return self.deepspeed_moe(x, expert_ids, weights)
+
+
+class _Single:
+    """Marker: all experts local, no communication (ep_size=1 forced by the caller)."""
+
+
+_SINGLE = _Single()

@@ -1,0 +1,148 @@
+"""Matched UoE / MoE+shared-expert / dense configs from one size, and the YAML files built from them.
+
+Given d, layers, N experts, top-k, expert width D_e and shared width D_s (D_s % N == 0):
+* UoE ("additive", spec section 1.4): experts hold N_s = D_s / N routing neurons + D_e rest neurons;
+  the VSE (N * N_s = D_s wide) replaces the shared expert. No router.
+* MoE+shared: N experts of width D_e, one shared expert of width D_s, a learned router (N x d).
+* dense: a SwiGLU of width K * D_e + D_s, the active MLP width of both sparse models.
+UoE and MoE then have identical expert and shared/VSE parameters and active matmul FLOPs; they
+differ only by MoE's router (N * d parameters per layer, also counted as active), which
+`parity()` reports exactly.
+
+    python -m models.moe.matching            # print the table for every preset
+    python -m models.moe.matching --write configs   # (re)write configs/{preset}_{uoe,moe,moe_dense}.yaml
+
+The dense twin is written as {preset}_moe_dense.yaml, except for "tiny" whose dense twin is the
+existing configs/tiny_dense.yaml (same model; a test checks it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from models.config import ModelConfig, MoEConfig
+from models.counting import flops_per_token, param_counts
+
+
+def matched_models(base: ModelConfig, num_experts: int, top_k: int, expert_hidden: int,
+                   shared_hidden: int, **moe_extra) -> dict[str, ModelConfig]:
+    if shared_hidden % num_experts:
+        raise ValueError(f"shared width {shared_hidden} must be divisible by {num_experts} experts (N_s = D_s / N)")
+    moe = MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden_size=expert_hidden,
+                    shared_hidden_size=shared_hidden, routing_neurons=shared_hidden // num_experts, **moe_extra)
+    out = {}
+    for kind in ("uoe", "moe"):
+        cfg = copy.deepcopy(base)
+        cfg.mlp, cfg.moe = kind, copy.deepcopy(moe)
+        out[kind] = cfg
+    dense = copy.deepcopy(base)
+    dense.mlp, dense.moe = "dense", MoEConfig()
+    dense.ffn_hidden_size = top_k * expert_hidden + shared_hidden
+    out["dense"] = dense
+    return out
+
+
+def parity(models: dict[str, ModelConfig]) -> dict[str, dict]:
+    """Parameter / FLOP counts per kind, and UoE minus MoE in both (= minus the routers)."""
+    table = {kind: {**param_counts(cfg), "flops_per_token": flops_per_token(cfg)} for kind, cfg in models.items()}
+    uoe, moe = models["uoe"], models["moe"]
+    router = sum(moe.hidden_size * moe.moe.num_experts for i in range(moe.num_layers) if moe.mlp_kind(i) == "moe")
+    table["uoe_minus_moe"] = {"total": table["uoe"]["total"] - table["moe"]["total"],
+                              "active": table["uoe"]["active"] - table["moe"]["active"],
+                              "flops_per_token": table["uoe"]["flops_per_token"] - table["moe"]["flops_per_token"],
+                              "routers": router}
+    return table
+
+
+# Presets: (model fields, sparse shape, parallel / train hints). Sizes are total parameters of the
+# sparse models with a 32k vocabulary (untied); active sizes are printed by `main`.
+PRESETS = {
+    "tiny": dict(model=dict(vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
+                 sparse=dict(num_experts=4, top_k=2, expert_hidden_size=128, shared_hidden_size=96),
+                 parallel=dict(expert=2, zero_stage=2),
+                 train=dict(steps=300, micro_batch=8, lr=2.0e-3, warmup_steps=30, log_interval=10,
+                            eval_interval=50, save_interval=100),
+                 data=dict(shards="data/demo/shards", tokenizer="data/demo/tokenizer")),
+    "125m": dict(model=dict(vocab_size=32000, hidden_size=640, num_layers=8, num_heads=10, max_seq_len=2048),
+                 sparse=dict(num_experts=8, top_k=2, expert_hidden_size=512, shared_hidden_size=512),
+                 parallel=dict(expert=8, zero_stage=1),
+                 train=dict(steps=20000, micro_batch=16, lr=1.0e-3, warmup_steps=1000)),
+    "1b": dict(model=dict(vocab_size=32000, hidden_size=1536, num_layers=16, num_heads=16, max_seq_len=2048),
+               sparse=dict(num_experts=16, top_k=2, expert_hidden_size=768, shared_hidden_size=768),
+               parallel=dict(expert=8, zero_stage=1),
+               train=dict(steps=50000, micro_batch=8, lr=6.0e-4, warmup_steps=2000)),
+    # Fine-grained: 64 experts, top-8, expert width d/2, N_s = 768 / 64 = 12 routing neurons.
+    "3b": dict(model=dict(vocab_size=32000, hidden_size=1536, num_layers=12, num_heads=16, max_seq_len=2048),
+               sparse=dict(num_experts=64, top_k=8, expert_hidden_size=768, shared_hidden_size=768),
+               parallel=dict(expert=8, zero_stage=1),
+               train=dict(steps=100000, micro_batch=8, lr=4.0e-4, warmup_steps=2000)),
+}
+
+
+def preset_models(name: str) -> dict[str, ModelConfig]:
+    p = PRESETS[name]
+    s = p["sparse"]
+    return matched_models(ModelConfig(**p["model"]), s["num_experts"], s["top_k"], s["expert_hidden_size"],
+                          s["shared_hidden_size"])
+
+
+def preset_yaml(name: str, kind: str) -> dict:
+    p = PRESETS[name]
+    cfg = preset_models(name)[kind]
+    model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("relu_attention", "lisa")}
+    if kind == "dense":
+        model.pop("moe")
+    parallel = dict(tensor=1, **p["parallel"])
+    if kind == "dense":
+        parallel["expert"] = 1
+    run_name = f"{name}-{kind}"
+    return {"run": {"name": run_name, "dir": f"runs/{run_name}"}, "model": model,
+            "data": p.get("data", {"shards": "data/shards", "tokenizer": "data/tokenizer"}),
+            "parallel": parallel, "train": p["train"]}
+
+
+def write_configs(out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in PRESETS:
+        table = parity(preset_models(name))
+        for kind in ("uoe", "moe", "dense"):
+            if name == "tiny" and kind == "dense":
+                continue  # configs/tiny_dense.yaml is the dense twin
+            c = table[kind]
+            header = (f"# {name} {kind}: matched UoE / MoE+shared / dense set (python -m models.moe.matching).\n"
+                      f"# {c['total'] / 1e6:.1f}M parameters, {c['active'] / 1e6:.1f}M active, "
+                      f"{c['flops_per_token'] / 1e9:.2f} GFLOP/token (training).\n")
+            if name == "tiny":
+                header += "# CPU demo and tests: parallel.expert=2 needs 2 processes (torchrun --nproc-per-node 2).\n"
+            path = out_dir / f"{name}_{'moe_dense' if kind == 'dense' else kind}.yaml"
+            path.write_text(header + yaml.safe_dump(preset_yaml(name, kind), sort_keys=False))
+            written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", metavar="DIR", help="write the YAML configs into DIR")
+    args = parser.parse_args(argv)
+    for name in PRESETS:
+        table = parity(preset_models(name))
+        for kind in ("uoe", "moe", "dense"):
+            c = table[kind]
+            print(f"{name:>5} {kind:>5}: total {c['total'] / 1e6:9.1f}M  active {c['active'] / 1e6:8.1f}M  "
+                  f"{c['flops_per_token'] / 1e9:7.3f} GFLOP/token")
+        diff = table["uoe_minus_moe"]
+        print(f"{name:>5} uoe-moe: params {diff['total']:+d} (routers {diff['routers']}), "
+              f"FLOPs/token {diff['flops_per_token']:+.0f}")
+    if args.write:
+        for path in write_configs(Path(args.write)):
+            print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

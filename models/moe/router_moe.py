@@ -1,0 +1,49 @@
+"""Classic top-k MoE: a learned fp32 linear router, optional shared expert, routed SwiGLU experts.
+
+Router: logits = x W_r^T in fp32, p = softmax(logits) over all N experts, top-k on p (+ the
+aux-loss-free bias when enabled), weights = the k selected probabilities renormalised to sum to 1
+(identical to softmax over the k selected logits). The Switch aux loss uses p.
+The router weight is replicated over tensor-parallel ranks (every TP rank routes the same tokens);
+the shared expert is an ordinary TP-split SwiGLU of width model.moe.shared_hidden_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import SwiGLU, tp_size
+from models.moe.experts import ExpertContainer
+from models.moe.routing import RoutedLayer
+
+
+class RouterMoE(RoutedLayer):
+    def __init__(self, cfg: ModelConfig, layer: int, ep_size: int | None = None):
+        super().__init__(cfg, layer)
+        moe = cfg.moe
+        self.router = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+        nn.init.normal_(self.router, mean=0.0, std=cfg.init_std)
+        self.shared = SwiGLU(cfg, moe.shared_hidden_size) if moe.shared_hidden_size > 0 else None
+        self.experts = ExpertContainer(cfg, self.num_experts, moe.expert_hidden_size, ep_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = F.linear(x.float(), self.router.float())
+        probs = torch.softmax(logits, dim=-1)
+        # route() takes softmax over the selected scores; on log-probabilities that is exactly the
+        # renormalised top-k of p, and the aux loss's softmax of log p is p itself.
+        # The bias (when enabled) is thus added to log p for selection; telemetry reports p.
+        expert_ids, _, weights = self.route(torch.log_softmax(logits, dim=-1), stat_scores=probs)
+        if tp_size() > 1:
+            weights = copy_to_tensor_model_parallel_region(weights)
+        routed_in = copy_to_tensor_model_parallel_region(x) if tp_size() > 1 else x
+        y = self.experts(routed_in, expert_ids, weights)
+        if tp_size() > 1:
+            y = reduce_from_tensor_model_parallel_region(y)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.view(shape)

@@ -1,0 +1,93 @@
+"""Routing telemetry and the aux-loss-free bias update, as one trainer callback.
+
+Every step (after the optimizer step) the per-expert selection bias of each sparse layer is
+updated when model.moe.bias_update_rate > 0. On log steps the routing statistics gathered by the
+training forwards since the last log step are summed over the data-parallel group and written to
+TensorBoard under routing/layer{L}/...:
+  load_e{i}          fraction of the layer's token->expert assignments that went to expert i
+  load_entropy       entropy of that distribution / log(N) (1 = perfectly balanced)
+  max_load           max over experts of load / mean load (1 = perfectly balanced)
+  dropped_tokens     assignments dropped by the capacity factor (0 when dropless)
+  dropped_frac       dropped / assignments
+  score_e{i}         mean routing score of expert i (UoE: activation norm; MoE: router probability)
+  aux_loss           mean Switch aux loss per micro-batch (not logged when the coef is 0)
+  vse_over_routed    ||y_vse|| / ||y_r|| (UoE only)
+plus routing/load_entropy and routing/max_load averaged / maximised over layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from pretrain.trainer import Callback
+from models.moe.routing import RoutedLayer, sparse_layers
+
+
+def summarize(layer: RoutedLayer, totals: torch.Tensor) -> dict[str, float]:
+    n = layer.num_experts
+    counts, score_sum = totals[:n], totals[n:2 * n]
+    tokens, dropped, assignments, aux, forwards, vse_norm, routed_norm = totals[2 * n:].tolist()
+    out: dict[str, float] = {}
+    if assignments <= 0:
+        return out
+    frac = counts / counts.sum().clamp_min(1)
+    for i in range(n):
+        out[f"load_e{i}"] = float(frac[i])
+        out[f"score_e{i}"] = float(score_sum[i] / max(tokens, 1))
+    nz = frac[frac > 0]
+    out["load_entropy"] = float(-(nz * nz.log()).sum() / math.log(n)) if n > 1 else 1.0
+    out["max_load"] = float(frac.max() * n)
+    out["dropped_tokens"] = dropped
+    out["dropped_frac"] = dropped / assignments
+    if layer.aux_loss_coef > 0 and forwards > 0:
+        out["aux_loss"] = aux / forwards
+    if routed_norm > 0:
+        out["vse_over_routed"] = vse_norm / routed_norm
+    return out
+
+
+class RoutingTelemetry(Callback):
+    def __init__(self):
+        self.last: dict[str, float] = {}
+
+    def on_step_end(self, trainer, result) -> None:
+        layers = sparse_layers(trainer.model)
+        for layer in layers:
+            layer.update_bias()
+        if not result.metrics or not layers:
+            return
+        self.last = self.collect(layers)
+        trainer.logger.scalars(result.step, self.last, prefix="routing/")
+
+    @staticmethod
+    def collect(layers: list[RoutedLayer]) -> dict[str, float]:
+        """Collective over the data-parallel group; resets the layers' statistics."""
+        stacked = torch.cat([layer.stats.as_tensor() for layer in layers])
+        if dist.is_initialized() and ps.model_parallel_is_initialized():
+            dist.all_reduce(stacked, group=ps.get_data_parallel_group())
+        # Token-level sums add up over DP; norms and aux losses are per-rank averages.
+        dp = dist.get_world_size(ps.get_data_parallel_group()) if dist.is_initialized() else 1
+        metrics: dict[str, float] = {}
+        offset = 0
+        entropies, max_loads = [], []
+        for layer in layers:
+            size = 2 * layer.num_experts + 7
+            totals = stacked[offset: offset + size].clone()
+            offset += size
+            totals[2 * layer.num_experts + 3] /= dp  # aux
+            totals[2 * layer.num_experts + 4] /= dp  # forwards
+            summary = summarize(layer, totals)
+            layer.stats.reset()
+            for key, value in summary.items():
+                metrics[f"layer{layer.layer}/{key}"] = value
+            if "load_entropy" in summary:
+                entropies.append(summary["load_entropy"])
+                max_loads.append(summary["max_load"])
+        if entropies:
+            metrics["load_entropy"] = sum(entropies) / len(entropies)
+            metrics["max_load"] = max(max_loads)
+        return metrics

@@ -1,0 +1,100 @@
+"""Union-of-Experts (UoE): experts route themselves by the norm of their routing neurons, and the
+routing neurons of all experts together form a virtual shared expert (VSE).
+
+Expert i = [N_s routing neurons | D_e rest neurons] (SwiGLU). For every token:
+  z_i = x G_i, h_i = silu(z_i) * (x P_i)                      (all experts, one dense SwiGLU)
+  s_i = ||a_i||_2 in fp32, a_i in {h_i, silu(z_i), z_i}        (model.moe.score = h | silu | z)
+  I = top-k(s), w = softmax(s[I])
+  y_vse = sum_i c_i (h_i O_i), c_i = 1 (disjoint) or 1 + w_i [i in I] (overlap)
+  y_r   = sum_{i in I} w_i SwiGLU'_i(x)                         (the D_e rest neurons, expert parallel)
+  y = y_vse + y_r
+
+Layout: the VSE is one SwiGLU of width N * N_s whose neuron j belongs to expert j // N_s (rows of
+`vse_in` interleave gate/up per neuron, as in models.layers.SwiGLU). It is a dense (data-parallel)
+module; only the rest neurons live in the expert-parallel `experts` container.
+
+Tensor parallelism: the VSE is column/row split over TP like any SwiGLU, so each rank holds a
+contiguous slice of the N * N_s neurons (which may cut an expert's block). Every rank computes
+fp32 sums of squares of its neurons per expert, [T, N], and these are all-reduced over TP (a
+[T, N] fp32 all-reduce; backward is the identity since each partial only depends on local
+neurons). The combine weights enter TP-partial computations (rest experts, overlap scale), so
+their gradient is all-reduced over TP (copy-to-TP-region). Scores, selection and weights are
+therefore identical on all TP ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+
+from models.config import ModelConfig
+from models.layers import column_linear, row_linear, tp_size
+from models.moe.experts import ExpertContainer
+from models.moe.routing import RoutedLayer, recomputing, scores_from_norms
+
+SCORES = ("h", "silu", "z")
+VSE_MODES = ("overlap", "disjoint")
+
+
+def routing_neurons(cfg: ModelConfig) -> int:
+    moe = cfg.moe
+    return moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
+
+
+class UnionOfExperts(RoutedLayer):
+    def __init__(self, cfg: ModelConfig, layer: int, ep_size: int | None = None):
+        super().__init__(cfg, layer)
+        moe = cfg.moe
+        if moe.score not in SCORES:
+            raise ValueError(f"model.moe.score={moe.score!r}: choose one of {SCORES}")
+        if moe.vse_mode not in VSE_MODES:
+            raise ValueError(f"model.moe.vse_mode={moe.vse_mode!r}: choose one of {VSE_MODES}")
+        self.score = moe.score
+        self.vse_mode = moe.vse_mode
+        self.routing_neurons = routing_neurons(cfg)
+        if self.routing_neurons < 1:
+            raise ValueError("UoE needs routing neurons: set model.moe.routing_neurons or model.moe.shared_hidden_size "
+                             ">= num_experts")
+        width = self.num_experts * self.routing_neurons
+        if width % tp_size():
+            raise ValueError(f"VSE width {width} (experts x routing neurons) is not divisible by TP size {tp_size()}")
+        self.vse_in = column_linear(cfg, cfg.hidden_size, 2 * width)
+        self.vse_out = row_linear(cfg, width, cfg.hidden_size)
+        self.experts = ExpertContainer(cfg, self.num_experts, moe.expert_hidden_size, ep_size)
+        local = width // tp_size()
+        start = ps.get_tensor_model_parallel_rank() * local
+        self.register_buffer("neuron_expert", (torch.arange(start, start + local) // self.routing_neurons),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        T = x.shape[0]
+        gate_up, _ = self.vse_in(x)
+        gate_up = gate_up.unflatten(-1, (-1, 2))
+        z = gate_up[..., 0]
+        h = F.silu(z) * gate_up[..., 1]
+        a = {"h": h, "silu": F.silu(z) if self.score == "silu" else None, "z": z}[self.score]
+        sq = torch.zeros(T, self.num_experts, dtype=torch.float32, device=x.device)
+        sq = sq.index_add(1, self.neuron_expert, a.float().pow(2))
+        if tp_size() > 1:
+            sq = reduce_from_tensor_model_parallel_region(sq)
+        scores = scores_from_norms(sq)
+        expert_ids, selected, weights = self.route(scores)
+        if tp_size() > 1:
+            weights = copy_to_tensor_model_parallel_region(weights)
+        if self.vse_mode == "overlap":
+            scale = torch.ones_like(scores).scatter_add(1, selected, weights)
+            h = h * scale[:, self.neuron_expert].to(h.dtype)
+        y_vse, _ = self.vse_out(h)
+        routed_in = copy_to_tensor_model_parallel_region(x) if tp_size() > 1 else x
+        y_r = self.experts(routed_in, expert_ids, weights)
+        if tp_size() > 1:
+            y_r = reduce_from_tensor_model_parallel_region(y_r)
+        if self.training and not recomputing():
+            with torch.no_grad():
+                self.stats.vse_norm += float(y_vse.float().norm())
+                self.stats.routed_norm += float(y_r.float().norm())
+        return (y_vse + y_r).view(shape)

@@ -1,0 +1,79 @@
+"""Matched UoE / MoE+shared / dense configs: they validate, and their parameter and FLOP counts
+agree as designed (UoE = MoE minus its routers; dense = the sparse models' active compute)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.counting import flops_per_token, param_counts
+from models.moe.matching import PRESETS, matched_models, parity, preset_models, preset_yaml
+from pretrain.config import ConfigError, load_config, validate
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_matched_presets_parity(name):
+    models = preset_models(name)
+    table = parity(models)
+    uoe, moe, dense = table["uoe"], table["moe"], table["dense"]
+    routers = table["uoe_minus_moe"]["routers"]
+    assert routers == models["moe"].num_layers * models["moe"].moe.num_experts * models["moe"].hidden_size
+    assert uoe["total"] == moe["total"] - routers
+    assert uoe["active"] == moe["active"] - routers
+    assert uoe["flops_per_token"] == moe["flops_per_token"] - 6 * routers
+    assert dense["active"] == uoe["active"]
+    assert dense["flops_per_token"] == uoe["flops_per_token"]
+    assert abs(uoe["total"] - moe["total"]) / moe["total"] < 1e-3
+    m = models["uoe"].moe
+    assert m.routing_neurons * m.num_experts == m.shared_hidden_size  # VSE replaces the shared expert
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_config_files_match_presets(name):
+    for kind in ("uoe", "moe", "dense"):
+        file = "tiny_dense.yaml" if (name, kind) == ("tiny", "dense") else \
+            f"{name}_{'moe_dense' if kind == 'dense' else kind}.yaml"
+        cfg = load_config(CONFIGS / file)
+        wanted = preset_models(name)[kind]
+        for field in ("hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "vocab_size", "mlp"):
+            assert getattr(cfg.model, field) == getattr(wanted, field), (file, field)
+        if kind != "dense":
+            assert cfg.model.moe == wanted.moe, file
+            assert cfg.parallel.expert == preset_yaml(name, kind)["parallel"]["expert"]
+        world = cfg.parallel.expert * cfg.parallel.tensor
+        validate(cfg, world)
+        assert param_counts(cfg.model) == param_counts(wanted)
+        assert flops_per_token(cfg.model) == flops_per_token(wanted)
+
+
+def test_fine_grained_3b():
+    uoe = preset_models("3b")["uoe"]
+    assert (uoe.moe.num_experts, uoe.moe.top_k, uoe.moe.routing_neurons) == (64, 8, 12)
+    total = param_counts(uoe)["total"]
+    assert 2.5e9 < total < 3.5e9
+
+
+def test_matching_rejects_uneven_routing_neurons():
+    from models.config import ModelConfig
+
+    with pytest.raises(ValueError, match="divisible"):
+        matched_models(ModelConfig(), num_experts=3, top_k=1, expert_hidden=8, shared_hidden=8)
+
+
+def test_validation_of_sparse_settings():
+    cfg = load_config(CONFIGS / "tiny_uoe.yaml", ["model.moe.shared_hidden_size=0", "model.moe.routing_neurons=0"])
+    with pytest.raises(ConfigError, match="routing neurons"):
+        validate(cfg, 2)
+    cfg = load_config(CONFIGS / "tiny_uoe.yaml", ["model.moe.score=norm"])
+    with pytest.raises(ConfigError, match="score"):
+        validate(cfg, 2)
+    cfg = load_config(CONFIGS / "tiny_uoe.yaml", ["parallel.zero_stage=3"])
+    with pytest.raises(ConfigError, match="zero_stage=3"):
+        validate(cfg, 2)
+    cfg = load_config(CONFIGS / "tiny_uoe.yaml", ["parallel.tensor=2", "parallel.expert=1",
+                                                   "model.moe.routing_neurons=3", "model.moe.num_experts=3"])
+    with pytest.raises(ConfigError, match="virtual shared expert width"):
+        validate(cfg, 2)

@@ -1,0 +1,423 @@
+"""UoE and router-MoE layers against plain per-token references, on real gloo process groups:
+single process (both VSE modes x all three scores, capacity dropping, bias, aux loss),
+EP=2 vs EP=1 with the same weights, EP=2 x DP=2 and EP=2 x TP=2 on 4 processes, and dispatch
+edge cases (an expert with no tokens, every token to one expert, one token on a rank)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+from tests.dist_utils import spawn
+
+EPS = 1e-6
+ATOL = 2e-5  # fp32 batched vs per-token summation order
+D, N, K, DE, NS = 16, 4, 2, 8, 3
+
+
+# ----------------------------------------------------------------------------- reference
+
+def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def full_weights(layer) -> dict:
+    """Unsharded weights (gathered over TP and EP) as fresh leaves. Experts: [N, 2De, d], [N, d, De]."""
+    tp = ps.get_tensor_model_parallel_group()
+    experts = layer.experts.deepspeed_moe.experts.deepspeed_experts
+    w_in = torch.stack([_gather(e.w_in, 0, tp) for e in experts])
+    w_out = torch.stack([_gather(e.w_out, 1, tp) for e in experts])
+    if layer.experts.ep_size > 1:
+        ep = ps.get_expert_model_parallel_group()
+        w_in, w_out = _gather(w_in, 0, ep), _gather(w_out, 0, ep)
+    out = {"expert_in": w_in, "expert_out": w_out}
+    if hasattr(layer, "vse_in"):
+        out["vse_in"] = _gather(layer.vse_in.weight, 0, tp)
+        out["vse_out"] = _gather(layer.vse_out.weight, 1, tp)
+    else:
+        out["router"] = layer.router.detach().clone()
+        if layer.shared is not None:
+            out["shared_in"] = _gather(layer.shared.w_in.weight, 0, tp)
+            out["shared_out"] = _gather(layer.shared.w_out.weight, 1, tp)
+    return {k: v.requires_grad_() for k, v in out.items()}
+
+
+def swiglu(x, w_in, w_out):
+    """x: [d]; the rows of w_in interleave gate and up per neuron."""
+    return w_out @ (F.silu(w_in[0::2] @ x) * (w_in[1::2] @ x))
+
+
+def topk_plain(values, k):
+    return sorted(range(len(values)), key=lambda i: -values[i])[:k]
+
+
+def capacity_keep(choices, n, capacity):
+    used, keep = [0] * n, []
+    for row in choices:
+        keep.append([])
+        for e in row:
+            keep[-1].append(capacity is None or used[e] < capacity)
+            used[e] += 1
+    return keep
+
+
+def switch_aux(probs, choices, n, k, coef):
+    T = len(probs)
+    f = [sum(row.count(i) for row in choices) / T for i in range(n)]
+    p_mean = [sum(p[i] for p in probs) / T for i in range(n)]
+    return coef * n / k * sum(f[i] * p_mean[i] for i in range(n))
+
+
+def uoe_reference(x, w, n, k, ns, score, mode, coef, bias=None, capacity_factor=0.0):
+    """x: [T, d]; returns (y [T, d], aux loss, dropped assignments)."""
+    T = x.shape[0]
+    G, P, O = w["vse_in"][0::2], w["vse_in"][1::2], w["vse_out"]
+    probs, choices, weights, hs = [], [], [], []
+    for t in range(T):
+        norms, h_all = [], []
+        for i in range(n):
+            z = G[i * ns:(i + 1) * ns] @ x[t]
+            h = F.silu(z) * (P[i * ns:(i + 1) * ns] @ x[t])
+            a = {"h": h, "silu": F.silu(z), "z": z}[score]
+            norms.append(torch.sqrt((a.float() ** 2).sum() + EPS))
+            h_all.append(h)
+        s = torch.stack(norms)
+        chosen = topk_plain((s.detach() + (0 if bias is None else bias)).tolist(), k)
+        probs.append(torch.softmax(s, 0))
+        choices.append(chosen)
+        weights.append(torch.softmax(s[chosen], 0))
+        hs.append(h_all)
+    keep = capacity_keep(choices, n, math.ceil(T * k / n * capacity_factor) if capacity_factor > 0 else None)
+    rows = []
+    for t in range(T):
+        y = torch.zeros_like(x[t])
+        for i in range(n):
+            c = 1.0 + weights[t][choices[t].index(i)] if mode == "overlap" and i in choices[t] else 1.0
+            y = y + c * (O[:, i * ns:(i + 1) * ns] @ hs[t][i])
+        for j, e in enumerate(choices[t]):
+            if keep[t][j]:
+                y = y + weights[t][j] * swiglu(x[t], w["expert_in"][e], w["expert_out"][e])
+        rows.append(y)
+    return torch.stack(rows), switch_aux(probs, choices, n, k, coef), sum(not v for r in keep for v in r)
+
+
+def moe_reference(x, w, n, k, coef, capacity_factor=0.0):
+    T = x.shape[0]
+    probs, choices, weights = [], [], []
+    for t in range(T):
+        p = torch.softmax(w["router"] @ x[t].float(), 0)
+        chosen = topk_plain(p.tolist(), k)
+        probs.append(p)
+        choices.append(chosen)
+        weights.append(p[chosen] / p[chosen].sum())
+    keep = capacity_keep(choices, n, math.ceil(T * k / n * capacity_factor) if capacity_factor > 0 else None)
+    rows = []
+    for t in range(T):
+        y = torch.zeros_like(x[t])
+        if "shared_in" in w:
+            y = y + swiglu(x[t], w["shared_in"], w["shared_out"])
+        for j, e in enumerate(choices[t]):
+            if keep[t][j]:
+                y = y + weights[t][j] * swiglu(x[t], w["expert_in"][e], w["expert_out"][e])
+        rows.append(y)
+    return torch.stack(rows), switch_aux(probs, choices, n, k, coef), sum(not v for r in keep for v in r)
+
+
+# ----------------------------------------------------------------------------- harness
+
+def make_cfg(kind: str, **moe):
+    from models.config import ModelConfig, MoEConfig
+
+    base = dict(num_experts=N, top_k=K, expert_hidden_size=DE, shared_hidden_size=N * NS, aux_loss_coef=0.01)
+    base.update(moe)
+    return ModelConfig(hidden_size=D, num_layers=2, mlp=kind, moe=MoEConfig(**base))
+
+
+def build(kind: str, cfg, ep_size=None):
+    from models.moe.router_moe import RouterMoE
+    from models.moe.uoe import UnionOfExperts
+
+    torch.manual_seed(1234)
+    return (UnionOfExperts if kind == "uoe" else RouterMoE)(cfg, 0, ep_size)
+
+
+def check_against_reference(kind: str, tokens: int = 10, bias=None, **moe) -> int:
+    """Layer vs reference on this rank's tokens: outputs, aux loss, dropped count, and the gradients
+    of x and of every (local shard of a) parameter. Tokens are shared by TP ranks, differ over DP."""
+    cfg = make_cfg(kind, **moe)
+    layer = build(kind, cfg)
+    if bias is not None:
+        layer.router_bias.copy_(bias)
+    gen = torch.Generator().manual_seed(100 + ps.get_data_parallel_rank())
+    x = torch.randn(2, tokens // 2, D, generator=gen, requires_grad=True)
+    g = torch.randn(2, tokens // 2, D, generator=gen)
+    y = layer(x)
+    aux = layer.aux_loss if layer.aux_loss is not None else torch.zeros(())
+    ((y * g).sum() + aux).backward()
+
+    w = full_weights(layer)
+    xr = x.detach().reshape(-1, D).clone().requires_grad_()
+    m = cfg.moe
+    if kind == "uoe":
+        yr, auxr, dropped = uoe_reference(xr, w, N, m.top_k, layer.routing_neurons, m.score, m.vse_mode, m.aux_loss_coef, bias,
+                                          m.capacity_factor)
+    else:
+        yr, auxr, dropped = moe_reference(xr, w, N, m.top_k, m.aux_loss_coef, m.capacity_factor)
+    ((yr * g.reshape(-1, D)).sum() + auxr).backward()
+
+    torch.testing.assert_close(y.reshape(-1, D), yr, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(aux, torch.as_tensor(auxr, dtype=aux.dtype), atol=1e-7, rtol=1e-5)
+    assert layer.last_dropped == dropped
+    return dropped
+    torch.testing.assert_close(x.grad.reshape(-1, D), xr.grad, atol=ATOL, rtol=1e-4)
+    _compare_param_grads(layer, w)
+
+
+def _compare_param_grads(layer, w) -> None:
+    tp, tpr = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    # Expert grads: the owner's grad sums the contributions of every rank of its EP group.
+    gin, gout = w["expert_in"].grad.clone(), w["expert_out"].grad.clone()
+    if layer.experts.ep_size > 1:
+        dist.all_reduce(gin, group=ps.get_expert_model_parallel_group())
+        dist.all_reduce(gout, group=ps.get_expert_model_parallel_group())
+    local = layer.experts.num_local_experts
+    first = (ps.get_expert_model_parallel_rank() if layer.experts.ep_size > 1 else 0) * local
+    for i, expert in enumerate(layer.experts.deepspeed_moe.experts.deepspeed_experts):
+        rows, cols = expert.w_in.shape[0], expert.w_out.shape[1]
+        torch.testing.assert_close(expert.w_in.grad, gin[first + i, rows * tpr: rows * (tpr + 1)], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(expert.w_out.grad, gout[first + i, :, cols * tpr: cols * (tpr + 1)],
+                                   atol=ATOL, rtol=1e-4)
+
+    def split(full, dim):
+        return full.chunk(tp, dim=dim)[tpr]
+
+    if "vse_in" in w:
+        torch.testing.assert_close(layer.vse_in.weight.grad, split(w["vse_in"].grad, 0), atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(layer.vse_out.weight.grad, split(w["vse_out"].grad, 1), atol=ATOL, rtol=1e-4)
+    else:
+        torch.testing.assert_close(layer.router.grad, w["router"].grad, atol=ATOL, rtol=1e-4)
+        if "shared_in" in w:
+            torch.testing.assert_close(layer.shared.w_in.weight.grad, split(w["shared_in"].grad, 0), atol=ATOL,
+                                       rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- workers
+
+def _reference_suite(rank: int) -> None:
+    for mode in ("overlap", "disjoint"):
+        for score in ("h", "silu", "z"):
+            check_against_reference("uoe", score=score, vse_mode=mode)
+    assert check_against_reference("uoe", tokens=16, capacity_factor=1.0, aux_loss_coef=0.0) > 0  # drops, no aux
+    check_against_reference("uoe", bias_update_rate=0.1, bias=torch.tensor([0.0, 0.5, -0.5, 0.05]))
+    check_against_reference("uoe", routing_neurons=5, shared_hidden_size=0, top_k=3)
+    check_against_reference("moe")
+    check_against_reference("moe", shared_hidden_size=0, top_k=1)
+    assert check_against_reference("moe", tokens=16, capacity_factor=0.75) > 0
+
+
+def _parallel_suite(rank: int) -> None:
+    for kind in ("uoe", "moe"):
+        check_against_reference(kind)
+        check_against_reference(kind, tokens=16, capacity_factor=1.0)
+    check_against_reference("uoe", vse_mode="disjoint", score="z")
+
+
+def _ep2_vs_ep1(rank: int) -> None:
+    """Same seed, EP=2 layer vs an all-local EP=1 layer: same outputs, aux loss and gradients."""
+    for kind in ("uoe", "moe"):
+        cfg = make_cfg(kind)
+        ep2, ep1 = build(kind, cfg), build(kind, cfg, ep_size=1)
+        assert ep2.experts.num_local_experts == N // 2 and ep1.experts.num_local_experts == N
+        gen = torch.Generator().manual_seed(7 + rank)
+        x = torch.randn(3, 4, D, generator=gen)
+        g = torch.randn(3, 4, D, generator=gen)
+        grads = []
+        for layer in (ep2, ep1):
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            ((y * g).sum() + layer.aux_loss).backward()
+            grads.append((y.detach(), layer.aux_loss.detach(), xi.grad))
+        for a, b in zip(grads[0], grads[1]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        dense2 = {n: p.grad for n, p in ep2.named_parameters() if "experts" not in n}
+        dense1 = {n: p.grad for n, p in ep1.named_parameters() if "experts" not in n}
+        assert dense2.keys() == dense1.keys() and dense2
+        for name in dense2:
+            torch.testing.assert_close(dense2[name], dense1[name], atol=1e-6, rtol=1e-5)
+        e1 = ep1.experts.deepspeed_moe.experts.deepspeed_experts
+        # EP=1: each rank's expert grads come from its own tokens; EP=2: the owner sees all tokens.
+        totals = {p: torch.stack([getattr(e, p).grad for e in e1]) for p in ("w_in", "w_out")}
+        for t in totals.values():
+            dist.all_reduce(t)
+        for i, e in enumerate(ep2.experts.deepspeed_moe.experts.deepspeed_experts):
+            g_global = rank * (N // 2) + i
+            torch.testing.assert_close(e.w_in, e1[g_global].w_in)  # same init at any EP size
+            for pname in ("w_in", "w_out"):
+                torch.testing.assert_close(getattr(e, pname).grad, totals[pname][g_global], atol=1e-6, rtol=1e-5)
+
+
+def _dispatch_edges(rank: int) -> None:
+    from models.moe.dispatch import dispatch_combine
+    from models.moe.experts import ExpertContainer
+
+    cfg = make_cfg("moe")
+    torch.manual_seed(5)
+    ep2 = ExpertContainer(cfg, N, DE)
+    torch.manual_seed(5)
+    ep1 = ExpertContainer(cfg, N, DE, ep_size=1)
+    group = ps.get_expert_model_parallel_group()
+    cases = {
+        # every token of both ranks to expert 3 (rank 0's experts get nothing)
+        "all_to_one": ([[3, 3]] * 5, [[3, 3]] * 4),
+        # one token on rank 0; rank 1 sends nothing to rank 0's experts
+        "one_token": ([[0, 2]], [[3, 2], [2, 3]]),
+        # a rank with no tokens at all
+        "empty_rank": ([[1, 2], [0, 3]], []),
+        # dropped assignments (-1) mixed in
+        "dropped": ([[1, -1], [-1, -1]], [[-1, 0]]),
+    }
+    for name, per_rank in cases.items():
+        ids = torch.tensor(per_rank[rank], dtype=torch.long).reshape(-1, 2)
+        gen = torch.Generator().manual_seed(11 + rank)
+        x = torch.randn(ids.shape[0], D, generator=gen)
+        w = torch.rand(ids.shape[0], 2, generator=gen)
+        out = []
+        for experts, grp in ((ep2.deepspeed_moe.experts.deepspeed_experts, group),
+                             (ep1.deepspeed_moe.experts.deepspeed_experts, None)):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = dispatch_combine(xi, ids, wi, experts, N, grp)
+            (y * (1 + torch.arange(D))).sum().backward()
+            out.append((y.detach(), xi.grad, wi.grad))
+        for a, b in zip(*out):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _bias_update(rank: int) -> None:
+    cfg = make_cfg("uoe", bias_update_rate=0.25)
+    layer = build("uoe", cfg)
+    layer.pending_counts.copy_(torch.tensor([4.0, 0.0, 2.0, 2.0]) * (rank + 1))
+    layer.update_bias()  # DP sum: [12, 0, 6, 6], mean 6
+    torch.testing.assert_close(layer.router_bias, torch.tensor([-0.25, 0.25, 0.0, 0.0]))
+    assert float(layer.pending_counts.abs().sum()) == 0
+
+
+def _deepspeed_groups(rank: int) -> None:
+    """DeepSpeed's expert / expert-data groups are megatron-core's, for the layout in use."""
+    from deepspeed.utils import groups
+
+    from models.moe.experts import register_deepspeed_expert_groups
+
+    name = register_deepspeed_expert_groups()
+    assert name == f"ep_size_{ps.get_expert_model_parallel_world_size()}"
+    assert groups._get_expert_parallel_group(name) is ps.get_expert_model_parallel_group()
+    assert groups._get_expert_data_parallel_group(name) is ps.get_expert_data_parallel_group()
+    assert groups._get_expert_parallel_group_dict()[name] is ps.get_expert_model_parallel_group()
+    assert register_deepspeed_expert_groups() == name  # idempotent
+
+
+def _engine_wiring(rank: int) -> None:
+    """A real DeepSpeed engine on a UoE GPT: MoE detected, MoE-aware ZeRO param groups, expert groups
+    identical to megatron-core's, and expert grads reduced over the expert-data-parallel group."""
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.utils import groups
+
+    from models.gpt import GPT
+    from pretrain.config import Config
+    from pretrain.engine import build_engine
+
+    cfg = Config()
+    cfg.model = make_cfg("uoe")
+    cfg.model.vocab_size, cfg.model.max_seq_len, cfg.model.num_heads = 64, 8, 2
+    cfg.train.precision, cfg.train.steps, cfg.train.warmup_steps = "fp32", 4, 1
+    cfg.parallel.expert, cfg.parallel.zero_stage = ps.get_expert_model_parallel_world_size(), 2
+    torch.manual_seed(0)
+    engine = build_engine(cfg, GPT(cfg.model))
+    name = f"ep_size_{cfg.parallel.expert}"
+    assert engine.has_moe_layers
+    assert engine.expert_parallel_group[name] is ps.get_expert_model_parallel_group()
+    assert engine.expert_data_parallel_group[name] is ps.get_expert_data_parallel_group()
+    assert dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name)) == \
+        dist.get_process_group_ranks(ps.get_expert_data_parallel_group())
+    moe_groups = [g for g in engine.optimizer.optimizer.param_groups if g.get("moe")]
+    dense_groups = [g for g in engine.optimizer.optimizer.param_groups if not g.get("moe")]
+    assert moe_groups and {g["name"] for g in moe_groups} == {name}
+    expert_params = [p for p in engine.module.parameters() if is_moe_param(p)]
+    n_local = sum(p.numel() for p in expert_params)
+    assert n_local == 2 * 3 * D * DE * N // cfg.parallel.expert  # 2 layers, this rank's experts
+    assert all(not is_moe_param(p) for p in engine.module.parameters() if p.dim() == 1) and dense_groups
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
+    loss = engine(tokens[:, :-1], tokens[:, 1:])
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss)
+
+
+# ----------------------------------------------------------------------------- tests
+
+def _param_counts_exact(rank: int) -> None:
+    """models.counting matches the modules: dense params once, experts summed over EP ranks."""
+    from deepspeed.moe.utils import is_moe_param
+
+    from models.counting import param_counts
+    from models.gpt import GPT
+
+    for kind in ("uoe", "moe"):
+        cfg = make_cfg(kind)
+        cfg.vocab_size, cfg.num_heads = 256, 2
+        model = GPT(cfg)
+        dense = sum(p.numel() for p in model.parameters() if not is_moe_param(p))
+        experts = torch.tensor(float(sum(p.numel() for p in model.parameters() if is_moe_param(p))))
+        dist.all_reduce(experts, group=ps.get_expert_model_parallel_group())
+        assert dense + int(experts) == param_counts(cfg)["total"], kind
+        # Activation checkpointing re-runs the dispatch in backward; statistics count it once.
+        model.activation_checkpointing = True
+        tokens = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(rank))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        stats = model.blocks[0].mlp.stats
+        assert stats.tokens == 12 and stats.forwards == 1 and int(stats.counts.sum()) == 12 * cfg.moe.top_k
+        assert all(p.grad is not None for p in model.parameters() if not is_moe_param(p)), kind
+
+
+def _two_proc_suite(rank: int) -> None:
+    _param_counts_exact(rank)
+    _reference_suite(rank)
+    _ep2_vs_ep1(rank)
+    _dispatch_edges(rank)
+    _bias_update(rank)
+    _deepspeed_groups(rank)
+    _engine_wiring(rank)
+
+
+def test_layers_ep2_reference_ep1_equivalence_and_edge_cases():
+    """EP=2 on 2 processes: every layer variant vs the reference, EP=2 vs EP=1, dispatch edge cases,
+    bias update, DeepSpeed group agreement and a real engine step."""
+    spawn(_two_proc_suite, 2, expert=2)
+
+
+def _four_proc_suite(rank: int) -> None:
+    """EP=2 x DP=4 (EDP=2), then the same ranks re-initialised as TP=2 x EP=2 (DP=2, EDP=1)."""
+    from deepspeed.utils import groups
+
+    _parallel_suite(rank)
+    _deepspeed_groups(rank)
+    ps.destroy_model_parallel()
+    groups._EXPERT_PARALLEL_GROUP.clear()
+    groups._EXPERT_DATA_PARALLEL_GROUP.clear()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    assert ps.get_tensor_model_parallel_world_size() == 2 and ps.get_expert_data_parallel_world_size() == 1
+    _parallel_suite(rank)
+    _deepspeed_groups(rank)
+
+
+def test_four_processes_dp_and_tp():
+    spawn(_four_proc_suite, 4, expert=2)
