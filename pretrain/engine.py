@@ -48,6 +48,8 @@ def deepspeed_config(cfg: Config) -> dict:
                 "warmup_min_ratio": 1.0 / max(t.warmup_steps, 1),  # the first step already learns
                 "cos_min_ratio": t.min_lr_ratio,
                 "warmup_type": "linear",
+                # DeepSpeed's schedule starts at iteration -1, i.e. lr 0 for the first step.
+                "last_batch_iteration": 0,
             },
         },
     }

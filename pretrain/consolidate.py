@@ -1,0 +1,277 @@
+"""A training checkpoint -> one full, single-process state dict, for any saved layout.
+
+    from pretrain.consolidate import load_model, consolidate
+    model, cfg, meta = load_model("runs/x/checkpoints/step_00001000")   # GPT at TP=1, fp32, eval mode
+    state, cfg, meta = consolidate("runs/x")                            # newest complete checkpoint
+
+Layouts read (DeepSpeed files in RUN_DIR/checkpoints/step_XXXXXXXX/):
+
+* ZeRO 0/1/2: `mp_rank_{TP:02d}_model_states.pt` holds the whole 'module' of tensor-parallel rank TP.
+* ZeRO-3: parameters are partitioned over the data-parallel group; the fp32 master weights are
+  rebuilt from `zero_pp_rank_{DP}_mp_rank_{TP:02d}_{model,optim}_states.pt` with DeepSpeed's
+  zero_to_fp32 helpers, one tensor-parallel rank at a time.
+* Expert weights (MoE / UoE) saved as `layer_{L}_expert_{E}_mp_rank_{TP:02d}_model_states.pt`
+  are added under their global expert id (models.moe.convert_experts' naming).
+
+Tensor-parallel shards are then concatenated along each parameter's `partition_dim`, read from a
+model built at tensor-parallel size 1 (megatron-core marks every split parameter with
+`tensor_model_parallel` and `partition_dim`, also at size 1), so any module built from
+megatron-core parallel layers (any attention kind) merges without code here;
+parameters not marked (norms, routers, DeepSpeed expert weights) are compared with their full
+shape: a shard that is whole is taken from rank 0, one smaller by the tensor-parallel size along
+exactly one dimension is concatenated along it (contiguous splits). The result
+is keyed exactly like `GPT(cfg).state_dict()` at TP=1 and EP=1.
+
+Every file the layout needs is checked before anything is read, so a partial checkpoint (no
+COMPLETE marker) or one missing a rank's files fails with a message naming what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint import COMPLETE, TAG_PATTERN, latest_complete, read_meta
+
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+
+
+class ConsolidateError(RuntimeError):
+    """The checkpoint cannot be read as asked; the message says what is wrong and what to do."""
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete checkpoint tag directory from a tag directory or a run directory."""
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return path
+    if TAG_PATTERN.match(path.name) or any(path.glob("*_model_states.pt")):
+        raise ConsolidateError(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker: the save was interrupted or is "
+            "still running); point at a complete step_XXXXXXXX directory or at the run directory"
+        )
+    for ckpt_dir in (path / "checkpoints", path):
+        if ckpt_dir.is_dir():
+            found = latest_complete(ckpt_dir)
+            if found is not None:
+                return found
+    raise ConsolidateError(f"{path}: no complete checkpoint found (expected RUN_DIR/checkpoints/step_XXXXXXXX/"
+                           f"{COMPLETE}, or a step_XXXXXXXX directory)")
+
+
+def run_config(tag_dir: Path):
+    """The resolved run config saved next to the checkpoints (RUN_DIR/config.yaml), or None."""
+    from pretrain.config import load_config
+
+    path = tag_dir.parent.parent / "config.yaml"
+    return load_config(path) if path.is_file() else None
+
+
+def model_config(model: dict):
+    """A ModelConfig from the dict stored in a COMPLETE marker."""
+    from models.config import ModelConfig
+    from pretrain.config import _apply
+
+    cfg = ModelConfig()
+    _apply(cfg, model, "model.")
+    return cfg
+
+
+def describe_layout(tag_dir: Path, meta: dict) -> dict:
+    """{"tensor", "data", "zero3", "experts"} read from the file names and the marker; raises
+    ConsolidateError naming every file a complete checkpoint of that layout would have but this lacks."""
+    names = {p.name for p in tag_dir.iterdir()}
+    zero3 = sorted((int(m.group(1)), int(m.group(2))) for n in names if (m := ZERO3_MODEL.match(n)))
+    mp = sorted(int(m.group(1)) for n in names if (m := MP_MODEL.match(n)))
+    experts = any(EXPERT_FILE.match(n) for n in names)
+    world = int(meta.get("world_size", 1))
+    cfg = run_config(tag_dir)
+    # Without the run's config.yaml: the highest tensor-parallel rank any file is named after.
+    named = [int(m.group(1)) for n in names if (m := re.search(r"mp_rank_(\d+)_", n))]
+    tensor = cfg.parallel.tensor if cfg is not None else max(named + [0]) + 1
+    if world % tensor:
+        raise ConsolidateError(f"{tag_dir}: world size {world} in {COMPLETE} is not divisible by tensor-parallel "
+                               f"size {tensor} (parallel.tensor in {tag_dir.parent.parent / 'config.yaml'})")
+    data = world // tensor
+    missing = [f"rank_{r:05d}.pt" for r in range(world) if f"rank_{r:05d}.pt" not in names]
+    if zero3:
+        for d in range(data):
+            for t in range(tensor):
+                model_file = f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt"
+                if model_file not in names:
+                    missing.append(model_file)
+                if not any(n.endswith(f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt") for n in names):
+                    missing.append(f"[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")
+    else:
+        missing += [f"mp_rank_{t:02d}_model_states.pt" for t in range(tensor) if t not in mp]
+    if experts:
+        for t in range(tensor):
+            if not any((m := EXPERT_FILE.match(n)) and int(m.group(3)) == t for n in names):
+                missing.append(f"layer_*_expert_*_mp_rank_{t:02d}_model_states.pt")
+    if missing:
+        raise ConsolidateError(
+            f"checkpoint {tag_dir} (world size {world} = tensor {tensor} x data {data}, "
+            f"{'ZeRO-3' if zero3 else 'ZeRO 0-2'}) is missing {len(missing)} file(s): {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}; copy the whole checkpoint directory or use another step"
+        )
+    return {"tensor": tensor, "data": data, "zero3": bool(zero3), "experts": experts}
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _zero3_state(tag_dir: Path, mp_rank: int) -> dict[str, torch.Tensor]:
+    """fp32 weights of one tensor-parallel rank from its data-parallel ZeRO-3 partitions."""
+    from deepspeed.utils import zero_to_fp32
+
+    suffix = f"mp_rank_{mp_rank:02d}_"
+    with tempfile.TemporaryDirectory(prefix="consolidate-") as tmp:
+        for f in tag_dir.iterdir():
+            if f.name.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_")) and suffix in f.name:
+                os.symlink(f.resolve(), Path(tmp) / f.name)
+        with contextlib.redirect_stdout(sys.stderr):
+            state = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint(tmp, exclude_frozen_parameters=False)
+            # Lazy views over the flat partitions: materialise while the files are reachable.
+            return {k: v.contiguous() if hasattr(v, "contiguous") else v for k, v in state.items()}
+
+
+def _rank_state(tag_dir: Path, mp_rank: int, layout: dict) -> dict[str, torch.Tensor]:
+    if layout["zero3"]:
+        state = _zero3_state(tag_dir, mp_rank)
+    else:
+        state = dict(_load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"])
+    if layout["experts"]:
+        from models.moe.convert_experts import EXPERT_KEY
+
+        state = {k: v for k, v in state.items() if not EXPERT_KEY.match(k)}
+        for f in sorted(tag_dir.glob(f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt")):
+            state.update(_load(f))  # keys carry the global expert id
+    return state
+
+
+def partition_dims(model: torch.nn.Module) -> dict[str, int | None]:
+    """name -> the dimension tensor parallelism splits (None: not marked, see merge_tensor_parallel)."""
+    return {name: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
+                   and getattr(p, "partition_dim", None) is not None else None)
+            for name, p in model.named_parameters()}
+
+
+def _split_dim(name: str, shard: torch.Tensor, full: torch.Size, tp: int) -> int | None:
+    """For a parameter megatron-core did not mark (e.g. expert weights): the one dimension whose
+    shard size times the tensor-parallel size is the full size; None when the shard is whole."""
+    if tuple(shard.shape) == tuple(full):
+        return None
+    dims = [d for d in range(shard.dim()) if shard.shape[d] * tp == full[d] and shard.shape[d] != full[d]]
+    same = all(shard.shape[d] == full[d] for d in range(shard.dim()) if d not in dims)
+    if len(dims) != 1 or not same or shard.dim() != len(full):
+        raise ConsolidateError(f"{name}: cannot tell how a tensor-parallel shard {tuple(shard.shape)} makes up the "
+                               f"full shape {tuple(full)} at tensor-parallel size {tp}")
+    return dims[0]
+
+
+def merge_tensor_parallel(shards: list[dict[str, torch.Tensor]], dims: dict[str, int | None],
+                          full_shapes: dict[str, torch.Size] | None = None) -> dict:
+    """Concatenate each split parameter's shards along its partition dim (marked by megatron-core,
+    else inferred from the full shape); whole tensors come from rank 0."""
+    if len(shards) == 1:
+        return dict(shards[0])
+    full_shapes = full_shapes or {}
+    merged = {}
+    for name, value in shards[0].items():
+        if not torch.is_tensor(value):
+            merged[name] = value
+            continue
+        dim = dims.get(name)
+        if dim is None and name in full_shapes:
+            dim = _split_dim(name, value, full_shapes[name], len(shards))
+        if dim is None:
+            merged[name] = value
+            continue
+        missing = [r for r, s in enumerate(shards) if name not in s]
+        if missing:
+            raise ConsolidateError(f"tensor-parallel rank(s) {missing} hold no {name}; the checkpoint is inconsistent")
+        merged[name] = torch.cat([s[name] for s in shards], dim=dim)
+    return merged
+
+
+def init_single_process() -> None:
+    """A one-process gloo group with megatron-core's parallel state at TP=1 (no-op if present)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from pretrain.distributed import init_distributed
+
+    if dist.is_initialized() and ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != 1 or ps.get_expert_model_parallel_world_size() != 1:
+            raise ConsolidateError("consolidation builds the model at tensor/expert-parallel size 1; "
+                                   "run it in a single process")
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    init_distributed(1, 1)
+
+
+def _float32(state: dict) -> dict:
+    return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}
+
+
+def consolidate(checkpoint: str | os.PathLike, model: torch.nn.Module | None = None):
+    """(full fp32 state dict keyed like GPT(cfg) at TP=1, ModelConfig, marker meta).
+
+    `model`: a GPT of this config built at TP=1 (built here, and discarded, when not given)."""
+    tag_dir = resolve_checkpoint(checkpoint)
+    meta = read_meta(tag_dir)
+    if "model" not in meta:
+        raise ConsolidateError(f"{tag_dir / COMPLETE} has no 'model' entry; it was not written by pretrain.train")
+    cfg = model_config(meta["model"])
+    layout = describe_layout(tag_dir, meta)
+    if model is None:
+        from models.gpt import GPT
+
+        init_single_process()
+        model = GPT(cfg)
+    shards = [_float32(_rank_state(tag_dir, t, layout)) for t in range(layout["tensor"])]
+    full_shapes = {k: v.shape for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    state = merge_tensor_parallel(shards, partition_dims(model), full_shapes)
+    meta = {**meta, "layout": layout, "checkpoint": str(tag_dir)}
+    return state, cfg, meta
+
+
+def load_model(checkpoint: str | os.PathLike):
+    """(GPT at TP=1 in fp32 with the checkpoint's weights, eval mode; ModelConfig; meta)."""
+    from models.gpt import GPT
+
+    tag_dir = resolve_checkpoint(checkpoint)
+    cfg = model_config(read_meta(tag_dir)["model"])
+    init_single_process()
+    model = GPT(cfg)
+    state, cfg, meta = consolidate(tag_dir, model)
+    own = model.state_dict()
+    for key in own:  # megatron-core's per-layer extra state (None); ZeRO-3 reconstruction omits it
+        if key.endswith("_extra_state"):
+            state.setdefault(key, own[key])
+    unexpected = sorted(set(state) - set(own))
+    missing = sorted(set(own) - set(state))
+    if unexpected or missing:
+        raise ConsolidateError(f"checkpoint {tag_dir} does not match model {cfg.mlp}/{cfg.attention}: "
+                               f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+    bad = [k for k in own if torch.is_tensor(own[k]) and (not torch.is_tensor(state[k]) or own[k].shape != state[k].shape)]
+    if bad:
+        raise ConsolidateError(f"checkpoint {tag_dir}: shapes differ from the model for {bad[:6]} "
+                               f"(e.g. {bad[0]}: {tuple(state[bad[0]].shape)} vs {tuple(own[bad[0]].shape)})")
+    model.load_state_dict(state, strict=True)
+    return model.eval(), cfg, meta

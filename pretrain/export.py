@@ -1,0 +1,255 @@
+"""Export a training checkpoint as a Hugging Face model folder.
+
+    python -m pretrain.export --checkpoint RUN_DIR[/checkpoints/step_XXXXXXXX] --out DIR [--dtype bf16|fp32]
+
+Reads any saved layout (tensor parallel, data parallel with ZeRO 0-3; see pretrain.consolidate)
+and writes DIR/config.json, model.safetensors (sharded above --max-shard-size, with an index),
+generation_config.json and the tokenizer (tokenizer.model + tokenizer.json + tokenizer_config.json,
+loadable as LlamaTokenizer and LlamaTokenizerFast; it encodes text to the same ids as the
+SentencePiece model used for training: no BOS/EOS added, no dummy prefix, byte fallback).
+
+Dense softmax models become a standard `LlamaForCausalLM`:
+
+* fused head-major QKV rows [head, q|k|v, head_dim] -> q_proj / k_proj / v_proj (no RoPE
+  permutation: both use the half-split rotate_half layout, theta = model.rope_base);
+* interleaved SwiGLU rows (gate_n, up_n) -> gate_proj / up_proj; w_out -> down_proj;
+* RMSNorm eps = model.norm_eps; tied embeddings -> tie_word_embeddings;
+* the vocabulary padding (model.vocab_pad_to) is trimmed: config.vocab_size = model.vocab_size
+  (the tokenizer's size). The exported logits equal the framework's logits[..., :vocab_size];
+  the padded rows never correspond to a token, so sampling and scoring over real tokens are
+  unchanged (the framework's softmax also spans the padded entries, which training pushes
+  towards zero probability, so per-token losses can differ in the last digits).
+
+Other models (relu / sink / LISA attention, MoE / UoE MLPs) have no standard Hugging Face
+architecture; they are refused with a clear error, nothing written.
+
+The folder is written to a temporary sibling and renamed into place at the end, so an error
+never leaves a partial DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pretrain.consolidate import ConsolidateError, consolidate, resolve_checkpoint, run_config
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_exportable(cfg) -> None:
+    kinds = cfg.attention_kinds()
+    other = sorted({k for k in kinds if k != "softmax"})
+    if other:
+        raise ExportError(f"export of model.attention={cfg.attention!r} ({', '.join(other)} layers) not supported "
+                          "yet: only softmax attention maps onto LlamaForCausalLM")
+    mlps = sorted({cfg.mlp_kind(i) for i in range(cfg.num_layers)} - {"dense"})
+    if mlps:
+        raise ExportError(f"export of model.mlp={cfg.mlp} not supported yet: only dense SwiGLU MLPs map onto "
+                          "LlamaForCausalLM")
+    if cfg.hidden_size % cfg.num_heads:
+        raise ExportError(f"hidden_size {cfg.hidden_size} not divisible by num_heads {cfg.num_heads}")
+
+
+def llama_config(cfg, dtype: torch.dtype, special: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=float(cfg.rope_base),
+        rope_scaling=None,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=bool(cfg.tie_embeddings),
+        initializer_range=cfg.init_std,
+        bos_token_id=special["bos"],
+        eos_token_id=special["eos"],
+        pad_token_id=special["pad"],
+        torch_dtype=dtype,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def to_llama_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Framework names/layouts (TP=1, full tensors) -> LlamaForCausalLM state dict."""
+    h, hd, d, v = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size
+    out = {"model.embed_tokens.weight": state["embed.weight"][:v], "model.norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["head.weight"][:v]
+    for i in range(cfg.num_layers):
+        src, dst = f"blocks.{i}.", f"model.layers.{i}."
+        qkv = state[src + "attn.qkv.weight"].view(h, 3, hd, d)
+        w_in = state[src + "mlp.w_in.weight"]
+        out.update({
+            dst + "self_attn.q_proj.weight": qkv[:, 0].reshape(h * hd, d),
+            dst + "self_attn.k_proj.weight": qkv[:, 1].reshape(h * hd, d),
+            dst + "self_attn.v_proj.weight": qkv[:, 2].reshape(h * hd, d),
+            dst + "self_attn.o_proj.weight": state[src + "attn.out.weight"],
+            dst + "mlp.gate_proj.weight": w_in[0::2],
+            dst + "mlp.up_proj.weight": w_in[1::2],
+            dst + "mlp.down_proj.weight": state[src + "mlp.w_out.weight"],
+            dst + "input_layernorm.weight": state[src + "attn_norm.weight"],
+            dst + "post_attention_layernorm.weight": state[src + "mlp_norm.weight"],
+        })
+    return {k: t.contiguous().clone() for k, t in out.items()}
+
+
+def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict) -> Path | None:
+    """The SentencePiece tokenizer directory: --tokenizer, else the run's data.tokenizer; checked
+    against the checkpoint's tokenizer sha256. None when the run used no SentencePiece model."""
+    from data_prep.train_tokenizer import MODEL_FILE, sha256_file
+
+    if explicit:
+        path = Path(explicit)
+    else:
+        cfg = run_config(tag_dir)
+        path = Path(cfg.data.tokenizer) if cfg is not None else None
+    if path is None or not (path / MODEL_FILE).is_file():
+        if explicit:
+            raise ExportError(f"--tokenizer {explicit}: no {MODEL_FILE} there")
+        return None
+    want = meta.get("tokenizer_sha256")
+    got = sha256_file(path / MODEL_FILE)
+    if want and want != got:
+        raise ExportError(f"tokenizer {path / MODEL_FILE} (sha256 {got[:12]}) is not the one this checkpoint was "
+                          f"trained with (sha256 {want[:12]}); pass --tokenizer with the run's tokenizer directory")
+    return path
+
+
+def special_ids(tokenizer_dir: Path | None) -> dict:
+    from data_prep.train_tokenizer import SPECIAL_IDS
+
+    ids = {"unk": SPECIAL_IDS["unk_id"], "bos": SPECIAL_IDS["bos_id"], "eos": SPECIAL_IDS["eos_id"],
+           "pad": SPECIAL_IDS["pad_id"]}
+    if tokenizer_dir is not None:
+        from data_prep.train_tokenizer import load_tokenizer
+
+        sp, _ = load_tokenizer(tokenizer_dir)
+        ids = {"unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
+    return ids
+
+
+def hf_tokenizer(tokenizer_dir: Path):
+    """A LlamaTokenizerFast over the SentencePiece model that encodes exactly like it (ids only,
+    no BOS/EOS added, no dummy prefix)."""
+    from transformers import LlamaTokenizerFast
+
+    from data_prep.train_tokenizer import MODEL_FILE, load_tokenizer
+
+    sp, _ = load_tokenizer(tokenizer_dir)
+    piece = sp.id_to_piece
+    return LlamaTokenizerFast(
+        vocab_file=str(tokenizer_dir / MODEL_FILE),
+        unk_token=piece(sp.unk_id()), bos_token=piece(sp.bos_id()), eos_token=piece(sp.eos_id()),
+        pad_token=piece(sp.pad_id()) if sp.pad_id() >= 0 else None,
+        add_bos_token=False, add_eos_token=False, legacy=False, add_prefix_space=False,
+        clean_up_tokenization_spaces=False, model_max_length=None,
+    )
+
+
+def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir: Path | None,
+                 max_shard_size: str, extra_meta: dict) -> None:
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    special = special_ids(tokenizer_dir)
+    config = llama_config(cfg, dtype, special)
+    hf_state = {k: t.to(dtype) for k, t in to_llama_state(cfg, state).items()}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(hf_state, strict=False, assign=True)
+    allowed = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    if unexpected or set(missing) - allowed:
+        raise ExportError(f"internal mapping error: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        model.tie_weights()
+    model.generation_config = GenerationConfig(bos_token_id=special["bos"], eos_token_id=special["eos"],
+                                               pad_token_id=special["pad"], do_sample=True, temperature=1.0,
+                                               top_p=1.0, max_length=cfg.max_seq_len)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    if tokenizer_dir is not None:
+        hf_tokenizer(tokenizer_dir).save_pretrained(out)
+    (out / "export_info.json").write_text(json.dumps(extra_meta, indent=1, default=str))
+
+
+def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str | None = None,
+           max_shard_size: str = "5GB", overwrite: bool = False) -> Path:
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose {', '.join(DTYPES)}")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+    tag_dir = resolve_checkpoint(checkpoint)
+    from pretrain.checkpoint import read_meta
+    from pretrain.consolidate import model_config
+
+    meta = read_meta(tag_dir)
+    check_exportable(model_config(meta["model"]))
+    tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta)
+    state, cfg, meta = consolidate(tag_dir)
+    info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"],
+            "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
+            "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        write_folder(tmp, cfg, state, DTYPES[dtype], tokenizer_dir, max_shard_size, info)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if tokenizer_dir is None:
+        print("warning: the run has no SentencePiece tokenizer.model (data.tokenizer); exported the model "
+              "without a tokenizer (pass --tokenizer DIR to add one)", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
+    parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 2GB")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)
+    except (ExportError, ConsolidateError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    finally:
+        from pretrain.distributed import destroy_distributed
+
+        destroy_distributed()
+    sys.exit(code)

@@ -1,0 +1,122 @@
+"""Sample text from a training checkpoint in one process (CPU or one GPU).
+
+    python -m pretrain.generate --checkpoint RUN_DIR[/checkpoints/TAG] --prompt "def main(" \\
+        [--max-new-tokens 64 --temperature 0.8 --top-p 0.95 --greedy --seed 0]
+
+The checkpoint is consolidated (any TP / DP / ZeRO layout, see pretrain.consolidate) into a model
+at tensor-parallel size 1. The prompt is encoded with the run's SentencePiece tokenizer
+(data.tokenizer in RUN_DIR/config.yaml, or --tokenizer) exactly as the training shards were:
+no BOS, no dummy prefix. --prompt-ids "5,6,7" gives token ids directly (runs without a tokenizer).
+Sampling only draws real tokens (ids < model.vocab_size; the padding rows of the embedding are
+never sampled) and stops at EOS or after --max-new-tokens. The context is cut to the last
+model.max_seq_len tokens (RoPE tables end there). Prints the continuation; --json prints ids too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+             greedy: bool = False, eos_id: int | None = None, generator: torch.Generator | None = None) -> list[int]:
+    """New token ids after `prompt` (a full forward per token: simple, fine for small models)."""
+    cfg = model.cfg
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    tokens = list(prompt)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        context = torch.tensor([tokens[-cfg.max_seq_len:]])
+        logits = model.logits(context)[0, -1, : cfg.vocab_size].float()
+        if greedy or temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            probs = filter_top_p(torch.softmax(logits / temperature, dim=-1), top_p)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        tokens.append(token)
+        new.append(token)
+        if eos_id is not None and token == eos_id:
+            break
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pretrain.consolidate import ConsolidateError, load_model, resolve_checkpoint
+    from pretrain.export import ExportError, find_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m pretrain.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature / top-p)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
+    parser.add_argument("--json", action="store_true", help="print a JSON object with ids and text")
+    args = parser.parse_args(argv)
+    if not 0.0 < args.top_p <= 1.0 or args.max_new_tokens < 0:
+        print("error: --top-p must be in (0, 1] and --max-new-tokens >= 0", file=sys.stderr)
+        return 2
+    try:
+        from pretrain.checkpoint import read_meta
+
+        tag_dir = resolve_checkpoint(args.checkpoint)
+        tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
+        sp = None
+        if tokenizer_dir is not None:
+            from data_prep.train_tokenizer import load_tokenizer
+
+            sp, _ = load_tokenizer(tokenizer_dir)
+        if args.prompt is not None:
+            if sp is None:
+                raise ExportError("this run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR "
+                                  "or give --prompt-ids")
+            prompt_ids = sp.encode(args.prompt)
+        else:
+            prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        model, cfg, _ = load_model(tag_dir)
+        bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ExportError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
+        eos = sp.eos_id() if sp is not None else 2
+        new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, args.greedy, eos,
+                       torch.Generator().manual_seed(args.seed))
+    except (ConsolidateError, ExportError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    text = sp.decode(new) if sp is not None else None
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "ids": new, "text": text}))
+    else:
+        print(text if text is not None else " ".join(map(str, new)))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    finally:
+        from pretrain.distributed import destroy_distributed
+
+        destroy_distributed()
+    sys.exit(code)

@@ -1,0 +1,220 @@
+"""Import a local Hugging Face Llama-architecture model as a training checkpoint.
+
+    python -m pretrain.import_hf --model HF_DIR --out RUN_DIR [--tokenizer TOK_DIR] [--max-seq-len N]
+
+Writes RUN_DIR/checkpoints/step_00000000 through a real single-process DeepSpeed engine
+(pretrain.engine.build_engine + pretrain.checkpoint.save, ZeRO-1, fresh optimizer state) and
+RUN_DIR/config.yaml with the model section filled in (data.tokenizer = --tokenizer when given;
+set data.shards and the train.* keys for the run). Continue training with
+
+    python -m pretrain.train --config RUN_DIR/config.yaml data.shards=... train.resume=RUN_DIR/checkpoints/step_00000000
+
+Accepted: `LlamaForCausalLM` with num_key_value_heads == num_attention_heads (no grouped-query
+attention), silu MLP, no attention/MLP biases, no rope_scaling, head_dim = hidden / heads. Any other
+architecture or setting is refused with a clear error and nothing is written to --out.
+
+Mapping (the inverse of pretrain.export): q/k/v rows -> the fused head-major QKV weight,
+gate/up rows -> the interleaved SwiGLU w_in, embedding and head padded to model.vocab_pad_to with
+zero rows (padded logits are 0 until training pushes them down; --vocab-pad-to 1 avoids padding
+when the vocabulary is divisible by the tensor-parallel size you will train at).
+
+Resuming the imported checkpoint works at tensor-parallel size 1, any data-parallel size, ZeRO
+stage 0, 1 or 2: the marker records no optimizer state worth restoring (expert_parallel = 0), so
+pretrain.checkpoint.load restores the weights and schedule and starts the optimizer fresh, as
+after an expert-parallel change. Resuming at tensor-parallel size > 1 or at ZeRO-3 is not possible
+from these DeepSpeed files (they hold one unsplit TP rank); import once, train a step at TP=1 or
+re-split the weights yourself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class ImportError_(RuntimeError):
+    pass
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ImportError_(f"--model {model_dir}: no config.json there (expected a Hugging Face model folder)")
+    return json.loads(path.read_text())
+
+
+def check_supported(hf: dict) -> None:
+    arch = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" or arch != ["LlamaForCausalLM"]:
+        raise ImportError_(f"unsupported architecture {arch or hf.get('model_type')!r} (model_type="
+                           f"{hf.get('model_type')!r}): only LlamaForCausalLM can be imported")
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    if kv != heads:
+        raise ImportError_(f"num_key_value_heads={kv} != num_attention_heads={heads}: grouped-query attention is "
+                           "not supported by this framework's attention (every head has its own K/V)")
+    problems = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (need silu)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        problems.append("attention_bias / mlp_bias (the framework's projections have no bias)")
+    if hf.get("rope_scaling"):
+        problems.append(f"rope_scaling={hf['rope_scaling']!r} (only plain RoPE)")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if hf["hidden_size"] % heads or head_dim * heads != hf["hidden_size"]:
+        problems.append(f"head_dim={head_dim} x heads={heads} != hidden_size={hf['hidden_size']}")
+    if problems:
+        raise ImportError_("unsupported Llama settings: " + "; ".join(problems))
+
+
+def model_config_from_hf(hf: dict, max_seq_len: int | None, vocab_pad_to: int):
+    from models.config import ModelConfig
+
+    rope = hf.get("rope_theta")
+    if rope is None:
+        rope = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"], ffn_hidden_size=hf["intermediate_size"],
+        max_seq_len=max_seq_len or hf.get("max_position_embeddings", 2048), rope_base=float(rope),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)), vocab_pad_to=vocab_pad_to,
+        attention="softmax", mlp="dense",
+    )
+
+
+def load_hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM state dict -> framework names/layouts at TP=1 (padded vocabulary)."""
+    h, hd, d, v, pv = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size, cfg.padded_vocab_size
+
+    def pad(w: torch.Tensor) -> torch.Tensor:
+        return torch.cat([w, w.new_zeros(pv - v, w.shape[1])]) if pv > v else w
+
+    out = {"embed.weight": pad(hf["model.embed_tokens.weight"]), "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["head.weight"] = pad(hf["lm_head.weight"])
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"blocks.{i}."
+        q, k, val = (hf[src + f"self_attn.{n}_proj.weight"].view(h, hd, d) for n in "qkv")
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out.update({
+            dst + "attn.qkv.weight": torch.stack([q, k, val], dim=1).reshape(3 * h * hd, d),
+            dst + "attn.out.weight": hf[src + "self_attn.o_proj.weight"],
+            dst + "mlp.w_in.weight": torch.stack([gate, up], dim=1).reshape(2 * cfg.ffn_hidden_size, d),
+            dst + "mlp.w_out.weight": hf[src + "mlp.down_proj.weight"],
+            dst + "attn_norm.weight": hf[src + "input_layernorm.weight"],
+            dst + "mlp_norm.weight": hf[src + "post_attention_layernorm.weight"],
+        })
+    return {k: t.float().contiguous().clone() for k, t in out.items()}
+
+
+def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None = None,
+                 max_seq_len: int | None = None, vocab_pad_to: int = 128, overwrite: bool = False) -> Path:
+    from models.gpt import GPT
+    from pretrain import checkpoint
+    from pretrain.config import Config, save_config, validate
+    from pretrain.consolidate import init_single_process
+    from pretrain.engine import build_engine
+
+    model_dir, out = Path(model_dir), Path(out)
+    hf_cfg = read_hf_config(model_dir)
+    check_supported(hf_cfg)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ImportError_(f"--out {out} exists and is not empty; choose a new run directory or pass --overwrite")
+    tokenizer_sha = None
+    if tokenizer:
+        from data_prep.train_tokenizer import load_tokenizer
+
+        sp, meta = load_tokenizer(tokenizer)
+        if sp.get_piece_size() != hf_cfg["vocab_size"]:
+            raise ImportError_(f"--tokenizer {tokenizer} has {sp.get_piece_size()} tokens but the model's "
+                               f"vocab_size is {hf_cfg['vocab_size']}")
+        tokenizer_sha = meta["sha256"]
+    cfg = Config()
+    cfg.model = model_config_from_hf(hf_cfg, max_seq_len, vocab_pad_to)
+    cfg.run.name, cfg.run.dir = out.name, str(out)
+    cfg.parallel.tensor, cfg.parallel.zero_stage = 1, 1
+    cfg.train.precision = "fp32"
+    if tokenizer:
+        cfg.data.tokenizer = str(tokenizer)
+    validate(cfg, 1)
+    state = from_llama_state(cfg.model, load_hf_state(model_dir))
+
+    init_single_process()
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    own = model.state_dict()
+    state.update({k: v for k, v in own.items() if k.endswith("_extra_state")})
+    model.load_state_dict(state, strict=True)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        engine = build_engine(cfg, model)
+        from models.counting import flops_per_token, param_counts
+
+        meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": tokenizer_sha,
+                "flops_per_token": flops_per_token(cfg.model), "params": param_counts(cfg.model),
+                "imported_from": str(model_dir.resolve())}
+        rank_state = {"data": {"epoch": 0, "sample_in_epoch": 0, "shuffle_seed": cfg.data.shuffle_seed,
+                               "num_canonical_nodes": cfg.data.num_canonical_nodes, "initial_physical_nodes": 1}}
+        checkpoint.save(engine, checkpoint.checkpoint_dir(tmp), 0, meta, rank_state, keep_last=1)
+        tag = tmp / "checkpoints" / checkpoint.tag_for(0)
+        marker = checkpoint.read_meta(tag)
+        # No optimizer moments to restore: checkpoint.load then keeps the loaded weights and schedule
+        # and starts the optimizer fresh, at any data-parallel size and ZeRO stage 0-2.
+        marker["expert_parallel"] = 0
+        (tag / checkpoint.COMPLETE).write_text(json.dumps(marker, indent=1))
+        save_config(cfg, tmp / "config.yaml")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / "checkpoints" / checkpoint.tag_for(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.import_hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="local Hugging Face model folder")
+    parser.add_argument("--out", required=True, help="new run directory")
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir of this model (optional)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="default: max_position_embeddings")
+    parser.add_argument("--vocab-pad-to", type=int, default=128)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    from pretrain.config import ConfigError
+
+    try:
+        path = import_model(args.model, args.out, args.tokenizer, args.max_seq_len, args.vocab_pad_to, args.overwrite)
+    except (ImportError_, ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print(f"wrote {path} and {Path(args.out) / 'config.yaml'}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    finally:
+        from pretrain.distributed import destroy_distributed
+
+        destroy_distributed()
+    sys.exit(code)
