@@ -1,14 +1,31 @@
 """SIGUSR1 (Slurm time limit) and SIGTERM (preemption, scancel) set a flag; the loops poll it
-and all ranks agree through an all-reduce, so they stop at the same step boundary."""
+and all ranks agree through an all-reduce, so they stop at the same step boundary.
+
+The handler only records the signal, so a second signal arriving while the checkpoint is being
+written changes nothing: the save runs to its end, outside the handler.
+
+The flag is polled after every optimizer step (and every validation batch), not while a rank
+waits for data: ranks must leave the loop at the same collective, and a rank that gave up on a
+batch would disagree with ranks that already started the step. A data stall therefore delays the
+stop by the length of the stall; Slurm's warning time (--signal=...@seconds) has to cover the
+longest expected stall plus one step plus one checkpoint save.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-EXIT_CODE_SAVED_ON_SIGNAL = 85  # the batch script requeues the job on this code
+EXIT_CODE_SAVED_ON_SIGNAL = 85  # exit code of pretrain.train after it saved and stopped on a signal
+# Written into the run directory by rank 0 after the checkpoint of a signal stop is complete; the
+# Slurm batch script reads it (exit codes do not survive torchrun) to decide whether to requeue.
+STOP_MARKER = "STOPPED_ON_SIGNAL"
 
 _received: list[int] = []
 
@@ -27,12 +44,33 @@ def received_locally() -> bool:
     return bool(_received)
 
 
-def any_rank_received(device: torch.device | str = "cpu") -> bool:
-    """Collective: True on every rank as soon as one rank got a signal."""
-    flag = torch.tensor([1.0 if _received else 0.0], device=device)
+def any_rank_received(device: torch.device | str = "cpu") -> int:
+    """Collective: on every rank, the number of the first signal received by any rank (the highest
+    number when ranks got different ones), 0 while none arrived. Use it as a truth value."""
+    flag = torch.tensor([float(_received[0]) if _received else 0.0], device=device)
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return int(flag.item())
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def write_stop_marker(run_dir: str | os.PathLike, step: int, signum: int) -> Path:
+    """Record that the run saved a complete checkpoint at `step` and stopped on `signum`."""
+    path = Path(run_dir) / STOP_MARKER
+    tmp = path.with_name(f".{STOP_MARKER}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step, "signal": signal_name(signum), "time": time.time()}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def clear_stop_marker(run_dir: str | os.PathLike) -> None:
+    (Path(run_dir) / STOP_MARKER).unlink(missing_ok=True)
 
 
 def reset() -> None:

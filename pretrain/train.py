@@ -8,6 +8,7 @@ Run under torchrun or srun (one process per device); a single process runs witho
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -54,7 +55,8 @@ def load_val_batches(cfg: Config) -> list[torch.Tensor]:
     micro = cfg.train.micro_batch
     batches = []
     for b in range(cfg.train.eval_batches):
-        indices = [(dp_rank + (b * micro + i) * dp_size) % len(dataset) for i in range(micro)]
+        # len(dataset) counts this rank's share; indexing is over all samples.
+        indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
         batches.append(torch.stack([torch.from_numpy(dataset[i]["tokens"].astype("int64")) for i in indices]))
     return batches
 
@@ -77,6 +79,7 @@ def run(cfg: Config) -> int:
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        signals.clear_stop_marker(run_dir)  # a marker describes the latest process run only
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
     engine = build_engine(cfg, model)
@@ -87,7 +90,8 @@ def run(cfg: Config) -> int:
     logger = Logger(run_dir, env.rank)
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
-                 f"{env.world_size // cfg.parallel.tensor}, ZeRO-{cfg.parallel.zero_stage}")
+                 f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
+                 f"ZeRO-{cfg.parallel.zero_stage}")
     start_step = 0
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path)
@@ -120,4 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    exit_code = main()
+    # Leave the loaded libraries (torch, DeepSpeed, megatron) out of the interpreter's final garbage
+    # collection: it takes several seconds per process and only frees memory the OS reclaims anyway.
+    gc.freeze()
+    sys.exit(exit_code)

@@ -56,7 +56,7 @@ class Trainer:
         self.meta = meta
         self.callbacks = list(callbacks)
         self.losses: list[tuple[int, float]] = []
-        self.stopped_by_signal = False
+        self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
 
     @property
     def model(self):
@@ -80,8 +80,11 @@ class Trainer:
         self.engine.eval()
         total = torch.zeros((), device=self.device)
         for batch in self.val_batches:
-            if signals.received_locally():
-                break
+            # Collective, so every rank leaves at the same batch (a forward pass may hold
+            # tensor-parallel or ZeRO-3 collectives); an interrupted validation is not reported.
+            if signals.any_rank_received(self.device):
+                self.engine.train()
+                return None
             inputs, labels = split_batch(batch, self.device)
             total += self.engine(inputs, labels).float()
         self.engine.train()
@@ -127,10 +130,15 @@ class Trainer:
                     self.logger.print(f"step {step} | val loss {val:.4f}")
             for callback in self.callbacks:
                 callback.on_step_end(self, result)
-            if signals.any_rank_received(self.device):
+            signum = signals.any_rank_received(self.device)
+            if signum and step < t.steps:
                 self.save(step)
-                self.stopped_by_signal = True
-                self.logger.print(f"stopping at step {step} on signal; resume with train.resume=auto")
+                if dist.get_rank() == 0:
+                    signals.write_stop_marker(self.cfg.run.dir, step, signum)
+                dist.barrier()
+                self.stopped_by_signal = signum
+                self.logger.print(f"stopping at step {step} on {signals.signal_name(signum)}; "
+                                  "resume with train.resume=auto")
                 return step
             if step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step:
                 self.save(step)

@@ -1,0 +1,122 @@
+"""Helpers the Slurm batch script (slurm/train.sbatch) calls, and the run-directory files they share
+with launch.submit and launch.status.
+
+    python -m launch.slurm_job decide RUN_DIR --rc RC --received USR1|TERM| --restarts N --max-requeues M
+
+prints one word for the batch script:
+    requeue  the run saved on the time-limit signal (USR1) and may be requeued again
+    stopped  the run saved on a signal and ends here (preemption/TERM, or requeues used up)
+    done     training finished (or stopped where train.stop_at_step asked)
+    failed   anything else: the job exits with the training step's code
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+# Names shared with pretrain.signals / pretrain.checkpoint; repeated here because importing those
+# loads torch, which would add seconds to every `decide` and `launch.status` call.
+STOP_MARKER = "STOPPED_ON_SIGNAL"
+COMPLETE = "COMPLETE"
+
+JOB_CONFIG = "slurm_config.yaml"  # resolved config the job trains with (written by launch.submit)
+JOB_SCRIPT = "train.sbatch"  # rendered batch script
+JOB_IDS = "slurm_job_ids.txt"  # one line per submission: job id
+HISTORY = "slurm_history.log"  # one line per start/end of the batch script (job id, restart count)
+LOG = "slurm.log"  # stdout+stderr of every run of the job, appended
+
+
+def read_stop_marker(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / STOP_MARKER
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def configured_steps(run_dir: Path) -> int | None:
+    import yaml
+
+    for name in (JOB_CONFIG, "config.yaml"):
+        path = Path(run_dir) / name
+        if path.is_file():
+            try:
+                return int(yaml.safe_load(path.read_text())["train"]["steps"])
+            except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+                return None
+    return None
+
+
+def latest_complete(run_dir: Path) -> Path | None:
+    """Same choice as pretrain.checkpoint.latest_complete: `latest` if complete, else the newest
+    checkpoint with a COMPLETE marker."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    pointer = ckpt_dir / "latest"
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        if tag and (ckpt_dir / tag / COMPLETE).is_file():
+            return ckpt_dir / tag
+    if not ckpt_dir.is_dir():
+        return None
+    complete = sorted(d for d in ckpt_dir.iterdir()
+                      if re.fullmatch(r"step_\d+", d.name) and (d / COMPLETE).is_file())
+    return complete[-1] if complete else None
+
+
+def latest_complete_step(run_dir: Path) -> int | None:
+    path = latest_complete(run_dir)
+    if path is None:
+        return None
+    try:
+        return int(json.loads((path / COMPLETE).read_text())["step"])
+    except (OSError, KeyError, ValueError, json.JSONDecodeError):
+        return None
+
+
+def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: int) -> tuple[str, str]:
+    """(action, reason) after the training step of one job run returned `rc`."""
+    marker = read_stop_marker(run_dir)
+    if marker is not None:
+        # The batch shell knows why it was signalled; a signal sent straight to the step is only
+        # known from the marker.
+        reason = received or str(marker.get("signal", "")).removeprefix("SIG")
+        where = f"saved at step {marker.get('step')} on SIG{reason}"
+        if reason != "USR1":
+            return "stopped", f"{where} (preemption or cancel): not requeueing"
+        if restarts >= max_requeues:
+            return "stopped", f"{where} but the job was requeued {restarts} times (max {max_requeues})"
+        return "requeue", f"{where} (time limit): requeue {restarts + 1} of at most {max_requeues}"
+    steps = configured_steps(run_dir)
+    last = latest_complete_step(run_dir)
+    if rc == 0:
+        return "done", "training step exited 0"
+    if steps is not None and last == steps:
+        # e.g. the signal arrived during the last step: the agents exit non-zero after forwarding it
+        return "done", f"checkpoint of the last step {steps} is complete (step exit code {rc})"
+    return "failed", f"training step exited {rc} without a signal save; latest complete checkpoint: step {last}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("decide", help="what the batch script does after the training step")
+    d.add_argument("run_dir", type=Path)
+    d.add_argument("--rc", type=int, required=True)
+    d.add_argument("--received", default="", help="signal the batch shell got (USR1, TERM) or empty")
+    d.add_argument("--restarts", type=int, default=0, help="SLURM_RESTART_COUNT")
+    d.add_argument("--max-requeues", type=int, default=0)
+    args = parser.parse_args(argv)
+    action, reason = decide(args.run_dir, args.rc, args.received, args.restarts, args.max_requeues)
+    print(f"[slurm_job] {action}: {reason}", file=sys.stderr, flush=True)
+    print(action)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

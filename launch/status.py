@@ -1,0 +1,160 @@
+"""Where a Slurm run stands: job state, requeues, progress, checkpoints.
+
+    python -m launch.status runs/1b_uoe
+    python -m launch.status runs/1b_uoe --json
+
+The job id comes from RUN_DIR/slurm_job_ids.txt (written by launch.submit). Its state is asked from
+squeue, then `scontrol show job` (Slurm forgets finished jobs after MinJobAge), then sacct (needs
+accounting storage); the requeue count from scontrol's Restarts= or, once Slurm forgot the job, from
+RUN_DIR/slurm_history.log, which the batch script appends at every start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch import slurm_job
+
+
+def _run(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def job_ids(run_dir: Path) -> list[str]:
+    path = run_dir / slurm_job.JOB_IDS
+    return path.read_text().split() if path.is_file() else []
+
+
+def slurm_state(job: str) -> dict:
+    """{'state', 'reason', 'restarts', 'exit_code', 'source'} from whichever Slurm tool knows the job."""
+    out = _run(["scontrol", "show", "job", "-o", job])
+    if out and f"JobId={job}" in out:
+        fields = dict(re.findall(r"(\w+)=(\S*)", out))
+        return {"state": fields.get("JobState"), "reason": fields.get("Reason"),
+                "restarts": int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else None,
+                "exit_code": fields.get("ExitCode"), "source": "scontrol"}
+    out = _run(["squeue", "-h", "-j", job, "-o", "%T|%r"])
+    if out and out.strip():
+        state, reason = out.strip().splitlines()[0].split("|", 1)
+        return {"state": state, "reason": reason, "restarts": None, "exit_code": None, "source": "squeue"}
+    out = _run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "State,ExitCode"])
+    if out and out.strip():
+        state, exit_code = out.strip().splitlines()[-1].split("|")[:2]
+        return {"state": state.split()[0], "reason": None, "restarts": None, "exit_code": exit_code,
+                "source": "sacct"}
+    return {"state": "UNKNOWN (Slurm no longer lists it)", "reason": None, "restarts": None,
+            "exit_code": None, "source": None}
+
+
+def history(run_dir: Path, job: str) -> dict:
+    """Starts and the last recorded restart count / end of `job` from the batch script's history."""
+    path = run_dir / slurm_job.HISTORY
+    starts, restarts, last_end = 0, None, None
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            fields = dict(re.findall(r"(\w+)=(\S+)", line))
+            if fields.get("job") != job:
+                continue
+            restarts = int(fields.get("restarts", 0))
+            if " start " in f" {line} ":
+                starts += 1
+            elif " end " in f" {line} ":
+                last_end = line
+    return {"starts": starts, "restarts": restarts, "last_end": last_end}
+
+
+def progress(run_dir: Path) -> dict:
+    """Last logged training step, loss, tokens/s and when it was logged (metrics.jsonl)."""
+    out = {"step": None, "loss": None, "tokens_per_s": None, "logged_at": None}
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return out
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        if out["logged_at"] is None:
+            out["logged_at"] = record.get("time")
+        if "train/loss" in record:
+            out.update(step=record["step"], loss=record["train/loss"], tokens_per_s=record.get("train/tokens_per_s"))
+            break
+    return out
+
+
+def status(run_dir: Path) -> dict:
+    run_dir = run_dir.resolve()
+    ids = job_ids(run_dir)
+    job = ids[-1] if ids else None
+    info: dict = {"run_dir": str(run_dir), "job_id": job, "submissions": len(ids)}
+    if job:
+        info.update(slurm_state(job))
+        hist = history(run_dir, job)
+        if info.get("restarts") is None:
+            info["restarts"] = hist["restarts"]
+        info["last_job_end"] = hist["last_end"]
+    prog = progress(run_dir)
+    info.update(step=prog["step"], loss=prog["loss"], tokens_per_s=prog["tokens_per_s"])
+    log = run_dir / slurm_job.LOG
+    stamps = [t for t in (prog["logged_at"], log.stat().st_mtime if log.is_file() else None) if t]
+    info["seconds_since_last_log"] = round(time.time() - max(stamps), 1) if stamps else None
+    ckpt = slurm_job.latest_complete(run_dir)
+    info["latest_checkpoint"] = str(ckpt) if ckpt else None
+    info["latest_checkpoint_step"] = slurm_job.latest_complete_step(run_dir)
+    info["stopped_on_signal"] = slurm_job.read_stop_marker(run_dir)
+    info["log"] = str(log) if log.is_file() else None
+    return info
+
+
+def format_status(info: dict) -> str:
+    def fmt(value, spec=""):
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"run dir:     {info['run_dir']}"]
+    if info.get("job_id"):
+        reason = f" ({info['reason']})" if info.get("reason") not in (None, "None", "") else ""
+        lines.append(f"job:         {info['job_id']} {info['state']}{reason}"
+                     + (f", exit code {info['exit_code']}" if info.get("exit_code") else ""))
+        lines.append(f"requeues:    {fmt(info.get('restarts'))}  (submissions: {info['submissions']})")
+    else:
+        lines.append("job:         none submitted from this run dir (no slurm_job_ids.txt)")
+    loss = fmt(info["loss"], ".4f")
+    tps = fmt(info["tokens_per_s"], ",.0f")
+    lines.append(f"progress:    step {fmt(info['step'])}, loss {loss}, {tps} tokens/s")
+    lines.append(f"checkpoint:  {fmt(info['latest_checkpoint'])}")
+    if info.get("stopped_on_signal"):
+        m = info["stopped_on_signal"]
+        lines.append(f"last stop:   saved at step {m.get('step')} on {m.get('signal')}")
+    lines.append(f"last log:    {fmt(info['seconds_since_last_log'])} s ago")
+    lines.append(f"log file:    {fmt(info['log'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"error: {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    info = status(args.run_dir)
+    print(json.dumps(info) if args.json else format_status(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

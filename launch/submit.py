@@ -1,0 +1,243 @@
+"""Submit a training run to Slurm: validate the config for the node layout, render
+slurm/train.sbatch into the run directory, sbatch it.
+
+    python -m launch.submit configs/1b_uoe.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 \\
+        --partition gpu --account proj train.lr=3e-4
+    python -m launch.submit configs/tiny_dense.yaml --nodes 2 --cpu-procs-per-node 1 --time 00:10:00 --dry-run
+
+The world size is nodes x processes per node (GPUs per node, or --cpu-procs-per-node for a CPU/gloo
+run); tensor/expert parallel sizes must divide it. Paths in the config are made absolute, the result
+is written to RUN_DIR/slurm_config.yaml and the rendered script to RUN_DIR/train.sbatch. The job's
+log is RUN_DIR/slurm.log across requeues. Exit code 2: nothing was submitted (config or argument error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from launch import slurm_job
+from pretrain.config import Config, ConfigError, load_config, validate, validate_data
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "slurm" / "train.sbatch"
+ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
+                 "COMPLETING", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
+
+
+class SubmitError(ValueError):
+    pass
+
+
+def parse_time(text: str) -> int:
+    """Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise SubmitError(f"--time {text!r}: use HH:MM:SS (or D-HH:MM:SS)")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        seconds = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:  # HH:MM:SS
+        seconds = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:  # MM:SS
+        seconds = int(a) * 60 + int(b)
+    else:  # MM
+        seconds = int(a) * 60
+    if seconds <= 0:
+        raise SubmitError(f"--time {text!r} must be positive")
+    return seconds
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=1000 run.dir=runs/x")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPU mode: one process per GPU, NCCL")
+    p.add_argument("--cpu-procs-per-node", type=int, default=0,
+                   help="CPU mode: this many gloo processes per node, no GPUs requested (tests, debugging)")
+    p.add_argument("--time", required=True, help="wall-clock limit per job run, HH:MM:SS")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--qos")
+    p.add_argument("--constraint")
+    p.add_argument("--exclusive", action="store_true")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs for each node's task (torchrun and its workers)")
+    p.add_argument("--job-name", help="default: run.name")
+    p.add_argument("--signal-seconds", type=int, default=300,
+                   help="USR1 this many seconds before the time limit: time for one step plus a checkpoint save")
+    p.add_argument("--shutdown-timeout", type=int,
+                   help="seconds torchrun waits for the workers after forwarding a signal (default: signal seconds - 30)")
+    p.add_argument("--max-requeues", type=int, default=10, help="time-limit requeues before the job stops")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="extra sbatch option rendered as an #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")
+    p.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
+    p.add_argument("--task-wrapper", default="",
+                   help='command that each node\'s torchrun runs under, e.g. "apptainer exec --nv image.sif" '
+                        "(shell words, rendered as given)")
+    p.add_argument("--force", action="store_true", help="submit even if a job of this run dir is still queued")
+    p.add_argument("--dry-run", action="store_true", help="print the script and resolved config; submit nothing")
+    return p.parse_intermixed_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[Config, int]:
+    """Load, make paths absolute, validate for the layout; returns (config, processes per node)."""
+    if args.nodes < 1:
+        raise SubmitError(f"--nodes {args.nodes} must be >= 1")
+    if bool(args.gpus_per_node) == bool(args.cpu_procs_per_node):
+        raise SubmitError("give exactly one of --gpus-per-node G (GPU mode) or --cpu-procs-per-node P (CPU mode)")
+    procs = args.gpus_per_node or args.cpu_procs_per_node
+    if procs < 1:
+        raise SubmitError("--gpus-per-node / --cpu-procs-per-node must be >= 1")
+    cfg = load_config(args.config, args.overrides)
+    for section, key in (("run", "dir"), ("data", "shards"), ("data", "tokenizer"), ("data", "cache")):
+        obj = getattr(cfg, section)
+        value = getattr(obj, key)
+        if value and "://" not in value:
+            setattr(obj, key, str(Path(value).expanduser().resolve()))
+    cfg.train.resume = "auto"
+    world = args.nodes * procs
+    try:
+        validate(cfg, world)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})") from None
+    validate_data(cfg)
+    if re.search(r"[\s%]", cfg.run.dir):
+        raise SubmitError(f"run.dir={cfg.run.dir!r}: Slurm's --output cannot take a path with spaces or '%'")
+    return cfg, procs
+
+
+def sbatch_lines(args: argparse.Namespace) -> list[str]:
+    lines = []
+    if args.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
+    for flag in ("partition", "account", "qos", "constraint", "cpus_per_task"):
+        value = getattr(args, flag)
+        if value not in (None, ""):
+            lines.append(f"#SBATCH --{flag.replace('_', '-')}={value}")
+    if args.exclusive:
+        lines.append("#SBATCH --exclusive")
+    for extra in args.sbatch_arg:
+        if not extra.startswith("-") or "\n" in extra:
+            raise SubmitError(f"--sbatch-arg {extra!r}: expected one option such as --mem=0")
+        lines.append(f"#SBATCH {extra}")
+    return lines
+
+
+def env_lines(args: argparse.Namespace) -> list[str]:
+    if args.gpus_per_node:
+        return ["# GPU mode: NCCL between processes; one process per GPU."]
+    return ["# CPU mode: gloo between processes, GPUs hidden.",
+            'export CUDA_VISIBLE_DEVICES=""',
+            "export DS_ACCELERATOR=cpu",
+            f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (args.cpus_per_task or 1) // args.cpu_procs_per_node)}}}"]
+
+
+def render(cfg: Config, args: argparse.Namespace, procs: int, time_s: int) -> str:
+    signal_s = args.signal_seconds
+    if signal_s < 1 or signal_s >= time_s:
+        raise SubmitError(f"--signal-seconds {signal_s} must be between 1 and the time limit ({time_s} s)")
+    shutdown = args.shutdown_timeout if args.shutdown_timeout is not None else max(signal_s - 30, 10)
+    if shutdown < 1:
+        raise SubmitError(f"--shutdown-timeout {shutdown} must be >= 1")
+    if args.max_requeues < 0:
+        raise SubmitError("--max-requeues must be >= 0")
+    run_dir = Path(cfg.run.dir)
+    values = {
+        "JOB_NAME": args.job_name or cfg.run.name,
+        "NODES": str(args.nodes),
+        "TIME": args.time,
+        "SIGNAL_SECONDS": str(signal_s),
+        "RUN_DIR": str(run_dir),
+        "REPO": str(REPO),
+        "SBATCH_EXTRA": "\n".join(sbatch_lines(args)),
+        "RUN_DIR_Q": shlex.quote(str(run_dir)),
+        "CONFIG_Q": shlex.quote(str(run_dir / slurm_job.JOB_CONFIG)),
+        "PYTHON_Q": shlex.quote(args.python),
+        "REPO_Q": shlex.quote(str(REPO)),
+        "PROCS_PER_NODE": str(procs),
+        "MAX_REQUEUES": str(args.max_requeues),
+        "SHUTDOWN_TIMEOUT": str(shutdown),
+        "ENV_EXPORTS": "\n".join(env_lines(args)),
+        "TASK_WRAPPER": args.task_wrapper.strip(),
+    }
+    if "\n" in values["TASK_WRAPPER"]:
+        raise SubmitError("--task-wrapper must be one line")
+    if re.search(r"\s", values["JOB_NAME"]):
+        raise SubmitError(f"job name {values['JOB_NAME']!r} must not contain spaces")
+    text = TEMPLATE.read_text()
+    text = text.replace("# {{NAME}} placeholders are filled in by launch.submit; the rendered script is plain bash.",
+                        "# Rendered by launch.submit from slurm/train.sbatch.")
+    text = re.sub(r"\{\{([A-Z_]+)\}\}", lambda m: values[m.group(1)], text)
+    if "{{" in text:
+        raise SubmitError("slurm/train.sbatch has a placeholder launch.submit does not know")
+    return text
+
+
+def active_job(run_dir: Path) -> str | None:
+    """A job id of this run dir that Slurm still has queued or running."""
+    ids_file = run_dir / slurm_job.JOB_IDS
+    if not ids_file.is_file() or shutil.which("squeue") is None:
+        return None
+    lines = ids_file.read_text().split()
+    if not lines:
+        return None
+    job = lines[-1]
+    res = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    state = res.stdout.strip()
+    return job if res.returncode == 0 and state in ACTIVE_STATES else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        time_s = parse_time(args.time)
+        cfg, procs = resolve_config(args)
+        script = render(cfg, args, procs, time_s)
+    except (ConfigError, SubmitError) as err:
+        print(f"error: {err}\nnothing was submitted", file=sys.stderr)
+        return 2
+    config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    run_dir = Path(cfg.run.dir)
+    if args.dry_run:
+        print(f"##### {run_dir / slurm_job.JOB_SCRIPT}")
+        print(script, end="")
+        print(f"##### {run_dir / slurm_job.JOB_CONFIG}")
+        print(config_text, end="")
+        return 0
+    if shutil.which("sbatch") is None:
+        print("error: sbatch not found; run this on a Slurm login node (or use --dry-run)\nnothing was submitted",
+              file=sys.stderr)
+        return 2
+    job = None if args.force else active_job(run_dir)
+    if job:
+        print(f"error: job {job} of {run_dir} is still queued or running; two jobs must not train into one "
+              f"run dir (scancel {job}, or --force)\nnothing was submitted", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / slurm_job.JOB_CONFIG).write_text(config_text)
+    script_path = run_dir / slurm_job.JOB_SCRIPT
+    script_path.write_text(script)
+    res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        print(f"error: sbatch failed ({res.returncode}): {res.stderr.strip()}", file=sys.stderr)
+        return 1
+    job_id = res.stdout.strip().split(";")[0]
+    with open(run_dir / slurm_job.JOB_IDS, "a") as f:
+        f.write(job_id + "\n")
+    print(f"submitted job {job_id}: {args.nodes} nodes x {procs} processes, run dir {run_dir}")
+    print(f"log:         {run_dir / slurm_job.LOG}")
+    print(f"status:      python -m launch.status {run_dir}")
+    print(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
