@@ -1,0 +1,31 @@
+"""Rank layout from the launcher's environment: torchrun's variables, or Slurm's under srun."""
+
+import json
+import subprocess
+import sys
+
+from tests.dist_utils import REPO
+
+PROBE = ("import json, os; from pretrain.distributed import read_env; e = read_env(); "
+         "print(json.dumps([e.__dict__, {k: os.environ[k] for k in "
+         "('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}]))")
+
+
+def probe(env: dict) -> tuple[dict, dict]:
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
+                         check=True, cwd=REPO)
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_slurm_variables_map_to_torchrun_names():
+    layout, exported = probe({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                              "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert layout == {"rank": 5, "world_size": 8, "local_rank": 1, "local_world_size": 4}
+    assert exported == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+
+
+def test_torchrun_variables_win_over_slurm():
+    layout, _ = probe({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                       "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})
+    assert layout == {"rank": 1, "world_size": 2, "local_rank": 1, "local_world_size": 2}
