@@ -19,6 +19,7 @@ from pathlib import Path
 SIZES = {  # name: (hidden, layers, heads, ffn, seq, micro_batch)
     "h256-l4": (256, 4, 4, 704, 256, 8),
     "h512-l8": (512, 8, 8, 1408, 256, 8),
+    "h512-l8-ckpt": (512, 8, 8, 1408, 256, 8),
     "h768-l8-ckpt": (768, 8, 12, 2048, 512, 8),
 }
 

@@ -98,10 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    finally:
-        from pretrain.distributed import destroy_distributed
+    from pretrain.distributed import run_cli
 
-        destroy_distributed()
-    sys.exit(code)
+    run_cli(main)

@@ -196,9 +196,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        from pretrain.distributed import destroy_distributed
+    from pretrain.distributed import run_cli
 
-        destroy_distributed()
+    run_cli(main)
