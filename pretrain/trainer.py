@@ -107,7 +107,7 @@ class Trainer:
             loss = self.train_step()
             step += 1
             throughput.step()
-            finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0])
+            finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0], device=self.device)
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
             if not finite.item():
                 raise NonFiniteLossError(
