@@ -3,6 +3,7 @@ workers for layer-level checks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -77,3 +78,25 @@ def spawn(fn, world: int, *args, tensor: int = 1, expert: int = 1) -> None:
         failures.append(errors.get())
     if failures or any(p.exitcode != 0 for p in procs):
         raise AssertionError("worker failed:\n" + "\n".join(failures or [f"exit codes {[p.exitcode for p in procs]}"]))
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """This pytest process as a one-rank gloo group with megatron-core parallel state at TP=1;
+    the group and the environment it set are removed afterwards."""
+    from pretrain.distributed import destroy_distributed, init_distributed
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    init_distributed(1, 1)
+    try:
+        yield
+    finally:
+        destroy_distributed()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from models.attention.relu import relu_attention
 from models.attention.sink import sink_softmax_attention, sink_softmax_weights
 from models.attention.softmax import causal_softmax_weights, scaled_scores, softmax_attention
 from models.config import LISAConfig, ModelConfig
-from tests.dist_utils import free_port, spawn
+from tests.dist_utils import single_process_group, spawn
 
 VOCAB = 128
 
@@ -29,20 +28,8 @@ def small_cfg(attention: str, **extra) -> ModelConfig:
 @pytest.fixture(scope="module")
 def single_process():
     """Megatron parallel state for one gloo process inside pytest (TP = 1)."""
-    from pretrain.distributed import destroy_distributed, init_distributed
-
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                             "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(1, 1)
-    yield
-    destroy_distributed()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with single_process_group():
+        yield
 
 
 def full_values(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

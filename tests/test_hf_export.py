@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import time
 import pytest
 import torch
 
-from tests.dist_utils import REPO, child_env, free_port
+from tests.dist_utils import REPO, child_env, free_port, single_process_group
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
 STEPS = 2
@@ -38,24 +37,9 @@ def corpus_text() -> str:
 
 @pytest.fixture(scope="module")
 def dist_env():
-    """This process's single-process gloo group (consolidation builds the model at TP=1); removed
-    at the end, with the environment it set."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
-    from pretrain.consolidate import init_single_process
-
-    init_single_process()
-    yield
-    from pretrain.distributed import destroy_distributed
-
-    destroy_distributed()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """This process as a single-process gloo group (consolidation builds the model at TP=1)."""
+    with single_process_group():
+        yield
 
 
 @pytest.fixture(scope="module")
