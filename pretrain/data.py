@@ -58,6 +58,23 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     )
 
 
+def load_val_batches(cfg: Config) -> list[torch.Tensor]:
+    """A fixed validation set: the same samples at every evaluation, split by data-parallel rank."""
+    location = _split_location(cfg, "val")
+    if location["remote"] is None and not (Path(location["local"]) / "index.json").is_file():
+        return []
+    clean_shared_memory_once()
+    dataset = StreamingDataset(**location, shuffle=False, batch_size=cfg.train.micro_batch)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    micro = cfg.train.micro_batch
+    batches = []
+    for b in range(cfg.train.eval_batches):
+        # len(dataset) counts this rank's share; indexing is over all samples.
+        indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
+        batches.append(torch.stack([torch.from_numpy(dataset[i]["tokens"].astype("int64")) for i in indices]))
+    return batches
+
+
 def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples hold seq_len + 1 tokens: inputs and next-token labels."""
     batch = batch.to(device, non_blocking=True)

@@ -115,7 +115,7 @@ def run_config(ckpt: Path):
 
 def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> tuple[torch.Tensor, str]:
     """Validation tokens [batch, seq] from the shards (the run's own by default), else random."""
-    from pretrain.train import load_val_batches
+    from pretrain.data import load_val_batches
 
     full = run_config(ckpt)
     if full is not None or shards:

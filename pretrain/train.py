@@ -39,34 +39,12 @@ def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None]:
     return manifest, resume_path
 
 
-def load_val_batches(cfg: Config) -> list[torch.Tensor]:
-    """A fixed validation set: the same samples at every evaluation, split by data-parallel rank."""
-    from megatron.core import parallel_state as ps
-    from streaming import StreamingDataset
-
-    from pretrain.data import _split_location, clean_shared_memory_once
-
-    location = _split_location(cfg, "val")
-    if location["remote"] is None and not (Path(location["local"]) / "index.json").is_file():
-        return []
-    clean_shared_memory_once()
-    dataset = StreamingDataset(**location, shuffle=False, batch_size=cfg.train.micro_batch)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    micro = cfg.train.micro_batch
-    batches = []
-    for b in range(cfg.train.eval_batches):
-        # len(dataset) counts this rank's share; indexing is over all samples.
-        indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
-        batches.append(torch.stack([torch.from_numpy(dataset[i]["tokens"].astype("int64")) for i in indices]))
-    return batches
-
-
 def run(cfg: Config) -> int:
     """Train per `cfg`; returns the process exit code."""
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
     from pretrain.callbacks import build_callbacks
-    from pretrain.data import Batches, build_loader
+    from pretrain.data import Batches, build_loader, load_val_batches
     from pretrain.engine import build_engine
     from pretrain.telemetry import Logger
     from pretrain.trainer import Trainer
