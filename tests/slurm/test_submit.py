@@ -66,17 +66,30 @@ def log_text(run_dir: Path) -> str:
 
 
 def log_tail(run_dir: Path) -> str:
-    """The job log without library warnings, last 6000 characters, for failure messages."""
-    lines = log_text(run_dir).splitlines()
-    return "\n".join(line for line in lines if "Warning" not in line and "return func" not in line)[-6000:]
+    """The job log for failure messages: without library warnings and C++ stack frames, the first
+    traceback (the root cause; later ones are usually peers noticing) and the last 5000 characters."""
+    noise = ("Warning", "return func", "frame #", "<omitting python frames>")
+    lines = [line for line in log_text(run_dir).splitlines() if not any(n in line for n in noise)]
+    tail = "\n".join(lines)[-5000:]
+    first = next((i for i, line in enumerate(lines) if "Traceback" in line), None)
+    if first is None or "\n".join(lines[first:first + 3]) in tail:
+        return tail
+    return "\n".join(["--- first traceback ---", *lines[max(0, first - 5):first + 40], "--- end of log ---", tail])
 
 
 def wait_for(predicate, what: str, run_dir: Path, job: str, timeout: float = JOB_TIMEOUT_S, poll: float = 0.1):
+    """Poll until predicate() is truthy; fail at the timeout or as soon as the job has ended without it."""
     deadline = time.monotonic() + timeout
+    next_state_check = 0.0
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if time.monotonic() >= next_state_check:
+            state = job_info(job).get("JobState")
+            if state in TERMINAL and not (value := predicate()):
+                pytest.fail(f"job {job} ended ({state}) before {what}\n{log_tail(run_dir)}")
+            next_state_check = time.monotonic() + 2
         time.sleep(poll)
     subprocess.run(["scancel", job], check=False, timeout=30)
     pytest.fail(f"timed out after {timeout} s waiting for {what} (job {job}: {job_info(job).get('JobState')})\n"
