@@ -20,8 +20,15 @@ Dense softmax models become a standard `LlamaForCausalLM`:
   unchanged (the framework's softmax also spans the padded entries, which training pushes
   towards zero probability, so per-token losses can differ in the last digits).
 
-Other models (relu / sink / LISA attention, MoE / UoE MLPs) have no standard Hugging Face
-architecture; they are refused with a clear error, nothing written.
+Every other model (softmax_sink / relu / LISA attention, router MoE / UoE MLPs, in any mix) has
+no standard transformers architecture. It is written with the self-contained modeling file
+models/hf/modeling_uoe_pretrain.py copied into the folder (config.json maps AutoConfig and
+AutoModelForCausalLM to it), loaded with `trust_remote_code=True`:
+
+* parameter names and layouts are the framework's (prefix `model.`, `head` -> `lm_head`), except
+  that each layer's experts are stacked: experts.w_in [N, 2 * D_e, d], experts.w_out [N, d, D_e];
+* the same vocabulary trimming as above; the modeling file has no KV cache and is dropless (a
+  training capacity factor, if any, is not applied; export_info.json records it).
 
 The folder is written to a temporary sibling and renamed into place at the end, so an error
 never leaves a partial DIR.
@@ -48,18 +55,12 @@ class ExportError(RuntimeError):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_exportable(cfg) -> None:
-    kinds = cfg.attention_kinds()
-    other = sorted({k for k in kinds if k != "softmax"})
-    if other:
-        raise ExportError(f"export of model.attention={cfg.attention!r} ({', '.join(other)} layers) not supported "
-                          "yet: only softmax attention maps onto LlamaForCausalLM")
-    mlps = sorted({cfg.mlp_kind(i) for i in range(cfg.num_layers)} - {"dense"})
-    if mlps:
-        raise ExportError(f"export of model.mlp={cfg.mlp} not supported yet: only dense SwiGLU MLPs map onto "
-                          "LlamaForCausalLM")
+def export_format(cfg) -> str:
+    """"llama" for dense softmax models, "remote" (the bundled modeling file) for the rest."""
     if cfg.hidden_size % cfg.num_heads:
         raise ExportError(f"hidden_size {cfg.hidden_size} not divisible by num_heads {cfg.num_heads}")
+    dense = all(cfg.mlp_kind(i) == "dense" for i in range(cfg.num_layers))
+    return "llama" if dense and set(cfg.attention_kinds()) == {"softmax"} else "remote"
 
 
 def llama_config(cfg, dtype: torch.dtype, special: dict):
@@ -112,6 +113,74 @@ def to_llama_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             dst + "input_layernorm.weight": state[src + "attn_norm.weight"],
             dst + "post_attention_layernorm.weight": state[src + "mlp_norm.weight"],
         })
+    return {k: t.contiguous().clone() for k, t in out.items()}
+
+
+REMOTE_CODE = Path(__file__).resolve().parent.parent / "models" / "hf" / "modeling_uoe_pretrain.py"
+
+
+def remote_config(cfg, dtype: torch.dtype, special: dict):
+    """The bundled modeling file's config for `cfg`, with auto_map pointing at that file."""
+    from models.attention import lisa_source_kind
+    from models.attention.lisa import lisa_sizes
+    from models.moe.uoe import routing_neurons
+
+    module = _remote_module()
+    kinds = cfg.attention_kinds()
+    rank, group, hidden = lisa_sizes(cfg)
+    moe = cfg.moe
+    name = REMOTE_CODE.stem
+    return module.UoEPretrainConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_hidden_size,
+        max_position_embeddings=cfg.max_seq_len, rope_theta=float(cfg.rope_base), rms_norm_eps=cfg.norm_eps,
+        initializer_range=cfg.init_std, attention_kinds=kinds,
+        lisa_sources=[lisa_source_kind(kinds, i) if k == "lisa" else None for i, k in enumerate(kinds)],
+        relu_normalizer=cfg.relu_attention.normalizer, lisa_rank=rank, lisa_align_group=group,
+        lisa_align_hidden=hidden, mlp_kinds=[cfg.mlp_kind(i) for i in range(cfg.num_layers)],
+        num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, expert_hidden_size=moe.expert_hidden_size,
+        shared_hidden_size=moe.shared_hidden_size, routing_neurons=routing_neurons(cfg) if cfg.mlp == "uoe" else 0,
+        uoe_score=moe.score, vse_mode=moe.vse_mode, tie_word_embeddings=bool(cfg.tie_embeddings),
+        bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"], torch_dtype=dtype,
+        architectures=["UoEPretrainForCausalLM"],
+        auto_map={"AutoConfig": f"{name}.UoEPretrainConfig", "AutoModelForCausalLM": f"{name}.UoEPretrainForCausalLM"},
+    )
+
+
+def _remote_module():
+    """The modeling file imported on its own, as transformers will import it from the folder."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(REMOTE_CODE.stem, REMOTE_CODE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def to_remote_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Framework names (TP=1, full tensors) -> the modeling file's: `model.` prefix, `head` ->
+    `lm_head`, the vocabulary trimmed, each layer's experts stacked into two tensors."""
+    from models.moe.convert_experts import EXPERT_KEY
+
+    v = cfg.vocab_size
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        match = EXPERT_KEY.match(key)
+        if key.endswith("_extra_state"):  # megatron-core layers' placeholders, not weights
+            continue
+        if match:  # blocks.I.mlp.experts.deepspeed_moe.experts.deepspeed_experts.E.w_in
+            prefix = match.group(1).removesuffix("deepspeed_moe.experts.deepspeed_experts.")
+            experts.setdefault((prefix, match.group(3).lstrip(".")), {})[int(match.group(2))] = tensor
+        elif key == "head.weight":
+            if not cfg.tie_embeddings:
+                out["lm_head.weight"] = tensor[:v]
+        else:
+            out["model." + key] = tensor[:v] if key == "embed.weight" else tensor
+    for (prefix, name), by_id in experts.items():
+        if sorted(by_id) != list(range(cfg.moe.num_experts)):
+            raise ExportError(f"{prefix}: expert ids {sorted(by_id)}, expected 0..{cfg.moe.num_experts - 1}")
+        out[f"model.{prefix}{name}"] = torch.stack([by_id[e] for e in range(cfg.moe.num_experts)])
     return {k: t.contiguous().clone() for k, t in out.items()}
 
 
@@ -173,10 +242,15 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
     from transformers import GenerationConfig, LlamaForCausalLM
 
     special = special_ids(tokenizer_dir)
-    config = llama_config(cfg, dtype, special)
-    hf_state = {k: t.to(dtype) for k, t in to_llama_state(cfg, state).items()}
+    if extra_meta["format"] == "llama":
+        config, model_class, hf_state = llama_config(cfg, dtype, special), LlamaForCausalLM, to_llama_state(cfg, state)
+    else:
+        config = remote_config(cfg, dtype, special)
+        model_class = _remote_module().UoEPretrainForCausalLM
+        hf_state = to_remote_state(cfg, state)
+    hf_state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in hf_state.items()}
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     missing, unexpected = model.load_state_dict(hf_state, strict=False, assign=True)
     allowed = {"lm_head.weight"} if cfg.tie_embeddings else set()
     if unexpected or set(missing) - allowed:
@@ -185,8 +259,11 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
         model.tie_weights()
     model.generation_config = GenerationConfig(bos_token_id=special["bos"], eos_token_id=special["eos"],
                                                pad_token_id=special["pad"], do_sample=True, temperature=1.0,
-                                               top_p=1.0, max_length=cfg.max_seq_len)
+                                               top_p=1.0, max_length=cfg.max_seq_len,
+                                               use_cache=extra_meta["format"] == "llama")
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    if extra_meta["format"] == "remote":
+        shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)
     if tokenizer_dir is not None:
         hf_tokenizer(tokenizer_dir).save_pretrained(out)
     (out / "export_info.json").write_text(json.dumps(extra_meta, indent=1, default=str))
@@ -204,12 +281,16 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     from pretrain.consolidate import model_config
 
     meta = read_meta(tag_dir)
-    check_exportable(model_config(meta["model"]))
+    fmt = export_format(model_config(meta["model"]))
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta)
     state, cfg, meta = consolidate(tag_dir)
-    info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"],
+    info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
             "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
             "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
+    if fmt == "remote" and cfg.mlp != "dense" and cfg.moe.capacity_factor > 0:
+        info["capacity_factor_dropped"] = cfg.moe.capacity_factor
+        print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "
+              "routes every token (dropless), as inference does", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
     try:

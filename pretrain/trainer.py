@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from models.moe.routing import sparse_layers
 from pretrain import checkpoint, signals
 from pretrain.config import Config
 from pretrain.data import Batches, split_batch
@@ -71,6 +72,9 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
+        # Part of the optimizer step: validation and the checkpoint of this step see the new biases.
+        for layer in sparse_layers(self.model):
+            layer.update_bias()
         return total / self.cfg.train.grad_accum
 
     @torch.no_grad()

@@ -2,6 +2,9 @@
 
 * tiny dense runs at TP=2 (ZeRO-2) and DP=2 (ZeRO-3) -> export -> LlamaForCausalLM logits equal the
   framework's logits of the consolidated weights; the exported tokenizer encodes like SentencePiece;
+* a UoE run at EP=2 and a hybrid-attention MoE run at TP=2 -> export with the bundled modeling file
+  -> AutoModelForCausalLM(trust_remote_code) logits equal the framework's, also in a process that
+  cannot import the framework;
 * a random LlamaForCausalLM -> import -> same logits -> export -> same logits again; the imported
   checkpoint resumes training;
 * evaluate reproduces the trainer's validation loss; generate's greedy ids equal HF generate's;
@@ -61,6 +64,13 @@ def data(tmp_path_factory):
     return root, vocab
 
 
+def train_run(root, run, settings: dict) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "pretrain.train", *tiny_overrides(root, run, **settings)]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{run.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
     """Two runs, one after the other (streaming clears all of its shared memory when a run starts,
@@ -72,11 +82,7 @@ def runs(data, tmp_path_factory):
     for name, extra in layouts.items():
         settings = {"model.vocab_size": vocab, "train.steps": STEPS, "train.warmup_steps": 1,
                     "train.eval_interval": STEPS, "train.save_interval": STEPS, "train.eval_batches": 1, **extra}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "pretrain.train",
-               *tiny_overrides(root, base / name, **settings)]
-        proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        train_run(root, base / name, settings)
     return {name: base / name for name in layouts}
 
 
@@ -311,15 +317,16 @@ def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, cap
     export_fails(tmp_path / "nowhere", "no complete checkpoint")
 
 
-def test_unsupported_models_are_refused(tmp_path, capsys):
+def test_export_formats_and_unsupported_imports(tmp_path, capsys):
     from models.config import ModelConfig
-    from pretrain.export import ExportError, check_exportable
+    from pretrain.export import ExportError, export_format
     from pretrain.import_hf import main as import_main
 
-    with pytest.raises(ExportError, match="export of model.mlp=uoe not supported yet"):
-        check_exportable(ModelConfig(mlp="uoe", num_layers=2))
-    with pytest.raises(ExportError, match="relu"):
-        check_exportable(ModelConfig(attention="sr", num_layers=2))
+    assert export_format(ModelConfig(num_layers=2)) == "llama"
+    assert export_format(ModelConfig(mlp="uoe", num_layers=2)) == "remote"
+    assert export_format(ModelConfig(attention="sr", num_layers=2)) == "remote"
+    with pytest.raises(ExportError, match="not divisible by num_heads"):
+        export_format(ModelConfig(hidden_size=66, num_heads=4, num_layers=2))
 
     for hf_config, needle in (
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
@@ -336,29 +343,109 @@ def test_unsupported_models_are_refused(tmp_path, capsys):
         assert not out.exists()
 
 
+@pytest.fixture(scope="module")
+def remote_runs(data, tmp_path_factory):
+    """Models exported with the bundled modeling file, one after the other:
+    * uoe_ep2: Union-of-Experts at EP=2 x DP=2, ZeRO-1 (experts in per-rank DeepSpeed files);
+    * hybrid_moe_tp2: softmax / softmax_sink / lisa / relu / lisa attention with a top-k router MoE
+      (shared expert, on layers 1 and 3) at TP=2, ZeRO-2; the experts split over TP."""
+    root, vocab = data
+    base = tmp_path_factory.mktemp("remote_runs")
+    common = {"model.vocab_size": vocab, "train.steps": STEPS, "train.warmup_steps": 1, "train.eval_interval": STEPS,
+              "train.save_interval": STEPS, "train.eval_batches": 1, "model.moe.num_experts": 4,
+              "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 32}
+    layouts = {
+        "uoe_ep2": {"model.mlp": "uoe", "model.moe.top_k": 2, "model.moe.bias_update_rate": 0.001,
+                    "parallel.expert": 2, "parallel.zero_stage": 1},
+        "hybrid_moe_tp2": {"model.mlp": "moe", "model.moe.top_k": 1, "model.moe.moe_layers": "1,3",
+                           "model.num_layers": 5, "model.attention": "sklrl", "model.lisa.keep_full_layers": 2,
+                           "model.lisa.align_group": 2, "model.relu_attention.normalizer": "seqlen",
+                           "model.tie_embeddings": True, "parallel.tensor": 2, "parallel.zero_stage": 2},
+    }
+    for name, extra in layouts.items():
+        train_run(root, base / name, {**common, **extra})
+    return {name: base / name for name in layouts}
+
+
 @pytest.mark.slow
-def test_moe_checkpoint_consolidates_and_export_refuses(data, dist_env, tmp_path, capsys):
-    """Expert weights (own DeepSpeed files, no megatron partition marks) merge across TP=2: the
-    single-process loss equals the trainer's validation loss; export says it is not supported."""
+@pytest.mark.parametrize("layout", ["uoe_ep2", "hybrid_moe_tp2"])
+def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, tmp_path, capsys, layout):
+    """UoE / MoE / hybrid-attention checkpoints export with the modeling file; transformers loads
+    them with trust_remote_code and gives the framework's logits; the trainer's validation loss is
+    reproduced by evaluate from the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
     from pretrain.evaluate import main as evaluate_main
     from pretrain.export import main as export_main
 
     root, vocab = data
-    run = tmp_path / "moe"
-    settings = {"model.vocab_size": vocab, "model.mlp": "moe", "model.moe.num_experts": 4, "model.moe.top_k": 2,
-                "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 32, "parallel.tensor": 2,
-                "parallel.zero_stage": 2, "train.steps": STEPS, "train.warmup_steps": 1,
-                "train.eval_interval": STEPS, "train.save_interval": STEPS, "train.eval_batches": 1}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "pretrain.train", *tiny_overrides(root, run, **settings)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert list((run / "checkpoints" / "step_00000002").glob("layer_*_expert_*_mp_rank_01_model_states.pt"))
-    assert evaluate_main(["--checkpoint", str(run), "--shards", str(root / "shards"), "--batches", "1",
-                          "--batch-size", "4", "--json"]) == 0
+    run = remote_runs[layout]
+    if layout == "uoe_ep2":
+        assert list((run / "checkpoints" / "step_00000002").glob("layer_*_expert_3_mp_rank_00_model_states.pt"))
+    else:
+        assert list((run / "checkpoints" / "step_00000002").glob("layer_*_expert_*_mp_rank_01_model_states.pt"))
+    assert evaluate_main(["--checkpoint", str(run), "--shards", str(root / "shards"), "--batches",
+                          "2" if layout == "uoe_ep2" else "1", "--batch-size", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["loss"] == pytest.approx(val_loss_logged(run, STEPS), abs=1e-4)
+
     out = tmp_path / "hf"
-    assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 2
-    assert "export of model.mlp=moe not supported yet" in capsys.readouterr().err
-    assert not out.exists()
+    assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["UoEPretrainForCausalLM"] and config["vocab_size"] == vocab
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_uoe_pretrain.UoEPretrainForCausalLM"
+    assert (out / "modeling_uoe_pretrain.py").is_file() and (out / "tokenizer.model").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    tokens = fixed_tokens(vocab)
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    ours = framework_logits(run, tokens)
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert ours.std() > 0.05
+    if layout == "uoe_ep2":  # the router bias (aux-loss-free balancing) moved and travels with the weights
+        from pretrain.consolidate import load_model
+
+        framework, _, _ = load_model(run)
+        assert framework.blocks[0].mlp.router_bias.abs().sum() > 0
+        assert torch.equal(model.model.blocks[0].mlp.router_bias, framework.blocks[0].mlp.router_bias)
+
+
+ISOLATED_LOAD = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+assert not any(m.split(".")[0] in ("models", "pretrain") for m in sys.modules), "framework imported"
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
+tokens = torch.tensor(json.loads(sys.argv[2]))
+with torch.no_grad():
+    logits = model(tokens).logits
+new = model.generate(tokens[:1, :5], do_sample=False, max_new_tokens=6)[0, 5:].tolist()
+assert not any(m.split(".")[0] in ("models", "pretrain") for m in sys.modules), "framework imported"
+torch.save({"logits": logits, "generated": new}, sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+def test_remote_code_runs_without_the_framework(remote_runs, data, dist_env, tmp_path):
+    """The exported folder works in a process that cannot import the framework (another working
+    directory, no PYTHONPATH): same logits, and HF greedy generation equals pretrain.generate's."""
+    from pretrain.consolidate import load_model
+    from pretrain.export import main as export_main
+    from pretrain.generate import generate
+
+    _, vocab = data
+    run, out = remote_runs["uoe_ep2"], tmp_path / "hf"
+    assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    tokens = fixed_tokens(vocab)
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    isolated = tmp_path / "elsewhere"
+    isolated.mkdir()
+    proc = subprocess.run([sys.executable, "-c", ISOLATED_LOAD, str(out), json.dumps(tokens.tolist()),
+                           str(tmp_path / "result.pt")], cwd=isolated, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = torch.load(tmp_path / "result.pt")
+    assert (result["logits"] - framework_logits(run, tokens)).abs().max().item() <= 1e-4
+    model, _, _ = load_model(run)
+    assert result["generated"] == generate(model, tokens[0, :5].tolist(), 6, greedy=True)

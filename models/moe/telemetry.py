@@ -56,8 +56,6 @@ class RoutingTelemetry(Callback):
 
     def on_step_end(self, trainer, result) -> None:
         layers = sparse_layers(trainer.model)
-        for layer in layers:
-            layer.update_bias()
         if not result.metrics or not layers:
             return
         self.last = self.collect(layers)
