@@ -54,7 +54,7 @@ def measure(name: str, steps: int) -> dict:
     cfg.model = ModelConfig(vocab_size=4096, hidden_size=hidden, num_layers=layers, num_heads=heads,
                             ffn_hidden_size=ffn, max_seq_len=seq)
     cfg.train.micro_batch, cfg.train.steps, cfg.train.warmup_steps = micro, 100, 1
-    cfg.train.activation_checkpointing = name.endswith("ckpt")
+    cfg.train.activation_checkpointing = "full" if name.endswith("ckpt") else "none"
     estimate = plan(cfg, 1, 1, 1e6, "cpu", bf16=False)
     baseline = rss_kib("VmRSS")
     torch.manual_seed(0)

@@ -14,7 +14,8 @@ size, De = expert-data-parallel size D / EP):
                  + 7h/t (q, k, v, rotated q and k, attention output, output-projection input) + 4f/t (MLP: gate/up
                  output, activation, product; f = active MLP width) + a*s/t attention scores for
                  kinds that store them (all but flash softmax); full activation checkpointing keeps
-                 h per layer plus one layer's full set; plus the fp32 logits, 2 x V/t per token
+                 h per layer plus one layer's full set, selective drops the scores term (the
+                 attention core is recomputed); plus the fp32 logits, 2 x V/t per token
   buffers        DeepSpeed's reduce/all-gather buckets (ZeRO-1/2: 2 x min(5e8, P) elements;
                  ZeRO-3: prefetch bucket + live parameters)
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
+from models.gpt import checkpoint_mode
 from pretrain.config import Config, ConfigError, load_config, validate
 
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "cpu": 1.0}
@@ -47,7 +49,7 @@ class Layout:
     zero_stage: int
     micro_batch: int
     bf16: bool
-    checkpointing: bool
+    checkpointing: str  # none | full | selective
 
 
 def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
@@ -64,10 +66,11 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
     t, h, a = layout.tensor, cfg.hidden_size, cfg.num_heads
     elem = 2 if layout.bf16 else 4
     stores_scores = lambda kind: kind != "softmax" or not layout.bf16  # noqa: E731 (flash on GPU only)
-    per_layer = [4 * h + 7 * h / t + 4 * active_mlp_width(cfg, i) / t + (a * seq / t if stores_scores(k) else 0)
+    keeps_scores = lambda kind: stores_scores(kind) and layout.checkpointing != "selective"  # noqa: E731
+    per_layer = [4 * h + 7 * h / t + 4 * active_mlp_width(cfg, i) / t + (a * seq / t if keeps_scores(k) else 0)
                  for i, k in enumerate(cfg.attention_kinds())]
     tokens = layout.micro_batch * seq
-    if layout.checkpointing:
+    if layout.checkpointing == "full":
         layers = cfg.num_layers * h + max(per_layer)
     else:
         layers = sum(per_layer)
@@ -119,7 +122,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     validate(cfg, world)
     p, t = cfg.parallel, cfg.train
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
-                    t.activation_checkpointing)
+                    checkpoint_mode(t.activation_checkpointing))
     memory = memory_breakdown(cfg, layout)
     total = peak_bytes(memory)
     fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context
@@ -157,7 +160,7 @@ def format_plan(r: dict) -> str:
         f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token",
         f"layout: {lay['world']} GPUs = tensor {lay['tensor']} x data {lay['data']} (expert {lay['expert']}), "
         f"ZeRO-{lay['zero_stage']}, micro-batch {lay['micro_batch']}, "
-        f"activation checkpointing {'on' if lay['checkpointing'] else 'off'}",
+        f"activation checkpointing {lay['checkpointing']}",
         f"{'memory per GPU':<16}{'GB':>10}",
     ]
     for key, value in r["memory_gb"].items():

@@ -16,6 +16,22 @@ from models.layers import Rotary, column_linear, normal_init, parallel_config, t
 from models.mlp import build_mlp
 
 
+CHECKPOINT_MODES = ("none", "full", "selective")
+
+
+def checkpoint_mode(value: str | bool) -> str:
+    """train.activation_checkpointing -> none | full | selective (true / false also accepted).
+
+    full: each block is recomputed in the backward pass (keeps only block inputs).
+    selective: only the attention core (scores, weights, attention output: the seq^2 and
+    head-sized tensors) is recomputed; projections and MLPs keep their activations."""
+    text = str(value).strip().lower()
+    mode = {"true": "full", "1": "full", "yes": "full", "false": "none", "0": "none", "no": "none"}.get(text, text)
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"train.activation_checkpointing={value!r}: choose one of {CHECKPOINT_MODES}")
+    return mode
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, attention_kind: str):
         super().__init__()
@@ -30,7 +46,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False):
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: str | bool = "none"):
         super().__init__()
         if cfg.padded_vocab_size % tp_size():
             raise ValueError(
@@ -38,7 +54,7 @@ class GPT(nn.Module):
                 f"{tp_size()}; set model.vocab_pad_to to a multiple of it"
             )
         self.cfg = cfg
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = checkpoint_mode(activation_checkpointing)
         self.embed = tensor_parallel.VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, init_method=normal_init(cfg.init_std), config=parallel_config()
         )
@@ -52,13 +68,19 @@ class GPT(nn.Module):
             cfg, cfg.hidden_size, cfg.padded_vocab_size, skip_weight_param_allocation=cfg.tie_embeddings
         )
 
+    def compile_blocks(self) -> None:
+        """torch.compile every block in place (parameter names unchanged, so checkpoints are too)."""
+        for block in self.blocks:
+            block.compile()
+
     def logits(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         """Logits for this rank's vocabulary shard: [batch, seq, padded_vocab / tp]."""
         ctx = {} if ctx is None else ctx
         ctx["rotary"] = self.rotary
+        ctx["recompute_attention"] = self.training and self.activation_checkpointing == "selective"
         x = self.embed(tokens)
         for block in self.blocks:
-            if self.activation_checkpointing and self.training:
+            if self.training and self.activation_checkpointing == "full":
                 x = checkpoint(block, x, ctx, use_reentrant=False)
             else:
                 x = block(x, ctx)

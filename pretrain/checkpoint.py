@@ -59,9 +59,20 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def model_signature(model_config: dict) -> dict:
-    """The part of a model config that fixes the shapes of its weights."""
-    return {k: v for k, v in model_config.items() if k not in ("init_std",)}
+# Model settings a run may change between checkpoints: they steer training, not what the weights mean.
+TRAINING_ONLY = {"init_std", "moe.aux_loss_coef", "moe.bias_update_rate", "moe.capacity_factor",
+                 "relu_attention.block_size"}
+
+
+def model_signature(model_config: dict, prefix: str = "") -> dict:
+    """The model settings that fix its weights and what they compute, as flat dotted keys."""
+    flat = {}
+    for key, value in model_config.items():
+        if isinstance(value, dict):
+            flat.update(model_signature(value, f"{prefix}{key}."))
+        elif f"{prefix}{key}" not in TRAINING_ONLY:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_last: int) -> Path:

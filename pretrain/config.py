@@ -51,13 +51,17 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective (true/false = full/none)
+    compile: bool = False  # torch.compile each block (GPU runs; works on CPU but compiles slowly)
     eval_interval: int = 50
     eval_batches: int = 4
     log_interval: int = 10
     save_interval: int = 100
     keep_last: int = 3
     resume: str = "auto"  # auto | none | <checkpoint tag directory>
+    # Weights to start from when there is nothing to resume: a checkpoint of this model at any layout
+    # (pretrain.init_from); optimizer, schedule and data start fresh.
+    init_from: str = ""
     stop_at_step: int = 0  # save and exit at this step (0 = run to train.steps); the schedule still spans train.steps
 
 
@@ -145,7 +149,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train)")
         _apply(cfg, values)
     _apply(cfg, parse_overrides(overrides or []))
+    _normalise(cfg)
     return cfg
+
+
+def _normalise(cfg: Config) -> None:
+    """Settings with several spellings, in their one canonical form."""
+    from models.gpt import checkpoint_mode
+
+    try:
+        cfg.train.activation_checkpointing = checkpoint_mode(cfg.train.activation_checkpointing)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
@@ -235,6 +250,9 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in ("steps", "micro_batch", "grad_accum", "log_interval", "eval_interval", "save_interval", "keep_last"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
+    _normalise(cfg)
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = start at the full train.lr)")
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
 

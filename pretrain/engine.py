@@ -44,7 +44,8 @@ def deepspeed_config(cfg: Config) -> dict:
             "type": "WarmupCosineLR",
             "params": {
                 "total_num_steps": t.steps,
-                "warmup_num_steps": t.warmup_steps,
+                # DeepSpeed needs >= 1 warmup step; warmup_steps = 0 starts at the full rate.
+                "warmup_num_steps": max(t.warmup_steps, 1),
                 "warmup_min_ratio": 1.0 / max(t.warmup_steps, 1),  # the first step already learns
                 "cos_min_ratio": t.min_lr_ratio,
                 "warmup_type": "linear",

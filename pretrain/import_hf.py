@@ -9,8 +9,9 @@ set data.shards and the train.* keys for the run). Continue training with
 
     python -m pretrain.train --config RUN_DIR/config.yaml data.shards=... train.resume=RUN_DIR/checkpoints/step_00000000
 
-Accepted: `LlamaForCausalLM` with num_key_value_heads == num_attention_heads (no grouped-query
-attention), silu MLP, no attention/MLP biases, no rope_scaling, head_dim = hidden / heads. Any other
+Accepted: `LlamaForCausalLM` with silu MLP, no attention/MLP biases, no rope_scaling, head_dim =
+hidden / heads. Grouped-query attention is imported exactly as multi-head attention (each K/V head
+repeated for the query heads that share it; K/V parameters grow accordingly). Any other
 architecture or setting is refused with a clear error and nothing is written to --out.
 
 Mapping (the inverse of pretrain.export): q/k/v rows -> the fused head-major QKV weight,
@@ -18,12 +19,15 @@ gate/up rows -> the interleaved SwiGLU w_in, embedding and head padded to model.
 zero rows (padded logits are 0 until training pushes them down; --vocab-pad-to 1 avoids padding
 when the vocabulary is divisible by the tensor-parallel size you will train at).
 
-Resuming the imported checkpoint works at tensor-parallel size 1, any data-parallel size, ZeRO
-stage 0, 1 or 2: the marker records no optimizer state worth restoring (expert_parallel = 0), so
-pretrain.checkpoint.load restores the weights and schedule and starts the optimizer fresh, as
-after an expert-parallel change. Resuming at tensor-parallel size > 1 or at ZeRO-3 is not possible
-from these DeepSpeed files (they hold one unsplit TP rank); import once, train a step at TP=1 or
-re-split the weights yourself.
+Start training from it at any layout (tensor / data parallel, ZeRO 0-3) with
+
+    python -m pretrain.train --config RUN_DIR/config.yaml data.shards=... run.dir=runs/continued \
+        parallel.tensor=2 train.init_from=RUN_DIR/checkpoints/step_00000000
+
+(pretrain.init_from re-splits the weights; optimizer and schedule start fresh). Resuming it with
+train.resume also works at tensor-parallel size 1 and ZeRO 0-2: the marker records no optimizer
+state worth restoring (expert_parallel = 0), so pretrain.checkpoint.load keeps the weights and
+starts the optimizer fresh.
 """
 
 from __future__ import annotations
@@ -57,10 +61,9 @@ def check_supported(hf: dict) -> None:
                            f"{hf.get('model_type')!r}): only LlamaForCausalLM can be imported")
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
-    if kv != heads:
-        raise ImportError_(f"num_key_value_heads={kv} != num_attention_heads={heads}: grouped-query attention is "
-                           "not supported by this framework's attention (every head has its own K/V)")
     problems = []
+    if heads % kv:
+        problems.append(f"num_key_value_heads={kv} does not divide num_attention_heads={heads}")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (need silu)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
@@ -97,9 +100,14 @@ def load_hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM state dict -> framework names/layouts at TP=1 (padded vocabulary)."""
+def from_llama_state(cfg, hf: dict[str, torch.Tensor], kv_heads: int | None = None) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM state dict -> framework names/layouts at TP=1 (padded vocabulary).
+
+    Grouped-query attention (kv_heads < heads) becomes multi-head attention by repeating each K/V
+    head for the query heads that share it (query head j reads K/V head j // (heads / kv_heads),
+    as transformers' repeat_kv does): the same outputs, with K/V parameters grown to full size."""
     h, hd, d, v, pv = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size, cfg.padded_vocab_size
+    kv_heads = kv_heads or h
 
     def pad(w: torch.Tensor) -> torch.Tensor:
         return torch.cat([w, w.new_zeros(pv - v, w.shape[1])]) if pv > v else w
@@ -109,7 +117,9 @@ def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         out["head.weight"] = pad(hf["lm_head.weight"])
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"blocks.{i}."
-        q, k, val = (hf[src + f"self_attn.{n}_proj.weight"].view(h, hd, d) for n in "qkv")
+        q = hf[src + "self_attn.q_proj.weight"].view(h, hd, d)
+        k, val = (hf[src + f"self_attn.{n}_proj.weight"].view(kv_heads, hd, d).repeat_interleave(h // kv_heads, 0)
+                  for n in "kv")
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out.update({
             dst + "attn.qkv.weight": torch.stack([q, k, val], dim=1).reshape(3 * h * hd, d),
@@ -152,7 +162,11 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     if tokenizer:
         cfg.data.tokenizer = str(tokenizer)
     validate(cfg, 1)
-    state = from_llama_state(cfg.model, load_hf_state(model_dir))
+    kv_heads = hf_cfg.get("num_key_value_heads") or hf_cfg["num_attention_heads"]
+    if kv_heads != hf_cfg["num_attention_heads"]:
+        print(f"note: grouped-query attention ({kv_heads} K/V heads) imported as multi-head attention with "
+              f"{hf_cfg['num_attention_heads']} K/V heads (repeated; same outputs)", file=sys.stderr)
+    state = from_llama_state(cfg.model, load_hf_state(model_dir), kv_heads)
 
     init_single_process()
     torch.manual_seed(cfg.train.seed)

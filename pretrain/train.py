@@ -28,15 +28,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None]:
-    """Every check that needs no process group: config, shards, tokenizer, checkpoint."""
+def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None, Path | None]:
+    """Every check that needs no process group: config, shards, tokenizer, checkpoints.
+    Returns (manifest, checkpoint to resume, checkpoint whose weights to start from)."""
     validate(cfg, world_size)
     manifest = validate_data(cfg)
     resume_path = checkpoint.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
         checkpoint.check_compatible(checkpoint.read_meta(resume_path), cfg.to_dict()["model"],
                                     manifest.get("tokenizer_sha256"), resume_path)
-    return manifest, resume_path
+        return manifest, resume_path, None
+    if cfg.train.init_from:
+        from pretrain.init_from import check_source
+
+        return manifest, None, check_source(cfg.train.init_from, cfg.to_dict()["model"],
+                                            manifest.get("tokenizer_sha256"))
+    return manifest, None, None
 
 
 def run(cfg: Config) -> int:
@@ -50,7 +57,7 @@ def run(cfg: Config) -> int:
     from pretrain.trainer import Trainer
 
     env = read_env()
-    manifest, resume_path = prepare(cfg, env.world_size)
+    manifest, resume_path, init_path = prepare(cfg, env.world_size)
     init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
     signals.install()
     run_dir = Path(cfg.run.dir)
@@ -60,6 +67,12 @@ def run(cfg: Config) -> int:
         signals.clear_stop_marker(run_dir)  # a marker describes the latest process run only
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
+    if init_path is not None:
+        from pretrain.init_from import load_weights
+
+        load_weights(model, init_path, cfg.model.moe.num_experts)
+    if cfg.train.compile:
+        model.compile_blocks()
     engine = build_engine(cfg, model)
     batches = Batches(build_loader(cfg, "train", shuffle=True))
     counts = param_counts(cfg.model)
@@ -71,6 +84,8 @@ def run(cfg: Config) -> int:
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
                  f"ZeRO-{cfg.parallel.zero_stage}")
     start_step = 0
+    if init_path is not None:
+        logger.print(f"started from the weights of {init_path}")
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path)
         batches.load_state_dict(state["data"])

@@ -18,22 +18,27 @@ def full_tensor(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
 
 
 def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int = 0,
-                       activation_checkpointing: bool = False) -> None:
+                       activation_checkpointing: bool = False, compile_blocks: bool = False) -> None:
     """Build a GPT with a fixed seed, run one forward/backward on a fixed batch and save the
-    loss plus full (TP-gathered) gradients from rank 0."""
+    loss plus full (TP-gathered) gradients from rank 0 (and whether torch.compile made graphs)."""
     from models.config import ModelConfig
     from models.gpt import GPT
 
     cfg = ModelConfig(**model_kwargs)
     torch.manual_seed(seed)
     model = GPT(cfg, activation_checkpointing=activation_checkpointing)
+    if compile_blocks:
+        model.compile_blocks()
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     grads = {name: full_tensor(p, p.grad) for name, p in model.named_parameters()}
     weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"loss": loss.detach(), "grads": grads, "weights": weights}, out_path)
+        from torch._dynamo.utils import counters
+
+        compiled = counters["stats"]["unique_graphs"] > 0
+        torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "compiled": compiled}, out_path)
 
 
 def loader_batches(rank: int, shards_root: str, out_dir: str, batches: int = 3) -> None:

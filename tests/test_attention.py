@@ -160,15 +160,17 @@ def test_capture_does_not_change_outputs(single_process, pattern):
 
 
 def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch):
-    """Scores handed across checkpointed blocks through ctx, and the alignment FFN in row blocks:
-    same loss and grads as one plain pass."""
+    """Scores handed across checkpointed blocks (full) or around recomputed attention cores
+    (selective) through ctx, and the alignment FFN in row blocks: same loss and grads as one plain
+    pass, for softmax_sink, relu, softmax and LISA layers."""
     from models.attention.lisa import HeadAlign
     from models.gpt import GPT
 
     cfg = small_cfg("krlsl")
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
     grads = []
-    for ckpt, row_block in ((False, 256), (True, 7)):
+    saved = {}
+    for ckpt, row_block in (("none", 256), ("full", 7), ("selective", 7)):
         monkeypatch.setattr(HeadAlign, "ROW_BLOCK", row_block)
         torch.manual_seed(0)
         model = GPT(cfg, activation_checkpointing=ckpt).double().train()
@@ -177,12 +179,18 @@ def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch)
             for block in model.blocks:
                 if hasattr(block.attn, "align"):
                     block.attn.align.b1.normal_()
-        loss = model(tokens, torch.roll(tokens, -1, 1))
+        kept = []  # bytes autograd keeps for backward (recomputed regions keep nothing here)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = model(tokens, torch.roll(tokens, -1, 1))
         loss.backward()
+        saved[ckpt] = sum(kept)
         grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(grads[0][0], grads[1][0])
-    for name, g in grads[0][1].items():
-        torch.testing.assert_close(grads[1][1][name], g, msg=name)
+    assert saved["full"] < saved["selective"] < saved["none"], saved
+    for other in grads[1:]:
+        torch.testing.assert_close(other[0], grads[0][0])
+        for name, g in grads[0][1].items():
+            torch.testing.assert_close(other[1][name], g, msg=name)
 
 
 @pytest.mark.parametrize("source", ["s", "r"])

@@ -64,11 +64,12 @@ def data(tmp_path_factory):
     return root, vocab
 
 
-def train_run(root, run, settings: dict) -> None:
+def train_run(root, run, settings: dict) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "pretrain.train", *tiny_overrides(root, run, **settings)]
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{run.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -227,25 +228,37 @@ def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
     assert tiny_p == generate(model, [5, 6], 4, greedy=True)
 
 
-def test_import_round_trip_and_resume(data, dist_env, tmp_path):
+LLAMA = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "rope_theta": 5000.0}
+
+
+@pytest.fixture(scope="module")
+def imported(data, dist_env, tmp_path_factory):
+    """A random grouped-query-attention LlamaForCausalLM (2 K/V heads for 4 query heads), saved
+    and imported: (source model, imported run directory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pretrain.export import main as export_main
     from pretrain.import_hf import main as import_main
 
-    root, vocab = data
+    _, vocab = data
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                         rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False)
-    source = LlamaForCausalLM(config).eval()
+    source = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **LLAMA)).eval()
     with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
         for name, p in source.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    src_dir, run, back = tmp_path / "src", tmp_path / "imported", tmp_path / "back"
-    source.save_pretrained(src_dir)
-    assert import_main(["--model", str(src_dir), "--out", str(run)]) == 0
+    base = tmp_path_factory.mktemp("imported")
+    source.save_pretrained(base / "src")
+    assert import_main(["--model", str(base / "src"), "--out", str(base / "run")]) == 0
+    return source, base / "run"
+
+
+def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
+    from pretrain.export import main as export_main
+
+    root, vocab = data
+    source, run = imported
+    back = tmp_path / "back"
     tag = run / "checkpoints" / "step_00000000"
     assert (tag / "COMPLETE").is_file() and (run / "config.yaml").is_file()
     tokens = fixed_tokens(vocab)
@@ -264,7 +277,7 @@ def test_import_round_trip_and_resume(data, dist_env, tmp_path):
 
     cfg = load_config(run / "config.yaml", [f"data.shards={root / 'shards'}", f"data.tokenizer={root / 'tokenizer'}",
                                             f"train.resume={tag}", "train.micro_batch=2", "train.steps=30"])
-    _, resume_path = prepare(cfg, 1)
+    _, resume_path, _ = prepare(cfg, 1)
     assert resume_path == tag
     torch.manual_seed(1)
     engine = build_engine(cfg, GPT(cfg.model))
@@ -331,8 +344,9 @@ def test_export_formats_and_unsupported_imports(tmp_path, capsys):
     for hf_config, needle in (
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 96},
-         "grouped-query attention"),
+          "num_attention_heads": 4, "num_key_value_heads": 3, "num_hidden_layers": 1, "intermediate_size": 96,
+          "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+         "unsupported Llama settings: num_key_value_heads=3 does not divide num_attention_heads=4; rope_scaling"),
     ):
         model_dir = tmp_path / f"hf_{time.monotonic_ns()}"
         model_dir.mkdir()
@@ -449,3 +463,60 @@ def test_remote_code_runs_without_the_framework(remote_runs, data, dist_env, tmp
     assert (result["logits"] - framework_logits(run, tokens)).abs().max().item() <= 1e-4
     model, _, _ = load_model(run)
     assert result["generated"] == generate(model, tokens[0, :5].tolist(), 6, greedy=True)
+
+
+def evaluate_loss(checkpoint, shards, batches: int, capsys) -> float:
+    from pretrain.evaluate import main as evaluate_main
+
+    assert evaluate_main(["--checkpoint", str(checkpoint), "--shards", str(shards), "--batches", str(batches),
+                          "--batch-size", "4", "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["imported_gqa", "uoe_ep2"])
+def test_init_from_loads_weights_at_another_layout(source, imported, remote_runs, data, dist_env, tmp_path, capsys):
+    """train.init_from re-splits a checkpoint for another layout: the imported (GQA) Llama at TP=2
+    with ZeRO-3, and the UoE run saved at EP=2 x DP=2 at TP=2 x EP=1 with ZeRO-2 (experts by global
+    id, then split over TP). With lr = 0 the weights stay as loaded, so the validation loss after
+    step 1 must equal the source checkpoint's loss on the same samples."""
+    root, vocab = data
+    if source == "imported_gqa":
+        src = imported[1] / "checkpoints" / "step_00000000"
+        model = {"model.ffn_hidden_size": LLAMA["intermediate_size"], "model.norm_eps": LLAMA["rms_norm_eps"],
+                 "model.rope_base": LLAMA["rope_theta"], "parallel.zero_stage": 3}
+    else:
+        src = remote_runs["uoe_ep2"]
+        model = {"model.mlp": "uoe", "model.moe.num_experts": 4, "model.moe.top_k": 2,
+                 "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 32,
+                 "model.moe.bias_update_rate": 0.0, "parallel.zero_stage": 2}
+    run = tmp_path / "continued"
+    log = train_run(root, run, {"model.vocab_size": vocab, **model, "parallel.tensor": 2, "train.steps": 1,
+                          "train.lr": 0.0, "train.warmup_steps": 0, "train.eval_interval": 1, "train.eval_batches": 1,
+                          "train.save_interval": 1, "train.init_from": src})
+    assert "started from the weights of" in log
+    want = evaluate_loss(src, root / "shards", 1, capsys)
+    assert val_loss_logged(run, 1) == pytest.approx(want, abs=1e-4)
+    assert 0 < want < 7
+    # The new run's own checkpoint now holds the re-split weights: same loss again.
+    assert evaluate_loss(run, root / "shards", 1, capsys) == pytest.approx(want, abs=1e-4)
+
+
+def test_init_from_refuses_another_model(imported, data, tmp_path):
+    """A source of another model is refused before any process group or model exists."""
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.config import load_config
+    from pretrain.train import prepare
+
+    root, vocab = data
+    src = imported[1] / "checkpoints" / "step_00000000"
+    overrides = [f"data.shards={root / 'shards'}", f"data.tokenizer={root / 'tokenizer'}", f"run.dir={tmp_path}",
+                 f"model.vocab_size={vocab}", "model.max_seq_len=32", f"train.init_from={src}"]
+    cfg = load_config(imported[1] / "config.yaml", overrides)
+    assert prepare(cfg, 1)[2] == src
+    cfg = load_config(imported[1] / "config.yaml", [*overrides, "model.ffn_hidden_size=128"])
+    with pytest.raises(CheckpointError, match="ffn_hidden_size"):
+        prepare(cfg, 1)
+    cfg = load_config(imported[1] / "config.yaml", [*overrides[:-1], f"train.init_from={tmp_path / 'nothing'}"])
+    with pytest.raises(CheckpointError, match="train.init_from"):
+        prepare(cfg, 1)

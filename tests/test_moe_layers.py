@@ -380,7 +380,7 @@ def _param_counts_exact(rank: int) -> None:
         dist.all_reduce(experts, group=ps.get_expert_model_parallel_group())
         assert dense + int(experts) == param_counts(cfg)["total"], kind
         # Activation checkpointing re-runs the dispatch in backward; statistics count it once.
-        model.activation_checkpointing = True
+        model.activation_checkpointing = "full"
         tokens = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(rank))
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         stats = model.blocks[0].mlp.stats

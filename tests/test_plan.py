@@ -1,7 +1,8 @@
-"""Planner: exact parameter counts for every shipped config, memory close to measured, and
-layouts that cannot fit rejected with the reason."""
+"""Planner: exact parameter counts for every shipped config, memory close to measured, layouts
+that cannot fit rejected with the reason, and the layouts size configs state in their header fit."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,19 @@ import torch
 from bench.memory_plan import measurement_env
 from launch.plan import main as plan_main
 from launch.plan import plan
+from models.counting import param_counts
 from pretrain.config import load_config, validate
 from tests.dist_utils import REPO, child_env, spawn
 from tests.parallel_checks import meta_param_counts
 
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml"))
+# Size configs (all but the CPU ones) state their parameters and two layouts in their header:
+#   # 8x80GB nodes: N parallel.tensor=... train.micro_batch=...   (the values the file sets)
+#   # single-gpu (80-141 GB): parallel.tensor=1 parallel.expert=1 ...   (overrides for one GPU)
+SIZE_CONFIGS = [p for p in CONFIGS if not Path(p).name.startswith(("tiny_", "demo"))]
+NODES_LINE = re.compile(r"# 8x80GB nodes: (\d+) (.+)")
+SINGLE_LINE = re.compile(r"# single-gpu \(80-141 GB\): (.+)")
+PARAMS_LINE = re.compile(r"([\d.]+)M parameters(?:, ([\d.]+)M active)?")
 
 
 def test_every_config_validates_and_counts_match_meta_instantiation(tmp_path):
@@ -56,3 +65,76 @@ def test_memory_estimate_within_20_percent_of_measured(size):
                          capture_output=True, text=True, timeout=600, check=True)
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert 0.8 <= result["ratio"] <= 1.2, result
+
+
+def layout_problems(path: Path) -> list[str]:
+    """What is wrong with a size config's header: missing or wrong parameter counts, an 8x80 GB layout
+    that is not what the file sets or does not fit, a single-GPU layout that does not fit in 80 GB or
+    changes the global batch."""
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    nodes = next((m for m in map(NODES_LINE.fullmatch, header) if m), None)
+    single = next((m for m in map(SINGLE_LINE.fullmatch, header) if m), None)
+    params = next((m for m in map(PARAMS_LINE.search, header) if m), None)
+    if not (nodes and single and params):
+        return [f"{path.name}: the header needs '<total>M parameters[, <active>M active]', "
+                "'# 8x80GB nodes: N <overrides>' and '# single-gpu (80-141 GB): <overrides>' lines"]
+    problems = []
+    written = load_config(path)
+    counts = param_counts(written.model)
+    if abs(float(params[1]) - counts["total"] / 1e6) > 0.05:
+        problems.append(f"{path.name}: states {params[1]}M parameters, counts {counts['total'] / 1e6:.1f}M")
+    active = float(params[2] or "nan")
+    if written.model.mlp != "dense" and not abs(active - counts["active"] / 1e6) <= 0.05:
+        problems.append(f"{path.name}: states {params[2]}M active parameters, "
+                        f"counts {counts['active'] / 1e6:.1f}M")
+    if load_config(path, nodes[2].split()).to_dict() != written.to_dict():
+        problems.append(f"{path.name}: the 8x80GB line ({nodes[2]}) is not what the file sets")
+    multi = plan(written, int(nodes[1]), 8, 80)
+    if not multi["fits"]:
+        problems.append(f"{path.name}: does not fit on {nodes[1]} x 8 x 80 GB: {multi['reason']}")
+    one = load_config(path, single[1].split())
+    if (one.parallel.tensor, one.parallel.expert) != (1, 1):
+        return problems + [f"{path.name}: the single-GPU line must set parallel.tensor=1 parallel.expert=1"]
+    alone = plan(one, 1, 1, 80, "h100")
+    if not alone["fits"]:
+        problems.append(f"{path.name}: the single-GPU layout does not fit in 80 GB: {alone['reason']}")
+    if alone["tokens_per_step"] != multi["tokens_per_step"]:
+        problems.append(f"{path.name}: one GPU takes {alone['tokens_per_step']} tokens per step, "
+                        f"{nodes[1]} x 8 GPUs {multi['tokens_per_step']}: set train.grad_accum to match")
+    return problems
+
+
+@pytest.mark.parametrize("path", SIZE_CONFIGS)
+def test_size_config_header_layouts_fit(path):
+    assert layout_problems(REPO / path) == []
+
+
+def test_header_check_catches_layouts_that_do_not_fit(tmp_path):
+    assert len(SIZE_CONFIGS) >= 20
+    text = (REPO / "configs/dense_3b.yaml").read_text()
+    lines = text.splitlines(keepends=True)
+    nodes = next(line for line in lines if NODES_LINE.fullmatch(line.rstrip()))
+    single = next(line for line in lines if SINGLE_LINE.fullmatch(line.rstrip()))
+
+    def problems(new_text: str) -> str:
+        assert new_text != text
+        (tmp_path / "dense_3b.yaml").write_text(new_text)
+        return "\n".join(layout_problems(tmp_path / "dense_3b.yaml"))
+
+    assert problems(text + "\n") == ""
+    def micro(line: str, n: int) -> str:
+        return re.sub(r"train\.micro_batch=\d+", f"train.micro_batch={n}", line)
+
+    assert "single-GPU layout does not fit" in problems(text.replace(single, micro(single, 64)))
+    # micro-batch 16 on 8 GPUs, stated and set: too big for 80 GB
+    too_big = text.replace(nodes, micro(nodes, 16)).replace("  micro_batch: 4\n", "  micro_batch: 16\n")
+    assert "does not fit on 1 x 8 x 80 GB" in problems(too_big)
+    assert "not what the file sets" in problems(text.replace(nodes, micro(nodes, 8)))
+    fewer_tokens = single.replace("grad_accum=16", "grad_accum=1")
+    assert "tokens per step" in problems(text.replace(single, fewer_tokens))
+    assert "header needs" in problems(text.replace("# single-gpu", "# one-gpu"))
+    assert "states 2500.0M parameters" in problems(text.replace("2701.6M parameters", "2500.0M parameters"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
 from models.layers import column_linear, row_linear, tp_size
@@ -63,7 +64,10 @@ class ProjectedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         q, k, v = self.project(x, ctx)
-        o = self.core(q, k, v, ctx)  # [batch, heads, seq, head_dim]
+        if ctx.get("recompute_attention"):  # selective activation checkpointing
+            o = checkpoint(self.core, q, k, v, ctx, use_reentrant=False)
+        else:
+            o = self.core(q, k, v, ctx)  # [batch, heads, seq, head_dim]
         o = o.transpose(1, 2).flatten(2)
         out, _ = self.out(o)
         return out

@@ -153,17 +153,24 @@ class LISAAttention(nn.Module):
         delta = (self.rotary(q) @ self.rotary(k).transpose(-2, -1)) / math.sqrt(self.rank)
         return self.align(shared.to(delta.dtype)) + delta
 
-    def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
-        b, s, _ = x.shape
-        scores = self.scores(x, ctx)
-        self.publish(ctx, scores)
+    def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """Attention weights from the scores, applied to the values: [batch, heads, seq, head_dim]."""
         if self.source_kind == "relu":
             weights, normalised = relu_weights(scores, self.normalizer), False
         else:
             weights, normalised = causal_softmax(scores), True
         self.capture(ctx, weights, normalised=normalised)
+        return weights.to(v.dtype) @ v
+
+    def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        b, s, _ = x.shape
+        scores = self.scores(x, ctx)
+        self.publish(ctx, scores)
         v, _ = self.v(x)
         v = v.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        o = (weights.to(v.dtype) @ v).transpose(1, 2).flatten(2)
-        out, _ = self.out(o)
+        if ctx.get("recompute_attention"):  # selective activation checkpointing
+            o = checkpoint(self.mix, scores, v, ctx, use_reentrant=False)
+        else:
+            o = self.mix(scores, v, ctx)
+        out, _ = self.out(o.transpose(1, 2).flatten(2))
         return out

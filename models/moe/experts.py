@@ -138,9 +138,10 @@ class ExpertContainer(MoE):
         if ep == 1:
             self.deepspeed_moe.ep_group = _SINGLE
         self._init_weights(cfg, ep_rank() if ep > 1 else 0)
-        for param in self.parameters():
+        for name, param in self.named_parameters():
             if tp_size() > 1:  # really split over TP: DeepSpeed must count it on every TP rank
                 param.tensor_model_parallel = True
+                param.partition_dim = 0 if name.endswith("w_in") else 1  # rows of w_in, columns of w_out
 
     @torch.no_grad()
     def _init_weights(self, cfg: ModelConfig, rank: int) -> None:

@@ -13,7 +13,9 @@ differ only by MoE's router (N * d parameters per layer, also counted as active)
     python -m models.moe.matching --write configs   # (re)write configs/{preset}_{uoe,moe,moe_dense}.yaml
 
 The dense twin is written as {preset}_moe_dense.yaml, except for "tiny" whose dense twin is the
-existing configs/tiny_dense.yaml (same model; a test checks it).
+existing configs/tiny_dense.yaml (same model; a test checks it). Size presets also get the two layout
+lines every size config carries: the 8x80 GB-node layout the file sets, and the single-GPU overrides
+(`single_gpu` below, the same for all three kinds; tests/test_plan.py checks both with the planner).
 """
 
 from __future__ import annotations
@@ -71,16 +73,24 @@ PRESETS = {
     "125m": dict(model=dict(vocab_size=32000, hidden_size=640, num_layers=8, num_heads=10, max_seq_len=2048),
                  sparse=dict(num_experts=8, top_k=2, expert_hidden_size=512, shared_hidden_size=512),
                  parallel=dict(expert=8, zero_stage=1),
-                 train=dict(steps=20000, micro_batch=16, lr=1.0e-3, warmup_steps=1000)),
+                 train=dict(steps=20000, micro_batch=16, lr=1.0e-3, warmup_steps=1000),
+                 single_gpu=dict(zero_stage=2, micro_batch=32, grad_accum=4)),
+    "350m": dict(model=dict(vocab_size=32000, hidden_size=1024, num_layers=12, num_heads=16, max_seq_len=2048),
+                 sparse=dict(num_experts=8, top_k=2, expert_hidden_size=768, shared_hidden_size=768),
+                 parallel=dict(expert=8, zero_stage=1),
+                 train=dict(steps=30000, micro_batch=16, lr=8.0e-4, warmup_steps=1000),
+                 single_gpu=dict(zero_stage=2, micro_batch=32, grad_accum=4)),
     "1b": dict(model=dict(vocab_size=32000, hidden_size=1536, num_layers=16, num_heads=16, max_seq_len=2048),
                sparse=dict(num_experts=16, top_k=2, expert_hidden_size=768, shared_hidden_size=768),
                parallel=dict(expert=8, zero_stage=1),
-               train=dict(steps=50000, micro_batch=8, lr=6.0e-4, warmup_steps=2000)),
+               train=dict(steps=50000, micro_batch=8, lr=6.0e-4, warmup_steps=2000),
+               single_gpu=dict(zero_stage=2, micro_batch=16, grad_accum=4)),
     # Fine-grained: 64 experts, top-8, expert width d/2, N_s = 768 / 64 = 12 routing neurons.
     "3b": dict(model=dict(vocab_size=32000, hidden_size=1536, num_layers=12, num_heads=16, max_seq_len=2048),
                sparse=dict(num_experts=64, top_k=8, expert_hidden_size=768, shared_hidden_size=768),
                parallel=dict(expert=8, zero_stage=1),
-               train=dict(steps=100000, micro_batch=8, lr=4.0e-4, warmup_steps=2000)),
+               train=dict(steps=100000, micro_batch=8, lr=4.0e-4, warmup_steps=2000),
+               single_gpu=dict(zero_stage=2, micro_batch=4, grad_accum=16)),
 }
 
 
@@ -106,6 +116,31 @@ def preset_yaml(name: str, kind: str) -> dict:
             "parallel": parallel, "train": p["train"]}
 
 
+LAYOUT_KEYS = ("parallel.tensor", "parallel.expert", "parallel.zero_stage",
+               "train.micro_batch", "train.grad_accum", "train.activation_checkpointing")
+
+
+def layout_lines(name: str, kind: str) -> str:
+    """Header lines of a size preset: the 8x80 GB-node layout the file sets, then the single-GPU overrides."""
+    p = PRESETS[name]
+    if "single_gpu" not in p:
+        return ""
+    doc = preset_yaml(name, kind)
+    multi = {f"parallel.{k}": v for k, v in doc["parallel"].items()}
+    train = doc["train"]
+    multi.update({"train.micro_batch": train["micro_batch"], "train.grad_accum": train.get("grad_accum", 1),
+                  "train.activation_checkpointing": train.get("activation_checkpointing", "none")})
+    s = p["single_gpu"]
+    single = {"parallel.tensor": 1, "parallel.expert": 1, "parallel.zero_stage": s["zero_stage"],
+              "train.micro_batch": s["micro_batch"], "train.grad_accum": s["grad_accum"],
+              "train.activation_checkpointing": s.get("activation_checkpointing", "none")}
+
+    def text(values: dict) -> str:
+        return " ".join(f"{k}={str(values[k]).lower()}" for k in LAYOUT_KEYS)
+
+    return f"# 8x80GB nodes: 1 {text(multi)}\n# single-gpu (80-141 GB): {text(single)}\n"
+
+
 def write_configs(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -117,7 +152,8 @@ def write_configs(out_dir: Path) -> list[Path]:
             c = table[kind]
             header = (f"# {name} {kind}: matched UoE / MoE+shared / dense set (python -m models.moe.matching).\n"
                       f"# {c['total'] / 1e6:.1f}M parameters, {c['active'] / 1e6:.1f}M active, "
-                      f"{c['flops_per_token'] / 1e9:.2f} GFLOP/token (training).\n")
+                      f"{c['flops_per_token'] / 1e9:.2f} GFLOP/token (training).\n"
+                      + layout_lines(name, kind))
             if name == "tiny":
                 header += "# CPU demo and tests: parallel.expert=2 needs 2 processes (torchrun --nproc-per-node 2).\n"
             path = out_dir / f"{name}_{'moe_dense' if kind == 'dense' else kind}.yaml"

@@ -10,6 +10,7 @@ Conventions (documented choices):
 * aux-loss-free bias (DeepSeek-V3): b is added to the scores for selection only; weights and the
   aux loss use the unbiased scores. After every optimizer step b_i += rate * sign(mean - n_i),
   with n_i the tokens routed to i since the last update, summed over the data-parallel group.
+  With rate 0 the bias stays as it is (zero unless an earlier phase of the run learned it).
 * capacity factor c > 0: every expert keeps its first ceil(T * K / N * c) assignments in token
   order (this rank's tokens); the rest are dropped (contribute nothing) and counted.
 """
@@ -90,7 +91,8 @@ class RoutedLayer(nn.Module):
         """scores: fp32 [T, N] (higher = better). Returns (expert_ids [T, K] with -1 for dropped,
         selected ids [T, K], weights fp32 [T, K]). `stat_scores` replaces `scores` in the telemetry."""
         T = scores.shape[0]
-        selection = scores.detach() + self.router_bias if self.bias_update_rate > 0 else scores.detach()
+        # The bias is model state: once learned it keeps steering selection, also with updates off.
+        selection = scores.detach() + self.router_bias
         selected = selection.topk(self.top_k, dim=-1).indices
         weights = torch.softmax(scores.gather(-1, selected), dim=-1)
         if self.training and self.aux_loss_coef > 0:

@@ -1,0 +1,87 @@
+"""Start a new run from the weights of a checkpoint saved at any layout.
+
+    python -m pretrain.train --config cfg.yaml train.init_from=runs/base/checkpoints/step_00010000
+
+The source may be any complete checkpoint of the same model (a run directory means its newest
+complete one): any tensor / expert / data-parallel size and ZeRO stage, or one written by
+pretrain.import_hf. Every rank reads the source's tensor-parallel shards, merges them into full
+tensors (pretrain.consolidate) and keeps its own slice for the run's layout, before DeepSpeed
+builds the engine (so ZeRO-3 partitions the loaded weights). The optimizer, learning-rate
+schedule and data order start fresh at step 0. A run that has its own checkpoints resumes from
+them instead (train.resume=auto), so a requeued job does not start over.
+
+Memory: each rank holds the full fp32 weights once while loading (12 GB for a 3B model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state as ps
+
+from pretrain.checkpoint import CheckpointError, check_compatible, read_meta
+from pretrain.consolidate import ConsolidateError, _float32, _rank_state, describe_layout, merge_tensor_parallel, \
+    resolve_checkpoint
+
+
+def check_source(path: str, model_config: dict, tokenizer_sha256: str | None) -> Path:
+    """The source tag directory, checked (same model, tokenizer, every file present) before any
+    process group or model exists."""
+    try:
+        tag = resolve_checkpoint(path)
+        meta = read_meta(tag)
+        describe_layout(tag, meta)
+    except ConsolidateError as err:
+        raise CheckpointError(f"train.init_from={path}: {err}") from None
+    check_compatible(meta, model_config, tokenizer_sha256, tag)
+    return tag
+
+
+def _source_name(name: str, num_local_experts: int) -> str:
+    """This rank's parameter name -> the checkpoint's (experts under their global id)."""
+    from models.moe.convert_experts import EXPERT_KEY
+
+    match = EXPERT_KEY.match(name)
+    if not match:
+        return name
+    global_id = ps.get_expert_model_parallel_rank() * num_local_experts + int(match.group(2))
+    return f"{match.group(1)}{global_id}{match.group(3)}"
+
+
+def _full_shape(param: torch.Tensor, tp: int) -> torch.Size:
+    dim = getattr(param, "partition_dim", None)
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False) or dim is None:
+        return param.shape
+    shape = list(param.shape)
+    shape[dim] *= tp
+    return torch.Size(shape)
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, tag: Path, num_experts: int) -> None:
+    """Copy the source's weights into this rank's (tensor- and expert-parallel) part of `model`."""
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    local_experts = max(1, num_experts // ps.get_expert_model_parallel_world_size())
+    own = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    params = dict(model.named_parameters())
+    names = {k: _source_name(k, local_experts) for k in own}
+    full_shapes = {names[k]: _full_shape(params.get(k, v), tp) for k, v in own.items()}
+    dims = {names[k]: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
+                       and getattr(p, "partition_dim", None) is not None else None) for k, p in params.items()}
+    layout = describe_layout(tag, read_meta(tag))
+    shards = [_float32(_rank_state(tag, t, layout)) for t in range(layout["tensor"])]
+    full = merge_tensor_parallel(shards, dims, full_shapes)
+    missing = sorted(n for n in full_shapes if n not in full)
+    if missing:
+        raise CheckpointError(f"train.init_from={tag}: the checkpoint lacks {missing[:6]}")
+    for key, local in own.items():
+        source = full[names[key]]
+        want = full_shapes[names[key]]
+        if tuple(source.shape) != tuple(want):
+            raise CheckpointError(f"train.init_from={tag}: {names[key]} is {tuple(source.shape)}, this model needs "
+                                  f"{tuple(want)}")
+        if tuple(want) != tuple(local.shape):  # split over tensor-parallel ranks: keep this rank's slice
+            dim = next(d for d in range(local.dim()) if local.shape[d] != want[d])
+            source = source.narrow(dim, tp_rank * local.shape[dim], local.shape[dim])
+        local.copy_(source.to(local.dtype))
