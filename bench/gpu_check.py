@@ -22,6 +22,9 @@ FAMILIES = {  # name: (config, overrides)
     "dense-1b": ("configs/dense_1b.yaml", []),
     "uoe-1b": ("configs/1b_uoe.yaml", ["parallel.expert=1"]),
     "hybrid-1b": ("configs/hybrid_1b.yaml", []),
+    # the performance switches, each against its family's row above
+    "dense-1b compiled": ("configs/dense_1b.yaml", ["train.compile=true"]),
+    "uoe-1b grouped-gemm": ("configs/1b_uoe.yaml", ["parallel.expert=1", "model.moe.grouped_gemm=true"]),
 }
 TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "model.num_heads=4",
         "model.ffn_hidden_size=256", "model.max_seq_len=64", "model.moe.expert_hidden_size=64",
@@ -73,7 +76,10 @@ def throughput(cfg_path: str, overrides: list[str], steps: int, micro_batch: int
                                              "parallel.zero_stage=1", "train.steps=1000", "train.warmup_steps=10"])
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    engine = build_engine(cfg, GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing).cuda())
+    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing).cuda()
+    if cfg.train.compile:
+        model.compile_blocks()
+    engine = build_engine(cfg, model)
     seq = cfg.model.max_seq_len
     batch = torch.randint(0, cfg.model.vocab_size, (micro_batch, seq + 1), device="cuda")
 

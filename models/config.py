@@ -24,6 +24,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 = off
     capacity_factor: float = 0.0  # 0 = dropless
     moe_layers: str = "all"  # "all" or comma-separated layer indices
+    grouped_gemm: bool = False  # run each rank's experts as grouped GEMMs (torch._grouped_mm)
 
 
 @dataclass

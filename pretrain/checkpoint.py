@@ -61,7 +61,7 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 # Model settings a run may change between checkpoints: they steer training, not what the weights mean.
 TRAINING_ONLY = {"init_std", "moe.aux_loss_coef", "moe.bias_update_rate", "moe.capacity_factor",
-                 "relu_attention.block_size"}
+                 "moe.grouped_gemm", "relu_attention.block_size"}
 
 
 def model_signature(model_config: dict, prefix: str = "") -> dict:

@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from models.config import MLP_KINDS, ModelConfig
@@ -219,6 +220,13 @@ def validate(cfg: Config, world_size: int) -> None:
                 f"model.moe.expert_hidden_size={moe.expert_hidden_size} and shared_hidden_size="
                 f"{moe.shared_hidden_size} must be divisible by parallel.tensor={p.tensor} (experts are TP-split)"
             )
+        if moe.grouped_gemm:
+            from models.moe.experts import check_grouped_gemm
+
+            try:
+                check_grouped_gemm(m.hidden_size, moe.expert_hidden_size // p.tensor, torch.bfloat16)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         if m.mlp == "uoe":
             routing = moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
             if routing < 1:

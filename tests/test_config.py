@@ -37,6 +37,10 @@ def test_bad_overrides(override, message):
     (["model.attention=sx"], 1, "unknown letters"),
     (["model.attention=softmax,relu", "model.num_layers=3"], 1, "lists 2 layers"),
     (["train.warmup_steps=500", "train.steps=100"], 1, "warmup_steps=500 must be smaller"),
+    (["train.warmup_steps=-1"], 1, "warmup_steps=-1 must be >= 0"),
+    (["train.activation_checkpointing=some"], 1, "choose one of"),
+    (["model.mlp=moe", "model.moe.grouped_gemm=true", "model.moe.expert_hidden_size=36"], 1,
+     "expert width per tensor-parallel rank=36 must be a multiple of 8"),
 ])
 def test_validation_errors(override, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -268,7 +268,7 @@ def _ep2_vs_ep1(rank: int) -> None:
 
 def _dispatch_edges(rank: int) -> None:
     from models.moe.dispatch import dispatch_combine
-    from models.moe.experts import ExpertContainer
+    from models.moe.experts import ExpertContainer, grouped_swiglu
 
     cfg = make_cfg("moe")
     torch.manual_seed(5)
@@ -292,14 +292,24 @@ def _dispatch_edges(rank: int) -> None:
         x = torch.randn(ids.shape[0], D, generator=gen)
         w = torch.rand(ids.shape[0], 2, generator=gen)
         out = []
-        for experts, grp in ((ep2.deepspeed_moe.experts.deepspeed_experts, group),
-                             (ep1.deepspeed_moe.experts.deepspeed_experts, None)):
+        local2, local1 = ep2.deepspeed_moe.experts.deepspeed_experts, ep1.deepspeed_moe.experts.deepspeed_experts
+        # EP=2 per-expert GEMMs, EP=1, and EP=2 with the experts as grouped GEMMs (empty groups included)
+        for experts, grp, grouped in ((local2, group, False), (local1, None, False), (local2, group, True)):
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = dispatch_combine(xi, ids, wi, experts, N, grp)
+            run_local = (lambda rows, counts, e=experts: grouped_swiglu(e, rows, counts)) if grouped else None
+            for p in experts.parameters():
+                p.grad = None
+            y = dispatch_combine(xi, ids, wi, experts, N, grp, run_local)
             (y * (1 + torch.arange(D))).sum().backward()
-            out.append((y.detach(), xi.grad, wi.grad))
-        for a, b in zip(*out):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+            out.append((y.detach(), xi.grad, wi.grad, [p.grad for p in experts.parameters()]))
+        for variant, other in enumerate(out[1:], 1):
+            for what, a, b in zip(("output", "input grad", "weight grad"), out[0][:3], other[:3]):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{name}, variant {variant}: {what}")
+        for a, b in zip(out[0][3], out[2][3]):  # expert weight grads: grouped == per-expert
+            if a is None or b is None:
+                assert a is None and b is None or float((a if a is not None else b).abs().sum()) == 0, name
+            else:
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{name}: expert weight grad")
 
 
 def _bias_update(rank: int) -> None:

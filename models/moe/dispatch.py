@@ -47,12 +47,14 @@ def capacity_mask(expert_ids: torch.Tensor, num_experts: int, capacity: int) -> 
 
 
 def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts,
-                     num_experts: int, group=None) -> torch.Tensor:
+                     num_experts: int, group=None, run_local=None) -> torch.Tensor:
     """y[t] = sum_k weights[t, k] * expert_{expert_ids[t, k]}(x[t]) over the experts of the group.
 
     x: [T, d]; expert_ids: [T, K] (-1 = dropped assignment); weights: [T, K] (any float dtype);
     experts: the local experts (a sequence of modules, expert-major; global id = rank * L + i);
-    group: the expert-model-parallel group (None or size 1 = all experts local).
+    group: the expert-model-parallel group (None or size 1 = all experts local);
+    run_local(inputs, rows_per_expert): computes all local experts on their expert-major rows at
+    once (e.g. a grouped GEMM); by default each expert module runs on its rows.
     """
     T, d = x.shape
     K = expert_ids.shape[1]
@@ -86,10 +88,11 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
     else:
         per_expert = counts.tolist()
         inputs = send
-    outputs = []
-    for expert, chunk in zip(experts, inputs.split(per_expert)):
-        outputs.append(expert(chunk))
-    out = torch.cat(outputs) if outputs else inputs
+    if run_local is not None:
+        out = run_local(inputs, per_expert)
+    else:
+        outputs = [expert(chunk) for expert, chunk in zip(experts, inputs.split(per_expert))]
+        out = torch.cat(outputs) if outputs else inputs
     if ep > 1:
         restored = torch.empty_like(out)
         restored = restored.index_copy(0, regroup, out) if out.numel() else out

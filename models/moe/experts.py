@@ -84,13 +84,39 @@ class ExpertMLP(nn.Module):
         return F.linear(F.silu(gate_up[..., 0]) * gate_up[..., 1], self.w_out)
 
 
+def grouped_swiglu(experts, inputs: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+    """All local SwiGLU experts in two grouped GEMMs (torch._grouped_mm) over expert-major rows,
+    instead of one small GEMM pair per expert. The experts' weights are stacked for the call
+    (DeepSpeed keeps one module per expert); gradients flow back through the stack."""
+    if not inputs.shape[0]:  # stay in the autograd graph: the backward all-to-all needs every rank
+        return experts[0](inputs)
+    w_in = torch.stack([e.w_in for e in experts]).transpose(-2, -1)  # [L, d, 2w]
+    w_out = torch.stack([e.w_out for e in experts]).transpose(-2, -1)  # [L, w, d]
+    offsets = torch.tensor(rows_per_expert, device=inputs.device).cumsum(0).to(torch.int32)
+    gate_up = torch._grouped_mm(inputs, w_in.to(inputs.dtype), offs=offsets).unflatten(-1, (-1, 2))
+    hidden = F.silu(gate_up[..., 0]) * gate_up[..., 1]
+    return torch._grouped_mm(hidden, w_out.to(hidden.dtype), offs=offsets)
+
+
+def check_grouped_gemm(hidden: int, local_width: int, dtype: torch.dtype) -> None:
+    """torch._grouped_mm needs 16-byte aligned rows: raise a ValueError naming the fix otherwise."""
+    if not hasattr(torch, "_grouped_mm"):
+        raise ValueError("model.moe.grouped_gemm=true needs torch._grouped_mm (torch >= 2.8); set it to false")
+    elem = torch.finfo(dtype).bits // 8
+    for name, size in (("model.hidden_size", hidden), ("expert width per tensor-parallel rank", local_width)):
+        if size * elem % 16:
+            raise ValueError(f"model.moe.grouped_gemm=true: {name}={size} must be a multiple of {16 // elem} "
+                             f"({dtype}); change it or set model.moe.grouped_gemm=false")
+
+
 class _Dispatcher(nn.Module):
     """Stands where DeepSpeed's MOELayer stands (`deepspeed_moe`): holds `experts`."""
 
-    def __init__(self, experts: Experts, num_experts: int):
+    def __init__(self, experts: Experts, num_experts: int, grouped_gemm: bool = False):
         super().__init__()
         self.experts = experts
         self.num_experts = num_experts
+        self.grouped_gemm = grouped_gemm
         self.ep_group = None
         self.l_aux = None
         self.exp_counts = None
@@ -106,7 +132,9 @@ class _Dispatcher(nn.Module):
             group = ps.get_expert_model_parallel_group()
         if group is not None and dist.get_world_size(group) == 1:
             group = None
-        return dispatch_combine(x, expert_ids, weights, self.experts.deepspeed_experts, self.num_experts, group)
+        local = self.experts.deepspeed_experts
+        run_local = (lambda rows, counts: grouped_swiglu(local, rows, counts)) if self.grouped_gemm else None
+        return dispatch_combine(x, expert_ids, weights, local, self.num_experts, group, run_local)
 
 
 class ExpertContainer(MoE):
@@ -134,7 +162,9 @@ class ExpertContainer(MoE):
         self.num_local_experts = num_experts // ep
         self.width = width
         experts = Experts(ExpertMLP(cfg.hidden_size, width), self.num_local_experts, self.expert_group_name)
-        self.deepspeed_moe = _Dispatcher(experts, num_experts)
+        if cfg.moe.grouped_gemm:
+            check_grouped_gemm(cfg.hidden_size, width // tp_size(), torch.bfloat16)  # the stricter case
+        self.deepspeed_moe = _Dispatcher(experts, num_experts, cfg.moe.grouped_gemm)
         if ep == 1:
             self.deepspeed_moe.ep_group = _SINGLE
         self._init_weights(cfg, ep_rank() if ep > 1 else 0)
