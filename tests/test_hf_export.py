@@ -1,6 +1,6 @@
 """Hugging Face export / import and the single-process tools, on real checkpoints:
 
-* tiny dense runs at TP=2 (ZeRO-2) and DP=2 (ZeRO-3) -> export -> LlamaForCausalLM logits equal the
+* tiny dense runs at TP=2 x DP=2 (ZeRO-2 and ZeRO-3) -> export -> LlamaForCausalLM logits equal the
   framework's logits of the consolidated weights; the exported tokenizer encodes like SentencePiece;
 * a UoE run at EP=2 and a hybrid-attention MoE run at TP=2 -> export with the bundled modeling file
   -> AutoModelForCausalLM(trust_remote_code) logits equal the framework's, also in a process that
@@ -64,8 +64,8 @@ def data(tmp_path_factory):
     return root, vocab
 
 
-def train_run(root, run, settings: dict) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+def train_run(root, run, settings: dict, nproc: int = 2) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "pretrain.train", *tiny_overrides(root, run, **settings)]
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{run.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -74,16 +74,16 @@ def train_run(root, run, settings: dict) -> str:
 
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
-    """Two runs, one after the other (streaming clears all of its shared memory when a run starts,
-    so concurrent runs would break each other): TP=2 x DP=1 ZeRO-2 and TP=1 x DP=2 ZeRO-3."""
+    """Two 4-process runs, one after the other (streaming clears all of its shared memory when a run
+    starts, so concurrent runs would break each other): TP=2 x DP=2 with ZeRO-2 and with ZeRO-3."""
     root, vocab = data
     base = tmp_path_factory.mktemp("runs")
     layouts = {"tp2_zero2": {"parallel.tensor": 2, "parallel.zero_stage": 2},
-               "dp2_zero3": {"parallel.zero_stage": 3}}
+               "tp2_zero3": {"parallel.tensor": 2, "parallel.zero_stage": 3}}
     for name, extra in layouts.items():
         settings = {"model.vocab_size": vocab, "train.steps": STEPS, "train.warmup_steps": 1,
                     "train.eval_interval": STEPS, "train.save_interval": STEPS, "train.eval_batches": 1, **extra}
-        train_run(root, base / name, settings)
+        train_run(root, base / name, settings, nproc=4)
     return {name: base / name for name in layouts}
 
 
@@ -124,7 +124,7 @@ def fixed_tokens(vocab: int, batch: int = 2, seq: int = 32) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2_zero2", "dp2_zero3"])
+@pytest.mark.parametrize("layout", ["tp2_zero2", "tp2_zero3"])
 def test_export_logits_match_framework(runs, data, dist_env, tmp_path, layout):
     from pretrain.export import main as export_main
 
@@ -184,8 +184,8 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys):
 
     root, _ = data
     # The trainer validates on train.eval_batches=1 x micro_batch=4 samples per data-parallel rank:
-    # samples 0-3 at DP=1, 0-7 at DP=2 (rank r reading samples r, r+2, ...).
-    for layout, batches in (("tp2_zero2", 1), ("dp2_zero3", 2)):
+    # samples 0-7 at DP=2 (rank r reading samples r, r+2, ...).
+    for layout, batches in (("tp2_zero2", 2), ("tp2_zero3", 2)):
         assert evaluate_main(["--checkpoint", str(runs[layout]), "--shards", str(root / "shards"), "--batches",
                               str(batches), "--batch-size", "4", "--json"]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -204,7 +204,7 @@ def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
     from pretrain.generate import generate
 
     root, vocab = data
-    run = runs["dp2_zero3"]
+    run = runs["tp2_zero3"]
     proc = subprocess.run([sys.executable, "-m", "pretrain.generate", "--checkpoint", str(run), "--prompt",
                            "def function_3(", "--greedy", "--max-new-tokens", "6", "--json"],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
@@ -321,7 +321,7 @@ def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, cap
     shutil.copytree(src, missing)
     (missing / "mp_rank_01_model_states.pt").unlink()
     export_fails(missing, "missing 1 file", "mp_rank_01_model_states.pt")
-    z3 = runs["dp2_zero3"] / "checkpoints" / "step_00000002"
+    z3 = runs["tp2_zero3"] / "checkpoints" / "step_00000002"
     z3_missing = tmp_path / "z3" / "checkpoints" / "step_00000002"
     shutil.copytree(z3, z3_missing)
     (z3_missing / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
