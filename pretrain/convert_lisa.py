@@ -3,7 +3,7 @@
     python -m pretrain.convert_lisa --checkpoint RUN/checkpoints/step_X --layers auto|3,4,5 \\
         --calib-shards DIR --out RUN_DIR [--steps N]
 
-1. Loads the checkpoint into one process (TP shards merged, see pretrain.sink_report).
+1. Loads the checkpoint into one process (any saved layout, see pretrain.consolidate).
 2. On calibration batches (DIR/train) measures, for each layer l, how similar its attention maps
    are to layer l-1's after matching heads (greedy one-to-one matching on the per-head cosine
    similarity of the maps, averaged over the batch).
@@ -18,8 +18,10 @@
    and the forward throughput change.
 
 Writes RUN_DIR/lisa_model.pt ({"model": ModelConfig dict, "state_dict": ...}),
-RUN_DIR/config.yaml (the source run's config with the new attention pattern) and
-RUN_DIR/conversion.json. Single process, CPU or one GPU.
+RUN_DIR/config.yaml (the source run's config with the new attention pattern and
+train.init_from=RUN_DIR/lisa_model.pt, so `python -m pretrain.train --config RUN_DIR/config.yaml`
+continues training the converted model at any layout) and RUN_DIR/conversion.json. Single
+process, CPU or one GPU.
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def forward_tokens_per_s(model, rows: torch.Tensor, repeats: int = 3) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from models.attention.lisa import qk_compression
-    from pretrain.sink_report import load_checkpoint_model, run_config
+    from pretrain.consolidate import load_model, run_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--align-group", type=int, default=None, help="override model.lisa.align_group")
     args = parser.parse_args(argv)
 
-    source, cfg, meta = load_checkpoint_model(args.checkpoint)
+    source, cfg, meta = load_model(args.checkpoint)
     for p in source.parameters():
         p.requires_grad_(False)
     kinds = cfg.attention_kinds()
@@ -298,12 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"model": dataclasses.asdict(new_cfg), "state_dict": model.state_dict(), "layers": layers},
                out / "lisa_model.pt")
-    full = run_config(Path(args.checkpoint))
+    full = run_config(Path(meta["checkpoint"]))
     if full is not None:
         from pretrain.config import save_config
 
         full.model = new_cfg
         full.run.dir, full.run.name = str(out), out.name
+        full.train.init_from, full.train.resume = str(out / "lisa_model.pt"), "auto"
         save_config(full, out / "config.yaml")
     (out / "conversion.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'lisa_model.pt'}, {out / 'conversion.json'}")

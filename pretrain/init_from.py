@@ -4,7 +4,8 @@
 
 The source may be any complete checkpoint of the same model (a run directory means its newest
 complete one): any tensor / expert / data-parallel size and ZeRO stage, or one written by
-pretrain.import_hf. Every rank reads the source's tensor-parallel shards, merges them into full
+pretrain.import_hf; or a file of full weights {"model": ..., "state_dict": ...} such as
+pretrain.convert_lisa's lisa_model.pt. Every rank reads the source's tensor-parallel shards, merges them into full
 tensors (pretrain.consolidate) and keeps its own slice for the run's layout, before DeepSpeed
 builds the engine (so ZeRO-3 partitions the loaded weights). The optimizer, learning-rate
 schedule and data order start fresh at step 0. A run that has its own checkpoints resumes from
@@ -25,9 +26,20 @@ from pretrain.consolidate import ConsolidateError, _float32, _rank_state, descri
     resolve_checkpoint
 
 
+def _state_file(path: Path) -> dict:
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    if not isinstance(state, dict) or not {"model", "state_dict"} <= set(state):
+        raise CheckpointError(f"train.init_from={path}: a file must hold {{'model': ..., 'state_dict': ...}} "
+                              "(as pretrain.convert_lisa writes); for a training checkpoint give its directory")
+    return state
+
+
 def check_source(path: str, model_config: dict, tokenizer_sha256: str | None) -> Path:
-    """The source tag directory, checked (same model, tokenizer, every file present) before any
-    process group or model exists."""
+    """The source (tag directory or state file), checked (same model, tokenizer, every file
+    present) before any process group or model exists."""
+    if Path(path).is_file():
+        check_compatible({"model": _state_file(Path(path))["model"]}, model_config, None, Path(path))
+        return Path(path)
     try:
         tag = resolve_checkpoint(path)
         meta = read_meta(tag)
@@ -69,9 +81,12 @@ def load_weights(model: torch.nn.Module, tag: Path, num_experts: int) -> None:
     full_shapes = {names[k]: _full_shape(params.get(k, v), tp) for k, v in own.items()}
     dims = {names[k]: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
                        and getattr(p, "partition_dim", None) is not None else None) for k, p in params.items()}
-    layout = describe_layout(tag, read_meta(tag))
-    shards = [_float32(_rank_state(tag, t, layout)) for t in range(layout["tensor"])]
-    full = merge_tensor_parallel(shards, dims, full_shapes)
+    if tag.is_file():  # full TP=1 weights, e.g. pretrain.convert_lisa's lisa_model.pt
+        full = _float32(_state_file(tag)["state_dict"])
+    else:
+        layout = describe_layout(tag, read_meta(tag))
+        shards = [_float32(_rank_state(tag, t, layout)) for t in range(layout["tensor"])]
+        full = merge_tensor_parallel(shards, dims, full_shapes)
     missing = sorted(n for n in full_shapes if n not in full)
     if missing:
         raise CheckpointError(f"train.init_from={tag}: the checkpoint lacks {missing[:6]}")

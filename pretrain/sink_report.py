@@ -2,9 +2,8 @@
 
     python -m pretrain.sink_report --checkpoint RUN_DIR/checkpoints/step_00001000 --out DIR
 
-loads the checkpoint into one process (tensor-parallel shards mp_rank_XX are concatenated along
-each parameter's partition dimension; expert weights stored outside the model-states files are not
-read), runs a validation batch (T = 64 tokens, as in Gu et al.) with attention capture, prints the
+loads the checkpoint into one process (any saved layout, via pretrain.consolidate), runs a
+validation batch (T = 64 tokens, as in Gu et al.) with attention capture, prints the
 per-layer table and writes sink_report.json and a layer x head heatmap of alpha_1 to DIR.
 """
 
@@ -12,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, SinkStats, gathered, measure, scalars
+from pretrain.consolidate import run_config
 from pretrain.trainer import Callback
 
 
@@ -43,75 +42,6 @@ class SinkMetricsCallback(Callback):
 
 
 # --- checkpoint report -------------------------------------------------------------------------------
-
-def init_single_process() -> None:
-    import socket
-
-    from pretrain.distributed import init_distributed
-
-    if "MASTER_PORT" not in os.environ and "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed(1, 1)
-
-
-def model_config_from_meta(model: dict):
-    from models.config import ModelConfig
-    from pretrain.config import _apply
-
-    cfg = ModelConfig()
-    _apply(cfg, model, "model.")
-    return cfg
-
-
-def merged_module_state(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """DeepSpeed's 'module' state; with several tensor-parallel files the shards are concatenated
-    along each parameter's partition_dim (taken from a tensor-parallel-size-1 model)."""
-    files = sorted(ckpt.glob("mp_rank_*_model_states.pt"))
-    if not files:
-        raise FileNotFoundError(f"{ckpt}: no mp_rank_XX_model_states.pt; is this a checkpoint tag directory?")
-    shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
-    if len(shards) == 1:
-        return shards[0]
-    params = dict(model.named_parameters())
-    merged = {}
-    for name, value in shards[0].items():
-        p = params.get(name)
-        if p is not None and getattr(p, "tensor_model_parallel", False):
-            merged[name] = torch.cat([s[name] for s in shards], dim=p.partition_dim)
-        else:
-            merged[name] = value
-    return merged
-
-
-def load_checkpoint_model(ckpt: str | Path):
-    """(GPT with the checkpoint's weights in fp32, ModelConfig, meta) in this single process."""
-    from models.gpt import GPT
-    from pretrain.checkpoint import read_meta
-
-    ckpt = Path(ckpt)
-    meta = read_meta(ckpt)
-    cfg = model_config_from_meta(meta["model"])
-    init_single_process()
-    model = GPT(cfg)
-    state = merged_module_state(ckpt, model)
-    missing, unexpected = model.load_state_dict(
-        {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}, strict=False)
-    if unexpected or [m for m in missing if "expert" not in m]:
-        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
-    if missing:
-        print(f"warning: {len(missing)} expert parameters are not in the model-states files and keep their "
-              "initial values", file=sys.stderr)
-    return model.eval(), cfg, meta
-
-
-def run_config(ckpt: Path):
-    from pretrain.config import load_config
-
-    path = ckpt.parent.parent / "config.yaml"
-    return load_config(path) if path.is_file() else None
-
 
 def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> tuple[torch.Tensor, str]:
     """Validation tokens [batch, seq] from the shards (the run's own by default), else random."""
@@ -169,15 +99,17 @@ def heatmap(stats: SinkStats, kinds: list[str], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint tag directory (RUN/checkpoints/step_X)")
+    parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
     parser.add_argument("--out", required=True, help="directory for sink_report.json and sink_heatmap.png")
     parser.add_argument("--shards", help="shards directory with val/ (default: the run's data.shards)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ)
     parser.add_argument("--eps", type=float, default=DEFAULT_EPS)
     args = parser.parse_args(argv)
-    ckpt = Path(args.checkpoint)
-    model, cfg, meta = load_checkpoint_model(ckpt)
+    from pretrain.consolidate import load_model, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    model, cfg, meta = load_model(ckpt)
     tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
     stats = measure(model, tokens)
     kinds = cfg.attention_kinds()

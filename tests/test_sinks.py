@@ -146,3 +146,16 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path):
     assert "val loss: source" in proc.stdout
     saved = torch.load(out / "lisa_model.pt", weights_only=False)
     assert saved["model"]["attention"] == report["attention"]
+
+    # The written config continues training the converted model (train.init_from=lisa_model.pt),
+    # here at TP=2; with lr = 0 the run's checkpoint holds exactly the converted weights.
+    train(2, ["--config", str(out / "config.yaml"), f"data.shards={root / 'shards'}", "train.steps=1",
+              "train.lr=0", "train.warmup_steps=0", "train.save_interval=1", "train.eval_interval=1",
+              "parallel.tensor=2"])
+    compare = ("import sys, torch; from pretrain.consolidate import load_model; "
+               "m, _, _ = load_model(sys.argv[1]); want = torch.load(sys.argv[2], weights_only=False)['state_dict']; "
+               "print(max(float((v - want[k]).abs().max()) for k, v in m.state_dict().items() if torch.is_tensor(v)))")
+    proc = subprocess.run([sys.executable, "-c", compare, str(out), str(out / "lisa_model.pt")], cwd=REPO,
+                          env=dist_utils.child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) == 0.0
