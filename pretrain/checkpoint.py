@@ -174,9 +174,11 @@ def load(engine, path: Path) -> dict:
     Experts are stored one file per global expert id, so their weights load at any expert-parallel
     size; ZeRO optimizer shards are laid out per EP size, so after an EP change the optimizer
     restarts from the loaded weights (moments reset) while the LR schedule is restored."""
-    same_ep = read_meta(path).get("expert_parallel", 1) == _expert_parallel_size()
+    meta = read_meta(path)
+    same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
+    # optimizer_state false: written without training (pretrain.import_hf), the moments are fresh anyway
     engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
-                           load_optimizer_states=same_ep)
+                           load_optimizer_states=same_ep and meta.get("optimizer_state", True))
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if not rank_file.is_file():  # another world size: fall back to rank 0's data state
         rank_file = path / "rank_00000.pt"

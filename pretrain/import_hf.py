@@ -25,9 +25,9 @@ Start training from it at any layout (tensor / data parallel, ZeRO 0-3) with
         parallel.tensor=2 train.init_from=RUN_DIR/checkpoints/step_00000000
 
 (pretrain.init_from re-splits the weights; optimizer and schedule start fresh). Resuming it with
-train.resume also works at tensor-parallel size 1 and ZeRO 0-2: the marker records no optimizer
-state worth restoring (expert_parallel = 0), so pretrain.checkpoint.load keeps the weights and
-starts the optimizer fresh.
+train.resume also works at tensor-parallel size 1 and ZeRO 0-2: the marker says there is no
+optimizer state worth restoring (optimizer_state: false), so pretrain.checkpoint.load keeps the
+weights and starts the optimizer fresh.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
         marker = checkpoint.read_meta(tag)
         # No optimizer moments to restore: checkpoint.load then keeps the loaded weights and schedule
         # and starts the optimizer fresh, at any data-parallel size and ZeRO stage 0-2.
-        marker["expert_parallel"] = 0
+        marker["optimizer_state"] = False
         (tag / checkpoint.COMPLETE).write_text(json.dumps(marker, indent=1))
         save_config(cfg, tmp / "config.yaml")
         if out.exists():
