@@ -20,6 +20,7 @@ SIZES = {  # name: (hidden, layers, heads, ffn, seq, micro_batch)
     "h256-l4": (256, 4, 4, 704, 256, 8),
     "h512-l8": (512, 8, 8, 1408, 256, 8),
     "h512-l8-ckpt": (512, 8, 8, 1408, 256, 8),
+    "h512-l8-sel": (512, 8, 8, 1408, 256, 8),
     "h768-l8-ckpt": (768, 8, 12, 2048, 512, 8),
 }
 
@@ -54,7 +55,7 @@ def measure(name: str, steps: int) -> dict:
     cfg.model = ModelConfig(vocab_size=4096, hidden_size=hidden, num_layers=layers, num_heads=heads,
                             ffn_hidden_size=ffn, max_seq_len=seq)
     cfg.train.micro_batch, cfg.train.steps, cfg.train.warmup_steps = micro, 100, 1
-    cfg.train.activation_checkpointing = "full" if name.endswith("ckpt") else "none"
+    cfg.train.activation_checkpointing = {"ckpt": "full", "sel": "selective"}.get(name.rsplit("-", 1)[-1], "none")
     estimate = plan(cfg, 1, 1, 1e6, "cpu", bf16=False)
     baseline = rss_kib("VmRSS")
     torch.manual_seed(0)
