@@ -27,8 +27,9 @@ AutoModelForCausalLM to it), loaded with `trust_remote_code=True`:
 
 * parameter names and layouts are the framework's (prefix `model.`, `head` -> `lm_head`), except
   that each layer's experts are stacked: experts.w_in [N, 2 * D_e, d], experts.w_out [N, d, D_e];
-* the same vocabulary trimming as above; the modeling file has no KV cache and is dropless (a
-  training capacity factor, if any, is not applied; export_info.json records it).
+* the same vocabulary trimming as above; the modeling file keeps a KV cache (except for relu
+  "seqlen" models, whose earlier rows change as the sequence grows) and is dropless (a training
+  capacity factor, if any, is not applied; export_info.json records it).
 
 The folder is written to a temporary sibling and renamed into place at the end, so an error
 never leaves a partial DIR.
@@ -259,8 +260,7 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
         model.tie_weights()
     model.generation_config = GenerationConfig(bos_token_id=special["bos"], eos_token_id=special["eos"],
                                                pad_token_id=special["pad"], do_sample=True, temperature=1.0,
-                                               top_p=1.0, max_length=cfg.max_seq_len,
-                                               use_cache=extra_meta["format"] == "llama")
+                                               top_p=1.0, max_length=cfg.max_seq_len)
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     if extra_meta["format"] == "remote":
         shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)

@@ -335,6 +335,19 @@ def test_export_formats_and_unsupported_imports(tmp_path, capsys):
     from pretrain.export import ExportError, export_format
     from pretrain.import_hf import main as import_main
 
+    # relu "seqlen" rescales earlier rows as the sequence grows: the exported model does not cache
+    from pretrain.export import _remote_module
+
+    remote = _remote_module()
+    config = remote.UoEPretrainConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=48, attention_kinds=["softmax", "relu"],
+                                      relu_normalizer="seqlen")
+    torch.manual_seed(0)
+    model = remote.UoEPretrainForCausalLM(config).eval()
+    assert not model.model.cacheable
+    prompt = torch.tensor([[3, 4, 5]])
+    assert torch.equal(model.generate(prompt, do_sample=False, max_new_tokens=5, use_cache=True),
+                       model.generate(prompt, do_sample=False, max_new_tokens=5, use_cache=False))
     assert export_format(ModelConfig(num_layers=2)) == "llama"
     assert export_format(ModelConfig(mlp="uoe", num_layers=2)) == "remote"
     assert export_format(ModelConfig(attention="sr", num_layers=2)) == "remote"
@@ -373,7 +386,7 @@ def remote_runs(data, tmp_path_factory):
                     "parallel.expert": 2, "parallel.zero_stage": 1},
         "hybrid_moe_tp2": {"model.mlp": "moe", "model.moe.top_k": 1, "model.moe.moe_layers": "1,3",
                            "model.num_layers": 5, "model.attention": "sklrl", "model.lisa.keep_full_layers": 2,
-                           "model.lisa.align_group": 2, "model.relu_attention.normalizer": "seqlen",
+                           "model.lisa.align_group": 2,
                            "model.tie_embeddings": True, "parallel.tensor": 2, "parallel.zero_stage": 2},
     }
     for name, extra in layouts.items():
@@ -417,6 +430,12 @@ def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, 
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() <= 1e-4
     assert ours.std() > 0.05
+    with torch.no_grad():  # KV cache (every attention kind incl. LISA): prefix, then the rest in two pieces
+        head = model(tokens[:, :20], use_cache=True)
+        mid = model(tokens[:, 20:21], past_key_values=head.past_key_values, use_cache=True)
+        tail = model(tokens[:, 21:], past_key_values=mid.past_key_values, use_cache=True)
+    assert tail.past_key_values.get_seq_length() == tokens.shape[1]
+    assert (torch.cat([head.logits, mid.logits, tail.logits], 1) - theirs).abs().max().item() <= 1e-4
     if layout == "uoe_ep2":  # the router bias (aux-loss-free balancing) moved and travels with the weights
         from pretrain.consolidate import load_model
 

@@ -7,7 +7,10 @@ relu / LISA attention. `python -m pretrain.export` copies this file into the exp
 It depends on PyTorch and transformers only and computes what the training code computes (same
 parameter layouts, fp32 routing, same attention weights); see the framework's models/ for the
 derivations. Inference notes:
-* no KV cache: every forward, and every generated token, runs the whole sequence;
+* KV cache (transformers' DynamicCache): softmax / sink / relu layers cache rotated keys and values,
+  LISA layers their rank-r keys and values (the previous layer's scores for the new rows are
+  recomputed from its cache). Models with relu_normalizer "seqlen" do not cache: that normaliser
+  changes every earlier row when the sequence grows, so each step reruns the whole sequence;
 * padding must be on the right (causal attention then leaves the real tokens' logits unchanged);
 * MoE / UoE layers are dropless: a training capacity factor is not applied.
 """
@@ -19,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "lisa")
@@ -37,7 +40,7 @@ class UoEPretrainConfig(PretrainedConfig):
                  lisa_align_hidden: int = 16, mlp_kinds: list[str] | None = None, num_experts: int = 4,
                  num_experts_per_tok: int = 2, expert_hidden_size: int = 128, shared_hidden_size: int = 0,
                  routing_neurons: int = 0, uoe_score: str = "h", vse_mode: str = "overlap",
-                 tie_word_embeddings: bool = False, **kwargs):
+                 tie_word_embeddings: bool = False, use_cache: bool = True, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -62,16 +65,17 @@ class UoEPretrainConfig(PretrainedConfig):
         self.routing_neurons = routing_neurons
         self.uoe_score = uoe_score
         self.vse_mode = vse_mode
+        self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
 # ---------------------------------------------------------------------------------- attention
 
 
-def rope_tables(dim: int, seq: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [seq, dim / 2], computed in float64 like the training code."""
+def rope_tables(dim: int, start: int, end: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [end - start, dim / 2] for positions start..end-1, in float64 like the training code."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(start, end, dtype=torch.float64), inv_freq)
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
@@ -82,43 +86,47 @@ def apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> tor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def causal_mask(seq: int, device) -> torch.Tensor:
-    return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+def causal_mask(scores: torch.Tensor) -> torch.Tensor:
+    """[q, k] booleans for scores [.., q, k] whose queries are the last q of the k positions."""
+    q, k = scores.shape[-2:]
+    rows = torch.arange(k - q, k, device=scores.device).unsqueeze(1)
+    return torch.arange(k, device=scores.device).unsqueeze(0) <= rows
 
 
 def softmax_weights(scores: torch.Tensor) -> torch.Tensor:
-    return scores.masked_fill(~causal_mask(scores.shape[-1], scores.device), float("-inf")).softmax(-1)
+    return scores.masked_fill(~causal_mask(scores), float("-inf")).softmax(-1)
 
 
 def sink_softmax_weights(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """Softmax with a per-head sink logit in the denominator; weights on the real keys only."""
-    b, h, s, _ = scores.shape
-    sink_col = sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s, 1)
-    masked = scores.masked_fill(~causal_mask(s, scores.device), float("-inf"))
+    b, h, q, _ = scores.shape
+    sink_col = sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, q, 1)
+    masked = scores.masked_fill(~causal_mask(scores), float("-inf"))
     return torch.cat([sink_col, masked], dim=-1).softmax(-1)[..., 1:]
 
 
 def relu_weights(scores: torch.Tensor, normalizer: str) -> torch.Tensor:
-    """ReLU(s_ij) / n_i on visible keys; n_i = 1 (none), i + 1 (prefix) or the sequence length."""
-    s = scores.shape[-1]
+    """ReLU(s_ij) / n_i on visible keys; n_i = 1 (none), i + 1 (prefix: keys query i sees) or the
+    sequence length (seqlen)."""
+    q, k = scores.shape[-2:]
     if normalizer == "none":
-        n = torch.ones(s, 1, device=scores.device)
+        n = torch.ones(q, 1, device=scores.device)
     elif normalizer == "prefix":
-        n = torch.arange(1, s + 1, device=scores.device, dtype=torch.float32).unsqueeze(1)
+        n = torch.arange(k - q + 1, k + 1, device=scores.device, dtype=torch.float32).unsqueeze(1)
     elif normalizer == "seqlen":
-        n = torch.full((s, 1), float(s), device=scores.device)
+        n = torch.full((q, 1), float(k), device=scores.device)
     else:
         raise ValueError(f"relu_normalizer={normalizer!r}: expected none, prefix or seqlen")
-    return scores.relu().masked_fill(~causal_mask(s, scores.device), 0.0) / n.to(scores.dtype)
+    return scores.relu().masked_fill(~causal_mask(scores), 0.0) / n.to(scores.dtype)
 
 
 class Attention(nn.Module):
     """softmax, softmax_sink or relu attention over a fused head-major QKV projection
     (rows [head, q|k|v, head_dim])."""
 
-    def __init__(self, config: UoEPretrainConfig, kind: str, keep_scores: bool):
+    def __init__(self, config: UoEPretrainConfig, layer: int, kind: str, keep_scores: bool):
         super().__init__()
-        self.kind = kind
+        self.layer, self.kind = layer, kind
         self.keep_scores = keep_scores  # the next layer is LISA and reuses these scores
         self.heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.heads
@@ -132,7 +140,9 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         q, k = apply_rope(q, state["rope"]), apply_rope(k, state["rope"])
-        if self.kind == "softmax" and not self.keep_scores:
+        if state["cache"] is not None:
+            k, v = state["cache"].update(k, v, self.layer)
+        if self.kind == "softmax" and not self.keep_scores and k.shape[-2] == s:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
@@ -182,8 +192,9 @@ class LISAAttention(nn.Module):
     """Reuses the previous layer's scores: HeadAlign(S_prev) + (X Wq_r)(X Wk_r)^T / sqrt(r), with
     RoPE on the rank-r projections (rows [head, q|k, r]); V and the output projection are full."""
 
-    def __init__(self, config: UoEPretrainConfig, source_kind: str):
+    def __init__(self, config: UoEPretrainConfig, layer: int, source_kind: str):
         super().__init__()
+        self.layer = layer
         d = config.hidden_size
         self.heads = config.num_attention_heads
         self.head_dim = d // self.heads
@@ -199,11 +210,14 @@ class LISAAttention(nn.Module):
         b, s, _ = x.shape
         q, k = self.qk(x).view(b, s, self.heads, 2, self.rank).permute(3, 0, 2, 1, 4).unbind(0)
         table = state["rope_lisa"]
-        delta = (apply_rope(q, table) @ apply_rope(k, table).transpose(-2, -1)) / math.sqrt(self.rank)
+        q, k = apply_rope(q, table), apply_rope(k, table)
+        v = self.v(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        if state["cache"] is not None:
+            k, v = state["cache"].update(k, v, self.layer)
+        delta = (q @ k.transpose(-2, -1)) / math.sqrt(self.rank)
         scores = self.align(state["scores"].to(delta.dtype)) + delta
         state["scores"] = scores
         weights = relu_weights(scores, self.normalizer) if self.source_kind == "relu" else softmax_weights(scores)
-        v = self.v(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         return self.out((weights.to(v.dtype) @ v).transpose(1, 2).flatten(2))
 
 
@@ -317,10 +331,10 @@ class Block(nn.Module):
         kind = kinds[layer]
         self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if kind == "lisa":
-            self.attn = LISAAttention(config, config.lisa_sources[layer])
+            self.attn = LISAAttention(config, layer, config.lisa_sources[layer])
         else:
             keep = layer + 1 < len(kinds) and kinds[layer + 1] == "lisa"
-            self.attn = Attention(config, kind, keep)
+            self.attn = Attention(config, layer, kind, keep)
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         mlp = config.mlp_kinds[layer]
         if mlp == "uoe":
@@ -364,6 +378,9 @@ class UoEPretrainModel(UoEPretrainPreTrainedModel):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # relu "seqlen" divides every row by the current length: earlier rows change as the sequence
+        # grows, so cached keys/values of later layers would be stale.
+        self.cacheable = not (config.relu_normalizer == "seqlen" and "relu" in config.attention_kinds)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -372,13 +389,15 @@ class UoEPretrainModel(UoEPretrainPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed = value
 
-    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.LongTensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        """Final hidden states of input_ids, which follow the cache's positions (if any)."""
         cfg = self.config
-        seq = input_ids.shape[1]
-        state = {"rope": rope_tables(cfg.hidden_size // cfg.num_attention_heads, seq, cfg.rope_theta,
-                                     input_ids.device)}
+        start = cache.get_seq_length() if cache is not None else 0
+        end = start + input_ids.shape[1]
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        state = {"cache": cache, "rope": rope_tables(head_dim, start, end, cfg.rope_theta, input_ids.device)}
         if "lisa" in cfg.attention_kinds:
-            state["rope_lisa"] = rope_tables(cfg.lisa_rank, seq, cfg.rope_theta, input_ids.device)
+            state["rope_lisa"] = rope_tables(cfg.lisa_rank, start, end, cfg.rope_theta, input_ids.device)
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, state)
@@ -407,21 +426,33 @@ class UoEPretrainForCausalLM(UoEPretrainPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                labels: torch.LongTensor | None = None, return_dict: bool | None = None,
+                labels: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                use_cache: bool | None = None, return_dict: bool | None = None,
                 **kwargs) -> CausalLMOutputWithPast | tuple:
         if input_ids is None:
             raise ValueError("input_ids are required (inputs_embeds are not supported)")
         if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("attention_mask has padding before real tokens; this model supports right padding "
                              "only (tokenizer.padding_side = 'right')")
-        logits = self.lm_head(self.model(input_ids))
+        cache = None
+        if not self.model.cacheable and isinstance(past_key_values, DynamicCache) and past_key_values.get_seq_length():
+            raise ValueError("this model does not cache (relu_normalizer 'seqlen'); pass the whole sequence "
+                             "without past_key_values")
+        if self.model.cacheable and (use_cache if use_cache is not None else self.config.use_cache):
+            cache = past_key_values if isinstance(past_key_values, DynamicCache) else DynamicCache()
+        logits = self.lm_head(self.model(input_ids, cache))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         if return_dict is False:
             return (logits,) if loss is None else (loss, logits)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask=None, **kwargs) -> dict:
-        # No cache: the whole sequence every step.
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, past_key_values=None, attention_mask=None,
+                                      use_cache: bool | None = None, **kwargs) -> dict:
+        """Only the tokens the cache has not seen (all of them when the model does not cache)."""
+        cached = past_key_values.get_seq_length() if isinstance(past_key_values, DynamicCache) else 0
+        if not self.model.cacheable:
+            past_key_values, cached = None, 0
+        return {"input_ids": input_ids[:, cached:], "attention_mask": attention_mask,
+                "past_key_values": past_key_values, "use_cache": use_cache}
