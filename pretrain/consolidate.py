@@ -225,8 +225,13 @@ def init_single_process() -> None:
     init_distributed(1, 1)
 
 
-def _float32(state: dict) -> dict:
+def as_float32(state: dict) -> dict:
     return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}
+
+
+def tensor_parallel_shards(tag_dir: Path, layout: dict) -> list[dict[str, torch.Tensor]]:
+    """One fp32 state dict per tensor-parallel rank (experts under their global ids)."""
+    return [as_float32(_rank_state(tag_dir, t, layout)) for t in range(layout["tensor"])]
 
 
 def consolidate(checkpoint: str | os.PathLike, model: torch.nn.Module | None = None):
@@ -244,7 +249,7 @@ def consolidate(checkpoint: str | os.PathLike, model: torch.nn.Module | None = N
 
         init_single_process()
         model = GPT(cfg)
-    shards = [_float32(_rank_state(tag_dir, t, layout)) for t in range(layout["tensor"])]
+    shards = tensor_parallel_shards(tag_dir, layout)
     full_shapes = {k: v.shape for k, v in model.state_dict().items() if torch.is_tensor(v)}
     state = merge_tensor_parallel(shards, partition_dims(model), full_shapes)
     meta = {**meta, "layout": layout, "checkpoint": str(tag_dir)}

@@ -5,9 +5,9 @@
 The source may be any complete checkpoint of the same model (a run directory means its newest
 complete one): any tensor / expert / data-parallel size and ZeRO stage, or one written by
 pretrain.import_hf; or a file of full weights {"model": ..., "state_dict": ...} such as
-pretrain.convert_lisa's lisa_model.pt. Every rank reads the source's tensor-parallel shards, merges them into full
-tensors (pretrain.consolidate) and keeps its own slice for the run's layout, before DeepSpeed
-builds the engine (so ZeRO-3 partitions the loaded weights). The optimizer, learning-rate
+pretrain.convert_lisa's lisa_model.pt. Every rank reads the source's tensor-parallel shards,
+merges them into full tensors (pretrain.consolidate) and keeps its own slice for the run's
+layout, before DeepSpeed builds the engine (so ZeRO-3 partitions the loaded weights). The optimizer, learning-rate
 schedule and data order start fresh at step 0. A run that has its own checkpoints resumes from
 them instead (train.resume=auto), so a requeued job does not start over.
 
@@ -22,8 +22,8 @@ import torch
 from megatron.core import parallel_state as ps
 
 from pretrain.checkpoint import CheckpointError, check_compatible, read_meta
-from pretrain.consolidate import ConsolidateError, _float32, _rank_state, describe_layout, merge_tensor_parallel, \
-    resolve_checkpoint
+from pretrain.consolidate import ConsolidateError, as_float32, describe_layout, merge_tensor_parallel, \
+    resolve_checkpoint, tensor_parallel_shards
 
 
 def _state_file(path: Path) -> dict:
@@ -82,11 +82,10 @@ def load_weights(model: torch.nn.Module, tag: Path, num_experts: int) -> None:
     dims = {names[k]: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
                        and getattr(p, "partition_dim", None) is not None else None) for k, p in params.items()}
     if tag.is_file():  # full TP=1 weights, e.g. pretrain.convert_lisa's lisa_model.pt
-        full = _float32(_state_file(tag)["state_dict"])
+        full = as_float32(_state_file(tag)["state_dict"])
     else:
         layout = describe_layout(tag, read_meta(tag))
-        shards = [_float32(_rank_state(tag, t, layout)) for t in range(layout["tensor"])]
-        full = merge_tensor_parallel(shards, dims, full_shapes)
+        full = merge_tensor_parallel(tensor_parallel_shards(tag, layout), dims, full_shapes)
     missing = sorted(n for n in full_shapes if n not in full)
     if missing:
         raise CheckpointError(f"train.init_from={tag}: the checkpoint lacks {missing[:6]}")
