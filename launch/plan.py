@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
-from models.gpt import checkpoint_mode
 from pretrain.config import Config, ConfigError, load_config, validate
 
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "cpu": 1.0}
@@ -122,7 +121,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     validate(cfg, world)
     p, t = cfg.parallel, cfg.train
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
-                    checkpoint_mode(t.activation_checkpointing))
+                    t.activation_checkpointing)  # validate() normalised it to none | full | selective
     memory = memory_breakdown(cfg, layout)
     total = peak_bytes(memory)
     fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context

@@ -38,6 +38,7 @@ never leaves a partial DIR.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -148,6 +149,7 @@ def remote_config(cfg, dtype: torch.dtype, special: dict):
     )
 
 
+@functools.cache
 def _remote_module():
     """The modeling file imported on its own, as transformers will import it from the folder."""
     import importlib.util

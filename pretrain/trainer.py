@@ -56,6 +56,7 @@ class Trainer:
         self.device = device
         self.meta = meta
         self.callbacks = list(callbacks)
+        self.sparse_layers = sparse_layers(engine.module)  # MoE / UoE layers, found once
         self.losses: list[tuple[int, float]] = []
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
 
@@ -73,7 +74,7 @@ class Trainer:
             self.engine.step()
             total += loss.detach().float()
         # Part of the optimizer step: validation and the checkpoint of this step see the new biases.
-        for layer in sparse_layers(self.model):
+        for layer in self.sparse_layers:
             layer.update_bias()
         return total / self.cfg.train.grad_accum
 

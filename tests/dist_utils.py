@@ -22,8 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def child_env(**extra: str) -> dict:
-    env = dict(os.environ)
+    """This environment for a child process, without a process group of this one's (see
+    single_process_group): children start their own."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -86,8 +91,7 @@ def single_process_group():
     the group and the environment it set are removed afterwards."""
     from pretrain.distributed import destroy_distributed, init_distributed
 
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
+    saved = {k: os.environ.get(k) for k in RENDEZVOUS_VARS}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     init_distributed(1, 1)

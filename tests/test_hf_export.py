@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from tests.dist_utils import REPO, child_env, free_port, single_process_group
+from tests.dist_utils import REPO, child_env, single_process_group, train
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
 STEPS = 2
@@ -65,10 +65,7 @@ def data(tmp_path_factory):
 
 
 def train_run(root, run, settings: dict, nproc: int = 2) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "pretrain.train", *tiny_overrides(root, run, **settings)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{run.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = train(nproc, tiny_overrides(root, run, **settings))
     return proc.stdout + proc.stderr
 
 
@@ -85,14 +82,6 @@ def runs(data, tmp_path_factory):
                     "train.eval_interval": STEPS, "train.save_interval": STEPS, "train.eval_batches": 1, **extra}
         train_run(root, base / name, settings, nproc=4)
     return {name: base / name for name in layouts}
-
-
-def clean_env() -> dict:
-    """The child environment without this process's rendezvous variables (set by dist_env)."""
-    env = child_env()
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def val_loss_logged(run, step: int) -> float:
@@ -207,7 +196,7 @@ def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
     run = runs["tp2_zero3"]
     proc = subprocess.run([sys.executable, "-m", "pretrain.generate", "--checkpoint", str(run), "--prompt",
                            "def function_3(", "--greedy", "--max-new-tokens", "6", "--json"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     sp, _ = load_tokenizer(root / "tokenizer")
@@ -470,7 +459,7 @@ def test_remote_code_runs_without_the_framework(remote_runs, data, dist_env, tmp
     run, out = remote_runs["uoe_ep2"], tmp_path / "hf"
     assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0
     tokens = fixed_tokens(vocab)
-    env = clean_env()
+    env = child_env()
     env.pop("PYTHONPATH", None)
     isolated = tmp_path / "elsewhere"
     isolated.mkdir()

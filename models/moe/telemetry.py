@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from pretrain.trainer import Callback
-from models.moe.routing import RoutedLayer, sparse_layers
+from models.moe.routing import RoutedLayer
 
 
 def summarize(layer: RoutedLayer, totals: torch.Tensor) -> dict[str, float]:
@@ -55,7 +55,7 @@ class RoutingTelemetry(Callback):
         self.last: dict[str, float] = {}
 
     def on_step_end(self, trainer, result) -> None:
-        layers = sparse_layers(trainer.model)
+        layers = trainer.sparse_layers
         if not result.metrics or not layers:
             return
         self.last = self.collect(layers)
