@@ -1,8 +1,12 @@
 """GPU validation: environment, CPU-vs-GPU correctness, and bf16 throughput/MFU of ~1B models.
 
-    bash bench/gpu_check.sh            # or: python -m bench.gpu_check [--steps 10] [--quick]
+    bash bench/gpu_check.sh            # or: python -m bench.gpu_check [--steps 10] [--families a,b]
 
-Without a CUDA device it says so and exits 0. Writes bench/results/gpu_check-<date>.json and .md.
+Each throughput row runs in its own process (a failure or leak in one row cannot spoil the next)
+with the micro-batch of its config's `# single-gpu` layout line, and sets the measured peak memory
+beside the planner's estimate. `--device cpu` runs the same script on tiny models in fp32: a smoke
+test of the script itself, not a measurement. Without a CUDA device (and no `--device cpu`) it says
+so and exits 0. Writes bench/results/gpu_check-<date>.json and .md.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,28 +25,47 @@ import torch
 
 FAMILIES = {  # name: (config, overrides)
     "dense-1b": ("configs/dense_1b.yaml", []),
-    "uoe-1b": ("configs/1b_uoe.yaml", ["parallel.expert=1"]),
+    "uoe-1b": ("configs/1b_uoe.yaml", []),
     "hybrid-1b": ("configs/hybrid_1b.yaml", []),
     # the performance switches, each against its family's row above
     "dense-1b compiled": ("configs/dense_1b.yaml", ["train.compile=true"]),
-    "uoe-1b grouped-gemm": ("configs/1b_uoe.yaml", ["parallel.expert=1", "model.moe.grouped_gemm=true"]),
+    "uoe-1b grouped-gemm": ("configs/1b_uoe.yaml", ["model.moe.grouped_gemm=true"]),
 }
 TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "model.num_heads=4",
-        "model.ffn_hidden_size=256", "model.max_seq_len=64", "model.moe.expert_hidden_size=64",
-        "model.moe.shared_hidden_size=64", "model.moe.num_experts=4", "model.moe.top_k=2",
-        "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
+        "model.ffn_hidden_size=256", "model.max_seq_len=64",
+        "model.moe.expert_hidden_size=64", "model.moe.shared_hidden_size=64", "model.moe.num_experts=4",
+        "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
+TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
+SINGLE_GPU_LINE = "# single-gpu (80-141 GB): "
+RESULT = "RESULT "
 
 
-def environment() -> dict:
+def tiny(cfg_path: str) -> list[str]:
+    return TINY + (TINY_HYBRID if "hybrid" in Path(cfg_path).name else [])
+
+
+def single_gpu_layout(cfg_path: str) -> list[str]:
+    """The overrides of the config's recommended single-GPU layout, one micro-batch per step."""
+    for line in Path(cfg_path).read_text().splitlines():
+        if line.startswith(SINGLE_GPU_LINE):
+            return [kv for kv in line[len(SINGLE_GPU_LINE):].split() if not kv.startswith("train.grad_accum=")]
+    return []
+
+
+def environment(device: str) -> dict:
     import deepspeed
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-           "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count()}
-    try:
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception as err:  # noqa: BLE001 - reported, not fatal
-        env["nccl"] = f"unavailable ({err})"
-    env["memory_gb"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+           "device": device}
+    if device == "cuda":
+        env.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(),
+                   memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as err:  # noqa: BLE001 - reported, not fatal
+            env["nccl"] = f"unavailable ({err})"
+    else:
+        env["gpu"] = f"cpu ({platform.processor() or platform.machine()})"
     return env
 
 
@@ -50,7 +74,10 @@ def tiny_losses(cfg_path: str, overrides: list[str], device: str, steps: int = 3
     from models.gpt import GPT
     from pretrain.config import load_config
 
-    cfg = load_config(cfg_path, overrides + TINY + ["parallel.expert=1"])
+    torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 on the GPU too, or CPU and GPU differ
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = load_config(cfg_path, overrides + tiny(cfg_path) + ["parallel.expert=1", "model.moe.grouped_gemm=false",
+                                                    "train.compile=false"])
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -65,92 +92,179 @@ def tiny_losses(cfg_path: str, overrides: list[str], device: str, steps: int = 3
     return losses
 
 
-def throughput(cfg_path: str, overrides: list[str], steps: int, micro_batch: int) -> dict:
+def throughput(name: str, steps: int, device: str, micro_batch: int | None) -> dict:
+    """Train steps of one family through the DeepSpeed engine (ZeRO-1, one process)."""
+    from launch.plan import plan
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
+    from models.moe.routing import sparse_layers
     from pretrain.config import load_config
+    from pretrain.distributed import init_single_process
     from pretrain.engine import build_engine
-    from pretrain.telemetry import device_peak_tflops
+    from pretrain.telemetry import device_peak_tflops, peak_memory_gb
 
-    cfg = load_config(cfg_path, overrides + [f"train.micro_batch={micro_batch}", "train.precision=bf16",
-                                             "parallel.zero_stage=1", "train.steps=1000", "train.warmup_steps=10"])
-    torch.cuda.reset_peak_memory_stats()
+    cuda = device == "cuda"
+    cfg_path, overrides = FAMILIES[name]
+    overrides = single_gpu_layout(cfg_path) + overrides + ["parallel.tensor=1", "parallel.expert=1",
+                                                           "parallel.zero_stage=1", "train.grad_accum=1",
+                                                           "train.steps=1000", "train.warmup_steps=10"]
+    overrides += ["train.precision=bf16"] if cuda else tiny(cfg_path) + ["train.precision=fp32"]
+    if micro_batch:
+        overrides.append(f"train.micro_batch={micro_batch}")
+    cfg = load_config(cfg_path, overrides)
+    init_single_process()
     torch.manual_seed(0)
-    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing).cuda()
+    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
     if cfg.train.compile:
         model.compile_blocks()
     engine = build_engine(cfg, model)
-    seq = cfg.model.max_seq_len
-    batch = torch.randint(0, cfg.model.vocab_size, (micro_batch, seq + 1), device="cuda")
+    sparse = sparse_layers(engine.module)
+    micro, seq = cfg.train.micro_batch, cfg.model.max_seq_len
+    batch = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), device=engine.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step():
+    def step() -> torch.Tensor:
         loss = engine(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
         engine.step()
+        for layer in sparse:  # the trainer's per-step router-bias update
+            layer.update_bias()
         return loss
 
-    for _ in range(3):
+    started = time.perf_counter()
+    for _ in range(3):  # warm-up: compilation, allocator, autotuning
         step()
-    torch.cuda.synchronize()
+    sync()
+    warmup_s = time.perf_counter() - started
     start = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    torch.cuda.synchronize()
+    sync()
     elapsed = (time.perf_counter() - start) / steps
-    tokens = micro_batch * seq
+    tokens = micro * seq
     counts = param_counts(cfg.model)
     tflops = tokens * flops_per_token(cfg.model) / elapsed / 1e12
     peak = device_peak_tflops()
-    result = {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,
-              "micro_batch": micro_batch, "step_s": elapsed, "tokens_per_s": tokens / elapsed, "tflops": tflops,
-              "mfu": tflops / peak if peak else None, "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
-              "final_loss": loss.item()}
-    del engine
-    torch.cuda.empty_cache()
-    return result
+    memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 1e6
+    planned = plan(cfg, 1, 1, memory_gb, bf16=cuda)
+    measured = peak_memory_gb()
+    return {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,
+            "micro_batch": micro, "checkpointing": cfg.train.activation_checkpointing, "warmup_s": warmup_s,
+            "step_s": elapsed, "tokens_per_s": tokens / elapsed, "tflops": tflops,
+            "mfu": tflops / peak if peak else None, "peak_memory_gb": measured,
+            "planned_memory_gb": planned["memory_total_gb"], "plan_over_measured": planned["memory_total_gb"] / measured,
+            "final_loss": loss.item()}
+
+
+def run_isolated(name: str, args: argparse.Namespace) -> dict:
+    """One throughput row in a fresh process; a crash or timeout becomes the row's error."""
+    from pretrain.distributed import environment_for_child
+
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--one", name, "--steps", str(args.steps),
+           "--device", args.device]
+    if args.micro_batch:
+        cmd += ["--micro-batch", str(args.micro_batch)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout,
+                             env=environment_for_child())
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.row_timeout} s"}
+    for line in out.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    tail = [line for line in (out.stderr + out.stdout).splitlines() if line.strip()][-40:]
+    return {"error": f"exit {out.returncode}: {tail[-1] if tail else 'no output'}", "log_tail": tail}
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# GPU check {report['date']} on {env['gpu']}", "",
+             f"torch {env['torch']}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, DeepSpeed {env['deepspeed']}, "
+             f"Python {env['python']}", "", "| correctness (fp32, 3 AdamW steps) | CPU losses | device losses | |",
+             "|---|---|---|---|"]
+    for name, c in report["correctness"].items():
+        if "error" in c:
+            lines.append(f"| {name} | | | ERROR: {c['error']} |")
+        else:
+            fmt = lambda xs: ", ".join(f"{x:.5f}" for x in xs)  # noqa: E731
+            lines.append(f"| {name} | {fmt(c['cpu'])} | {fmt(c['device'])} | {'match' if c['match'] else 'MISMATCH'} |")
+    lines += ["", "| model | params (active) | micro-batch x seq | tokens/s | TFLOP/s | MFU | peak mem GB | "
+              "planned GB (plan/meas) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in report["throughput"].items():
+        if "error" in r:
+            lines.append(f"| {name} | ERROR: {r['error']} | | | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
+        lines.append(f"| {name} | {count(r['params_total'])} ({count(r['params_active'])}) | "
+                     f"{r['micro_batch']} x {r['seq']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | "
+                     f"{r['peak_memory_gb']:.1f} | {r['planned_memory_gb']:.1f} ({r['plan_over_measured']:.2f}) |")
+    return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row (after 3 warm-up steps)")
+    parser.add_argument("--micro-batch", type=int, help="override every row's micro-batch")
+    parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of: {', '.join(FAMILIES)}")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: tiny fp32 models, a smoke test of this script")
+    parser.add_argument("--row-timeout", type=int, default=300, help="seconds per throughput row")
     parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device found: nothing measured (this check needs a GPU)")
         return 0
-    os.environ.setdefault("MASTER_PORT", "29561")
-    from pretrain.distributed import init_distributed
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.one:
+        print(RESULT + json.dumps(throughput(args.one, args.steps, args.device, args.micro_batch)), flush=True)
+        return 0
+    names = args.families.split(",")
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+    from pretrain.distributed import destroy_distributed, init_single_process
 
-    init_distributed()
-    report = {"date": datetime.date.today().isoformat(), "environment": environment(), "correctness": {},
-              "throughput": {}}
-    print(json.dumps(report["environment"], indent=1))
-    for name in args.families.split(","):
+    init_single_process()  # the tiny models below build megatron-core layers
+    report = {"date": datetime.date.today().isoformat(), "environment": environment(args.device),
+              "correctness": {}, "throughput": {}}
+    print(json.dumps(report["environment"], indent=1), flush=True)
+    for name in names:
         cfg_path, overrides = FAMILIES[name]
-        cpu, gpu = tiny_losses(cfg_path, overrides, "cpu"), tiny_losses(cfg_path, overrides, "cuda")
-        ok = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(cpu, gpu))
-        report["correctness"][name] = {"cpu": cpu, "gpu": gpu, "match": ok}
-        print(f"{name}: CPU {cpu} GPU {gpu} -> {'match' if ok else 'MISMATCH'}")
-    for name in args.families.split(","):
-        cfg_path, overrides = FAMILIES[name]
-        report["throughput"][name] = throughput(cfg_path, overrides, args.steps, args.micro_batch)
-        print(name, json.dumps(report["throughput"][name]))
-    lines = [f"# GPU check {report['date']} on {report['environment']['gpu']}", "",
-             "| model | params (active) | tokens/s | TFLOP/s | MFU | peak mem GB |", "|---|---|---|---|---|---|"]
-    for name, r in report["throughput"].items():
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
-        lines.append(f"| {name} | {r['params_total'] / 1e9:.2f}B ({r['params_active'] / 1e9:.2f}B) | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {r['peak_memory_gb']:.1f} |")
-    table = "\n".join(lines)
+        if name.split()[0] in report["correctness"]:
+            continue  # the switch rows share their family's tiny model
+        try:
+            cpu = tiny_losses(cfg_path, overrides, "cpu")
+            dev = tiny_losses(cfg_path, overrides, args.device)
+        except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
+            report["correctness"][name] = {"error": f"{type(err).__name__}: {err}"}
+            print(f"{name}: ERROR {err}", flush=True)
+            continue
+        ok = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(cpu, dev))
+        report["correctness"][name] = {"cpu": cpu, "device": dev, "match": ok}
+        print(f"{name}: CPU {cpu} {args.device} {dev} -> {'match' if ok else 'MISMATCH'}", flush=True)
+    destroy_distributed()
+    for name in names:
+        report["throughput"][name] = run_isolated(name, args)
+        row = {k: v for k, v in report["throughput"][name].items() if k != "log_tail"}
+        print(name, json.dumps(row), flush=True)
+    table = markdown(report)
     print(table)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_check-{report['date']}"
+    stem = f"gpu_check-{report['date']}" + ("-cpu-smoke" if args.device == "cpu" else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (out / f"{stem}.md").write_text(table + "\n")
-    return 0 if all(c["match"] for c in report["correctness"].values()) else 1
+    failed = [f"{n} (correctness)" for n, c in report["correctness"].items() if not c.get("match")]
+    failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

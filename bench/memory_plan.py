@@ -41,16 +41,15 @@ def rss_kib(field: str) -> int:
 def measure(name: str, steps: int) -> dict:
     import torch
 
-    os.environ.setdefault("MASTER_PORT", "29541")
     from launch.plan import plan
     from models.config import ModelConfig
     from models.gpt import GPT
     from pretrain.config import Config
-    from pretrain.distributed import init_distributed
+    from pretrain.distributed import init_single_process
     from pretrain.engine import build_engine
 
     hidden, layers, heads, ffn, seq, micro = SIZES[name]
-    init_distributed()
+    init_single_process()
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=4096, hidden_size=hidden, num_layers=layers, num_heads=heads,
                             ffn_hidden_size=ffn, max_seq_len=seq)

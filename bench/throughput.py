@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from models.config import ModelConfig
 from models.gpt import GPT
 from pretrain.config import Config
-from pretrain.distributed import destroy_distributed, init_distributed
+from pretrain.distributed import destroy_distributed, init_single_process
 from pretrain.engine import build_engine, param_groups
 
 
@@ -45,8 +44,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args()
 
-    os.environ.setdefault("MASTER_PORT", "29531")
-    init_distributed()
+    init_single_process()
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=4096, hidden_size=args.hidden, num_layers=args.layers,
                             num_heads=args.hidden // 64, ffn_hidden_size=args.hidden * 8 // 3 // 64 * 64,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -204,25 +203,13 @@ def merge_tensor_parallel(shards: list[dict[str, torch.Tensor]], dims: dict[str,
     return merged
 
 
-def init_single_process() -> None:
-    """A one-process gloo group with megatron-core's parallel state at TP=1 (no-op if present)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+def _single_process() -> None:
+    from pretrain.distributed import init_single_process
 
-    from pretrain.distributed import init_distributed
-
-    if dist.is_initialized() and ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != 1 or ps.get_expert_model_parallel_world_size() != 1:
-            raise ConsolidateError("consolidation builds the model at tensor/expert-parallel size 1; "
-                                   "run it in a single process")
-        return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed(1, 1)
+    try:
+        init_single_process()
+    except RuntimeError as err:
+        raise ConsolidateError(str(err)) from err
 
 
 def as_float32(state: dict) -> dict:
@@ -247,7 +234,7 @@ def consolidate(checkpoint: str | os.PathLike, model: torch.nn.Module | None = N
     if model is None:
         from models.gpt import GPT
 
-        init_single_process()
+        _single_process()
         model = GPT(cfg)
     shards = tensor_parallel_shards(tag_dir, layout)
     full_shapes = {k: v.shape for k, v in model.state_dict().items() if torch.is_tensor(v)}
@@ -262,7 +249,7 @@ def load_model(checkpoint: str | os.PathLike):
 
     tag_dir = resolve_checkpoint(checkpoint)
     cfg = model_config(read_meta(tag_dir)["model"])
-    init_single_process()
+    _single_process()
     model = GPT(cfg)
     state, cfg, meta = consolidate(tag_dir, model)
     own = model.state_dict()

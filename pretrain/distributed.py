@@ -4,6 +4,7 @@ adapter DeepSpeed needs."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,35 @@ def init_distributed(tensor: int = 1, expert: int = 1) -> DistEnv:
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor, expert_model_parallel_size=expert)
     return env
+
+
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def environment_for_child() -> dict[str, str]:
+    """os.environ without this process's rank and rendezvous variables: a child process that
+    starts its own process group must not join (or collide with) this one's."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process() -> DistEnv:
+    """Rank 0 of 1 for tools and benchmarks started without torchrun/srun, on a free local port
+    (two tools at once must not meet on one fixed port). A no-op where a TP=1/EP=1 group exists."""
+    if dist.is_initialized() and ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != 1 or ps.get_expert_model_parallel_world_size() != 1:
+            raise RuntimeError("this tool builds the model at tensor/expert-parallel size 1; "
+                               "run it in a single process")
+        return read_env()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return init_distributed(1, 1)
 
 
 def destroy_distributed() -> None:

@@ -137,7 +137,7 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     from models.gpt import GPT
     from pretrain import checkpoint
     from pretrain.config import Config, save_config, validate
-    from pretrain.consolidate import init_single_process
+    from pretrain.distributed import init_single_process
     from pretrain.engine import build_engine
 
     model_dir, out = Path(model_dir), Path(out)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -13,22 +12,15 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from pretrain.distributed import RENDEZVOUS_VARS, environment_for_child, free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def child_env(**extra: str) -> dict:
     """This environment for a child process, without a process group of this one's (see
     single_process_group): children start their own."""
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+    env = environment_for_child()
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **extra)
     return env
 

@@ -1,0 +1,60 @@
+"""The GPU check script, run end to end on the CPU (tiny fp32 models) so that its own code is
+exercised wherever the suite runs; the GPU numbers come from running it on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.dist_utils import REPO, child_env
+
+FAMILIES = "dense-1b,hybrid-1b,uoe-1b grouped-gemm"
+
+
+def test_cpu_smoke_run_writes_report(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--steps", "1",
+                          "--families", FAMILIES, "--out-dir", str(tmp_path)],
+                         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [report_file] = tmp_path.glob("gpu_check-*-cpu-smoke.json")
+    report = json.loads(report_file.read_text())
+    names = FAMILIES.split(",")
+    assert list(report["throughput"]) == names
+    for name in names:
+        row = report["throughput"][name]
+        assert "error" not in row, row
+        assert row["tokens_per_s"] > 0 and row["peak_memory_gb"] > 0 and row["planned_memory_gb"] > 0
+        assert row["params_active"] <= row["params_total"]
+    assert report["throughput"]["uoe-1b grouped-gemm"]["params_active"] < \
+        report["throughput"]["uoe-1b grouped-gemm"]["params_total"]
+    for name, c in report["correctness"].items():
+        assert c["match"] and len(c["cpu"]) == 3, (name, c)
+    table = (tmp_path / report_file.name.replace(".json", ".md")).read_text()
+    assert all(f"| {name} |" in table for name in names)
+
+
+def test_unknown_family_is_rejected_before_any_work(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--families", "dense-7b",
+                          "--out-dir", str(tmp_path)], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "unknown families ['dense-7b']" in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_shell_entry_without_gpu_says_so_and_exits_0():
+    env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no CUDA device found: nothing measured" in out.stdout
+
+
+def test_shell_entry_names_a_python_without_the_requirements(tmp_path):
+    bare = tmp_path / "python"
+    bare.write_text("#!/bin/sh\nexit 1\n")
+    bare.chmod(0o755)
+    out = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env={**os.environ, "PRETRAIN_PYTHON": str(bare)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot import deepspeed" in out.stderr and str(bare) in out.stderr
