@@ -92,6 +92,32 @@ def tiny_losses(cfg_path: str, overrides: list[str], device: str, steps: int = 3
     return losses
 
 
+def grouped_gemm_check(device: str) -> dict:
+    """bf16 grouped GEMMs (torch._grouped_mm; CUTLASS's kernel on Hopper) against the per-expert
+    loop: the loss and all gradients of one forward and backward of a tiny UoE model."""
+    from models.gpt import GPT
+    from pretrain.config import load_config
+
+    cfg_path = FAMILIES["uoe-1b"][0]
+    cfg = load_config(cfg_path, tiny(cfg_path) + ["parallel.expert=1", "model.moe.grouped_gemm=false"])
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(device=device, dtype=torch.bfloat16)
+    batch = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(0)).to(device)
+    runs = []
+    for grouped in (False, True):
+        for module in model.modules():
+            if hasattr(module, "grouped_gemm"):  # the expert dispatchers
+                module.grouped_gemm = grouped
+        model.zero_grad()
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        runs.append((loss.item(), torch.cat([p.grad.float().flatten() for p in model.parameters()])))
+    (loss_loop, grads_loop), (loss_grouped, grads_grouped) = runs
+    grad_diff = ((grads_grouped - grads_loop).norm() / grads_loop.norm()).item()
+    return {"loss_per_expert": loss_loop, "loss_grouped": loss_grouped, "grad_rel_diff": grad_diff,
+            "match": abs(loss_grouped - loss_loop) <= 1e-2 * abs(loss_loop) and grad_diff <= 2e-2}
+
+
 def throughput(name: str, steps: int, device: str, micro_batch: int | None) -> dict:
     """Train steps of one family through the DeepSpeed engine (ZeRO-1, one process)."""
     from launch.plan import plan
@@ -112,7 +138,7 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None) -> d
     if micro_batch:
         overrides.append(f"train.micro_batch={micro_batch}")
     cfg = load_config(cfg_path, overrides)
-    init_single_process()
+    init_single_process("nccl" if cuda else "gloo")  # every tensor here lives on the device
     torch.manual_seed(0)
     model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
     if cfg.train.compile:
@@ -192,6 +218,11 @@ def markdown(report: dict) -> str:
         else:
             fmt = lambda xs: ", ".join(f"{x:.5f}" for x in xs)  # noqa: E731
             lines.append(f"| {name} | {fmt(c['cpu'])} | {fmt(c['device'])} | {'match' if c['match'] else 'MISMATCH'} |")
+    g = report["grouped_gemm"]
+    lines += ["", "grouped GEMM vs per-expert loop (bf16, tiny UoE, forward + backward): " + (
+        f"ERROR: {g['error']}" if "error" in g else
+        f"loss {g['loss_grouped']:.5f} vs {g['loss_per_expert']:.5f}, gradient relative difference "
+        f"{g['grad_rel_diff']:.2e} -> {'match' if g['match'] else 'MISMATCH'}")]
     lines += ["", "| model | params (active) | micro-batch x seq | tokens/s | TFLOP/s | MFU | peak mem GB | "
               "planned GB (plan/meas) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["throughput"].items():
@@ -222,7 +253,10 @@ def main() -> int:
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.one:
+        from pretrain.distributed import destroy_distributed
+
         print(RESULT + json.dumps(throughput(args.one, args.steps, args.device, args.micro_batch)), flush=True)
+        destroy_distributed()
         return 0
     names = args.families.split(",")
     unknown = [n for n in names if n not in FAMILIES]
@@ -248,6 +282,11 @@ def main() -> int:
         ok = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(cpu, dev))
         report["correctness"][name] = {"cpu": cpu, "device": dev, "match": ok}
         print(f"{name}: CPU {cpu} {args.device} {dev} -> {'match' if ok else 'MISMATCH'}", flush=True)
+    try:
+        report["grouped_gemm"] = grouped_gemm_check(args.device)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        report["grouped_gemm"] = {"error": f"{type(err).__name__}: {err}"}
+    print(f"grouped GEMM vs per-expert (bf16): {report['grouped_gemm']}", flush=True)
     destroy_distributed()
     for name in names:
         report["throughput"][name] = run_isolated(name, args)
@@ -262,6 +301,7 @@ def main() -> int:
     (out / f"{stem}.md").write_text(table + "\n")
     failed = [f"{n} (correctness)" for n, c in report["correctness"].items() if not c.get("match")]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
+    failed += [] if report["grouped_gemm"].get("match") else ["grouped GEMM"]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -15,7 +15,7 @@ else
     bash tests/setup_env.sh
     PY=.venv/bin/python
 fi
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ! "$PY" -c "import deepspeed, megatron.core, yaml" 2>/dev/null; then
     echo "error: $PY cannot import deepspeed, megatron.core and yaml; install requirements.txt into it" \
          "(pip install -r requirements.txt) or unset PRETRAIN_PYTHON to use .venv" >&2

@@ -68,10 +68,17 @@ class GPT(nn.Module):
             cfg, cfg.hidden_size, cfg.padded_vocab_size, skip_weight_param_allocation=cfg.tie_embeddings
         )
 
+    def compile_targets(self) -> list[nn.Module]:
+        """What train.compile compiles: whole blocks, but only the attention of blocks with a routed
+        (MoE / UoE) MLP, whose data-dependent dispatch would split a compiled block into many graphs."""
+        from models.moe.routing import RoutedLayer
+
+        return [block.attn if isinstance(block.mlp, RoutedLayer) else block for block in self.blocks]
+
     def compile_blocks(self) -> None:
-        """torch.compile every block in place (parameter names unchanged, so checkpoints are too)."""
-        for block in self.blocks:
-            block.compile()
+        """torch.compile in place (parameter names unchanged, so checkpoints are too)."""
+        for module in self.compile_targets():
+            module.compile()
 
     def logits(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         """Logits for this rank's vocabulary shard: [batch, seq, padded_vocab / tp]."""

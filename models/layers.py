@@ -54,9 +54,23 @@ def column_linear(cfg: ModelConfig, in_features: int, out_features: int, **kwarg
     )
 
 
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """megatron-core's, with its own tensor-parallel group handed to the matmul: the stock forward
+    passes none, which warns on every call and so splits each torch.compile'd block into pieces."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        matmul = self._forward_impl
+
+        def forward_impl(*args, tp_group=None, **kwargs):
+            return matmul(*args, tp_group=self.tp_group if tp_group is None else tp_group, **kwargs)
+
+        self._forward_impl = forward_impl
+
+
 def row_linear(cfg: ModelConfig, in_features: int, out_features: int) -> nn.Module:
     """Input features split across TP ranks; the output is all-reduced."""
-    return tensor_parallel.RowParallelLinear(
+    return RowParallelLinear(
         in_features,
         out_features,
         config=parallel_config(),

@@ -52,8 +52,9 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(tensor: int = 1, expert: int = 1) -> DistEnv:
-    """Start the default process group (nccl on GPU, gloo on CPU) and megatron-core's groups."""
+def init_distributed(tensor: int = 1, expert: int = 1, backend: str | None = None) -> DistEnv:
+    """Start the default process group (nccl on GPU, gloo on CPU, unless `backend` says otherwise)
+    and megatron-core's groups."""
     env = read_env()
     if not torch.cuda.is_available():
         # DeepSpeed picks its accelerator at import time; without a GPU it must be the CPU one.
@@ -61,7 +62,7 @@ def init_distributed(tensor: int = 1, expert: int = 1) -> DistEnv:
     else:
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor, expert_model_parallel_size=expert)
@@ -83,7 +84,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_single_process() -> DistEnv:
+def init_single_process(backend: str | None = None) -> DistEnv:
     """Rank 0 of 1 for tools and benchmarks started without torchrun/srun, on a free local port
     (two tools at once must not meet on one fixed port). A no-op where a TP=1/EP=1 group exists."""
     if dist.is_initialized() and ps.model_parallel_is_initialized():
@@ -94,7 +95,10 @@ def init_single_process() -> DistEnv:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    return init_distributed(1, 1)
+    # These tools run models on the CPU too (megatron's loss all-reduces even at TP=1), and NCCL
+    # takes CUDA tensors only: gloo serves the CPU ones.
+    default = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    return init_distributed(1, 1, backend=backend or default)
 
 
 def destroy_distributed() -> None:

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from tests.dist_utils import REPO, child_env, free_port, spawn, train
+from tests.dist_utils import REPO, child_env, free_port, single_process_group, spawn, train
 from tests.parallel_checks import gpt_loss_and_grads
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
@@ -80,3 +80,24 @@ def test_compiled_blocks_give_same_loss_and_grads(tmp_path):
     assert compiled["compiled"] and not eager["compiled"]
     for name, grad in eager["grads"].items():
         torch.testing.assert_close(compiled["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_units_trace_as_one_graph_each():
+    """Each unit train.compile compiles (dense blocks of every attention kind, the attention of
+    UoE/MoE blocks) is one graph: a graph break would split it and cost the fusion."""
+    from models.config import ModelConfig, MoEConfig
+    from models.gpt import GPT
+
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, shared_hidden_size=32)
+    with single_process_group():
+        for mlp in ("dense", "uoe", "moe"):
+            cfg = ModelConfig(vocab_size=300, hidden_size=64, num_heads=4, num_layers=4, ffn_hidden_size=96,
+                              max_seq_len=32, attention="skrl", mlp=mlp, moe=moe)
+            model = GPT(cfg)
+            ctx = {"rotary": model.rotary, "recompute_attention": False}
+            x = torch.randn(2, 32, 64)
+            for layer, unit in enumerate(model.compile_targets()):
+                torch._dynamo.reset()
+                explained = torch._dynamo.explain(unit)(x, ctx)
+                assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+                    (mlp, layer, type(unit).__name__, [str(r.reason)[:300] for r in explained.break_reasons])

@@ -29,6 +29,7 @@ def test_cpu_smoke_run_writes_report(tmp_path):
         assert row["params_active"] <= row["params_total"]
     assert report["throughput"]["uoe-1b grouped-gemm"]["params_active"] < \
         report["throughput"]["uoe-1b grouped-gemm"]["params_total"]
+    assert report["grouped_gemm"]["match"], report["grouped_gemm"]
     for name, c in report["correctness"].items():
         assert c["match"] and len(c["cpu"]) == 3, (name, c)
     table = (tmp_path / report_file.name.replace(".json", ".md")).read_text()
