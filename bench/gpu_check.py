@@ -178,7 +178,8 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None) -> d
             "micro_batch": micro, "checkpointing": cfg.train.activation_checkpointing, "warmup_s": warmup_s,
             "step_s": elapsed, "tokens_per_s": tokens / elapsed, "tflops": tflops,
             "mfu": tflops / peak if peak else None, "peak_memory_gb": measured,
-            "planned_memory_gb": planned["memory_total_gb"], "plan_over_measured": planned["memory_total_gb"] / measured,
+            "planned_memory_gb": planned["memory_total_gb"],
+            "plan_over_measured": planned["memory_total_gb"] / measured,
             "final_loss": loss.item()}
 
 

@@ -53,7 +53,7 @@ class TrainConfig:
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     activation_checkpointing: str = "none"  # none | full | selective (true/false = full/none)
-    compile: bool = False  # torch.compile each block, or its attention in UoE/MoE blocks (GPU runs; CPU compiles slowly)
+    compile: bool = False  # torch.compile each block (attention only in UoE/MoE blocks); CPU compiles slowly
     eval_interval: int = 50
     eval_batches: int = 4
     log_interval: int = 10

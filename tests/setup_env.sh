@@ -30,5 +30,6 @@ fi
 # start by queueing on one compile (not on GPU machines: their runs use NCCL).
 if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
-        >/dev/null 2>&1 || echo "[setup_env] note: DeepSpeed's CPU collective op did not build; runs will try at first use" >&2
+        >/dev/null 2>&1 || echo "[setup_env] note: DeepSpeed's CPU collective op did not build;" \
+            "runs will try at first use" >&2
 fi

@@ -178,9 +178,9 @@ def check_against_reference(kind: str, tokens: int = 10, bias=None, **moe) -> in
     torch.testing.assert_close(y.reshape(-1, D), yr, atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(aux, torch.as_tensor(auxr, dtype=aux.dtype), atol=1e-7, rtol=1e-5)
     assert layer.last_dropped == dropped
-    return dropped
     torch.testing.assert_close(x.grad.reshape(-1, D), xr.grad, atol=ATOL, rtol=1e-4)
     _compare_param_grads(layer, w)
+    return dropped
 
 
 def _compare_param_grads(layer, w) -> None:
@@ -394,7 +394,8 @@ def _param_counts_exact(rank: int) -> None:
         tokens = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(rank))
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         stats = model.blocks[0].mlp.stats
-        assert stats.tokens == 12 and stats.forwards == 1 and int(stats.counts.sum()) == 12 * cfg.moe.top_k
+        routed = int(stats.as_tensor()[:cfg.moe.num_experts].sum())
+        assert stats.tokens == 12 and stats.forwards == 1 and routed == 12 * cfg.moe.top_k
         assert all(p.grad is not None for p in model.parameters() if not is_moe_param(p)), kind
 
 
@@ -431,3 +432,44 @@ def _four_proc_suite(rank: int) -> None:
 
 def test_four_processes_dp_and_tp():
     spawn(_four_proc_suite, 4, expert=2)
+
+
+def test_routing_telemetry_sums_what_the_forwards_routed():
+    """The statistics summed on the device over training forwards equal those recomputed from the
+    routing decisions, scores, aux losses and output norms of the same forwards."""
+    from models.moe.telemetry import RoutingTelemetry
+    from tests.dist_utils import single_process_group
+
+    with single_process_group():
+        layer = build("uoe", make_cfg("uoe", capacity_factor=1.0))
+        seen = {"selected": [], "scores": [], "aux": [], "vse": [], "routed": []}
+        route = layer.route
+
+        def spy_route(scores, *args, **kwargs):
+            out = route(scores, *args, **kwargs)
+            seen["selected"].append(out[1])
+            seen["scores"].append(scores.detach())
+            return out
+
+        layer.route = spy_route
+        layer.vse_out.register_forward_hook(lambda m, i, o: seen["vse"].append(o[0].detach().norm()))
+        layer.experts.register_forward_hook(lambda m, i, o: seen["routed"].append(o.detach().norm()))
+        dropped = 0
+        for seed, tokens in ((0, 12), (1, 20)):
+            x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(seed))
+            layer(x)
+            seen["aux"].append(float(layer.aux_loss.detach()))
+            dropped += int(layer.last_dropped)
+        metrics = RoutingTelemetry.collect([layer])
+        counts = torch.bincount(torch.cat(seen["selected"]).reshape(-1), minlength=N).double()
+        scores = torch.cat(seen["scores"]).double()
+        for e in range(N):
+            assert metrics[f"layer0/load_e{e}"] == pytest.approx(float(counts[e] / counts.sum()), abs=1e-12)
+            assert metrics[f"layer0/score_e{e}"] == pytest.approx(float(scores[:, e].mean()), rel=1e-6)
+        assert metrics["layer0/max_load"] == pytest.approx(float(counts.max() / counts.mean()), rel=1e-9)
+        assert dropped > 0 and metrics["layer0/dropped_tokens"] == dropped
+        assert metrics["layer0/dropped_frac"] == pytest.approx(dropped / (32 * K))
+        assert metrics["layer0/aux_loss"] == pytest.approx(sum(seen["aux"]) / 2, rel=1e-6)
+        assert metrics["layer0/vse_over_routed"] == pytest.approx(float(sum(seen["vse"]) / sum(seen["routed"])),
+                                                                  rel=1e-6)
+        assert RoutingTelemetry.collect([layer]) == {}  # read once: the sums start again

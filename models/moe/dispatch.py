@@ -62,13 +62,10 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
     local = len(experts)
     if local * ep != num_experts:
         raise ValueError(f"{local} local experts x expert-parallel size {ep} != {num_experts} experts")
-    flat_ids = expert_ids.reshape(-1)
-    token_ids = torch.arange(T, device=x.device).repeat_interleave(K)
-    flat_w = weights.reshape(-1)
-    kept = flat_ids >= 0
-    flat_ids, token_ids, flat_w = flat_ids[kept], token_ids[kept], flat_w[kept]
+    kept = (expert_ids.reshape(-1) >= 0).nonzero().squeeze(1)  # assignment ids (token-major); one host sync
+    flat_ids, flat_w = expert_ids.reshape(-1)[kept], weights.reshape(-1)[kept]
     order = torch.argsort(flat_ids, stable=True)  # expert-major (rank-major too)
-    sorted_ids, sorted_tokens = flat_ids[order], token_ids[order]
+    sorted_ids, sorted_tokens = flat_ids[order], kept[order] // K
     counts = torch.bincount(sorted_ids, minlength=num_experts)
     send = x[sorted_tokens]
     if ep > 1:

@@ -43,27 +43,43 @@ def switch_aux_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts:
 
 class RoutingStats:
     """Training-forward sums since the last read: tokens per expert, dropped assignments, score sums,
-    aux loss and (UoE) output norms."""
+    aux loss and (UoE) output norms. What the device computes is summed on the device (no forward
+    waits for the GPU) and read, in one collective, on log steps; token counts are known on the host."""
+
+    ON_DEVICE = ("dropped", "aux", "vse_norm", "routed_norm")
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
         self.reset()
 
     def reset(self) -> None:
-        self.counts = torch.zeros(self.num_experts, dtype=torch.float64)
-        self.score_sum = torch.zeros(self.num_experts, dtype=torch.float64)
-        self.tokens = 0.0
-        self.dropped = 0.0
-        self.assignments = 0.0
-        self.aux = 0.0
-        self.forwards = 0.0
-        self.vse_norm = 0.0
-        self.routed_norm = 0.0
+        self.device_sums: torch.Tensor | None = None  # float64 [counts N, score sums N, ON_DEVICE]
+        self.tokens = self.assignments = self.forwards = 0
 
-    def as_tensor(self) -> torch.Tensor:
-        scalars = torch.tensor([self.tokens, self.dropped, self.assignments, self.aux, self.forwards,
-                                self.vse_norm, self.routed_norm], dtype=torch.float64)
-        return torch.cat([self.counts, self.score_sum, scalars])
+    def _sums(self, device: torch.device) -> torch.Tensor:
+        if self.device_sums is None:
+            self.device_sums = torch.zeros(2 * self.num_experts + len(self.ON_DEVICE), dtype=torch.float64,
+                                           device=device)
+        return self.device_sums
+
+    def add_forward(self, counts: torch.Tensor, score_sum: torch.Tensor, tokens: int, assignments: int) -> None:
+        sums = self._sums(counts.device)
+        sums[:self.num_experts] += counts
+        sums[self.num_experts:2 * self.num_experts] += score_sum
+        self.tokens += tokens
+        self.assignments += assignments
+        self.forwards += 1
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self._sums(value.device)[2 * self.num_experts + self.ON_DEVICE.index(name)] += value
+
+    def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[counts N, score sums N, tokens, dropped, assignments, aux, forwards, vse_norm, routed_norm]."""
+        sums = self._sums(torch.device(device)).to(device)
+        n = 2 * self.num_experts
+        dropped, aux, vse_norm, routed_norm = sums[n:].unbind()
+        host = torch.tensor([self.tokens, self.assignments, self.forwards], dtype=torch.float64, device=device)
+        return torch.cat([sums[:n], torch.stack([host[0], dropped, host[1], aux, host[2], vse_norm, routed_norm])])
 
 
 class RoutedLayer(nn.Module):
@@ -105,22 +121,19 @@ class RoutedLayer(nn.Module):
             capacity = math.ceil(T * self.top_k / self.num_experts * self.capacity_factor)
             keep = capacity_mask(selected.reshape(-1), self.num_experts, capacity).view_as(selected)
             expert_ids = torch.where(keep, selected, torch.full_like(selected, -1))
-            dropped = int((~keep).sum())
-        self.last_dropped = dropped
+            dropped = (~keep).sum()
+        self.last_dropped = dropped  # a device tensor with capacity dropping: read it only when needed
         if self.training and not recomputing():  # count each training forward once
             with torch.no_grad():
                 counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts)
                 if self.bias_update_rate > 0:
                     self.pending_counts += counts.to(self.pending_counts.dtype)
-                s = self.stats
-                s.counts += counts.double().cpu()
-                s.score_sum += (scores if stat_scores is None else stat_scores).detach().double().sum(0).cpu()
-                s.tokens += T
-                s.assignments += T * self.top_k
-                s.dropped += dropped
-                s.forwards += 1
+                score_sum = (scores if stat_scores is None else stat_scores).detach().double().sum(0)
+                self.stats.add_forward(counts.double(), score_sum, T, T * self.top_k)
+                if self.capacity_factor > 0:
+                    self.stats.add("dropped", dropped)
                 if self.aux_loss is not None:
-                    s.aux += float(self.aux_loss.detach())
+                    self.stats.add("aux", self.aux_loss.detach())
         return expert_ids, selected, weights
 
     @torch.no_grad()

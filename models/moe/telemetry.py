@@ -64,13 +64,11 @@ class RoutingTelemetry(Callback):
     @staticmethod
     def collect(layers: list[RoutedLayer]) -> dict[str, float]:
         """Collective over the data-parallel group; resets the layers' statistics."""
-        stacked = torch.cat([layer.stats.as_tensor() for layer in layers])
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        stacked = torch.cat([layer.stats.as_tensor(device) for layer in layers])
         if dist.is_initialized() and ps.model_parallel_is_initialized():
-            # Statistics accumulate on the host; NCCL reduces device tensors only.
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-            on_device = stacked.to(device)
-            dist.all_reduce(on_device, group=ps.get_data_parallel_group())
-            stacked = on_device.cpu()
+            dist.all_reduce(stacked, group=ps.get_data_parallel_group())
+        stacked = stacked.cpu()
         # Token-level sums add up over DP; norms and aux losses are per-rank averages.
         dp = dist.get_world_size(ps.get_data_parallel_group()) if dist.is_initialized() else 1
         metrics: dict[str, float] = {}

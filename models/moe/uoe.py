@@ -95,6 +95,6 @@ class UnionOfExperts(RoutedLayer):
             y_r = reduce_from_tensor_model_parallel_region(y_r)
         if self.training and not recomputing():
             with torch.no_grad():
-                self.stats.vse_norm += float(y_vse.float().norm())
-                self.stats.routed_norm += float(y_r.float().norm())
+                self.stats.add("vse_norm", y_vse.float().norm())
+                self.stats.add("routed_norm", y_r.float().norm())
         return (y_vse + y_r).view(shape)
