@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
 from pretrain.config import Config, ConfigError, load_config, validate
+from pretrain.telemetry import peak_tflops
 
-PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "cpu": 1.0}
+GPUS = ("h100", "h200", "a100", "cpu")  # --gpu: peak from pretrain.telemetry's table (cpu: 1 TFLOP/s)
 GIB = 2**30
 
 
@@ -133,7 +134,8 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
         largest = micro
     tokens_per_step = t.micro_batch * t.grad_accum * layout.data * cfg.model.max_seq_len
     fpt = flops_per_token(cfg.model)
-    step_time = fpt * tokens_per_step / (world * PEAK_TFLOPS[gpu] * 1e12 * mfu)
+    peak = 1.0 if gpu == "cpu" else peak_tflops(gpu)
+    step_time = fpt * tokens_per_step / (world * peak * 1e12 * mfu)
     counts = param_counts(cfg.model)
     result = {
         "layout": layout.__dict__, "params_total": counts["total"], "params_active": counts["active"],
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-mem-gb", type=float, default=80.0)
-    parser.add_argument("--gpu", choices=sorted(PEAK_TFLOPS), default="h100")
+    parser.add_argument("--gpu", choices=GPUS, default="h100")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_intermixed_args(argv)

@@ -55,6 +55,7 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         collate_fn=_collate,
         drop_last=True,
         persistent_workers=False,
+        pin_memory=torch.cuda.is_available(),  # page-locked batches: the copy to the GPU runs asynchronously
     )
 
 

@@ -9,15 +9,18 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device, by substring of the CUDA device name.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+# Dense bf16 peak TFLOP/s per device (vendor datasheets), matched as a substring of the CUDA
+# device name, first match wins: the specific variants come before their family.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
+               "L40S": 362.0, "A10G": 70.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key.lower() in device_name.lower()), None)
 
 
 def device_peak_tflops() -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    return peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 def peak_memory_gb() -> float:

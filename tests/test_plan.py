@@ -138,3 +138,12 @@ def test_header_check_catches_layouts_that_do_not_fit(tmp_path):
     assert "tokens per step" in problems(text.replace(single, fewer_tokens))
     assert "header needs" in problems(text.replace("# single-gpu", "# one-gpu"))
     assert "states 2500.0M parameters" in problems(text.replace("2701.6M parameters", "2500.0M parameters"))
+
+
+def test_gpu_peak_matches_the_specific_variant_first():
+    from pretrain.telemetry import PEAK_TFLOPS, peak_tflops
+
+    assert peak_tflops("NVIDIA H100 PCIe") == PEAK_TFLOPS["H100 PCIe"] < peak_tflops("NVIDIA H100 80GB HBM3")
+    assert peak_tflops("NVIDIA H100 NVL") == PEAK_TFLOPS["H100 NVL"]
+    assert peak_tflops("NVIDIA H200") == PEAK_TFLOPS["H200"] and peak_tflops("h200") == PEAK_TFLOPS["H200"]
+    assert peak_tflops("Tesla T4") is None  # unknown: MFU is left out rather than guessed
