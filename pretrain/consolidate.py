@@ -144,7 +144,8 @@ def _zero3_state(tag_dir: Path, mp_rank: int) -> dict[str, torch.Tensor]:
             return {k: v.contiguous() if hasattr(v, "contiguous") else v for k, v in state.items()}
 
 
-def _rank_state(tag_dir: Path, mp_rank: int, layout: dict) -> dict[str, torch.Tensor]:
+def rank_state(tag_dir: Path, mp_rank: int, layout: dict) -> dict[str, torch.Tensor]:
+    """One tensor-parallel rank's state dict as saved (ZeRO-3 partitions joined, experts under global ids)."""
     if layout["zero3"]:
         state = _zero3_state(tag_dir, mp_rank)
     else:
@@ -218,7 +219,7 @@ def as_float32(state: dict) -> dict:
 
 def tensor_parallel_shards(tag_dir: Path, layout: dict) -> list[dict[str, torch.Tensor]]:
     """One fp32 state dict per tensor-parallel rank (experts under their global ids)."""
-    return [as_float32(_rank_state(tag_dir, t, layout)) for t in range(layout["tensor"])]
+    return [as_float32(rank_state(tag_dir, t, layout)) for t in range(layout["tensor"])]
 
 
 def consolidate(checkpoint: str | os.PathLike, model: torch.nn.Module | None = None):

@@ -8,7 +8,7 @@ a checkpoint at another EP size directly (weights and LR schedule restored, opti
 restarted); this module converts between the DeepSpeed layout and one plain, EP-independent
 state dict with experts in global, expert-major order:
 
-    python -m models.moe.convert_experts runs/x/checkpoints/step_00000100 model_tp00.pt [--mp-rank 0]
+    python -m models.moe.convert_experts RUN_DIR[/checkpoints/step_00000100] model_tp00.pt [--mp-rank 0]
 
 `local_state_dict(full, ep_size, ep_rank)` renumbers such a state dict for one EP rank, and
 `load_full_state_dict(model, full)` loads it into a model built at any EP size.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -26,16 +27,16 @@ EXPERT_KEY = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+
 
 
 def consolidate(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """One TP rank's full model state dict from a DeepSpeed checkpoint tag directory."""
-    tag_dir = Path(tag_dir)
-    main = torch.load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu", weights_only=False)
-    state = {k: v for k, v in main["module"].items() if not EXPERT_KEY.match(k)}
-    files = sorted(tag_dir.glob(f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt"))
-    if not files:
-        raise FileNotFoundError(f"{tag_dir}: no expert files for mp rank {mp_rank}")
-    for path in files:
-        for key, value in torch.load(path, map_location="cpu", weights_only=False).items():
-            state[key] = value  # keys already carry the global expert id
+    """One TP rank's full model state dict from a checkpoint tag (or run) directory, checked
+    complete first; experts under their global ids, dtypes as saved."""
+    from pretrain.checkpoint import read_meta
+    from pretrain.consolidate import describe_layout, rank_state, resolve_checkpoint
+
+    tag_dir = resolve_checkpoint(tag_dir)
+    layout = describe_layout(tag_dir, read_meta(tag_dir))
+    if not layout["experts"]:
+        raise FileNotFoundError(f"{tag_dir}: no expert files; this checkpoint has no MoE/UoE layers")
+    state = rank_state(tag_dir, mp_rank, layout)
     return dict(sorted(state.items(), key=lambda kv: _order(kv[0])))
 
 
@@ -76,17 +77,24 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) 
     model.load_state_dict(local_state_dict(full, ep, rank), strict=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    from pretrain.consolidate import ConsolidateError
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint tag directory, e.g. runs/x/checkpoints/step_00000100")
     parser.add_argument("out", help="output .pt file (one per TP rank)")
     parser.add_argument("--mp-rank", type=int, default=0, help="tensor-parallel rank to convert")
     args = parser.parse_args(argv)
-    state = consolidate(args.checkpoint, args.mp_rank)
+    try:
+        state = consolidate(args.checkpoint, args.mp_rank)
+    except (ConsolidateError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     torch.save(state, args.out)
     n = sum(1 for k in state if EXPERT_KEY.match(k))
     print(f"wrote {args.out}: {len(state)} tensors, {n} of them expert weights (global expert-major order)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
