@@ -57,7 +57,7 @@ class RoutingStats:
         self.tokens = self.assignments = self.forwards = 0
 
     def _sums(self, device: torch.device) -> torch.Tensor:
-        if self.device_sums is None:
+        if self.device_sums is None:  # on the device of the first training forward
             self.device_sums = torch.zeros(2 * self.num_experts + len(self.ON_DEVICE), dtype=torch.float64,
                                            device=device)
         return self.device_sums
@@ -75,7 +75,9 @@ class RoutingStats:
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[counts N, score sums N, tokens, dropped, assignments, aux, forwards, vse_norm, routed_norm]."""
-        sums = self._sums(torch.device(device)).to(device)
+        size = 2 * self.num_experts + len(self.ON_DEVICE)
+        sums = (torch.zeros(size, dtype=torch.float64, device=device) if self.device_sums is None
+                else self.device_sums.to(device))
         n = 2 * self.num_experts
         dropped, aux, vse_norm, routed_norm = sums[n:].unbind()
         host = torch.tensor([self.tokens, self.assignments, self.forwards], dtype=torch.float64, device=device)
