@@ -67,6 +67,15 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces of steps [start_step, start_step + steps) into RUN_DIR/profile (pretrain.profiling)."""
+    start_step: int = 0  # 0 = off
+    steps: int = 3
+    ranks: str = "0"  # comma-separated global ranks, or "all"
+    memory: bool = False  # record allocations too (memory timeline in the trace)
+
+
+@dataclass
 class RunConfig:
     name: str = "demo"
     dir: str = "runs/demo"
@@ -79,6 +88,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,7 +157,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"config file {path} does not exist")
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train)")
+            raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile)")
         _apply(cfg, values)
     _apply(cfg, parse_overrides(overrides or []))
     _normalise(cfg)
@@ -263,6 +273,37 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = start at the full train.lr)")
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
+    _validate_profile(cfg.profile, t.steps, world_size)
+
+
+def parse_ranks(text: str) -> set[int] | None:
+    """"all" -> None (every rank); "0,8" -> {0, 8}."""
+    if text.strip() == "all":
+        return None
+    try:
+        ranks = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise ValueError(f"profile.ranks={text!r}: give comma-separated ranks (e.g. 0,8) or 'all'") from None
+    if not ranks or min(ranks) < 0:
+        raise ValueError(f"profile.ranks={text!r}: give comma-separated ranks >= 0 (e.g. 0,8) or 'all'")
+    return ranks
+
+
+def _validate_profile(prof: ProfileConfig, steps: int, world_size: int) -> None:
+    if not prof.start_step:
+        return
+    if prof.start_step < 0 or prof.steps < 1:
+        raise ConfigError(f"profile.start_step={prof.start_step} and profile.steps={prof.steps} must be >= 1 "
+                          "(profile.start_step=0 turns profiling off)")
+    if prof.start_step > steps:
+        raise ConfigError(f"profile.start_step={prof.start_step} is after the last step (train.steps={steps})")
+    try:
+        ranks = parse_ranks(prof.ranks)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if ranks is not None and max(ranks) >= world_size:
+        raise ConfigError(f"profile.ranks={prof.ranks!r} names rank {max(ranks)}, but the world has "
+                          f"{world_size} ranks (0-{world_size - 1})")
 
 
 def validate_data(cfg: Config) -> dict:

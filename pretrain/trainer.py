@@ -33,12 +33,21 @@ class StepResult:
 class Callback:
     """Hooks into the loop; override what you need."""
 
+    def on_train_begin(self, trainer: Trainer, step: int) -> None:
+        """Before the first step of this process; `step` is the last completed step (0, or the resumed one)."""
+
+    def on_step_begin(self, trainer: Trainer, step: int) -> None:
+        """Before train step `step` runs."""
+
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
 
-    def on_train_end(self, trainer: Trainer, step: int) -> None: ...
+    def on_train_end(self, trainer: Trainer, step: int) -> None:
+        """After the last step of this process: at train.steps, train.stop_at_step or a signal stop."""
 
 
 def dp_mean(value: torch.Tensor) -> float:
+    """Mean over the data-parallel group (tensor-parallel peers hold the same value); non-finite on
+    every rank when it is on any."""
     value = value.detach().float().clone()
     group = ps.get_data_parallel_group()
     dist.all_reduce(value, group=group)
@@ -102,6 +111,14 @@ class Trainer:
 
     def fit(self, start_step: int) -> int:
         """Train from `start_step` to `train.steps`; returns the last completed step."""
+        for callback in self.callbacks:
+            callback.on_train_begin(self, start_step)
+        step = self._train(start_step)
+        for callback in self.callbacks:
+            callback.on_train_end(self, step)
+        return step
+
+    def _train(self, start_step: int) -> int:
         t = self.cfg.train
         seq_len = self.cfg.model.max_seq_len
         dp = ps.get_data_parallel_world_size()
@@ -109,18 +126,18 @@ class Trainer:
                                 dist.get_world_size())
         step = start_step
         while step < t.steps:
+            for callback in self.callbacks:
+                callback.on_step_begin(self, step + 1)
             loss = self.train_step()
             step += 1
             throughput.step()
-            finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0], device=self.device)
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            if not finite.item():
+            result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step
+            if not math.isfinite(result.loss):
                 raise NonFiniteLossError(
-                    f"loss became {loss.item()} at step {step}; nothing was saved for this step. "
+                    f"loss became {result.loss} at step {step}; nothing was saved for this step. "
                     f"Resume from the last checkpoint in {checkpoint.checkpoint_dir(self.cfg.run.dir)} "
                     "with a lower train.lr or stronger train.grad_clip"
                 )
-            result = StepResult(step, dp_mean(loss))
             self.losses.append((step, result.loss))
             if step % t.log_interval == 0 or step == t.steps:
                 result.metrics = {"loss": result.loss, "lr": self.engine.get_lr()[0],
@@ -150,6 +167,4 @@ class Trainer:
             if step == t.stop_at_step:
                 self.logger.print(f"stopping at train.stop_at_step={step}")
                 return step
-        for callback in self.callbacks:
-            callback.on_train_end(self, step)
         return step

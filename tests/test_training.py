@@ -1,6 +1,7 @@
 """Whole training runs under torchrun on gloo: data/ZeRO/tensor layouts give the single-process
 losses, a resumed run continues the uninterrupted loss curve, bad resumes fail clearly."""
 
+import gzip
 import json
 import shutil
 
@@ -92,3 +93,29 @@ def test_checkpoint_from_another_model_is_rejected(data, tmp_path):
     out = train(1, tiny_overrides(data, run, **{"train.steps": 8, "model.hidden_size": 32}), check=False)
     assert out.returncode != 0
     assert "belongs to another model" in out.stderr and "hidden_size" in out.stderr
+
+
+def profiled_steps(trace) -> list[str]:
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    names = {event.get("name", "") for event in events}
+    assert any(name.startswith("aten::") and "mm" in name for name in names), trace  # the model's matmuls
+    return sorted(name for name in names if name.startswith("ProfilerStep#"))
+
+
+def test_profiler_traces_the_chosen_steps_across_a_resume(data, tmp_path):
+    """profile.start_step=3 steps=3 is steps 3-5: the first run stops after step 4, so it writes
+    steps 3-4 (after warming up in step 2); the resumed run profiles the rest, step 5, on both ranks."""
+    run = tmp_path / "run"
+    common = {"train.steps": 6, "profile.start_step": 3, "profile.steps": 3, "profile.ranks": "all"}
+    first = train(2, tiny_overrides(data, run, **common, **{"train.stop_at_step": 4}))
+    second = train(2, tiny_overrides(data, run, **common))
+    for out, steps in ((first, "3-4"), (second, "5-5")):
+        assert all(f"rank {r}: profile of steps {steps} written" in out.stdout for r in (0, 1)), out.stdout
+    files = sorted(p.name for p in (run / "profile").iterdir())
+    assert files == [f"rank{r}_steps{s}.{ext}" for r in (0, 1) for s in ("3-4", "5-5") for ext in ("json.gz", "txt")]
+    for rank in (0, 1):
+        assert len(profiled_steps(run / "profile" / f"rank{rank}_steps3-4.json.gz")) == 2
+        assert len(profiled_steps(run / "profile" / f"rank{rank}_steps5-5.json.gz")) == 1
+        assert "Self CPU" in (run / "profile" / f"rank{rank}_steps3-4.txt").read_text()
+    assert sorted(losses(run)) == list(range(1, 7))
