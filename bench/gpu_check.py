@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from launch.layouts import read_layouts
+
 FAMILIES = {  # name: (config, overrides)
     "dense-1b": ("configs/dense_1b.yaml", []),
     "uoe-1b": ("configs/1b_uoe.yaml", []),
@@ -36,7 +38,6 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
         "model.moe.expert_hidden_size=64", "model.moe.shared_hidden_size=64", "model.moe.num_experts=4",
         "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
-SINGLE_GPU_LINE = "# single-gpu (80-141 GB): "
 RESULT = "RESULT "
 
 
@@ -46,10 +47,8 @@ def tiny(cfg_path: str) -> list[str]:
 
 def single_gpu_layout(cfg_path: str) -> list[str]:
     """The overrides of the config's recommended single-GPU layout, one micro-batch per step."""
-    for line in Path(cfg_path).read_text().splitlines():
-        if line.startswith(SINGLE_GPU_LINE):
-            return [kv for kv in line[len(SINGLE_GPU_LINE):].split() if not kv.startswith("train.grad_accum=")]
-    return []
+    overrides = read_layouts(cfg_path).single_gpu or []
+    return [kv for kv in overrides if not kv.startswith("train.grad_accum=")]
 
 
 def environment(device: str) -> dict:

@@ -1,6 +1,7 @@
 """Run the training entry point on this machine under torchrun.
 
     python -m launch.local configs/tiny_dense.yaml --nproc 2 train.steps=100
+    python -m launch.local configs/1b_uoe.yaml --single-gpu     # the header's single-GPU layout
 
 The config is validated for the requested world size before any process starts.
 """
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 
+from launch.layouts import single_gpu_overrides
 from pretrain.config import ConfigError, load_config, validate, validate_data
 
 
@@ -32,17 +35,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     parser.add_argument("--nproc", type=int, default=1, help="processes on this machine (one per GPU)")
     parser.add_argument("--port", type=int, default=29500, help="rendezvous port")
+    parser.add_argument("--single-gpu", action="store_true",
+                        help="apply the config header's single-GPU layout (one process) before the overrides")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the command, run nothing")
     args = parser.parse_intermixed_args(argv)
+    overrides = args.overrides
     try:
-        cfg = load_config(args.config, args.overrides)
+        if args.single_gpu:
+            if not args.config:
+                raise ConfigError("--single-gpu reads the layout from a config's header: name the config")
+            if args.nproc != 1:
+                raise ConfigError(f"--single-gpu runs one process, not --nproc {args.nproc}")
+            overrides = single_gpu_overrides(args.config) + overrides
+        cfg = load_config(args.config, overrides)
         validate(cfg, args.nproc)
         validate_data(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    command = torchrun_command(args.nproc, args.config, overrides, args.port)
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    return subprocess.call(torchrun_command(args.nproc, args.config, args.overrides, args.port), env=env)
+    return subprocess.call(command, env=env)
 
 
 if __name__ == "__main__":

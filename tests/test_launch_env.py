@@ -29,3 +29,27 @@ def test_torchrun_variables_win_over_slurm():
     layout, _ = probe({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                        "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})
     assert layout == {"rank": 1, "world_size": 2, "local_rank": 1, "local_world_size": 2}
+
+
+def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_path, capsys):
+    from launch.layouts import read_layouts
+    from launch.local import main as local_main
+    from tests.synthetic import write_synthetic_shards
+
+    data = write_synthetic_shards(tmp_path / "data")
+    fit_data = [f"data.shards={data / 'shards'}", f"data.tokenizer={data / 'tokenizer'}",
+                "model.vocab_size=256", "model.max_seq_len=32"]
+    config = "configs/1b_uoe.yaml"
+    single = read_layouts(REPO / config).single_gpu
+    assert "parallel.expert=1" in single and any(kv.startswith("train.micro_batch=") for kv in single)
+    assert local_main([config, "--single-gpu", "--dry-run", "train.micro_batch=2", *fit_data]) == 0
+    command = capsys.readouterr().out.split()
+    tail = command[command.index(config) + 1:]
+    assert tail == [*single, "train.micro_batch=2", *fit_data]  # the caller's overrides win
+    # Without the layout the file's 8-GPU expert layout does not fit one process.
+    assert local_main([config, "--dry-run", *fit_data]) == 2
+    assert "not divisible by parallel.expert=8" in capsys.readouterr().err
+    assert local_main(["configs/tiny_dense.yaml", "--single-gpu", "--dry-run", *fit_data]) == 2
+    assert "has no '# single-gpu (80-141 GB):' line" in capsys.readouterr().err
+    assert local_main([config, "--single-gpu", "--nproc", "2", "--dry-run", *fit_data]) == 2
+    assert "runs one process" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from models.counting import flops_per_token, param_counts
-from models.moe.matching import PRESETS, matched_models, parity, preset_models, preset_yaml
+from models.moe.matching import PRESETS, matched_models, parity, preset_models, preset_yaml, write_configs
 from pretrain.config import ConfigError, load_config, validate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -47,6 +47,14 @@ def test_config_files_match_presets(name):
         validate(cfg, world)
         assert param_counts(cfg.model) == param_counts(wanted)
         assert flops_per_token(cfg.model) == flops_per_token(wanted)
+
+
+def test_config_files_are_what_matching_writes(tmp_path):
+    written = write_configs(tmp_path)
+    assert len(written) == 3 * len(PRESETS) - 1
+    for path in written:
+        assert (CONFIGS / path.name).read_text() == path.read_text(), \
+            f"configs/{path.name} is stale: python -m models.moe.matching --write configs"
 
 
 def test_fine_grained_3b():

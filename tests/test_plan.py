@@ -12,6 +12,7 @@ import torch
 
 from bench.memory_plan import measurement_env
 from launch.plan import main as plan_main
+from launch.layouts import NODES_PREFIX, SINGLE_GPU_PREFIX, read_layouts
 from launch.plan import plan
 from models.counting import param_counts
 from pretrain.config import load_config, validate
@@ -23,8 +24,6 @@ CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.ya
 #   # 8x80GB nodes: N parallel.tensor=... train.micro_batch=...   (the values the file sets)
 #   # single-gpu (80-141 GB): parallel.tensor=1 parallel.expert=1 ...   (overrides for one GPU)
 SIZE_CONFIGS = [p for p in CONFIGS if not Path(p).name.startswith(("tiny_", "demo"))]
-NODES_LINE = re.compile(r"# 8x80GB nodes: (\d+) (.+)")
-SINGLE_LINE = re.compile(r"# single-gpu \(80-141 GB\): (.+)")
 PARAMS_LINE = re.compile(r"([\d.]+)M parameters(?:, ([\d.]+)M active)?")
 
 
@@ -76,10 +75,9 @@ def layout_problems(path: Path) -> list[str]:
         if not line.startswith("#"):
             break
         header.append(line)
-    nodes = next((m for m in map(NODES_LINE.fullmatch, header) if m), None)
-    single = next((m for m in map(SINGLE_LINE.fullmatch, header) if m), None)
+    layouts = read_layouts(path)
     params = next((m for m in map(PARAMS_LINE.search, header) if m), None)
-    if not (nodes and single and params):
+    if not (layouts.multi_node and layouts.single_gpu and params):
         return [f"{path.name}: the header needs '<total>M parameters[, <active>M active]', "
                 "'# 8x80GB nodes: N <overrides>' and '# single-gpu (80-141 GB): <overrides>' lines"]
     problems = []
@@ -91,12 +89,12 @@ def layout_problems(path: Path) -> list[str]:
     if written.model.mlp != "dense" and not abs(active - counts["active"] / 1e6) <= 0.05:
         problems.append(f"{path.name}: states {params[2]}M active parameters, "
                         f"counts {counts['active'] / 1e6:.1f}M")
-    if load_config(path, nodes[2].split()).to_dict() != written.to_dict():
-        problems.append(f"{path.name}: the 8x80GB line ({nodes[2]}) is not what the file sets")
-    multi = plan(written, int(nodes[1]), 8, 80)
+    if load_config(path, layouts.multi_node).to_dict() != written.to_dict():
+        problems.append(f"{path.name}: the 8x80GB line ({' '.join(layouts.multi_node)}) is not what the file sets")
+    multi = plan(written, layouts.nodes, 8, 80)
     if not multi["fits"]:
-        problems.append(f"{path.name}: does not fit on {nodes[1]} x 8 x 80 GB: {multi['reason']}")
-    one = load_config(path, single[1].split())
+        problems.append(f"{path.name}: does not fit on {layouts.nodes} x 8 x 80 GB: {multi['reason']}")
+    one = load_config(path, layouts.single_gpu)
     if (one.parallel.tensor, one.parallel.expert) != (1, 1):
         return problems + [f"{path.name}: the single-GPU line must set parallel.tensor=1 parallel.expert=1"]
     alone = plan(one, 1, 1, 80, "h100")
@@ -104,7 +102,7 @@ def layout_problems(path: Path) -> list[str]:
         problems.append(f"{path.name}: the single-GPU layout does not fit in 80 GB: {alone['reason']}")
     if alone["tokens_per_step"] != multi["tokens_per_step"]:
         problems.append(f"{path.name}: one GPU takes {alone['tokens_per_step']} tokens per step, "
-                        f"{nodes[1]} x 8 GPUs {multi['tokens_per_step']}: set train.grad_accum to match")
+                        f"{layouts.nodes} x 8 GPUs {multi['tokens_per_step']}: set train.grad_accum to match")
     return problems
 
 
@@ -117,8 +115,8 @@ def test_header_check_catches_layouts_that_do_not_fit(tmp_path):
     assert len(SIZE_CONFIGS) >= 20
     text = (REPO / "configs/dense_3b.yaml").read_text()
     lines = text.splitlines(keepends=True)
-    nodes = next(line for line in lines if NODES_LINE.fullmatch(line.rstrip()))
-    single = next(line for line in lines if SINGLE_LINE.fullmatch(line.rstrip()))
+    nodes = next(line for line in lines if line.startswith(NODES_PREFIX))
+    single = next(line for line in lines if line.startswith(SINGLE_GPU_PREFIX))
 
     def problems(new_text: str) -> str:
         assert new_text != text

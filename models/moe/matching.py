@@ -122,6 +122,8 @@ LAYOUT_KEYS = ("parallel.tensor", "parallel.expert", "parallel.zero_stage",
 
 def layout_lines(name: str, kind: str) -> str:
     """Header lines of a size preset: the 8x80 GB-node layout the file sets, then the single-GPU overrides."""
+    from launch.layouts import NODES_PREFIX, SINGLE_GPU_PREFIX
+
     p = PRESETS[name]
     if "single_gpu" not in p:
         return ""
@@ -138,7 +140,7 @@ def layout_lines(name: str, kind: str) -> str:
     def text(values: dict) -> str:
         return " ".join(f"{k}={str(values[k]).lower()}" for k in LAYOUT_KEYS)
 
-    return f"# 8x80GB nodes: 1 {text(multi)}\n# single-gpu (80-141 GB): {text(single)}\n"
+    return f"{NODES_PREFIX}1 {text(multi)}\n{SINGLE_GPU_PREFIX}{text(single)}\n"
 
 
 def write_configs(out_dir: Path) -> list[Path]:
