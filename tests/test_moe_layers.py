@@ -6,6 +6,7 @@ edge cases (an expert with no tokens, every token to one expert, one token on a 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -455,11 +456,14 @@ def test_routing_telemetry_sums_what_the_forwards_routed():
         layer.vse_out.register_forward_hook(lambda m, i, o: seen["vse"].append(o[0].detach().norm()))
         layer.experts.register_forward_hook(lambda m, i, o: seen["routed"].append(o.detach().norm()))
         dropped = 0
-        for seed, tokens in ((0, 12), (1, 20)):
+        for seed, tokens, norms in ((0, 12, True), (1, 20, True), (2, 16, False)):
+            layer.stats.measure_norms = norms  # off: this forward's output norms are not summed
             x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(seed))
             layer(x)
             seen["aux"].append(float(layer.aux_loss.detach()))
             dropped += int(layer.last_dropped)
+            if not norms:
+                del seen["vse"][-1], seen["routed"][-1]
         metrics = RoutingTelemetry.collect([layer])
         counts = torch.bincount(torch.cat(seen["selected"]).reshape(-1), minlength=N).double()
         scores = torch.cat(seen["scores"]).double()
@@ -468,8 +472,17 @@ def test_routing_telemetry_sums_what_the_forwards_routed():
             assert metrics[f"layer0/score_e{e}"] == pytest.approx(float(scores[:, e].mean()), rel=1e-6)
         assert metrics["layer0/max_load"] == pytest.approx(float(counts.max() / counts.mean()), rel=1e-9)
         assert dropped > 0 and metrics["layer0/dropped_tokens"] == dropped
-        assert metrics["layer0/dropped_frac"] == pytest.approx(dropped / (32 * K))
-        assert metrics["layer0/aux_loss"] == pytest.approx(sum(seen["aux"]) / 2, rel=1e-6)
+        assert metrics["layer0/dropped_frac"] == pytest.approx(dropped / (48 * K))
+        assert metrics["layer0/aux_loss"] == pytest.approx(sum(seen["aux"]) / 3, rel=1e-6)
+        assert len(seen["vse"]) == len(seen["routed"]) == 2
         assert metrics["layer0/vse_over_routed"] == pytest.approx(float(sum(seen["vse"]) / sum(seen["routed"])),
                                                                   rel=1e-6)
         assert RoutingTelemetry.collect([layer]) == {}  # read once: the sums start again
+        # In training, norms are measured on the steps whose metrics are logged.
+        trainer = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_interval=5, steps=12)),
+                                  sparse_layers=[layer])
+        measured = []
+        for step in range(1, 13):
+            RoutingTelemetry().on_step_begin(trainer, step)
+            measured.append(layer.stats.measure_norms)
+        assert [s for s, m in zip(range(1, 13), measured) if m] == [5, 10, 12]

@@ -50,6 +50,9 @@ class RoutingStats:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+        # Output norms cost two reductions over [tokens, hidden] per forward; the trainer measures
+        # them on log steps only (models.moe.telemetry.RoutingTelemetry).
+        self.measure_norms = True
         self.reset()
 
     def reset(self) -> None:

@@ -54,6 +54,12 @@ class RoutingTelemetry(Callback):
     def __init__(self):
         self.last: dict[str, float] = {}
 
+    def on_step_begin(self, trainer, step) -> None:
+        t = trainer.cfg.train
+        log_step = step % t.log_interval == 0 or step == t.steps  # the steps whose metrics are read
+        for layer in trainer.sparse_layers:
+            layer.stats.measure_norms = log_step
+
     def on_step_end(self, trainer, result) -> None:
         layers = trainer.sparse_layers
         if not result.metrics or not layers:

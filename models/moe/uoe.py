@@ -93,8 +93,8 @@ class UnionOfExperts(RoutedLayer):
         y_r = self.experts(routed_in, expert_ids, weights)
         if tp_size() > 1:
             y_r = reduce_from_tensor_model_parallel_region(y_r)
-        if self.training and not recomputing():
+        if self.training and self.stats.measure_norms and not recomputing():
             with torch.no_grad():
-                self.stats.add("vse_norm", y_vse.float().norm())
-                self.stats.add("routed_norm", y_r.float().norm())
+                self.stats.add("vse_norm", torch.linalg.vector_norm(y_vse, dtype=torch.float32))
+                self.stats.add("routed_norm", torch.linalg.vector_norm(y_r, dtype=torch.float32))
         return (y_vse + y_r).view(shape)
