@@ -52,6 +52,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    fused_optimizer: str = "auto"  # torch's fused AdamW kernel: auto (on GPU) | true | false
     activation_checkpointing: str = "none"  # none | full | selective (true/false = full/none)
     compile: bool = False  # torch.compile each block (attention only in UoE/MoE blocks); CPU compiles slowly
     eval_interval: int = 50
@@ -172,6 +173,10 @@ def _normalise(cfg: Config) -> None:
         cfg.train.activation_checkpointing = checkpoint_mode(cfg.train.activation_checkpointing)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    fused = str(cfg.train.fused_optimizer).lower()  # YAML reads true/false as booleans
+    if fused not in ("auto", "true", "false"):
+        raise ConfigError(f"train.fused_optimizer={cfg.train.fused_optimizer!r}: choose auto, true or false")
+    cfg.train.fused_optimizer = fused
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:

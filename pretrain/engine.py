@@ -15,8 +15,18 @@ def use_bf16(cfg: Config) -> bool:
     return cfg.train.precision == "bf16"
 
 
+def use_fused_optimizer(cfg: Config) -> bool:
+    if cfg.train.fused_optimizer == "auto":
+        return torch.cuda.is_available()
+    return cfg.train.fused_optimizer == "true"
+
+
 def deepspeed_config(cfg: Config) -> dict:
     t = cfg.train
+    adamw = {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": 1e-8, "weight_decay": t.weight_decay,
+             "torch_adam": True}
+    if use_fused_optimizer(cfg):
+        adamw["fused"] = True  # DeepSpeed hands it to torch.optim.AdamW: one kernel for all parameters
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
@@ -30,16 +40,7 @@ def deepspeed_config(cfg: Config) -> dict:
             "overlap_comm": torch.cuda.is_available(),
             "reduce_scatter": True,
         },
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": t.lr,
-                "betas": [t.beta1, t.beta2],
-                "eps": 1e-8,
-                "weight_decay": t.weight_decay,
-                "torch_adam": True,
-            },
-        },
+        "optimizer": {"type": "AdamW", "params": adamw},
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {
@@ -78,3 +79,9 @@ def build_engine(cfg: Config, model: nn.Module):
         mpu=MegatronCoreMPU(),
     )
     return engine
+
+
+def describe_optimizer(engine) -> str:
+    """The torch optimizer under DeepSpeed's ZeRO/bf16 wrappers, e.g. "AdamW (fused)"."""
+    optimizer = engine.basic_optimizer
+    return type(optimizer).__name__ + (" (fused)" if optimizer.defaults.get("fused") else "")

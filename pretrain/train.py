@@ -52,7 +52,7 @@ def run(cfg: Config) -> int:
     from models.gpt import GPT
     from pretrain.callbacks import build_callbacks
     from pretrain.data import Batches, build_loader, load_val_batches
-    from pretrain.engine import build_engine
+    from pretrain.engine import build_engine, describe_optimizer
     from pretrain.telemetry import Logger
     from pretrain.trainer import Trainer
 
@@ -82,7 +82,7 @@ def run(cfg: Config) -> int:
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
-                 f"ZeRO-{cfg.parallel.zero_stage}")
+                 f"ZeRO-{cfg.parallel.zero_stage}, {describe_optimizer(engine)}")
     start_step = 0
     if init_path is not None:
         logger.print(f"started from the weights of {init_path}")

@@ -41,6 +41,7 @@ def test_bad_overrides(override, message):
     (["train.activation_checkpointing=some"], 1, "choose one of"),
     (["model.mlp=moe", "model.moe.grouped_gemm=true", "model.moe.expert_hidden_size=36"], 1,
      "expert width per tensor-parallel rank=36 must be a multiple of 8"),
+    (["train.fused_optimizer=maybe"], 1, "fused_optimizer='maybe': choose auto, true or false"),
     (["profile.start_step=300", "train.steps=200"], 1, "after the last step"),
     (["profile.start_step=5", "profile.steps=0"], 1, "must be >= 1"),
     (["profile.start_step=5", "profile.ranks=0,8"], 8, "names rank 8, but the world has 8 ranks"),

@@ -45,6 +45,16 @@ def test_data_parallel_zero_matches_single_process(data, reference, tmp_path, st
     assert got[STEPS] < got[1]  # it learns
 
 
+def test_fused_optimizer_matches_the_default(data, reference, tmp_path):
+    run = tmp_path / "run"
+    out = train(1, tiny_overrides(data, run, **{"train.steps": STEPS, "train.micro_batch": 8,
+                                                "train.fused_optimizer": "true"}))
+    assert "ZeRO-1, AdamW (fused)" in out.stdout
+    got = losses(run)
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
 def test_tensor_parallel_training_matches_single_process(data, tmp_path):
     ref_run, tp_run = tmp_path / "tp1", tmp_path / "tp2"
     overrides = {"train.steps": STEPS, "train.grad_clip": 0.05}  # clipping active: the TP grad norm must be global
