@@ -117,8 +117,10 @@ def grouped_gemm_check(device: str) -> dict:
             "match": abs(loss_grouped - loss_loop) <= 1e-2 * abs(loss_loop) and grad_diff <= 2e-2}
 
 
-def throughput(name: str, steps: int, device: str, micro_batch: int | None) -> dict:
-    """Train steps of one family through the DeepSpeed engine (ZeRO-1, one process)."""
+def throughput(name: str, steps: int, device: str, micro_batch: int | None, profile_dir: Path | None = None) -> dict:
+    """Train steps of one family through the DeepSpeed engine (ZeRO-1, one process). With
+    `profile_dir`, one more step runs under torch.profiler: its top operators go into the row and
+    the full operator table into profile_dir/<report stem>-profile-<row>.txt."""
     from launch.plan import plan
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
@@ -173,13 +175,24 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None) -> d
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 1e6
     planned = plan(cfg, 1, 1, memory_gb, bf16=cuda)
     measured = peak_memory_gb()
+    profiled = {}
+    if profile_dir is not None:
+        from pretrain.profiling import operator_table, top_operators
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                    + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
+            step()
+            sync()
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        (profile_dir / f"{report_stem(device)}-profile-{name.replace(' ', '-')}.txt").write_text(operator_table(prof))
+        profiled["top_ops"] = top_operators(prof)
     return {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,
             "micro_batch": micro, "checkpointing": cfg.train.activation_checkpointing, "warmup_s": warmup_s,
             "step_s": elapsed, "tokens_per_s": tokens / elapsed, "tflops": tflops,
             "mfu": tflops / peak if peak else None, "peak_memory_gb": measured,
             "planned_memory_gb": planned["memory_total_gb"],
             "plan_over_measured": planned["memory_total_gb"] / measured,
-            "final_loss": loss.item()}
+            "final_loss": loss.item(), **profiled}
 
 
 def run_isolated(name: str, args: argparse.Namespace) -> dict:
@@ -190,6 +203,7 @@ def run_isolated(name: str, args: argparse.Namespace) -> dict:
            "--device", args.device]
     if args.micro_batch:
         cmd += ["--micro-batch", str(args.micro_batch)]
+    cmd += ["--out-dir", args.out_dir, "--profile" if args.profile else "--no-profile"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout,
                              env=environment_for_child())
@@ -200,6 +214,10 @@ def run_isolated(name: str, args: argparse.Namespace) -> dict:
             return json.loads(line[len(RESULT):])
     tail = [line for line in (out.stderr + out.stdout).splitlines() if line.strip()][-40:]
     return {"error": f"exit {out.returncode}: {tail[-1] if tail else 'no output'}", "log_tail": tail}
+
+
+def report_stem(device: str) -> str:
+    return f"gpu_check-{datetime.date.today().isoformat()}" + ("-cpu-smoke" if device == "cpu" else "")
 
 
 def count(n: int) -> str:
@@ -233,6 +251,11 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {count(r['params_total'])} ({count(r['params_active'])}) | "
                      f"{r['micro_batch']} x {r['seq']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | "
                      f"{r['peak_memory_gb']:.1f} | {r['planned_memory_gb']:.1f} ({r['plan_over_measured']:.2f}) |")
+    profiled = {name: r["top_ops"] for name, r in report["throughput"].items() if r.get("top_ops")}
+    if profiled:
+        lines += ["", "Where a step's time goes (one profiled step; self time per operator, share of all):", ""]
+        lines += [f"- {name}: " + ", ".join(f"{op['op']} {100 * op['share']:.0f}%" for op in ops[:6])
+                  for name, ops in profiled.items()]
     return "\n".join(lines)
 
 
@@ -245,6 +268,8 @@ def main() -> int:
                         help="cpu: tiny fp32 models, a smoke test of this script")
     parser.add_argument("--row-timeout", type=int, default=300, help="seconds per throughput row")
     parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile one more step after each row's timed steps (top operators in the report)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -255,7 +280,9 @@ def main() -> int:
     if args.one:
         from pretrain.distributed import destroy_distributed
 
-        print(RESULT + json.dumps(throughput(args.one, args.steps, args.device, args.micro_batch)), flush=True)
+        profile_dir = Path(args.out_dir) if args.profile else None
+        print(RESULT + json.dumps(throughput(args.one, args.steps, args.device, args.micro_batch, profile_dir)),
+              flush=True)
         destroy_distributed()
         return 0
     names = args.families.split(",")
@@ -296,7 +323,7 @@ def main() -> int:
     print(table)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu_check-{report['date']}" + ("-cpu-smoke" if args.device == "cpu" else "")
+    stem = report_stem(args.device)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (out / f"{stem}.md").write_text(table + "\n")
     failed = [f"{n} (correctness)" for n, c in report["correctness"].items() if not c.get("match")]

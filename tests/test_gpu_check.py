@@ -27,6 +27,11 @@ def test_cpu_smoke_run_writes_report(tmp_path):
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and row["peak_memory_gb"] > 0 and row["planned_memory_gb"] > 0
         assert row["params_active"] <= row["params_total"]
+        shares = [op["share"] for op in row["top_ops"]]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9, row["top_ops"]
+        assert any("mm" in op["op"] for op in row["top_ops"]), row["top_ops"]  # the model's matmuls
+        profile = report_file.name.replace(".json", f"-profile-{name.replace(' ', '-')}.txt")
+        assert "Self CPU" in (tmp_path / profile).read_text()
     assert report["throughput"]["uoe-1b grouped-gemm"]["params_active"] < \
         report["throughput"]["uoe-1b grouped-gemm"]["params_total"]
     assert report["grouped_gemm"]["match"], report["grouped_gemm"]
@@ -34,6 +39,7 @@ def test_cpu_smoke_run_writes_report(tmp_path):
         assert c["match"] and len(c["cpu"]) == 3, (name, c)
     table = (tmp_path / report_file.name.replace(".json", ".md")).read_text()
     assert all(f"| {name} |" in table for name in names)
+    assert all(f"- {name}: " in table for name in names)  # the profiled step's top operators
 
 
 def test_unknown_family_is_rejected_before_any_work(tmp_path):
