@@ -42,15 +42,21 @@ class Throughput:
     def reset(self) -> None:
         self._t0 = time.perf_counter()
         self._steps = 0
+        self._data_wait_s = 0.0
 
     def step(self) -> None:
         self._steps += 1
+
+    def data_wait(self, seconds: float) -> None:
+        """Time the loop spent waiting for the next batch."""
+        self._data_wait_s += seconds
 
     def measure(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         tokens_per_s = self._steps * self.tokens_per_step / elapsed
         tflops = tokens_per_s * self.flops_per_token / self.world_size / 1e12
-        out = {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "step_time_s": elapsed / max(self._steps, 1)}
+        out = {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "step_time_s": elapsed / max(self._steps, 1),
+               "data_wait_frac": self._data_wait_s / elapsed}
         if self.peak:
             out["mfu"] = tflops / self.peak
         self.reset()
@@ -96,5 +102,7 @@ def progress_line(step: int, total: int, values: dict[str, float]) -> str:
              f"{values['tflops_per_device']:.3f} TFLOP/s/dev"]
     if "mfu" in values:
         parts.append(f"MFU {100 * values['mfu']:.1f}%")
+    if "data_wait_frac" in values:
+        parts.append(f"data {100 * values['data_wait_frac']:.0f}%")
     parts.append(f"mem {values['peak_memory_gb']:.2f} GB")
     return " | ".join(parts)

@@ -6,6 +6,7 @@ Cross-cutting concerns are callbacks; the loop itself stays small.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -73,11 +74,15 @@ class Trainer:
     def model(self):
         return self.engine.module
 
-    def train_step(self) -> torch.Tensor:
+    def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
         total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.train.grad_accum):
-            inputs, labels = split_batch(next(self.batches), self.device)
+            waited = time.perf_counter()
+            batch = next(self.batches)
+            if throughput is not None:
+                throughput.data_wait(time.perf_counter() - waited)
+            inputs, labels = split_batch(batch, self.device)
             loss = self.engine(inputs, labels)
             self.engine.backward(loss)
             self.engine.step()
@@ -105,9 +110,14 @@ class Trainer:
         return dp_mean(total / len(self.val_batches))
 
     def save(self, step: int) -> None:
-        checkpoint.save(self.engine, checkpoint.checkpoint_dir(self.cfg.run.dir), step, self.meta,
-                        {"data": self.batches.state_dict()}, self.cfg.train.keep_last)
-        self.logger.print(f"saved checkpoint step {step} in {checkpoint.checkpoint_dir(self.cfg.run.dir)}")
+        started = time.perf_counter()
+        path = checkpoint.save(self.engine, checkpoint.checkpoint_dir(self.cfg.run.dir), step, self.meta,
+                               {"data": self.batches.state_dict()}, self.cfg.train.keep_last)
+        seconds = time.perf_counter() - started
+        if dist.get_rank() == 0:  # the files of all ranks, on the shared run directory
+            size_gb = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
+            self.logger.scalars(step, {"save_s": seconds, "size_gb": size_gb}, prefix="checkpoint/")
+            self.logger.print(f"saved checkpoint step {step} ({size_gb:.2f} GB) in {seconds:.1f} s to {path}")
 
     def fit(self, start_step: int) -> int:
         """Train from `start_step` to `train.steps`; returns the last completed step."""
@@ -128,7 +138,7 @@ class Trainer:
         while step < t.steps:
             for callback in self.callbacks:
                 callback.on_step_begin(self, step + 1)
-            loss = self.train_step()
+            loss = self.train_step(throughput)
             step += 1
             throughput.step()
             result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step

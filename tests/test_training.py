@@ -76,6 +76,12 @@ def test_resume_reproduces_uninterrupted_losses(data, tmp_path):
     want, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 9))
     assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise on CPU
+    records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    assert train_steps == list(range(1, 9))  # log_interval 1
+    assert all(0 <= r["train/data_wait_frac"] < 1 for r in records if "train/loss" in r)
+    saves = {r["step"]: r for r in records if "checkpoint/save_s" in r}
+    assert sorted(saves) == [4, 8] and all(r["checkpoint/size_gb"] > 0 for r in saves.values())
 
 
 def test_resume_auto_ignores_partial_checkpoint(data, tmp_path):
