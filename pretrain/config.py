@@ -24,11 +24,53 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     shards: str = "data/shards"  # directory with train/, val/ and manifest.json (or a remote URL)
+    # A training mixture instead of `shards`: [{shards: DIR_OR_URL, weight: W, name: N}, ...]. Each
+    # source's train split makes up weight / sum(weights) of the samples (smaller sources repeat);
+    # validation reports every source's val split on its own. `name` defaults to the directory name.
+    mix: list = field(default_factory=list)
     cache: str = ""  # local cache when `shards` is remote
     tokenizer: str = "data/tokenizer"
     num_workers: int = 0
     shuffle_seed: int = 1234
     num_canonical_nodes: int = 1  # keep fixed for a run: it defines the sample order
+
+
+@dataclass(frozen=True)
+class DataSource:
+    name: str  # "" for the single source of data.shards
+    shards: str
+    weight: float = 1.0
+
+
+MIX_KEYS = {"shards", "weight", "name"}
+
+
+def data_sources(data: DataConfig) -> list[DataSource]:
+    """The shard sets training reads: data.mix when given, else data.shards."""
+    if not data.mix:
+        return [DataSource("", data.shards)]
+    sources = []
+    for i, entry in enumerate(data.mix):
+        where = f"data.mix[{i}]"
+        if not isinstance(entry, dict) or "shards" not in entry or set(entry) - MIX_KEYS:
+            raise ConfigError(f"{where}={entry!r}: give a mapping with shards (and optionally weight, name), "
+                              "e.g. {shards: data/web, weight: 0.7}")
+        try:
+            weight = float(entry.get("weight", 1.0))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}.weight={entry['weight']!r}: expected a number") from None
+        if not weight > 0:
+            raise ConfigError(f"{where}.weight={weight}: must be > 0 (leave the source out instead)")
+        shards = str(entry["shards"])
+        name = str(entry.get("name") or Path(shards.rstrip("/")).name)
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"{where}: name {name!r} must be letters, digits, - or _ (it names the val/ "
+                              f"scalars); set {where}.name")
+        sources.append(DataSource(name, shards, weight))
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.mix names {names} repeat; give the sources distinct names (data.mix[i].name)")
+    return sources
 
 
 @dataclass
@@ -279,6 +321,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
     _validate_profile(cfg.profile, t.steps, world_size)
+    data_sources(cfg.data)
 
 
 def parse_ranks(text: str) -> set[int] | None:
@@ -312,37 +355,41 @@ def _validate_profile(prof: ProfileConfig, steps: int, world_size: int) -> None:
 
 
 def validate_data(cfg: Config) -> dict:
-    """Match the model against the shards' manifest and the tokenizer, before training starts."""
-    shards = cfg.data.shards
-    if "://" in shards:
-        return {}
-    manifest_path = Path(shards) / "manifest.json"
-    if not manifest_path.is_file():
-        raise ConfigError(
-            f"data.shards={shards}: no manifest.json there; build shards with "
-            "python -m data_prep.build_shards --out " + shards
-        )
-    manifest = json.loads(manifest_path.read_text())
-    if manifest["seq_len"] != cfg.model.max_seq_len:
-        raise ConfigError(
-            f"model.max_seq_len={cfg.model.max_seq_len} but the shards hold sequences of "
-            f"{manifest['seq_len']}; set model.max_seq_len={manifest['seq_len']} or rebuild the shards"
-        )
-    if manifest["vocab_size"] != cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} but the shards' tokenizer has "
-            f"{manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
-        )
+    """Match the model against every source's manifest and the tokenizer, before training starts.
+    Returns the first local source's manifest ({} when all are remote)."""
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
-    if not tokenizer_meta.is_file():
-        raise ConfigError(
-            f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "
-            f"python -m data_prep.train_tokenizer --out {cfg.data.tokenizer}"
-        )
-    tokenizer = json.loads(tokenizer_meta.read_text())
-    if tokenizer["sha256"] != manifest["tokenizer_sha256"]:
-        raise ConfigError(
-            f"the shards in {shards} were built with a different tokenizer than {cfg.data.tokenizer}; "
-            "point data.tokenizer at the one used for the shards, or rebuild them"
-        )
-    return manifest
+    manifests = []
+    for source in data_sources(cfg.data):
+        if "://" in source.shards:
+            continue
+        key = f"data.mix entry {source.name!r} (shards={source.shards})" if source.name else f"data.shards={source.shards}"
+        manifest_path = Path(source.shards) / "manifest.json"
+        if not manifest_path.is_file():
+            raise ConfigError(
+                f"{key}: no manifest.json there; build shards with "
+                "python -m data_prep.build_shards --out " + source.shards
+            )
+        manifest = json.loads(manifest_path.read_text())
+        if manifest["seq_len"] != cfg.model.max_seq_len:
+            raise ConfigError(
+                f"model.max_seq_len={cfg.model.max_seq_len} but the shards of {key} hold sequences of "
+                f"{manifest['seq_len']}; set model.max_seq_len={manifest['seq_len']} or rebuild the shards"
+            )
+        if manifest["vocab_size"] != cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} but the tokenizer of {key} has "
+                f"{manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
+            )
+        if not tokenizer_meta.is_file():
+            raise ConfigError(
+                f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "
+                f"python -m data_prep.train_tokenizer --out {cfg.data.tokenizer}"
+            )
+        tokenizer = json.loads(tokenizer_meta.read_text())
+        if tokenizer["sha256"] != manifest["tokenizer_sha256"]:
+            raise ConfigError(
+                f"the shards of {key} were built with a different tokenizer than {cfg.data.tokenizer}; "
+                "point data.tokenizer at the one used for the shards, or rebuild them"
+            )
+        manifests.append(manifest)
+    return manifests[0] if manifests else {}

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from megatron.core import parallel_state as ps
-from streaming import StreamingDataLoader, StreamingDataset
+from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
-from pretrain.config import Config
+from pretrain.config import Config, DataSource, data_sources
 
 _cleaned = False
 
@@ -28,19 +28,24 @@ def _collate(samples: list[dict]) -> torch.Tensor:
     return torch.from_numpy(np.stack([s["tokens"].astype(np.int64) for s in samples]))
 
 
-def _split_location(cfg: Config, split: str) -> dict:
-    if "://" in cfg.data.shards:
-        cache = Path(cfg.data.cache or os.path.join("/tmp/pretrain-cache", cfg.run.name)) / split
-        return {"remote": f"{cfg.data.shards.rstrip('/')}/{split}", "local": str(cache)}
-    return {"remote": None, "local": str(Path(cfg.data.shards) / split)}
+def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
+    if "://" in source.shards:
+        cache = Path(cfg.data.cache or os.path.join("/tmp/pretrain-cache", cfg.run.name)) / source.name / split
+        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(cache)}
+    return {"remote": None, "local": str(Path(source.shards) / split)}
 
 
 def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     """A fresh dataset and loader. Resume must load state into a fresh loader: a used one
     ignores the state and restarts at sample 0."""
     clean_shared_memory_once()
+    sources = data_sources(cfg.data)
+    if cfg.data.mix:  # streaming draws weight / sum(weights) of every epoch from each source
+        where = {"streams": [Stream(**_split_location(cfg, s, split), proportion=s.weight) for s in sources]}
+    else:
+        where = _split_location(cfg, sources[0], split)
     dataset = StreamingDataset(
-        **_split_location(cfg, split),
+        **where,
         shuffle=shuffle,
         shuffle_seed=cfg.data.shuffle_seed,
         num_canonical_nodes=cfg.data.num_canonical_nodes,
@@ -59,21 +64,30 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     )
 
 
-def load_val_batches(cfg: Config) -> list[torch.Tensor]:
-    """A fixed validation set: the same samples at every evaluation, split by data-parallel rank."""
-    location = _split_location(cfg, "val")
-    if location["remote"] is None and not (Path(location["local"]) / "index.json").is_file():
-        return []
-    clean_shared_memory_once()
-    dataset = StreamingDataset(**location, shuffle=False, batch_size=cfg.train.micro_batch)
+def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
+    """Fixed validation sets, one per source with a val split (the same samples at every
+    evaluation, split by data-parallel rank): {source name: batches}; "" names data.shards."""
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = cfg.train.micro_batch
-    batches = []
-    for b in range(cfg.train.eval_batches):
-        # len(dataset) counts this rank's share; indexing is over all samples.
-        indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
-        batches.append(torch.stack([torch.from_numpy(dataset[i]["tokens"].astype("int64")) for i in indices]))
-    return batches
+    sets = {}
+    for source in data_sources(cfg.data):
+        location = _split_location(cfg, source, "val")
+        if location["remote"] is None and not (Path(location["local"]) / "index.json").is_file():
+            continue
+        clean_shared_memory_once()
+        dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
+        batches = []
+        for b in range(cfg.train.eval_batches):
+            # len(dataset) counts this rank's share; indexing is over all samples.
+            indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
+            batches.append(torch.stack([torch.from_numpy(dataset[i]["tokens"].astype("int64")) for i in indices]))
+        sets[source.name] = batches
+    return sets
+
+
+def load_val_batches(cfg: Config) -> list[torch.Tensor]:
+    """The batches of every validation set, one list."""
+    return [batch for batches in load_val_sets(cfg).values() for batch in batches]
 
 
 def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

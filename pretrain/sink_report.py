@@ -53,7 +53,7 @@ def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> 
 
         full = full or Config()
         if shards:
-            full.data.shards = shards
+            full.data.shards, full.data.mix = shards, []  # --shards replaces the run's mixture too
         full.train.micro_batch, full.train.eval_batches = batch, 1
         try:
             batches = load_val_batches(full)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pretrain import checkpoint, signals
-from pretrain.config import Config, ConfigError, load_config, save_config, validate, validate_data
+from pretrain.config import Config, ConfigError, data_sources, load_config, save_config, validate, validate_data
 from pretrain.distributed import destroy_distributed, device, init_distributed, read_env
 
 
@@ -51,7 +51,7 @@ def run(cfg: Config) -> int:
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
     from pretrain.callbacks import build_callbacks
-    from pretrain.data import Batches, build_loader, load_val_batches
+    from pretrain.data import Batches, build_loader, load_val_sets
     from pretrain.engine import build_engine, describe_optimizer
     from pretrain.telemetry import Logger
     from pretrain.trainer import Trainer
@@ -83,6 +83,11 @@ def run(cfg: Config) -> int:
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
                  f"ZeRO-{cfg.parallel.zero_stage}, {describe_optimizer(engine)}")
+    if cfg.data.mix:
+        sources = data_sources(cfg.data)
+        total = sum(source.weight for source in sources)
+        logger.print("data mixture: " + ", ".join(f"{s.name} {100 * s.weight / total:.1f}% ({s.shards})"
+                                                  for s in sources))
     start_step = 0
     if init_path is not None:
         logger.print(f"started from the weights of {init_path}")
@@ -91,7 +96,7 @@ def run(cfg: Config) -> int:
         batches.load_state_dict(state["data"])
         start_step = checkpoint.read_meta(resume_path)["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}")
-    trainer = Trainer(cfg, engine, batches, load_val_batches(cfg), logger, device(), meta,
+    trainer = Trainer(cfg, engine, batches, load_val_sets(cfg), logger, device(), meta,
                       build_callbacks(cfg))
     trainer.fit(start_step)
     if env.rank == 0:

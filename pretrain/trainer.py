@@ -46,22 +46,23 @@ class Callback:
         """After the last step of this process: at train.steps, train.stop_at_step or a signal stop."""
 
 
-def dp_mean(value: torch.Tensor) -> float:
-    """Mean over the data-parallel group (tensor-parallel peers hold the same value); non-finite on
-    every rank when it is on any."""
+def dp_mean(value: torch.Tensor) -> float | list[float]:
+    """Mean over the data-parallel group (tensor-parallel peers hold the same value), of a scalar
+    or elementwise; non-finite on every rank when it is on any."""
     value = value.detach().float().clone()
     group = ps.get_data_parallel_group()
     dist.all_reduce(value, group=group)
-    return value.item() / dist.get_world_size(group)
+    return (value.double() / dist.get_world_size(group)).tolist()
 
 
 class Trainer:
-    def __init__(self, cfg: Config, engine, batches: Batches, val_batches: list[torch.Tensor],
+    def __init__(self, cfg: Config, engine, batches: Batches, val_sets: dict[str, list[torch.Tensor]],
                  logger: Logger, device: torch.device, meta: dict, callbacks: list[Callback] = ()):
         self.cfg = cfg
         self.engine = engine
         self.batches = batches
-        self.val_batches = val_batches
+        self.val_sets = val_sets  # {data source name ("" for data.shards): fixed batches}
+        self.val_batches = [batch for batches in val_sets.values() for batch in batches]
         self.logger = logger
         self.device = device
         self.meta = meta
@@ -93,21 +94,29 @@ class Trainer:
         return total / self.cfg.train.grad_accum
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> dict[str, float] | None:
+        """{"loss": over all validation batches, "<source>/loss": per data.mix source}; None without
+        validation data or when a signal interrupted it."""
         if not self.val_batches:
             return None
         self.engine.eval()
-        total = torch.zeros((), device=self.device)
-        for batch in self.val_batches:
-            # Collective, so every rank leaves at the same batch (a forward pass may hold
-            # tensor-parallel or ZeRO-3 collectives); an interrupted validation is not reported.
-            if signals.any_rank_received(self.device):
-                self.engine.train()
-                return None
-            inputs, labels = split_batch(batch, self.device)
-            total += self.engine(inputs, labels).float()
+        sums = torch.zeros(len(self.val_sets), device=self.device)
+        for i, batches in enumerate(self.val_sets.values()):
+            for batch in batches:
+                # Collective, so every rank leaves at the same batch (a forward pass may hold
+                # tensor-parallel or ZeRO-3 collectives); an interrupted validation is not reported.
+                if signals.any_rank_received(self.device):
+                    self.engine.train()
+                    return None
+                inputs, labels = split_batch(batch, self.device)
+                sums[i] += self.engine(inputs, labels).float()
         self.engine.train()
-        return dp_mean(total / len(self.val_batches))
+        counts = torch.tensor([len(batches) for batches in self.val_sets.values()], device=self.device)
+        means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts]))
+        result = {"loss": means[0]}
+        if len(self.val_sets) > 1:
+            result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:])})
+        return result
 
     def save(self, step: int) -> None:
         started = time.perf_counter()
@@ -158,8 +167,10 @@ class Trainer:
             if step % t.eval_interval == 0 or step == t.steps:
                 val = self.evaluate()
                 if val is not None:
-                    self.logger.scalars(step, {"loss": val, "perplexity": math.exp(min(val, 50))}, prefix="val/")
-                    self.logger.print(f"step {step} | val loss {val:.4f}")
+                    self.logger.scalars(step, {**val, "perplexity": math.exp(min(val["loss"], 50))}, prefix="val/")
+                    per_source = ", ".join(f"{k[:-5]} {v:.4f}" for k, v in val.items() if k != "loss")
+                    self.logger.print(f"step {step} | val loss {val['loss']:.4f}"
+                                      + (f" ({per_source})" if per_source else ""))
             for callback in self.callbacks:
                 callback.on_step_end(self, result)
             signum = signals.any_rank_received(self.device)

@@ -42,6 +42,10 @@ def test_bad_overrides(override, message):
     (["model.mlp=moe", "model.moe.grouped_gemm=true", "model.moe.expert_hidden_size=36"], 1,
      "expert width per tensor-parallel rank=36 must be a multiple of 8"),
     (["train.fused_optimizer=maybe"], 1, "fused_optimizer='maybe': choose auto, true or false"),
+    (["data.mix=[{shards: a, weight: 0}]"], 1, r"data.mix\[0\].weight=0.0: must be > 0"),
+    (["data.mix=[{shards: a, share: 2}]"], 1, r"data.mix\[0\]=.*give a mapping with shards"),
+    (["data.mix=[{shards: x/web}, {shards: y/web}]"], 1, r"names \['web', 'web'\] repeat"),
+    (["data.mix=[{shards: a, name: 'web mix'}]"], 1, "must be letters, digits"),
     (["profile.start_step=300", "train.steps=200"], 1, "after the last step"),
     (["profile.start_step=5", "profile.steps=0"], 1, "must be >= 1"),
     (["profile.start_step=5", "profile.ranks=0,8"], 8, "names rank 8, but the world has 8 ranks"),
@@ -69,3 +73,17 @@ def test_data_mismatch_errors(tmp_path):
     cfg = load_config(None, [f"data.shards={tmp_path}/nowhere"])
     with pytest.raises(ConfigError, match="build shards with"):
         validate_data(cfg)
+
+
+def test_mixture_sources_are_checked_one_by_one(tmp_path):
+    good = write_synthetic_shards(tmp_path / "good", seq_len=32, vocab_size=256, train=8, val=2)
+    longer = write_synthetic_shards(tmp_path / "longer", seq_len=64, vocab_size=256, train=8, val=2)
+    base = [f"data.tokenizer={good}/tokenizer", "model.max_seq_len=32", "model.vocab_size=256"]
+    mix = f"data.mix=[{{shards: {good}/shards, weight: 2}}, {{shards: {longer}/shards, name: long}}]"
+    with pytest.raises(ConfigError, match=r"data.mix entry 'long' .* hold sequences of 64"):
+        validate_data(load_config(None, base + [mix]))
+    mix = f"data.mix=[{{shards: {good}/shards}}, {{shards: {tmp_path}/missing}}]"
+    with pytest.raises(ConfigError, match=r"data.mix entry 'missing' .*no manifest.json there"):
+        validate_data(load_config(None, base + [mix]))
+    manifest = validate_data(load_config(None, base + [f"data.mix=[{{shards: {good}/shards}}]"]))
+    assert manifest["seq_len"] == 32

@@ -15,3 +15,25 @@ def test_dp_ranks_disjoint_tp_peers_identical(tmp_path):
     assert torch.equal(seen[0], seen[1]) and torch.equal(seen[2], seen[3])
     rows = lambda t: {tuple(r.tolist()) for r in t}  # noqa: E731
     assert len(rows(seen[0])) == 12 and not rows(seen[0]) & rows(seen[2])
+
+
+def stride(sample: torch.Tensor) -> int:
+    """write_synthetic_shards' samples count upward by a stride that depends on the sample index."""
+    return int((sample[1] - sample[0]) % 252)
+
+
+def test_mixture_draws_each_source_by_weight(tmp_path):
+    from pretrain.config import load_config
+    from pretrain.data import build_loader
+
+    # seed 0: sample indices 0-255, strides 1-2; seed 1000: indices 1000-1255, strides 4-5.
+    web = write_synthetic_shards(tmp_path / "web", seed=0)
+    code = write_synthetic_shards(tmp_path / "code", seed=1000)
+    mix = f"[{{shards: {web / 'shards'}, weight: 3, name: web}}, {{shards: {code / 'shards'}, name: code}}]"
+    cfg = load_config(None, [f"data.mix={mix}", "train.micro_batch=8", "model.max_seq_len=32"])
+    samples = torch.cat(list(build_loader(cfg, "train", shuffle=True)))  # one epoch: 256 + 256 samples
+    sources = [("web" if stride(s) <= 2 else "code") for s in samples]
+    assert len(samples) == 512 and sources.count("web") == 384 and sources.count("code") == 128
+    rows = {name: [tuple(s.tolist()) for s, src in zip(samples, sources) if src == name] for name in ("web", "code")}
+    assert len(set(rows["web"])) == 256  # 384 draws cover all 256 samples, some twice
+    assert len(set(rows["code"])) == 128  # 128 draws, none repeated

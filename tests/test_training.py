@@ -135,3 +135,23 @@ def test_profiler_traces_the_chosen_steps_across_a_resume(data, tmp_path):
         assert len(profiled_steps(run / "profile" / f"rank{rank}_steps5-5.json.gz")) == 1
         assert "Self CPU" in (run / "profile" / f"rank{rank}_steps3-4.txt").read_text()
     assert sorted(losses(run)) == list(range(1, 7))
+
+
+def test_mixture_resumes_exactly_and_validates_each_source(tmp_path):
+    web = write_synthetic_shards(tmp_path / "web", seed=0)
+    code = write_synthetic_shards(tmp_path / "code", seed=1000)
+    mix = f"[{{shards: {web / 'shards'}, weight: 3, name: web}}, {{shards: {code / 'shards'}, name: code}}]"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = {"data.mix": mix, "train.steps": 8, "train.eval_interval": 8}
+    train(2, tiny_overrides(web, straight, **common))
+    train(2, tiny_overrides(web, resumed, **common, **{"train.stop_at_step": 4}))
+    out = train(2, tiny_overrides(web, resumed, **common))
+    want, got = losses(straight), losses(resumed)
+    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise on CPU
+    [val] = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()
+             if "val/loss" in line]
+    assert val["step"] == 8 and {"val/web/loss", "val/code/loss"} <= set(val)
+    # Equal numbers of batches per source: the overall loss is the mean of the two.
+    assert val["val/loss"] == pytest.approx((val["val/web/loss"] + val["val/code/loss"]) / 2, rel=1e-6)
+    assert f"val loss {val['val/loss']:.4f} (web {val['val/web/loss']:.4f}, code {val['val/code/loss']:.4f})" \
+        in out.stdout
