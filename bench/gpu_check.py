@@ -39,6 +39,7 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
         "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 RESULT = "RESULT "
+PROFILE = "PROFILE "
 
 
 def tiny(cfg_path: str) -> list[str]:
@@ -117,10 +118,11 @@ def grouped_gemm_check(device: str) -> dict:
             "match": abs(loss_grouped - loss_loop) <= 1e-2 * abs(loss_loop) and grad_diff <= 2e-2}
 
 
-def throughput(name: str, steps: int, device: str, micro_batch: int | None, profile_dir: Path | None = None) -> dict:
-    """Train steps of one family through the DeepSpeed engine (ZeRO-1, one process). With
-    `profile_dir`, one more step runs under torch.profiler: its top operators go into the row and
-    the full operator table into profile_dir/<report stem>-profile-<row>.txt."""
+def throughput(name: str, steps: int, device: str, micro_batch: int | None, profile_dir: Path | None = None) -> None:
+    """Train steps of one family through the DeepSpeed engine (ZeRO-1, one process) and print the
+    row's RESULT line. With `profile_dir`, one more step then runs under torch.profiler and a PROFILE
+    line follows (its top operators; the full operator table goes into
+    profile_dir/<report stem>-profile-<row>.txt): a profiler failure cannot cost the row its numbers."""
     from launch.plan import plan
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
@@ -175,24 +177,29 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 1e6
     planned = plan(cfg, 1, 1, memory_gb, bf16=cuda)
     measured = peak_memory_gb()
-    profiled = {}
-    if profile_dir is not None:
-        from pretrain.profiling import operator_table, top_operators
+    row = {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,
+           "micro_batch": micro, "checkpointing": cfg.train.activation_checkpointing, "warmup_s": warmup_s,
+           "step_s": elapsed, "tokens_per_s": tokens / elapsed, "tflops": tflops,
+           "mfu": tflops / peak if peak else None, "peak_memory_gb": measured,
+           "planned_memory_gb": planned["memory_total_gb"],
+           "plan_over_measured": planned["memory_total_gb"] / measured,
+           "final_loss": loss.item()}
+    print(RESULT + json.dumps(row), flush=True)
+    if profile_dir is None:
+        return
+    from pretrain.profiling import operator_table, top_operators
 
+    try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                     + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
             step()
             sync()
         profile_dir.mkdir(parents=True, exist_ok=True)
         (profile_dir / f"{report_stem(device)}-profile-{name.replace(' ', '-')}.txt").write_text(operator_table(prof))
-        profiled["top_ops"] = top_operators(prof)
-    return {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,
-            "micro_batch": micro, "checkpointing": cfg.train.activation_checkpointing, "warmup_s": warmup_s,
-            "step_s": elapsed, "tokens_per_s": tokens / elapsed, "tflops": tflops,
-            "mfu": tflops / peak if peak else None, "peak_memory_gb": measured,
-            "planned_memory_gb": planned["memory_total_gb"],
-            "plan_over_measured": planned["memory_total_gb"] / measured,
-            "final_loss": loss.item(), **profiled}
+        profiled = {"top_ops": top_operators(prof)}
+    except Exception as err:  # noqa: BLE001 - the row keeps its numbers
+        profiled = {"profile_error": f"{type(err).__name__}: {err}"}
+    print(PROFILE + json.dumps(profiled), flush=True)
 
 
 def run_isolated(name: str, args: argparse.Namespace) -> dict:
@@ -207,13 +214,19 @@ def run_isolated(name: str, args: argparse.Namespace) -> dict:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout,
                              env=environment_for_child())
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.row_timeout} s"}
-    for line in out.stdout.splitlines():
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
-    tail = [line for line in (out.stderr + out.stdout).splitlines() if line.strip()][-40:]
-    return {"error": f"exit {out.returncode}: {tail[-1] if tail else 'no output'}", "log_tail": tail}
+        stdout, stderr, failure = out.stdout, out.stderr, f"exit {out.returncode}"
+    except subprocess.TimeoutExpired as timeout:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        stdout, stderr, failure = text(timeout.stdout), text(timeout.stderr), f"timed out after {args.row_timeout} s"
+    lines = stdout.splitlines()
+    row = next((json.loads(line[len(RESULT):]) for line in lines if line.startswith(RESULT)), None)
+    if row is None:
+        tail = [line for line in (stderr + stdout).splitlines() if line.strip()][-40:]
+        return {"error": f"{failure}: {tail[-1] if tail else 'no output'}", "log_tail": tail}
+    profiled = next((json.loads(line[len(PROFILE):]) for line in lines if line.startswith(PROFILE)), None)
+    if args.profile:
+        row.update(profiled or {"profile_error": f"{failure} while profiling"})
+    return row
 
 
 def report_stem(device: str) -> str:
@@ -251,11 +264,12 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {count(r['params_total'])} ({count(r['params_active'])}) | "
                      f"{r['micro_batch']} x {r['seq']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | "
                      f"{r['peak_memory_gb']:.1f} | {r['planned_memory_gb']:.1f} ({r['plan_over_measured']:.2f}) |")
-    profiled = {name: r["top_ops"] for name, r in report["throughput"].items() if r.get("top_ops")}
+    profiled = {name: r for name, r in report["throughput"].items() if "top_ops" in r or "profile_error" in r}
     if profiled:
         lines += ["", "Where a step's time goes (one profiled step; self time per operator, share of all):", ""]
-        lines += [f"- {name}: " + ", ".join(f"{op['op']} {100 * op['share']:.0f}%" for op in ops[:6])
-                  for name, ops in profiled.items()]
+        lines += [f"- {name}: " + (", ".join(f"{op['op']} {100 * op['share']:.0f}%" for op in r["top_ops"][:6])
+                                   if "top_ops" in r else f"profile failed: {r['profile_error']}")
+                  for name, r in profiled.items()]
     return "\n".join(lines)
 
 
@@ -281,8 +295,7 @@ def main() -> int:
         from pretrain.distributed import destroy_distributed
 
         profile_dir = Path(args.out_dir) if args.profile else None
-        print(RESULT + json.dumps(throughput(args.one, args.steps, args.device, args.micro_batch, profile_dir)),
-              flush=True)
+        throughput(args.one, args.steps, args.device, args.micro_batch, profile_dir)
         destroy_distributed()
         return 0
     names = args.families.split(",")
