@@ -25,9 +25,10 @@ class ConfigError(ValueError):
 class DataConfig:
     shards: str = "data/shards"  # directory with train/, val/ and manifest.json (or a remote URL)
     # A training mixture instead of `shards`: [{shards: DIR_OR_URL, weight: W, name: N}, ...]. Each
-    # source's train split makes up weight / sum(weights) of the samples (smaller sources repeat);
-    # validation reports every source's val split on its own. `name` defaults to the directory name.
-    mix: list = field(default_factory=list)
+    # source's train split makes up weight / sum(weights) of the samples (repeated where that share
+    # exceeds its size); validation reports every source's val split on its own. `name` defaults to
+    # the directory name.
+    mix: list[dict] = field(default_factory=list)
     cache: str = ""  # local cache when `shards` is remote
     tokenizer: str = "data/tokenizer"
     num_workers: int = 0
@@ -49,6 +50,9 @@ def data_sources(data: DataConfig) -> list[DataSource]:
     """The shard sets training reads: data.mix when given, else data.shards."""
     if not data.mix:
         return [DataSource("", data.shards)]
+    if not isinstance(data.mix, list):
+        raise ConfigError(f"data.mix={data.mix!r}: give a list of sources, e.g. "
+                          "data.mix='[{shards: data/web, weight: 0.7}, {shards: data/code, weight: 0.3}]'")
     sources = []
     for i, entry in enumerate(data.mix):
         where = f"data.mix[{i}]"
@@ -94,7 +98,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    fused_optimizer: str = "auto"  # torch's fused AdamW kernel: auto (on GPU) | true | false
+    fused_optimizer: str = "auto"  # torch's fused AdamW: auto (on GPU) | true | false
     activation_checkpointing: str = "none"  # none | full | selective (true/false = full/none)
     compile: bool = False  # torch.compile each block (attention only in UoE/MoE blocks); CPU compiles slowly
     eval_interval: int = 50

@@ -26,7 +26,7 @@ def deepspeed_config(cfg: Config) -> dict:
     adamw = {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": 1e-8, "weight_decay": t.weight_decay,
              "torch_adam": True}
     if use_fused_optimizer(cfg):
-        adamw["fused"] = True  # DeepSpeed hands it to torch.optim.AdamW: one kernel for all parameters
+        adamw["fused"] = True  # DeepSpeed hands it to torch.optim.AdamW (fused multi-tensor kernels)
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,

@@ -42,6 +42,7 @@ def test_bad_overrides(override, message):
     (["model.mlp=moe", "model.moe.grouped_gemm=true", "model.moe.expert_hidden_size=36"], 1,
      "expert width per tensor-parallel rank=36 must be a multiple of 8"),
     (["train.fused_optimizer=maybe"], 1, "fused_optimizer='maybe': choose auto, true or false"),
+    (["data.mix=data/web"], 1, "give a list of sources"),
     (["data.mix=[{shards: a, weight: 0}]"], 1, r"data.mix\[0\].weight=0.0: must be > 0"),
     (["data.mix=[{shards: a, share: 2}]"], 1, r"data.mix\[0\]=.*give a mapping with shards"),
     (["data.mix=[{shards: x/web}, {shards: y/web}]"], 1, r"names \['web', 'web'\] repeat"),
