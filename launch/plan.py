@@ -2,6 +2,7 @@
 
     python -m launch.plan CONFIG [key=value ...] --nodes N --gpus-per-node G --gpu-mem-gb M \
         [--gpu h100|h200|a100] [--mfu 0.4] [--json]
+    python -m launch.plan CONFIG --single-gpu --gpu-mem-gb 141 --gpu h200   # the header's single-GPU layout
 
 Formulas (per GPU; P = parameters held by this GPU after tensor/expert sharding, D = data-parallel
 size, De = expert-data-parallel size D / EP):
@@ -31,6 +32,7 @@ import json
 import sys
 from dataclasses import dataclass
 
+from launch.layouts import single_gpu_overrides
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
 from pretrain.config import Config, ConfigError, load_config, validate
@@ -186,9 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", choices=GPUS, default="h100")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--single-gpu", action="store_true",
+                        help="one GPU, with the config header's single-GPU layout before the overrides")
     args = parser.parse_intermixed_args(argv)
+    overrides = args.overrides
     try:
-        cfg = load_config(args.config, args.overrides)
+        if args.single_gpu:
+            overrides = single_gpu_overrides(args.config) + overrides
+            args.nodes = args.gpus_per_node = 1
+        cfg = load_config(args.config, overrides)
         result = plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.gpu, args.mfu,
                       bf16=args.gpu != "cpu")
     except ConfigError as err:

@@ -52,6 +52,19 @@ def test_layout_that_cannot_fit_is_rejected_with_reason(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
+def test_single_gpu_plan_uses_the_header_layout(capsys):
+    config = str(REPO / "configs/1b_uoe.yaml")
+    assert plan_main([config, "--single-gpu", "--gpu-mem-gb", "141", "--gpu", "h200", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    single = load_config(config, read_layouts(config).single_gpu)
+    assert result["fits"] and result["layout"]["world"] == 1
+    assert result["layout"]["micro_batch"] == single.train.micro_batch != load_config(config).train.micro_batch
+    assert plan_main([config, "--single-gpu", "train.micro_batch=512", "--json"]) == 1  # the caller's override wins
+    capsys.readouterr()
+    assert plan_main([str(REPO / "configs/tiny_dense.yaml"), "--single-gpu"]) == 2
+    assert "single-gpu" in capsys.readouterr().err
+
+
 def test_bad_layout_is_a_config_error(capsys):
     assert plan_main([str(REPO / "configs/dense_1b.yaml"), "parallel.tensor=3", "--gpus-per-node", "3"]) == 2
     assert "num_heads=16 is not divisible by parallel.tensor=3" in capsys.readouterr().err
