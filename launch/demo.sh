@@ -44,5 +44,5 @@ echo "== resuming from the latest checkpoint in $RUN_DIR/checkpoints"
 $PY -m launch.local "$CONFIG" --nproc "$NPROC" "${COMMON[@]}" "$@" train.resume=auto
 echo "== done: checkpoints in $RUN_DIR/checkpoints"
 echo "   TensorBoard: .venv/bin/tensorboard --logdir $RUN_DIR/tensorboard"
-echo "   (train/, val/, routing/ = expert load and routing telemetry per layer, sinks/ = attention-sink metrics;"
+echo "   (train/, val/, routing/ = expert load and routing telemetry per layer, sinks/ = attention-sink metrics, checkpoint/ = save time and size;"
 echo "    the same scalars as JSON lines in $RUN_DIR/metrics.jsonl)"
