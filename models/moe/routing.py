@@ -47,6 +47,7 @@ class RoutingStats:
     waits for the GPU) and read, in one collective, on log steps; token counts are known on the host."""
 
     ON_DEVICE = ("dropped", "aux", "vse_norm", "routed_norm")
+    ON_HOST = ("tokens", "assignments", "forwards")
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
@@ -61,7 +62,7 @@ class RoutingStats:
 
     def _sums(self, device: torch.device) -> torch.Tensor:
         if self.device_sums is None:  # on the device of the first training forward
-            self.device_sums = torch.zeros(2 * self.num_experts + len(self.ON_DEVICE), dtype=torch.float64,
+            self.device_sums = torch.zeros(self.size(self.num_experts) - len(self.ON_HOST), dtype=torch.float64,
                                            device=device)
         return self.device_sums
 
@@ -77,14 +78,15 @@ class RoutingStats:
         self._sums(value.device)[2 * self.num_experts + self.ON_DEVICE.index(name)] += value
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[counts N, score sums N, tokens, dropped, assignments, aux, forwards, vse_norm, routed_norm]."""
-        size = 2 * self.num_experts + len(self.ON_DEVICE)
-        sums = (torch.zeros(size, dtype=torch.float64, device=device) if self.device_sums is None
-                else self.device_sums.to(device))
-        n = 2 * self.num_experts
-        dropped, aux, vse_norm, routed_norm = sums[n:].unbind()
+        """[counts N, score sums N, *ON_DEVICE, *ON_HOST] as float64 on `device`."""
+        sums = (torch.zeros(self.size(self.num_experts) - len(self.ON_HOST), dtype=torch.float64, device=device)
+                if self.device_sums is None else self.device_sums.to(device))
         host = torch.tensor([self.tokens, self.assignments, self.forwards], dtype=torch.float64, device=device)
-        return torch.cat([sums[:n], torch.stack([host[0], dropped, host[1], aux, host[2], vse_norm, routed_norm])])
+        return torch.cat([sums, host])
+
+    @classmethod
+    def size(cls, num_experts: int) -> int:
+        return 2 * num_experts + len(cls.ON_DEVICE) + len(cls.ON_HOST)
 
 
 class RoutedLayer(nn.Module):

@@ -24,13 +24,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from pretrain.trainer import Callback
-from models.moe.routing import RoutedLayer
+from models.moe.routing import RoutedLayer, RoutingStats
 
 
 def summarize(layer: RoutedLayer, totals: torch.Tensor) -> dict[str, float]:
     n = layer.num_experts
     counts, score_sum = totals[:n], totals[n:2 * n]
-    tokens, dropped, assignments, aux, forwards, vse_norm, routed_norm = totals[2 * n:].tolist()
+    sums = dict(zip(RoutingStats.ON_DEVICE + RoutingStats.ON_HOST, totals[2 * n:].tolist()))
+    tokens, dropped, assignments = sums["tokens"], sums["dropped"], sums["assignments"]
+    aux, forwards, vse_norm, routed_norm = sums["aux"], sums["forwards"], sums["vse_norm"], sums["routed_norm"]
     out: dict[str, float] = {}
     if assignments <= 0:
         return out
@@ -74,18 +76,15 @@ class RoutingTelemetry(Callback):
         stacked = torch.cat([layer.stats.as_tensor(device) for layer in layers])
         if dist.is_initialized() and ps.model_parallel_is_initialized():
             dist.all_reduce(stacked, group=ps.get_data_parallel_group())
+        # Sums over DP; the reported aux loss and norm ratio are ratios of two such sums.
         stacked = stacked.cpu()
-        # Token-level sums add up over DP; norms and aux losses are per-rank averages.
-        dp = dist.get_world_size(ps.get_data_parallel_group()) if dist.is_initialized() else 1
         metrics: dict[str, float] = {}
         offset = 0
         entropies, max_loads = [], []
         for layer in layers:
-            size = 2 * layer.num_experts + 7
-            totals = stacked[offset: offset + size].clone()
+            size = RoutingStats.size(layer.num_experts)
+            totals = stacked[offset: offset + size]
             offset += size
-            totals[2 * layer.num_experts + 3] /= dp  # aux
-            totals[2 * layer.num_experts + 4] /= dp  # forwards
             summary = summarize(layer, totals)
             layer.stats.reset()
             for key, value in summary.items():
