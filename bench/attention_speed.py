@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
-    from pretrain.distributed import destroy_distributed, device
-    from pretrain.distributed import init_single_process
+    from pretrain.distributed import destroy_distributed, device, init_single_process
 
     init_single_process()
     dev = device()

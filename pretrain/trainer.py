@@ -62,7 +62,6 @@ class Trainer:
         self.engine = engine
         self.batches = batches
         self.val_sets = val_sets  # {data source name ("" for data.shards): fixed batches}
-        self.val_batches = [batch for batches in val_sets.values() for batch in batches]
         self.logger = logger
         self.device = device
         self.meta = meta
@@ -74,6 +73,11 @@ class Trainer:
     @property
     def model(self):
         return self.engine.module
+
+    @property
+    def val_batches(self) -> list[torch.Tensor]:
+        """The batches of all validation sets, in order."""
+        return [batch for batches in self.val_sets.values() for batch in batches]
 
     def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
