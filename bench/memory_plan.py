@@ -16,12 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-SIZES = {  # name: (hidden, layers, heads, ffn, seq, micro_batch)
-    "h256-l4": (256, 4, 4, 704, 256, 8),
-    "h512-l8": (512, 8, 8, 1408, 256, 8),
-    "h512-l8-ckpt": (512, 8, 8, 1408, 256, 8),
-    "h512-l8-sel": (512, 8, 8, 1408, 256, 8),
-    "h768-l8-ckpt": (768, 8, 12, 2048, 512, 8),
+SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, seq, micro_batch)
+    "h256-l4": (256, 4, 4, 4, 704, 256, 8),
+    "h512-l8": (512, 8, 8, 8, 1408, 256, 8),
+    "h512-l8-gqa": (512, 8, 8, 2, 1408, 256, 8),
+    "h512-l8-ckpt": (512, 8, 8, 8, 1408, 256, 8),
+    "h512-l8-sel": (512, 8, 8, 8, 1408, 256, 8),
+    "h768-l8-ckpt": (768, 8, 12, 12, 2048, 512, 8),
 }
 
 
@@ -48,11 +49,11 @@ def measure(name: str, steps: int) -> dict:
     from pretrain.distributed import init_single_process
     from pretrain.engine import build_engine
 
-    hidden, layers, heads, ffn, seq, micro = SIZES[name]
+    hidden, layers, heads, kv_heads, ffn, seq, micro = SIZES[name]
     init_single_process()
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=4096, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                            ffn_hidden_size=ffn, max_seq_len=seq)
+                            num_kv_heads=kv_heads, ffn_hidden_size=ffn, max_seq_len=seq)
     cfg.train.micro_batch, cfg.train.steps, cfg.train.warmup_steps = micro, 100, 1
     cfg.train.activation_checkpointing = {"ckpt": "full", "sel": "selective"}.get(name.rsplit("-", 1)[-1], "none")
     estimate = plan(cfg, 1, 1, 1e6, "cpu", bf16=False)

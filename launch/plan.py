@@ -12,7 +12,8 @@ size, De = expert-data-parallel size D / EP):
   optimizer      fp32 master + Adam m, v = 12 bytes/param (DeepSpeed keeps the master partition
                  even in fp32); ZeRO-1/2/3 divide by D
   activations    per layer and token, elements: 4h (residual and norm inputs/outputs)
-                 + 7h/t (q, k, v, rotated q and k, attention output, output-projection input) + 4f/t (MLP: gate/up
+                 + (4h + 3k)/t (q, k, v, rotated q and k, attention output, output-projection input;
+                 k = K/V width, h without grouped-query attention) + 4f/t (MLP: gate/up
                  output, activation, product; f = active MLP width) + a*s/t attention scores for
                  kinds that store them (all but flash softmax); full activation checkpointing keeps
                  h per layer plus one layer's full set, selective drops the scores term (the
@@ -65,11 +66,11 @@ def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
-    t, h, a = layout.tensor, cfg.hidden_size, cfg.num_heads
+    t, h, kv, a = layout.tensor, cfg.hidden_size, cfg.kv_width, cfg.num_heads
     elem = 2 if layout.bf16 else 4
     stores_scores = lambda kind: kind != "softmax" or not layout.bf16  # noqa: E731 (flash on GPU only)
     keeps_scores = lambda kind: stores_scores(kind) and layout.checkpointing != "selective"  # noqa: E731
-    per_layer = [4 * h + 7 * h / t + 4 * active_mlp_width(cfg, i) / t + (a * seq / t if keeps_scores(k) else 0)
+    per_layer = [4 * h + (4 * h + 3 * kv) / t + 4 * active_mlp_width(cfg, i) / t + (a * seq / t if keeps_scores(k) else 0)
                  for i, k in enumerate(cfg.attention_kinds())]
     tokens = layout.micro_batch * seq
     if layout.checkpointing == "full":

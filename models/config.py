@@ -57,6 +57,9 @@ class ModelConfig:
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
+    # Grouped-query attention: key/value heads shared by num_heads / num_kv_heads query heads each
+    # (0 = num_heads, multi-head attention). Must divide num_heads and be a multiple of parallel.tensor.
+    num_kv_heads: int = 0
     ffn_hidden_size: int = 352
     max_seq_len: int = 256
     rope_base: float = 10000.0
@@ -75,6 +78,15 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and of the value) projection: kv_heads x head_dim."""
+        return self.kv_heads * self.head_dim
 
     @property
     def padded_vocab_size(self) -> int:

@@ -12,7 +12,7 @@ def attention_params(cfg: ModelConfig, kind: str) -> int:
 
         return lisa_param_count(cfg)
     extra = cfg.num_heads if kind == "softmax_sink" else 0
-    return 4 * d * d + extra
+    return 2 * d * d + 2 * d * cfg.kv_width + extra
 
 
 def mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:

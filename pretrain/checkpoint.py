@@ -6,6 +6,7 @@ A crash at any point leaves `latest` at the previous complete checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -145,9 +146,20 @@ def read_meta(path: Path) -> dict:
     return json.loads((path / COMPLETE).read_text())
 
 
-def check_compatible(meta: dict, model_config: dict, tokenizer_sha256: str | None, path: Path) -> None:
-    saved = model_signature(meta["model"])
-    wanted = model_signature(model_config)
+def model_config(model: dict):
+    """A ModelConfig from the dict stored in a COMPLETE marker; keys added since it was written
+    take their defaults."""
+    from models.config import ModelConfig
+    from pretrain.config import _apply
+
+    cfg = ModelConfig()
+    _apply(cfg, model, "model.")
+    return cfg
+
+
+def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str | None, path: Path) -> None:
+    saved = model_signature(dataclasses.asdict(model_config(meta["model"])))
+    wanted = model_signature(model_config_dict)
     diff = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if diff:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {wanted.get(k)!r}" for k in diff)

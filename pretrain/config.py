@@ -240,10 +240,16 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"head dimension {m.head_dim} must be even for rotary embeddings")
     if p.tensor < 1 or p.expert < 1:
         raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
-    if m.num_heads % p.tensor:
+    if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
         raise ConfigError(
-            f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={p.tensor}; "
-            "choose a tensor-parallel size that divides the heads"
+            f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
+            "(0 = as many K/V heads as query heads)"
+        )
+    if m.kv_heads % p.tensor:
+        which = f"model.num_kv_heads={m.num_kv_heads}" if m.num_kv_heads else f"model.num_heads={m.num_heads}"
+        raise ConfigError(
+            f"{which} is not divisible by parallel.tensor={p.tensor}; "
+            "choose a tensor-parallel size that divides the (K/V) heads"
         )
     if m.ffn_hidden_size % p.tensor:
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tensor={p.tensor}")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import COMPLETE, TAG_PATTERN, latest_complete, read_meta
+from pretrain.checkpoint import COMPLETE, TAG_PATTERN, latest_complete, model_config, read_meta
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -73,16 +73,6 @@ def run_config(tag_dir: Path):
 
     path = tag_dir.parent.parent / "config.yaml"
     return load_config(path) if path.is_file() else None
-
-
-def model_config(model: dict):
-    """A ModelConfig from the dict stored in a COMPLETE marker."""
-    from models.config import ModelConfig
-    from pretrain.config import _apply
-
-    cfg = ModelConfig()
-    _apply(cfg, model, "model.")
-    return cfg
 
 
 def describe_layout(tag_dir: Path, meta: dict) -> dict:

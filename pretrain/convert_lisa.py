@@ -157,11 +157,11 @@ def build_lisa_model(source, cfg, new_cfg, layers: list[int], sim: dict[int, dic
     for i in layers:
         src_attn = source.blocks[i].attn
         lisa: LISAAttention = model.blocks[i].attn
-        h, hd, d = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+        h, g, hd, d = cfg.num_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim, cfg.hidden_size
         if not hasattr(src_attn, "qkv"):
             raise ValueError(f"layer {i} is already a LISA layer; choose other layers")
-        qkv = src_attn.qkv.weight.view(h, 3, hd, d)
-        lisa.v.weight.copy_(qkv[:, 2].reshape(h * hd, d))
+        qkv = src_attn.qkv.weight.view(cfg.kv_heads, g + 2, hd, d)  # grouped by K/V head
+        lisa.v.weight.copy_(qkv[:, g + 1].reshape(cfg.kv_width, d))
         lisa.out.weight.copy_(src_attn.out.weight)
         group = lisa.align.group
         if group == h and i in sim:  # the matched head permutation: new head n reads previous head match[n]

@@ -74,7 +74,7 @@ def llama_config(cfg, dtype: torch.dtype, special: dict):
         intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads,
+        num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim,
         hidden_act="silu",
         max_position_embeddings=cfg.max_seq_len,
@@ -96,18 +96,19 @@ def llama_config(cfg, dtype: torch.dtype, special: dict):
 
 def to_llama_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Framework names/layouts (TP=1, full tensors) -> LlamaForCausalLM state dict."""
-    h, hd, d, v = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size
+    h, kv, hd, d, v = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size
+    g = h // kv
     out = {"model.embed_tokens.weight": state["embed.weight"][:v], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["head.weight"][:v]
     for i in range(cfg.num_layers):
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
-        qkv = state[src + "attn.qkv.weight"].view(h, 3, hd, d)
+        qkv = state[src + "attn.qkv.weight"].view(kv, g + 2, hd, d)  # grouped by K/V head
         w_in = state[src + "mlp.w_in.weight"]
         out.update({
-            dst + "self_attn.q_proj.weight": qkv[:, 0].reshape(h * hd, d),
-            dst + "self_attn.k_proj.weight": qkv[:, 1].reshape(h * hd, d),
-            dst + "self_attn.v_proj.weight": qkv[:, 2].reshape(h * hd, d),
+            dst + "self_attn.q_proj.weight": qkv[:, :g].reshape(h * hd, d),
+            dst + "self_attn.k_proj.weight": qkv[:, g].reshape(kv * hd, d),
+            dst + "self_attn.v_proj.weight": qkv[:, g + 1].reshape(kv * hd, d),
             dst + "self_attn.o_proj.weight": state[src + "attn.out.weight"],
             dst + "mlp.gate_proj.weight": w_in[0::2],
             dst + "mlp.up_proj.weight": w_in[1::2],
@@ -134,7 +135,7 @@ def remote_config(cfg, dtype: torch.dtype, special: dict):
     name = REMOTE_CODE.stem
     return module.UoEPretrainConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.ffn_hidden_size,
         max_position_embeddings=cfg.max_seq_len, rope_theta=float(cfg.rope_base), rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std, attention_kinds=kinds,
         lisa_sources=[lisa_source_kind(kinds, i) if k == "lisa" else None for i, k in enumerate(kinds)],
@@ -280,7 +281,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
     tag_dir = resolve_checkpoint(checkpoint)
     from pretrain.checkpoint import read_meta
-    from pretrain.consolidate import model_config
+    from pretrain.checkpoint import model_config
 
     meta = read_meta(tag_dir)
     fmt = export_format(model_config(meta["model"]))

@@ -10,11 +10,10 @@ set data.shards and the train.* keys for the run). Continue training with
     python -m pretrain.train --config RUN_DIR/config.yaml data.shards=... train.resume=RUN_DIR/checkpoints/step_00000000
 
 Accepted: `LlamaForCausalLM` with silu MLP, no attention/MLP biases, no rope_scaling, head_dim =
-hidden / heads. Grouped-query attention is imported exactly as multi-head attention (each K/V head
-repeated for the query heads that share it; K/V parameters grow accordingly). Any other
-architecture or setting is refused with a clear error and nothing is written to --out.
+hidden / heads, grouped-query attention (kept: model.num_kv_heads). Any other architecture or
+setting is refused with a clear error and nothing is written to --out.
 
-Mapping (the inverse of pretrain.export): q/k/v rows -> the fused head-major QKV weight,
+Mapping (the inverse of pretrain.export): q/k/v rows -> the fused QKV weight grouped by K/V head,
 gate/up rows -> the interleaved SwiGLU w_in, embedding and head padded to model.vocab_pad_to with
 zero rows (padded logits are 0 until training pushes them down; --vocab-pad-to 1 avoids padding
 when the vocabulary is divisible by the tensor-parallel size you will train at).
@@ -80,6 +79,8 @@ def check_supported(hf: dict) -> None:
 def model_config_from_hf(hf: dict, max_seq_len: int | None, vocab_pad_to: int):
     from models.config import ModelConfig
 
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
     rope = hf.get("rope_theta")
     if rope is None:
         rope = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -89,7 +90,7 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None, vocab_pad_to: int):
         max_seq_len=max_seq_len or hf.get("max_position_embeddings", 2048), rope_base=float(rope),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)), vocab_pad_to=vocab_pad_to,
-        attention="softmax", mlp="dense",
+        attention="softmax", mlp="dense", num_kv_heads=kv_heads if kv_heads != heads else 0,
     )
 
 
@@ -100,14 +101,13 @@ def load_hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def from_llama_state(cfg, hf: dict[str, torch.Tensor], kv_heads: int | None = None) -> dict[str, torch.Tensor]:
+def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM state dict -> framework names/layouts at TP=1 (padded vocabulary).
 
-    Grouped-query attention (kv_heads < heads) becomes multi-head attention by repeating each K/V
-    head for the query heads that share it (query head j reads K/V head j // (heads / kv_heads),
-    as transformers' repeat_kv does): the same outputs, with K/V parameters grown to full size."""
-    h, hd, d, v, pv = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size, cfg.padded_vocab_size
-    kv_heads = kv_heads or h
+    Query head j reads K/V head j // (heads / kv_heads) in both (transformers' repeat_kv), so each
+    K/V head's query rows go into its group of the fused QKV weight."""
+    h, kv, hd, d, v, pv = (cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size,
+                           cfg.padded_vocab_size)
 
     def pad(w: torch.Tensor) -> torch.Tensor:
         return torch.cat([w, w.new_zeros(pv - v, w.shape[1])]) if pv > v else w
@@ -117,12 +117,11 @@ def from_llama_state(cfg, hf: dict[str, torch.Tensor], kv_heads: int | None = No
         out["head.weight"] = pad(hf["lm_head.weight"])
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"blocks.{i}."
-        q = hf[src + "self_attn.q_proj.weight"].view(h, hd, d)
-        k, val = (hf[src + f"self_attn.{n}_proj.weight"].view(kv_heads, hd, d).repeat_interleave(h // kv_heads, 0)
-                  for n in "kv")
+        q = hf[src + "self_attn.q_proj.weight"].view(kv, h // kv, hd, d)
+        k, val = (hf[src + f"self_attn.{n}_proj.weight"].view(kv, 1, hd, d) for n in "kv")
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out.update({
-            dst + "attn.qkv.weight": torch.stack([q, k, val], dim=1).reshape(3 * h * hd, d),
+            dst + "attn.qkv.weight": torch.cat([q, k, val], dim=1).reshape(-1, d),
             dst + "attn.out.weight": hf[src + "self_attn.o_proj.weight"],
             dst + "mlp.w_in.weight": torch.stack([gate, up], dim=1).reshape(2 * cfg.ffn_hidden_size, d),
             dst + "mlp.w_out.weight": hf[src + "mlp.down_proj.weight"],
@@ -162,11 +161,7 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     if tokenizer:
         cfg.data.tokenizer = str(tokenizer)
     validate(cfg, 1)
-    kv_heads = hf_cfg.get("num_key_value_heads") or hf_cfg["num_attention_heads"]
-    if kv_heads != hf_cfg["num_attention_heads"]:
-        print(f"note: grouped-query attention ({kv_heads} K/V heads) imported as multi-head attention with "
-              f"{hf_cfg['num_attention_heads']} K/V heads (repeated; same outputs)", file=sys.stderr)
-    state = from_llama_state(cfg.model, load_hf_state(model_dir), kv_heads)
+    state = from_llama_state(cfg.model, load_hf_state(model_dir))
 
     init_single_process()
     torch.manual_seed(cfg.train.seed)

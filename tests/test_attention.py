@@ -257,6 +257,71 @@ def test_lisa_placement_is_validated():
     ModelConfig(num_layers=4, attention="ssll").attention_kinds()  # default keep_full_layers=2
 
 
+# --- grouped-query attention ---------------------------------------------------------------------------
+
+def mha_state_from_gqa(state: dict, cfg: ModelConfig) -> dict:
+    """A grouped-query model's weights as multi-head weights: each K/V head repeated for its group."""
+    h, kv, hd, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+    g = h // kv
+    out = dict(state)
+    for name, w in state.items():
+        if name.endswith("attn.qkv.weight"):
+            grouped = w.view(kv, g + 2, hd, d)
+            q = grouped[:, :g].reshape(h, hd, d)
+            k, v = (grouped[:, i].repeat_interleave(g, 0) for i in (g, g + 1))
+            out[name] = torch.stack([q, k, v], dim=1).reshape(3 * h * hd, d)
+        elif name.endswith("attn.v.weight"):  # LISA
+            out[name] = w.view(kv, hd, d).repeat_interleave(g, 0).reshape(h * hd, d)
+    return out
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_grouped_query_attention_equals_repeated_kv_heads(single_process, capture):
+    """4 query heads on 2 K/V heads give the logits of 4-head attention whose K/V heads are the
+    grouped ones repeated, for every attention kind, on the fast kernels and the explicit path."""
+    from models.counting import param_counts
+
+    gqa_cfg, mha_cfg = small_cfg("kslrl", num_kv_heads=2), small_cfg("kslrl")
+    gqa = build(gqa_cfg).double()
+    mha = build(mha_cfg).double()
+    mha.load_state_dict(mha_state_from_gqa(gqa.state_dict(), gqa_cfg))
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(gqa.logits(tokens, {"capture_attention": capture}), mha.logits(tokens),
+                               rtol=1e-10, atol=1e-12)
+    n_gqa = sum(p.numel() for p in gqa.parameters())
+    assert n_gqa == param_counts(gqa_cfg)["total"]
+    # K/V halved (64 -> 32 wide) in the 3 qkv layers and the 2 LISA value projections.
+    assert sum(p.numel() for p in mha.parameters()) - n_gqa == 64 * 32 * (2 * 3 + 2)
+
+
+def test_convert_lisa_keeps_grouped_values(single_process):
+    """Converting a grouped-query layer to LISA keeps its values: the new V projection gives the
+    source layer's K/V-head values."""
+    from pretrain.convert_lisa import build_lisa_model, lisa_config
+
+    cfg = small_cfg("ssss", num_kv_heads=2)
+    source = build(cfg)
+    new_cfg = lisa_config(cfg, [2])
+    model = build_lisa_model(source, cfg, new_cfg, [2], sim={})
+    x = torch.randn(2, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    _, _, v_source = source.blocks[2].attn.project(x, {"rotary": source.rotary})
+    v_lisa, _ = model.blocks[2].attn.v(x)
+    assert v_source.shape == (2, 2, 24, cfg.head_dim)
+    torch.testing.assert_close(v_lisa.view(2, 24, 2, cfg.head_dim).transpose(1, 2), v_source, rtol=0, atol=0)
+
+
+def test_grouped_query_heads_are_validated(single_process):
+    from pretrain.config import ConfigError, load_config, validate
+
+    with pytest.raises(ValueError, match="num_kv_heads=3 does not divide model.num_heads=4"):
+        build(small_cfg("s", num_kv_heads=3))
+    for overrides, match in ((["model.num_kv_heads=3"], "num_kv_heads=3 must divide model.num_heads=4"),
+                             (["model.num_kv_heads=1", "parallel.tensor=2"],
+                              "num_kv_heads=1 is not divisible by parallel.tensor=2")):
+        with pytest.raises(ConfigError, match=match):
+            validate(load_config(None, overrides), world_size=2)
+
+
 # --- tensor parallel = 2 equals tensor parallel = 1 ------------------------------------------------
 
 TP_PATTERN = "kslrl"
@@ -291,16 +356,17 @@ def outputs_and_grads(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.T
     return logits.detach(), grads
 
 
-def _tp_worker(rank: int, out_path: str) -> None:
-    logits, grads = outputs_and_grads(small_cfg(TP_PATTERN))
+def _tp_worker(rank: int, out_path: str, kv_heads: int) -> None:
+    logits, grads = outputs_and_grads(small_cfg(TP_PATTERN, num_kv_heads=kv_heads))
     if rank == 0:
         torch.save({"logits": logits, "grads": grads}, out_path)
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_equals_1(single_process, tmp_path):
-    ref_logits, ref_grads = outputs_and_grads(small_cfg(TP_PATTERN))
-    spawn(_tp_worker, 2, str(tmp_path / "tp2.pt"), tensor=2)
+@pytest.mark.parametrize("kv_heads", [0, 2])  # multi-head; grouped-query with one K/V head per rank
+def test_tensor_parallel_2_equals_1(single_process, tmp_path, kv_heads):
+    ref_logits, ref_grads = outputs_and_grads(small_cfg(TP_PATTERN, num_kv_heads=kv_heads))
+    spawn(_tp_worker, 2, str(tmp_path / "tp2.pt"), kv_heads, tensor=2)
     tp2 = torch.load(tmp_path / "tp2.pt")
     torch.testing.assert_close(tp2["logits"], ref_logits, rtol=1e-9, atol=1e-10)
     assert tp2["grads"].keys() == ref_grads.keys()

@@ -256,6 +256,13 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     assert (framework_logits(tag, tokens) - want).abs().max().item() <= 1e-4
     assert export_main(["--checkpoint", str(run), "--out", str(back)]) == 0
     assert (hf_logits(back, tokens) - want).abs().max().item() <= 1e-4
+    # Grouped-query attention is kept, not expanded: the same K/V heads and parameter count both ways.
+    assert "num_kv_heads: 2" in (run / "config.yaml").read_text()
+    assert json.loads((back / "config.json").read_text())["num_key_value_heads"] == 2
+    from transformers import LlamaForCausalLM
+
+    exported = LlamaForCausalLM.from_pretrained(back, dtype=torch.float32)
+    assert sum(p.numel() for p in exported.parameters()) == sum(p.numel() for p in source.parameters())
     # The imported checkpoint resumes as pretrain.train does it: config and checkpoint checks, a
     # fresh engine loads weights (optimizer fresh), and a training step runs.
     from models.gpt import GPT
@@ -363,8 +370,9 @@ def test_export_formats_and_unsupported_imports(tmp_path, capsys):
 def remote_runs(data, tmp_path_factory):
     """Models exported with the bundled modeling file, one after the other:
     * uoe_ep2: Union-of-Experts at EP=2 x DP=2, ZeRO-1 (experts in per-rank DeepSpeed files);
-    * hybrid_moe_tp2: softmax / softmax_sink / lisa / relu / lisa attention with a top-k router MoE
-      (shared expert, on layers 1 and 3) at TP=2, ZeRO-2; the experts split over TP."""
+    * hybrid_moe_tp2: softmax / softmax_sink / lisa / relu / lisa attention with grouped-query
+      attention (2 K/V heads, one per TP rank) and a top-k router MoE (shared expert, on layers 1
+      and 3) at TP=2, ZeRO-2; the experts split over TP."""
     root, vocab = data
     base = tmp_path_factory.mktemp("remote_runs")
     common = {"model.vocab_size": vocab, "train.steps": STEPS, "train.warmup_steps": 1, "train.eval_interval": STEPS,
@@ -375,6 +383,7 @@ def remote_runs(data, tmp_path_factory):
                     "parallel.expert": 2, "parallel.zero_stage": 1},
         "hybrid_moe_tp2": {"model.mlp": "moe", "model.moe.top_k": 1, "model.moe.moe_layers": "1,3",
                            "model.num_layers": 5, "model.attention": "sklrl", "model.lisa.keep_full_layers": 2,
+                           "model.num_kv_heads": 2,
                            "model.lisa.align_group": 2,
                            "model.tie_embeddings": True, "parallel.tensor": 2, "parallel.zero_stage": 2},
     }
@@ -409,6 +418,7 @@ def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, 
     assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["UoEPretrainForCausalLM"] and config["vocab_size"] == vocab
+    assert config["num_key_value_heads"] == (2 if layout == "hybrid_moe_tp2" else 4)
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_uoe_pretrain.UoEPretrainForCausalLM"
     assert (out / "modeling_uoe_pretrain.py").is_file() and (out / "tokenizer.model").is_file()
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
@@ -492,6 +502,7 @@ def test_init_from_loads_weights_at_another_layout(source, imported, remote_runs
     if source == "imported_gqa":
         src = imported[1] / "checkpoints" / "step_00000000"
         model = {"model.ffn_hidden_size": LLAMA["intermediate_size"], "model.norm_eps": LLAMA["rms_norm_eps"],
+                 "model.num_kv_heads": LLAMA["num_key_value_heads"],
                  "model.rope_base": LLAMA["rope_theta"], "parallel.zero_stage": 3}
     else:
         src = remote_runs["uoe_ep2"]

@@ -109,6 +109,17 @@ def test_checkpoint_from_another_model_is_rejected(data, tmp_path):
     out = train(1, tiny_overrides(data, run, **{"train.steps": 8, "model.hidden_size": 32}), check=False)
     assert out.returncode != 0
     assert "belongs to another model" in out.stderr and "hidden_size" in out.stderr
+    # A marker written before a model key existed matches that key's default, and only it.
+    from pretrain.checkpoint import CheckpointError, check_compatible, read_meta
+    from pretrain.config import load_config
+
+    tag = run / "checkpoints" / "step_00000004"
+    meta = read_meta(tag)
+    del meta["model"]["num_kv_heads"]
+    model = load_config(None, tiny_overrides(data, run)).to_dict()["model"]
+    check_compatible(meta, model, None, tag)
+    with pytest.raises(CheckpointError, match="num_kv_heads: checkpoint 0 vs config 2"):
+        check_compatible(meta, {**model, "num_kv_heads": 2}, None, tag)
 
 
 def profiled_steps(trace) -> list[str]:

@@ -1,6 +1,8 @@
 """Self-attention with Q/K/V projections split by heads across tensor-parallel ranks.
 
-Subclasses supply only the attention core: how queries, keys and values combine.
+Subclasses supply only the attention core: how queries, keys and values combine. With grouped-query
+attention (model.num_kv_heads < num_heads) cores get keys and values with the K/V heads only; query
+head j reads K/V head j // (num_heads / num_kv_heads).
 """
 
 from __future__ import annotations
@@ -14,18 +16,30 @@ from models.layers import column_linear, row_linear, tp_size
 
 
 def check_heads_divisible(cfg: ModelConfig) -> int:
-    if cfg.num_heads % tp_size():
+    """Query heads per tensor-parallel rank (every rank holds whole K/V groups)."""
+    if cfg.num_heads % cfg.kv_heads:
+        raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} does not divide model.num_heads={cfg.num_heads}")
+    if cfg.kv_heads % tp_size():
         raise ValueError(
-            f"model.num_heads={cfg.num_heads} is not divisible by tensor parallel size {tp_size()}"
+            f"model.num_heads={cfg.num_heads} (K/V heads {cfg.kv_heads}) is not divisible by tensor "
+            f"parallel size {tp_size()}"
         )
     return cfg.num_heads // tp_size()
+
+
+def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V [batch, kv_heads, seq, dim] -> [batch, heads, seq, dim], each K/V head repeated for
+    the query heads of its group (a no-op without grouped-query attention)."""
+    groups = heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 class ProjectedAttention(nn.Module):
     """x -> (q, k, v) per local head -> core -> output projection.
 
-    The fused QKV weight is laid out head-major ([head, q|k|v, head_dim]) so a contiguous
-    TP split hands every rank whole heads.
+    The fused QKV weight is laid out by K/V group ([kv_head, q_1..q_g|k|v, head_dim], g query heads
+    per K/V head; [head, q|k|v, head_dim] without grouped-query attention) so a contiguous TP split
+    hands every rank whole groups.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -34,15 +48,18 @@ class ProjectedAttention(nn.Module):
         # Set by build_attention when the next layer is a LISA layer that reuses this one's scores.
         self.publish_scores = False
         self.local_heads = check_heads_divisible(cfg)
+        self.kv_groups = cfg.num_heads // cfg.kv_heads
         self.head_dim = cfg.head_dim
-        self.qkv = column_linear(cfg, cfg.hidden_size, 3 * cfg.hidden_size)
+        self.qkv = column_linear(cfg, cfg.hidden_size, cfg.hidden_size + 2 * cfg.kv_width)
         self.out = row_linear(cfg, cfg.hidden_size, cfg.hidden_size)
 
     def project(self, x: torch.Tensor, ctx: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, seq, _ = x.shape
         qkv, _ = self.qkv(x)
-        qkv = qkv.view(batch, seq, self.local_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k, v = qkv.unbind(0)  # each [batch, heads, seq, head_dim]
+        g = self.kv_groups
+        qkv = qkv.view(batch, seq, self.local_heads // g, g + 2, self.head_dim)
+        q = qkv[:, :, :, :g].flatten(2, 3).transpose(1, 2)  # [batch, heads, seq, head_dim]
+        k, v = (qkv[:, :, :, i].transpose(1, 2) for i in (g, g + 1))  # [batch, kv_heads, seq, head_dim]
         rotary = ctx["rotary"]
         return rotary(q), rotary(k), v
 

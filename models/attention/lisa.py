@@ -12,7 +12,7 @@ and a low-rank per-head correction with RoPE adds the layer-wise difference:
 
     S = S_hat + (X Wq_r)(X Wk_r)^T / sqrt(r)        (rank r per head; Wk_r zero at init)
 
-V and the output projection are kept. The attention function follows the nearest earlier
+V (with its K/V heads under grouped-query attention) and the output projection are kept. The attention function follows the nearest earlier
 non-LISA layer: ReLU (same normaliser) after a relu layer, plain softmax after softmax or
 softmax_sink layers (the sink logit is not shared). Q/K parameters shrink by head_dim / r
 (8x at the default rank). Groups never straddle tensor-parallel ranks, so the group must divide
@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.attention.base import ProjectedAttention, check_heads_divisible
+from models.attention.base import ProjectedAttention, check_heads_divisible, expand_kv
 from models.attention.relu import relu_weights
 from models.attention.softmax import causal_softmax
 from models.config import ModelConfig
@@ -51,13 +51,14 @@ def lisa_param_count(cfg: ModelConfig) -> int:
     """Parameters of one LISA layer (exact for LISAAttention)."""
     d = cfg.hidden_size
     rank, _, _ = lisa_sizes(cfg)
-    return 2 * cfg.num_heads * rank * d + 2 * d * d + lisa_align_params(cfg)
+    return 2 * cfg.num_heads * rank * d + d * cfg.kv_width + d * d + lisa_align_params(cfg)
 
 
 def qk_compression(cfg: ModelConfig) -> float:
-    """Full attention's Q/K parameters divided by a LISA layer's (head_dim / rank)."""
+    """Full attention's Q/K parameters divided by a LISA layer's (head_dim / rank without
+    grouped-query attention)."""
     rank, _, _ = lisa_sizes(cfg)
-    return (2 * cfg.hidden_size * cfg.hidden_size) / (2 * cfg.num_heads * rank * cfg.hidden_size)
+    return (cfg.hidden_size + cfg.kv_width) / (2 * cfg.num_heads * rank)
 
 
 def _split_param(full: torch.Tensor, local: int) -> nn.Parameter:
@@ -135,7 +136,7 @@ class LISAAttention(nn.Module):
         self.qk = column_linear(cfg, d, 2 * cfg.num_heads * self.rank)  # head-major [head, q|k, rank]
         with torch.no_grad():  # zero correction at init: the layer starts as pure (aligned) sharing
             self.qk.weight.view(self.local_heads, 2, self.rank, d)[:, 1].zero_()
-        self.v = column_linear(cfg, d, d)
+        self.v = column_linear(cfg, d, cfg.kv_width)
         self.out = row_linear(cfg, d, d)
         self.align = HeadAlign(cfg.num_heads, self.local_heads, group, hidden)
         self.rotary = Rotary(self.rank, cfg.max_seq_len, cfg.rope_base)
@@ -160,14 +161,14 @@ class LISAAttention(nn.Module):
         else:
             weights, normalised = causal_softmax(scores), True
         self.capture(ctx, weights, normalised=normalised)
-        return weights.to(v.dtype) @ v
+        return weights.to(v.dtype) @ expand_kv(v, scores.shape[1])
 
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         b, s, _ = x.shape
         scores = self.scores(x, ctx)
         self.publish(ctx, scores)
         v, _ = self.v(x)
-        v = v.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
         if ctx.get("recompute_attention"):  # selective activation checkpointing
             o = checkpoint(self.mix, scores, v, ctx, use_reentrant=False)
         else:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from models.attention.base import ProjectedAttention
+from models.attention.base import ProjectedAttention, expand_kv
 from models.attention.softmax import causal_mask, scaled_scores
 from models.config import ModelConfig
 
@@ -102,6 +102,7 @@ class ReLUAttention(ProjectedAttention):
             raise ValueError(f"model.relu_attention.block_size={self.block_size} must be >= 1")
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         if not (self.publish_scores or ctx.get("capture_attention")):
             return relu_attention(q, k, v, self.normalizer, self.block_size)
         scores = scaled_scores(q, k)

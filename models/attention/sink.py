@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 
-from models.attention.base import ProjectedAttention
+from models.attention.base import ProjectedAttention, expand_kv
 from models.attention.softmax import causal_mask, scaled_scores
 from models.config import ModelConfig
 
@@ -33,17 +33,17 @@ def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sink: torch.Tensor) -> torch.Tensor:
     """Causal attention with sink logits [heads], via SDPA and extra zero key/value columns: the
     first carries the sink logit as its bias, the rest (padding the key length to a multiple of 8
-    for fused kernels' mask alignment) are masked out."""
+    for fused kernels' mask alignment) are masked out. k/v may hold fewer (grouped-query) heads."""
     b, h, s, d = q.shape
     extra = 1 + (-(s + 1)) % 8
-    zeros = q.new_zeros(b, h, extra, d)
+    zeros = q.new_zeros(b, k.shape[1], extra, d)
     k = torch.cat([zeros, k], dim=2)
     v = torch.cat([zeros.to(v.dtype), v], dim=2)
     causal = torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(
         ~causal_mask(s, s, q.device), float("-inf"))
     pad = torch.full((h, s, extra - 1), float("-inf"), dtype=q.dtype, device=q.device)
     bias = torch.cat([sink.to(q.dtype).view(h, 1, 1).expand(h, s, 1), pad, causal.expand(h, s, s)], dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0), enable_gqa=k.shape[1] != h)
 
 
 class SinkSoftmaxAttention(ProjectedAttention):
@@ -58,6 +58,7 @@ class SinkSoftmaxAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         if not (self.publish_scores or ctx.get("capture_attention")):
             return sink_softmax_attention(q, k, v, self.sink)
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)
         self.publish(ctx, scores)
         weights = sink_softmax_weights(scores, self.sink)

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.attention.base import ProjectedAttention
+from models.attention.base import ProjectedAttention, expand_kv
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device, offset: int = 0) -> torch.Tensor:
@@ -36,13 +36,15 @@ def causal_softmax_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Causal SDPA; k/v may hold fewer (grouped-query) heads than q."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class SoftmaxAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         if not (self.publish_scores or ctx.get("capture_attention")):
             return softmax_attention(q, k, v)
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)
         self.publish(ctx, scores)
         weights = causal_softmax(scores)

@@ -40,11 +40,13 @@ class UoEPretrainConfig(PretrainedConfig):
                  lisa_align_hidden: int = 16, mlp_kinds: list[str] | None = None, num_experts: int = 4,
                  num_experts_per_tok: int = 2, expert_hidden_size: int = 128, shared_hidden_size: int = 0,
                  routing_neurons: int = 0, uoe_score: str = "h", vse_mode: str = "overlap",
-                 tie_word_embeddings: bool = False, use_cache: bool = True, **kwargs):
+                 tie_word_embeddings: bool = False, use_cache: bool = True,
+                 num_key_value_heads: int | None = None, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads  # grouped-query attention
         self.intermediate_size = intermediate_size
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
@@ -120,31 +122,43 @@ def relu_weights(scores: torch.Tensor, normalizer: str) -> torch.Tensor:
     return scores.relu().masked_fill(~causal_mask(scores), 0.0) / n.to(scores.dtype)
 
 
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V [batch, kv_heads, seq, dim] -> [batch, heads, seq, dim]: query head j reads K/V head
+    j // (heads / kv_heads)."""
+    groups = heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
 class Attention(nn.Module):
-    """softmax, softmax_sink or relu attention over a fused head-major QKV projection
-    (rows [head, q|k|v, head_dim])."""
+    """softmax, softmax_sink or relu attention over a fused QKV projection grouped by K/V head
+    (rows [kv_head, q_1..q_g|k|v, head_dim], g = heads / kv_heads)."""
 
     def __init__(self, config: UoEPretrainConfig, layer: int, kind: str, keep_scores: bool):
         super().__init__()
         self.layer, self.kind = layer, kind
         self.keep_scores = keep_scores  # the next layer is LISA and reuses these scores
         self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
         self.head_dim = config.hidden_size // self.heads
         self.normalizer = config.relu_normalizer
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
+        self.qkv = nn.Linear(config.hidden_size, config.hidden_size + 2 * self.kv_heads * self.head_dim, bias=False)
         self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         if kind == "softmax_sink":
             self.sink = nn.Parameter(torch.zeros(self.heads))
 
     def forward(self, x: torch.Tensor, state: dict) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        g = self.heads // self.kv_heads
+        qkv = self.qkv(x).view(b, s, self.kv_heads, g + 2, self.head_dim)
+        q = qkv[:, :, :, :g].flatten(2, 3).transpose(1, 2)
+        k, v = (qkv[:, :, :, i].transpose(1, 2) for i in (g, g + 1))
         q, k = apply_rope(q, state["rope"]), apply_rope(k, state["rope"])
-        if state["cache"] is not None:
+        if state["cache"] is not None:  # the cache holds the K/V heads only
             k, v = state["cache"].update(k, v, self.layer)
         if self.kind == "softmax" and not self.keep_scores and k.shape[-2] == s:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
         else:
+            k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
             state["scores"] = scores
             if self.kind == "softmax":
@@ -190,7 +204,8 @@ class HeadAlign(nn.Module):
 
 class LISAAttention(nn.Module):
     """Reuses the previous layer's scores: HeadAlign(S_prev) + (X Wq_r)(X Wk_r)^T / sqrt(r), with
-    RoPE on the rank-r projections (rows [head, q|k, r]); V and the output projection are full."""
+    RoPE on the rank-r projections (rows [head, q|k, r]); V (K/V heads) and the output projection
+    are full."""
 
     def __init__(self, config: UoEPretrainConfig, layer: int, source_kind: str):
         super().__init__()
@@ -202,7 +217,7 @@ class LISAAttention(nn.Module):
         self.source_kind = source_kind
         self.normalizer = config.relu_normalizer
         self.qk = nn.Linear(d, 2 * self.heads * self.rank, bias=False)
-        self.v = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, config.num_key_value_heads * self.head_dim, bias=False)
         self.out = nn.Linear(d, d, bias=False)
         self.align = HeadAlign(self.heads, config.lisa_align_group, config.lisa_align_hidden)
 
@@ -211,14 +226,14 @@ class LISAAttention(nn.Module):
         q, k = self.qk(x).view(b, s, self.heads, 2, self.rank).permute(3, 0, 2, 1, 4).unbind(0)
         table = state["rope_lisa"]
         q, k = apply_rope(q, table), apply_rope(k, table)
-        v = self.v(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if state["cache"] is not None:
             k, v = state["cache"].update(k, v, self.layer)
         delta = (q @ k.transpose(-2, -1)) / math.sqrt(self.rank)
         scores = self.align(state["scores"].to(delta.dtype)) + delta
         state["scores"] = scores
         weights = relu_weights(scores, self.normalizer) if self.source_kind == "relu" else softmax_weights(scores)
-        return self.out((weights.to(v.dtype) @ v).transpose(1, 2).flatten(2))
+        return self.out((weights.to(v.dtype) @ repeat_kv(v, self.heads)).transpose(1, 2).flatten(2))
 
 
 # ---------------------------------------------------------------------------------- MLPs
