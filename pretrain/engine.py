@@ -1,4 +1,4 @@
-"""DeepSpeed engine: ZeRO stage, precision, AdamW, warmup + cosine schedule, clipping."""
+"""DeepSpeed engine: ZeRO stage, precision, AdamW, learning-rate schedule, clipping."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from torch import nn
 
 from pretrain.config import Config
 from pretrain.distributed import MegatronCoreMPU
+from pretrain.schedule import client_scheduler
 
 
 def use_bf16(cfg: Config) -> bool:
@@ -41,19 +42,6 @@ def deepspeed_config(cfg: Config) -> dict:
             "reduce_scatter": True,
         },
         "optimizer": {"type": "AdamW", "params": adamw},
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": t.steps,
-                # DeepSpeed needs >= 1 warmup step; warmup_steps = 0 starts at the full rate.
-                "warmup_num_steps": max(t.warmup_steps, 1),
-                "warmup_min_ratio": 1.0 / max(t.warmup_steps, 1),  # the first step already learns
-                "cos_min_ratio": t.min_lr_ratio,
-                "warmup_type": "linear",
-                # DeepSpeed's schedule starts at iteration -1, i.e. lr 0 for the first step.
-                "last_batch_iteration": 0,
-            },
-        },
     }
 
 
@@ -77,6 +65,7 @@ def build_engine(cfg: Config, model: nn.Module):
         model_parameters=param_groups(model),
         config=deepspeed_config(cfg),
         mpu=MegatronCoreMPU(),
+        lr_scheduler=client_scheduler(cfg.train),
     )
     return engine
 

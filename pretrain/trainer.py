@@ -151,6 +151,7 @@ class Trainer:
         while step < t.steps:
             for callback in self.callbacks:
                 callback.on_step_begin(self, step + 1)
+            lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
             loss = self.train_step(throughput)
             step += 1
             throughput.step()
@@ -163,7 +164,7 @@ class Trainer:
                 )
             self.losses.append((step, result.loss))
             if step % t.log_interval == 0 or step == t.steps:
-                result.metrics = {"loss": result.loss, "lr": self.engine.get_lr()[0],
+                result.metrics = {"loss": result.loss, "lr": lr,
                                   "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                                   **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
                 self.logger.scalars(step, result.metrics, prefix="train/")

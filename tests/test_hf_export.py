@@ -285,7 +285,7 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
         assert torch.equal(p.detach(), q.detach()), name
     batch = torch.randint(4, vocab, (2, 33), generator=torch.Generator().manual_seed(2))
     engine.train()
-    # Two steps: DeepSpeed's WarmupCosineLR runs its first step at lr 0 (schedule index -1), as in a fresh run.
+    # Two steps at the warmup rates of a fresh run (the schedule is at step 0).
     for _ in range(2):
         loss = engine(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)

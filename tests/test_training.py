@@ -122,6 +122,66 @@ def test_checkpoint_from_another_model_is_rejected(data, tmp_path):
         check_compatible(meta, {**model, "num_kv_heads": 2}, None, tag)
 
 
+COSINE = [0.5, 1.0, 0.9657, 0.8682, 0.7222, 0.55, 0.3778, 0.2318, 0.1343, 0.1]
+WSD = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1]
+WSD_SQRT = WSD[:7] + [0.4804, 0.2652, 0.1]
+
+
+def test_schedule_rates_and_config_errors():
+    """Every step's rate over train.lr (10 steps, 2 of warmup, min_lr_ratio 0.1): warmup from the
+    first step, cosine to the floor at the last step; wsd at the full rate until its decay window
+    (the last 30% here), linear or 1 - sqrt."""
+    from pretrain.config import ConfigError, TrainConfig, load_config, validate
+    from pretrain.schedule import lr_multiplier
+
+    base = dict(steps=10, warmup_steps=2, min_lr_ratio=0.1, decay_fraction=0.3)
+    for extra, want in (({}, COSINE), ({"schedule": "wsd"}, WSD),
+                        ({"schedule": "wsd", "decay_shape": "sqrt"}, WSD_SQRT)):
+        t = TrainConfig(**base, **extra)
+        assert [round(lr_multiplier(i, t), 4) for i in range(10)] == want, extra
+    no_warmup = TrainConfig(steps=4, warmup_steps=0, min_lr_ratio=0.0)
+    assert [lr_multiplier(i, no_warmup) for i in range(4)] == pytest.approx([0.8536, 0.5, 0.1464, 0.0], abs=1e-4)
+    for overrides, match in ((["train.schedule=linear"], "train.schedule='linear': choose one of"),
+                             (["train.schedule=wsd", "train.decay_fraction=0"], "decay_fraction=0.0 must be in"),
+                             (["train.schedule=wsd", "train.decay_shape=exp"], "decay_shape='exp'"),
+                             (["train.schedule=wsd", "train.steps=10", "train.warmup_steps=5",
+                               "train.decay_fraction=0.6"], "plus the 6 decay steps")):
+        with pytest.raises(ConfigError, match=match):
+            validate(load_config(None, overrides), world_size=1)
+
+
+def logged_lrs(run) -> dict[int, float]:
+    records = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["train/lr"] for r in records if "train/lr" in r}
+
+
+def test_wsd_run_resumes_exactly_and_extends(data, tmp_path):
+    """The logged rate is the one each step applied. A wsd run stopped at step 5 and resumed gives
+    the uninterrupted losses bitwise; resumed with train.steps=14 instead, it stays at the full rate
+    through step 10 (the same losses until the 10-step run's decay shows) and decays over the last
+    30% of the 14 steps."""
+    lr = 3e-3
+    common = {"train.steps": 10, "train.warmup_steps": 2, "train.schedule": "wsd", "train.decay_fraction": 0.3,
+              "train.lr": lr, "train.save_interval": 5}
+    full, resumed, extended = tmp_path / "full", tmp_path / "resumed", tmp_path / "extended"
+    train(1, tiny_overrides(data, full, **common))
+    train(1, tiny_overrides(data, resumed, **common, **{"train.stop_at_step": 5}))
+    shutil.copytree(resumed, extended)
+    out = train(1, tiny_overrides(data, resumed, **common))
+    assert "resumed from" in out.stdout
+    assert logged_lrs(full) == pytest.approx({k + 1: lr * m for k, m in enumerate(WSD)}, rel=1e-6)
+    assert losses(resumed) == losses(full) and logged_lrs(resumed) == logged_lrs(full)
+
+    train(1, tiny_overrides(data, extended, **{**common, "train.steps": 14}))
+    want = [1.0] * 5 + [0.775, 0.55, 0.325, 0.1]
+    lrs = logged_lrs(extended)
+    assert [lrs[s] for s in range(6, 15)] == pytest.approx([lr * m for m in want], rel=1e-6)
+    got, reference = losses(extended), losses(full)
+    # A step's loss is taken before its update: the 10-step run's first decayed step (8) shows at 9.
+    assert [got[s] for s in range(1, 9)] == [reference[s] for s in range(1, 9)]
+    assert got[9] != reference[9]
+
+
 def profiled_steps(trace) -> list[str]:
     with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
