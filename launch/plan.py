@@ -70,8 +70,8 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
     elem = 2 if layout.bf16 else 4
     stores_scores = lambda kind: kind != "softmax" or not layout.bf16  # noqa: E731 (flash on GPU only)
     keeps_scores = lambda kind: stores_scores(kind) and layout.checkpointing != "selective"  # noqa: E731
-    per_layer = [4 * h + (4 * h + 3 * kv) / t + 4 * active_mlp_width(cfg, i) / t + (a * seq / t if keeps_scores(k) else 0)
-                 for i, k in enumerate(cfg.attention_kinds())]
+    per_layer = [4 * h + (4 * h + 3 * kv) / t + 4 * active_mlp_width(cfg, i) / t
+                 + (a * seq / t if keeps_scores(k) else 0) for i, k in enumerate(cfg.attention_kinds())]
     tokens = layout.micro_batch * seq
     if layout.checkpointing == "full":
         layers = cfg.num_layers * h + max(per_layer)

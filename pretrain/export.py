@@ -135,7 +135,8 @@ def remote_config(cfg, dtype: torch.dtype, special: dict):
     name = REMOTE_CODE.stem
     return module.UoEPretrainConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+        intermediate_size=cfg.ffn_hidden_size,
         max_position_embeddings=cfg.max_seq_len, rope_theta=float(cfg.rope_base), rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std, attention_kinds=kinds,
         lisa_sources=[lisa_source_kind(kinds, i) if k == "lisa" else None for i, k in enumerate(kinds)],
@@ -280,8 +281,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
     tag_dir = resolve_checkpoint(checkpoint)
-    from pretrain.checkpoint import read_meta
-    from pretrain.checkpoint import model_config
+    from pretrain.checkpoint import model_config, read_meta
 
     meta = read_meta(tag_dir)
     fmt = export_format(model_config(meta["model"]))

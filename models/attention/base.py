@@ -18,7 +18,8 @@ from models.layers import column_linear, row_linear, tp_size
 def check_heads_divisible(cfg: ModelConfig) -> int:
     """Query heads per tensor-parallel rank (every rank holds whole K/V groups)."""
     if cfg.num_heads % cfg.kv_heads:
-        raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} does not divide model.num_heads={cfg.num_heads}")
+        raise ValueError(
+            f"model.num_kv_heads={cfg.num_kv_heads} does not divide model.num_heads={cfg.num_heads}")
     if cfg.kv_heads % tp_size():
         raise ValueError(
             f"model.num_heads={cfg.num_heads} (K/V heads {cfg.kv_heads}) is not divisible by tensor "

@@ -12,9 +12,9 @@ and a low-rank per-head correction with RoPE adds the layer-wise difference:
 
     S = S_hat + (X Wq_r)(X Wk_r)^T / sqrt(r)        (rank r per head; Wk_r zero at init)
 
-V (with its K/V heads under grouped-query attention) and the output projection are kept. The attention function follows the nearest earlier
-non-LISA layer: ReLU (same normaliser) after a relu layer, plain softmax after softmax or
-softmax_sink layers (the sink logit is not shared). Q/K parameters shrink by head_dim / r
+V (with its K/V heads under grouped-query attention) and the output projection are kept. The
+attention function follows the nearest earlier non-LISA layer: ReLU (same normaliser) after a
+relu layer, plain softmax after softmax or softmax_sink layers (the sink logit is not shared). Q/K parameters shrink by head_dim / r
 (8x at the default rank). Groups never straddle tensor-parallel ranks, so the group must divide
 the local heads (num_heads / parallel.tensor).
 """

@@ -141,7 +141,8 @@ class Attention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.hidden_size // self.heads
         self.normalizer = config.relu_normalizer
-        self.qkv = nn.Linear(config.hidden_size, config.hidden_size + 2 * self.kv_heads * self.head_dim, bias=False)
+        qkv_width = config.hidden_size + 2 * self.kv_heads * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, qkv_width, bias=False)
         self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         if kind == "softmax_sink":
             self.sink = nn.Parameter(torch.zeros(self.heads))
