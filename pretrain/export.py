@@ -10,8 +10,9 @@ SentencePiece model used for training: no BOS/EOS added, no dummy prefix, byte f
 
 Dense softmax models become a standard `LlamaForCausalLM`:
 
-* fused head-major QKV rows [head, q|k|v, head_dim] -> q_proj / k_proj / v_proj (no RoPE
-  permutation: both use the half-split rotate_half layout, theta = model.rope_base);
+* fused QKV rows grouped by K/V head [kv_head, q_1..q_g|k|v, head_dim] -> q_proj / k_proj /
+  v_proj, num_key_value_heads = model.num_kv_heads (no RoPE permutation: both use the half-split
+  rotate_half layout, theta = model.rope_base);
 * interleaved SwiGLU rows (gate_n, up_n) -> gate_proj / up_proj; w_out -> down_proj;
 * RMSNorm eps = model.norm_eps; tied embeddings -> tie_word_embeddings;
 * the vocabulary padding (model.vocab_pad_to) is trimmed: config.vocab_size = model.vocab_size
