@@ -85,9 +85,13 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
     return sets
 
 
+def all_batches(val_sets: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The batches of every validation set, in order, one list."""
+    return [batch for batches in val_sets.values() for batch in batches]
+
+
 def load_val_batches(cfg: Config) -> list[torch.Tensor]:
-    """The batches of every validation set, one list."""
-    return [batch for batches in load_val_sets(cfg).values() for batch in batches]
+    return all_batches(load_val_sets(cfg))
 
 
 def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from megatron.core import parallel_state as ps
 from models.moe.routing import sparse_layers
 from pretrain import checkpoint, signals
 from pretrain.config import Config
-from pretrain.data import Batches, split_batch
+from pretrain.data import Batches, all_batches, split_batch
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
 
 
@@ -76,8 +76,7 @@ class Trainer:
 
     @property
     def val_batches(self) -> list[torch.Tensor]:
-        """The batches of all validation sets, in order."""
-        return [batch for batches in self.val_sets.values() for batch in batches]
+        return all_batches(self.val_sets)
 
     def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""

@@ -51,6 +51,7 @@ class RoutingStats:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+        self.device_size = 2 * num_experts + len(self.ON_DEVICE)
         # Output norms cost two reductions over [tokens, hidden] per forward; the trainer measures
         # them on log steps only (models.moe.telemetry.RoutingTelemetry).
         self.measure_norms = True
@@ -62,8 +63,7 @@ class RoutingStats:
 
     def _sums(self, device: torch.device) -> torch.Tensor:
         if self.device_sums is None:  # on the device of the first training forward
-            self.device_sums = torch.zeros(self.size(self.num_experts) - len(self.ON_HOST), dtype=torch.float64,
-                                           device=device)
+            self.device_sums = torch.zeros(self.device_size, dtype=torch.float64, device=device)
         return self.device_sums
 
     def add_forward(self, counts: torch.Tensor, score_sum: torch.Tensor, tokens: int, assignments: int) -> None:
@@ -79,7 +79,7 @@ class RoutingStats:
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[counts N, score sums N, *ON_DEVICE, *ON_HOST] as float64 on `device`."""
-        sums = (torch.zeros(self.size(self.num_experts) - len(self.ON_HOST), dtype=torch.float64, device=device)
+        sums = (torch.zeros(self.device_size, dtype=torch.float64, device=device)
                 if self.device_sums is None else self.device_sums.to(device))
         host = torch.tensor([self.tokens, self.assignments, self.forwards], dtype=torch.float64, device=device)
         return torch.cat([sums, host])
