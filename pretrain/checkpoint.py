@@ -191,6 +191,7 @@ def load(engine, path: Path) -> dict:
     # optimizer_state false: written without training (pretrain.import_hf), the moments are fresh anyway
     engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
                            load_optimizer_states=same_ep and meta.get("optimizer_state", True))
+    engine.lr_scheduler.follow_config()  # after the optimizer state, which carries the saved rate
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if not rank_file.is_file():  # another world size: fall back to rank 0's data state
         rank_file = path / "rank_00000.pt"

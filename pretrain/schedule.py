@@ -47,13 +47,19 @@ def lr_multiplier(index: int, t: TrainConfig) -> float:
 
 class LRSchedule(LambdaLR):
     """torch's LambdaLR over lr_multiplier. The multiplier is a plain function, which LambdaLR's
-    state_dict leaves out: a checkpoint holds the step count, the config the shape."""
+    state_dict leaves out, and so is the config: a checkpoint holds the step count, the config the
+    shape."""
 
     def __init__(self, optimizer, t: TrainConfig):
+        self.train_config = t
+
         def multiplier(index: int) -> float:
             return lr_multiplier(index, t)
 
         super().__init__(optimizer, multiplier)
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if k != "train_config"}
 
     def load_state_dict(self, state: dict) -> None:
         if "last_batch_iteration" in state:  # DeepSpeed's WarmupCosineLR, which older checkpoints hold
@@ -61,17 +67,16 @@ class LRSchedule(LambdaLR):
             return
         super().load_state_dict(state)
 
+    def follow_config(self) -> None:
+        """After a checkpoint load: the next step's rate from this config (its train.lr and
+        train.steps) at the restored position, not the rate the optimizer state was saved with."""
+        t = self.train_config
+        self.base_lrs = [t.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.lr * lr_multiplier(self.last_epoch, t)
+
 
 def client_scheduler(t: TrainConfig):
     """deepspeed.initialize's lr_scheduler: builds the schedule on DeepSpeed's optimizer."""
     return lambda optimizer: LRSchedule(optimizer, t)
 
-
-def restore(engine, t: TrainConfig) -> None:
-    """After a checkpoint load: the next step's rate from this config (its train.lr and
-    train.steps) at the restored position, not the rate the optimizer state was saved with."""
-    scheduler = engine.lr_scheduler
-    groups = scheduler.optimizer.param_groups
-    scheduler.base_lrs = [t.lr] * len(groups)
-    for group in groups:
-        group["lr"] = t.lr * lr_multiplier(scheduler.last_epoch, t)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain import checkpoint, schedule, signals
+from pretrain import checkpoint, signals
 from pretrain.config import Config, ConfigError, data_sources, load_config, save_config, validate, validate_data
 from pretrain.distributed import destroy_distributed, device, init_distributed, read_env
 
@@ -93,7 +93,6 @@ def run(cfg: Config) -> int:
         logger.print(f"started from the weights of {init_path}")
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path)
-        schedule.restore(engine, cfg.train)
         batches.load_state_dict(state["data"])
         start_step = checkpoint.read_meta(resume_path)["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}")
