@@ -392,11 +392,12 @@ def validate_data(cfg: Config) -> dict:
     """Match the model against every source's manifest and the tokenizer, before training starts.
     Returns the first local source's manifest ({} when all are remote)."""
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
-    manifests = []
+    manifests, tokenizer = [], None
     for source in data_sources(cfg.data):
         if "://" in source.shards:
             continue
-        key = f"data.mix entry {source.name!r} (shards={source.shards})" if source.name else f"data.shards={source.shards}"
+        key = (f"data.mix entry {source.name!r} (shards={source.shards})" if source.name
+               else f"data.shards={source.shards}")
         manifest_path = Path(source.shards) / "manifest.json"
         if not manifest_path.is_file():
             raise ConfigError(
@@ -414,12 +415,13 @@ def validate_data(cfg: Config) -> dict:
                 f"model.vocab_size={cfg.model.vocab_size} but the tokenizer of {key} has "
                 f"{manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
             )
-        if not tokenizer_meta.is_file():
-            raise ConfigError(
-                f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "
-                f"python -m data_prep.train_tokenizer --out {cfg.data.tokenizer}"
-            )
-        tokenizer = json.loads(tokenizer_meta.read_text())
+        if tokenizer is None:  # read once, when the first source needs it
+            if not tokenizer_meta.is_file():
+                raise ConfigError(
+                    f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "
+                    f"python -m data_prep.train_tokenizer --out {cfg.data.tokenizer}"
+                )
+            tokenizer = json.loads(tokenizer_meta.read_text())
         if tokenizer["sha256"] != manifest["tokenizer_sha256"]:
             raise ConfigError(
                 f"the shards of {key} were built with a different tokenizer than {cfg.data.tokenizer}; "

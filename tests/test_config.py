@@ -66,6 +66,10 @@ def test_data_mismatch_errors(tmp_path):
     cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=512"])
     with pytest.raises(ConfigError, match="set model.vocab_size=256"):
         validate_data(cfg)
+    cfg = load_config(None, [f"data.shards={root}/shards", f"data.tokenizer={tmp_path}/no_tokenizer",
+                             "model.max_seq_len=32", "model.vocab_size=256"])
+    with pytest.raises(ConfigError, match="no tokenizer.json there; train one with"):
+        validate_data(cfg)
     meta = root / "tokenizer" / "tokenizer.json"
     meta.write_text(json.dumps({"vocab_size": 256, "sha256": "f" * 64}))
     cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=256"])
