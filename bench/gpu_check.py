@@ -126,7 +126,6 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     from launch.plan import plan
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
-    from models.moe.routing import sparse_layers
     from pretrain.config import load_config
     from pretrain.distributed import init_single_process
     from pretrain.engine import build_engine
@@ -147,7 +146,6 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     if cfg.train.compile:
         model.compile_blocks()
     engine = build_engine(cfg, model)
-    sparse = sparse_layers(engine.module)
     micro, seq = cfg.train.micro_batch, cfg.model.max_seq_len
     batch = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), device=engine.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -156,8 +154,7 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
         loss = engine(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
         engine.step()
-        for layer in sparse:  # the trainer's per-step router-bias update
-            layer.update_bias()
+        engine.module.after_optimizer_step()  # as the trainer does (router-bias updates)
         return loss
 
     started = time.perf_counter()

@@ -3,7 +3,7 @@ parameters, trained on the same shards, tokens and seed through the real trainer
 
     python -m bench.uoe_vs_moe [--steps 150 --nproc 2 --shards data/demo/shards]
 
-The models are the `tiny` set of models.moe.matching (configs/tiny_{uoe,moe}.yaml and
+The models are the `tiny` set of tools.matching (configs/tiny_{uoe,moe}.yaml and
 configs/tiny_dense.yaml); sparse models run at expert-parallel size = nproc. Reports final
 validation loss, training tokens/s, routing load entropy and max load as a table, writes
 bench/results/uoe_vs_moe.json and bench/results/uoe_vs_moe.png (loss curves).

@@ -35,7 +35,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from data_prep.sources import BadInputReport, as_sources, iter_documents, require_documents
-from data_prep.train_tokenizer import MODEL_FILE, load_tokenizer
+from data_prep.tokenizer import MODEL_FILE, load_tokenizer
 
 SPLITS = ("train", "val")
 # Documents are handed to the workers in batches of about this many characters:

@@ -18,7 +18,6 @@ Choices that matter downstream:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import sys
@@ -29,10 +28,8 @@ from typing import Iterator
 import sentencepiece as spm
 
 from data_prep.sources import BadInputReport, as_sources, iter_documents, require_documents
+from data_prep.tokenizer import META_FILE, MODEL_FILE, SPECIAL_IDS, sha256_file
 
-MODEL_FILE = "tokenizer.model"
-META_FILE = "tokenizer.json"
-SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 # SentencePiece silently drops training sentences longer than this many bytes.
 MAX_SENTENCE_BYTES = 4192
 
@@ -56,10 +53,6 @@ def _training_lines(docs, max_sentences: int, max_doc_chars: int, stats: dict) -
             stats["sentences"] += 1
             stats["chars"] += len(line)
             yield line
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _train(lines, model_writer, vocab_size: int, model_type: str, num_threads: int) -> None:
@@ -132,19 +125,6 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
     }
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
-
-
-def load_tokenizer(tokenizer_dir) -> tuple[spm.SentencePieceProcessor, dict]:
-    """Load ``DIR/tokenizer.model`` and its metadata, with a clear error if absent or stale."""
-    d = Path(tokenizer_dir)
-    model, meta_file = d / MODEL_FILE, d / META_FILE
-    if not model.is_file() or not meta_file.is_file():
-        raise FileNotFoundError(f"no tokenizer at {d}: run python -m data_prep.train_tokenizer --out {d}")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("sha256") != sha256_file(model):
-        raise ValueError(f"{model} does not match the sha256 in {meta_file}: the model was replaced "
-                         "after training; retrain it with --overwrite")
-    return spm.SentencePieceProcessor(model_file=str(model)), meta
 
 
 def main(argv=None) -> int:

@@ -13,31 +13,16 @@ prints one word for the batch script:
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 
-# Names shared with pretrain.signals / pretrain.checkpoint; repeated here because importing those
-# loads torch, which would add seconds to every `decide` and `launch.status` call.
-STOP_MARKER = "STOPPED_ON_SIGNAL"
-COMPLETE = "COMPLETE"
+from pretrain.checkpoint_format import latest_complete_step, read_stop_marker
 
 JOB_CONFIG = "slurm_config.yaml"  # resolved config the job trains with (written by launch.submit)
 JOB_SCRIPT = "train.sbatch"  # rendered batch script
 JOB_IDS = "slurm_job_ids.txt"  # one line per submission: job id
 HISTORY = "slurm_history.log"  # one line per start/end of the batch script (job id, restart count)
 LOG = "slurm.log"  # stdout+stderr of every run of the job, appended
-
-
-def read_stop_marker(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / STOP_MARKER
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def configured_steps(run_dir: Path) -> int | None:
@@ -51,32 +36,6 @@ def configured_steps(run_dir: Path) -> int | None:
             except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
                 return None
     return None
-
-
-def latest_complete(run_dir: Path) -> Path | None:
-    """Same choice as pretrain.checkpoint.latest_complete: `latest` if complete, else the newest
-    checkpoint with a COMPLETE marker."""
-    ckpt_dir = Path(run_dir) / "checkpoints"
-    pointer = ckpt_dir / "latest"
-    if pointer.is_file():
-        tag = pointer.read_text().strip()
-        if tag and (ckpt_dir / tag / COMPLETE).is_file():
-            return ckpt_dir / tag
-    if not ckpt_dir.is_dir():
-        return None
-    complete = sorted(d for d in ckpt_dir.iterdir()
-                      if re.fullmatch(r"step_\d+", d.name) and (d / COMPLETE).is_file())
-    return complete[-1] if complete else None
-
-
-def latest_complete_step(run_dir: Path) -> int | None:
-    path = latest_complete(run_dir)
-    if path is None:
-        return None
-    try:
-        return int(json.loads((path / COMPLETE).read_text())["step"])
-    except (OSError, KeyError, ValueError, json.JSONDecodeError):
-        return None
 
 
 def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: int) -> tuple[str, str]:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from launch import slurm_job
+from pretrain import checkpoint_format
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -111,10 +112,10 @@ def status(run_dir: Path) -> dict:
     log = run_dir / slurm_job.LOG
     stamps = [t for t in (prog["logged_at"], log.stat().st_mtime if log.is_file() else None) if t]
     info["seconds_since_last_log"] = round(time.time() - max(stamps), 1) if stamps else None
-    ckpt = slurm_job.latest_complete(run_dir)
+    ckpt = checkpoint_format.latest_complete(checkpoint_format.checkpoint_dir(run_dir))
     info["latest_checkpoint"] = str(ckpt) if ckpt else None
-    info["latest_checkpoint_step"] = slurm_job.latest_complete_step(run_dir)
-    info["stopped_on_signal"] = slurm_job.read_stop_marker(run_dir)
+    info["latest_checkpoint_step"] = checkpoint_format.latest_complete_step(run_dir)
+    info["stopped_on_signal"] = checkpoint_format.read_stop_marker(run_dir)
     info["log"] = str(log) if log.is_file() else None
     return info
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+class ConfigError(ValueError):
+    """A config problem, stated with the key at fault and the fix."""
+
+
 ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "lisa")
 ATTENTION_ABBREVIATIONS = {"s": "softmax", "k": "softmax_sink", "r": "relu", "l": "lisa"}
 MLP_KINDS = ("dense", "moe", "uoe")

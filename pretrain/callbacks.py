@@ -1,22 +1,27 @@
-"""Callbacks the trainer runs for a config: telemetry that depends on the model's kind, profiling."""
+"""The callbacks a run trains with: routing telemetry when the model has routed layers,
+attention-sink metrics, profiling when asked for."""
 
 from __future__ import annotations
 
+from torch import nn
+
+from models.moe.routing import sparse_layers
 from pretrain.config import Config
 from pretrain.trainer import Callback
 
 
-def build_callbacks(cfg: Config) -> list[Callback]:
-    from pretrain.sink_report import SinkMetricsCallback
+def build_callbacks(cfg: Config, model: nn.Module) -> list[Callback]:
+    from pretrain.sink_metrics import SinkMetricsCallback
 
     callbacks: list[Callback] = []
-    if cfg.model.mlp != "dense":
-        from models.moe.telemetry import RoutingTelemetry
+    routed = sparse_layers(model)
+    if routed:
+        from pretrain.routing_metrics import RoutingTelemetry
 
-        callbacks.append(RoutingTelemetry())  # routing/ scalars
+        callbacks.append(RoutingTelemetry(routed))  # routing/ scalars
     # Attention-sink metrics (alpha_1, Sink_1^0.3) on the fixed validation batch at every evaluation.
     per_head = cfg.model.num_heads * cfg.model.num_layers <= 256  # per-head scalars only for small models
-    callbacks.append(SinkMetricsCallback(cfg.train.eval_interval, per_head=per_head))
+    callbacks.append(SinkMetricsCallback(per_head=per_head))
     if cfg.profile.start_step:
         from pretrain.profiling import ProfilerCallback
 

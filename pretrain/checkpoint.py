@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -19,17 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-TAG_PATTERN = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
+from pretrain.checkpoint_format import COMPLETE, LATEST, TAG_PATTERN, CheckpointError, checkpoint_dir, read_meta, \
+    tag_for
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -54,10 +44,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
 
 
 # Model settings a run may change between checkpoints: they steer training, not what the weights mean.
@@ -115,37 +101,6 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def latest_complete(ckpt_dir: Path) -> Path | None:
-    """The checkpoint `latest` names if complete, else the newest complete one."""
-    pointer = ckpt_dir / LATEST
-    if pointer.is_file():
-        tag = pointer.read_text().strip()
-        if (ckpt_dir / tag / COMPLETE).is_file():
-            return ckpt_dir / tag
-    if not ckpt_dir.is_dir():
-        return None
-    complete = sorted(d for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and (d / COMPLETE).is_file())
-    return complete[-1] if complete else None
-
-
-def resolve_resume(resume: str, run_dir: str) -> Path | None:
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return latest_complete(checkpoint_dir(run_dir))
-    path = Path(resume)
-    if not (path / COMPLETE).is_file():
-        raise CheckpointError(
-            f"train.resume={resume}: not a complete checkpoint (no {COMPLETE} marker); "
-            "use train.resume=auto to pick the newest complete one"
-        )
-    return path
-
-
-def read_meta(path: Path) -> dict:
-    return json.loads((path / COMPLETE).read_text())
-
-
 def model_config(model: dict):
     """A ModelConfig from the dict stored in a COMPLETE marker; keys added since it was written
     take their defaults."""
@@ -188,7 +143,7 @@ def load(engine, path: Path) -> dict:
     restarts from the loaded weights (moments reset) while the LR schedule is restored."""
     meta = read_meta(path)
     same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
-    # optimizer_state false: written without training (pretrain.import_hf), the moments are fresh anyway
+    # optimizer_state false: written without training (tools.import_hf), the moments are fresh anyway
     engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
                            load_optimizer_states=same_ep and meta.get("optimizer_state", True))
     engine.lr_scheduler.follow_config()  # after the optimizer state, which carries the saved rate

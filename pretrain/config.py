@@ -14,11 +14,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from models.config import MLP_KINDS, ModelConfig
-
-
-class ConfigError(ValueError):
-    """A config problem, stated with the key at fault and the fix."""
+from models.config import MLP_KINDS, ConfigError, ModelConfig
+from pretrain.schedule import validate_schedule
 
 
 @dataclass
@@ -333,29 +330,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = start at the full train.lr)")
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
-    _validate_schedule(t)
+    validate_schedule(t)
     _validate_profile(cfg.profile, t.steps, world_size)
     data_sources(cfg.data)
-
-
-def _validate_schedule(t: TrainConfig) -> None:
-    from pretrain.schedule import DECAY_SHAPES, SCHEDULES, decay_steps
-
-    if t.schedule not in SCHEDULES:
-        raise ConfigError(f"train.schedule={t.schedule!r}: choose one of {SCHEDULES}")
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if t.schedule != "wsd":
-        return
-    if t.decay_shape not in DECAY_SHAPES:
-        raise ConfigError(f"train.decay_shape={t.decay_shape!r}: choose one of {DECAY_SHAPES}")
-    if not 0 < t.decay_fraction <= 1:
-        raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
-    if t.warmup_steps + decay_steps(t) > t.steps:
-        raise ConfigError(
-            f"train.warmup_steps={t.warmup_steps} plus the {decay_steps(t)} decay steps (train.decay_fraction="
-            f"{t.decay_fraction} of train.steps={t.steps}) exceed train.steps; shorten one of them"
-        )
 
 
 def parse_ranks(text: str) -> set[int] | None:

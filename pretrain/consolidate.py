@@ -1,8 +1,10 @@
 """A training checkpoint -> one full, single-process state dict, for any saved layout.
 
-    from pretrain.consolidate import load_model, consolidate
+    from pretrain.consolidate import load_model, full_state_dict
     model, cfg, meta = load_model("runs/x/checkpoints/step_00001000")   # GPT at TP=1, fp32, eval mode
-    state, cfg, meta = consolidate("runs/x")                            # newest complete checkpoint
+    state, cfg, meta = full_state_dict("runs/x")                        # newest complete checkpoint
+
+`python -m tools.consolidate` writes such a state dict to a file.
 
 Layouts read (DeepSpeed files in RUN_DIR/checkpoints/step_XXXXXXXX/):
 
@@ -11,7 +13,7 @@ Layouts read (DeepSpeed files in RUN_DIR/checkpoints/step_XXXXXXXX/):
   rebuilt from `zero_pp_rank_{DP}_mp_rank_{TP:02d}_{model,optim}_states.pt` with DeepSpeed's
   zero_to_fp32 helpers, one tensor-parallel rank at a time.
 * Expert weights (MoE / UoE) saved as `layer_{L}_expert_{E}_mp_rank_{TP:02d}_model_states.pt`
-  are added under their global expert id (models.moe.convert_experts' naming).
+  are added under their global expert id (pretrain.checkpoint_format.EXPERT_KEY).
 
 Tensor-parallel shards are then concatenated along each parameter's `partition_dim`, read from a
 model built at tensor-parallel size 1 (megatron-core marks every split parameter with
@@ -37,34 +39,13 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import COMPLETE, TAG_PATTERN, latest_complete, model_config, read_meta
-
-EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+from pretrain.checkpoint import model_config
+from pretrain.checkpoint_format import COMPLETE, EXPERT_FILE, EXPERT_KEY, MP_MODEL, ZERO3_MODEL, CheckpointError, \
+    read_meta, resolve_checkpoint
 
 
-class ConsolidateError(RuntimeError):
-    """The checkpoint cannot be read as asked; the message says what is wrong and what to do."""
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A complete checkpoint tag directory from a tag directory or a run directory."""
-    path = Path(path)
-    if (path / COMPLETE).is_file():
-        return path
-    if TAG_PATTERN.match(path.name) or any(path.glob("*_model_states.pt")):
-        raise ConsolidateError(
-            f"{path} is not a complete checkpoint (no {COMPLETE} marker: the save was interrupted or is "
-            "still running); point at a complete step_XXXXXXXX directory or at the run directory"
-        )
-    for ckpt_dir in (path / "checkpoints", path):
-        if ckpt_dir.is_dir():
-            found = latest_complete(ckpt_dir)
-            if found is not None:
-                return found
-    raise ConsolidateError(f"{path}: no complete checkpoint found (expected RUN_DIR/checkpoints/step_XXXXXXXX/"
-                           f"{COMPLETE}, or a step_XXXXXXXX directory)")
+class ConsolidateError(CheckpointError):
+    """The checkpoint's files cannot be read as asked; the message says what is wrong and what to do."""
 
 
 def run_config(tag_dir: Path):
@@ -141,8 +122,6 @@ def rank_state(tag_dir: Path, mp_rank: int, layout: dict) -> dict[str, torch.Ten
     else:
         state = dict(_load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"])
     if layout["experts"]:
-        from models.moe.convert_experts import EXPERT_KEY
-
         state = {k: v for k, v in state.items() if not EXPERT_KEY.match(k)}
         for f in sorted(tag_dir.glob(f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt")):
             state.update(_load(f))  # keys carry the global expert id
@@ -212,7 +191,7 @@ def tensor_parallel_shards(tag_dir: Path, layout: dict) -> list[dict[str, torch.
     return [as_float32(rank_state(tag_dir, t, layout)) for t in range(layout["tensor"])]
 
 
-def consolidate(checkpoint: str | os.PathLike, model: torch.nn.Module | None = None):
+def full_state_dict(checkpoint: str | os.PathLike, model: torch.nn.Module | None = None):
     """(full fp32 state dict keyed like GPT(cfg) at TP=1, ModelConfig, marker meta).
 
     `model`: a GPT of this config built at TP=1 (built here, and discarded, when not given)."""
@@ -242,7 +221,7 @@ def load_model(checkpoint: str | os.PathLike):
     cfg = model_config(read_meta(tag_dir)["model"])
     _single_process()
     model = GPT(cfg)
-    state, cfg, meta = consolidate(tag_dir, model)
+    state, cfg, meta = full_state_dict(tag_dir, model)
     own = model.state_dict()
     for key in own:  # megatron-core's per-layer extra state (None); ZeRO-3 reconstruction omits it
         if key.endswith("_extra_state"):

@@ -94,6 +94,17 @@ def load_val_batches(cfg: Config) -> list[torch.Tensor]:
     return all_batches(load_val_sets(cfg))
 
 
+def read_samples(location: str | Path, count: int) -> torch.Tensor:
+    """The first `count` samples [count, seq + 1] of one split directory, in order, wrapping
+    around a small split (for tools that read shards outside training)."""
+    clean_shared_memory_once()
+    dataset = StreamingDataset(local=str(location), shuffle=False, batch_size=1)
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(f"{location} holds no samples")
+    return torch.stack([torch.from_numpy(dataset[i % n]["tokens"].astype("int64")) for i in range(count)])
+
+
 def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples hold seq_len + 1 tokens: inputs and next-token labels."""
     batch = batch.to(device, non_blocking=True)

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -106,15 +103,6 @@ def destroy_distributed() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def run_cli(main: Callable[[], int]) -> NoReturn:
-    """Exit with a single-process tool's main(), tearing down any process group it started."""
-    try:
-        code = main()
-    finally:
-        destroy_distributed()
-    sys.exit(code)
 
 
 class MegatronCoreMPU:

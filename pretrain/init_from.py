@@ -4,8 +4,8 @@
 
 The source may be any complete checkpoint of the same model (a run directory means its newest
 complete one): any tensor / expert / data-parallel size and ZeRO stage, or one written by
-pretrain.import_hf; or a file of full weights {"model": ..., "state_dict": ...} such as
-pretrain.convert_lisa's lisa_model.pt. Every rank reads the source's tensor-parallel shards,
+tools.import_hf; or a file of full weights {"model": ..., "state_dict": ...} such as
+tools.consolidate writes, or tools.convert_lisa's lisa_model.pt. Every rank reads the source's tensor-parallel shards,
 merges them into full tensors (pretrain.consolidate) and keeps its own slice for the run's
 layout, before DeepSpeed builds the engine (so ZeRO-3 partitions the loaded weights). The optimizer, learning-rate
 schedule and data order start fresh at step 0. A run that has its own checkpoints resumes from
@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state as ps
 
-from pretrain.checkpoint import CheckpointError, check_compatible, read_meta
-from pretrain.consolidate import ConsolidateError, as_float32, describe_layout, merge_tensor_parallel, \
-    resolve_checkpoint, tensor_parallel_shards
+from pretrain.checkpoint import check_compatible
+from pretrain.checkpoint_format import CheckpointError, global_expert_key, read_meta, resolve_checkpoint
+from pretrain.consolidate import as_float32, describe_layout, merge_tensor_parallel, tensor_parallel_shards
 
 
 def _state_file(path: Path) -> dict:
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     if not isinstance(state, dict) or not {"model", "state_dict"} <= set(state):
         raise CheckpointError(f"train.init_from={path}: a file must hold {{'model': ..., 'state_dict': ...}} "
-                              "(as pretrain.convert_lisa writes); for a training checkpoint give its directory")
+                              "(as tools.consolidate writes); for a training checkpoint give its directory")
     return state
 
 
@@ -44,21 +44,10 @@ def check_source(path: str, model_config: dict, tokenizer_sha256: str | None) ->
         tag = resolve_checkpoint(path)
         meta = read_meta(tag)
         describe_layout(tag, meta)
-    except ConsolidateError as err:
+    except CheckpointError as err:
         raise CheckpointError(f"train.init_from={path}: {err}") from None
     check_compatible(meta, model_config, tokenizer_sha256, tag)
     return tag
-
-
-def _source_name(name: str, num_local_experts: int) -> str:
-    """This rank's parameter name -> the checkpoint's (experts under their global id)."""
-    from models.moe.convert_experts import EXPERT_KEY
-
-    match = EXPERT_KEY.match(name)
-    if not match:
-        return name
-    global_id = ps.get_expert_model_parallel_rank() * num_local_experts + int(match.group(2))
-    return f"{match.group(1)}{global_id}{match.group(3)}"
 
 
 def _full_shape(param: torch.Tensor, tp: int) -> torch.Size:
@@ -77,11 +66,12 @@ def load_weights(model: torch.nn.Module, tag: Path, num_experts: int) -> None:
     local_experts = max(1, num_experts // ps.get_expert_model_parallel_world_size())
     own = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     params = dict(model.named_parameters())
-    names = {k: _source_name(k, local_experts) for k in own}
+    ep_rank = ps.get_expert_model_parallel_rank()
+    names = {k: global_expert_key(k, ep_rank, local_experts) for k in own}
     full_shapes = {names[k]: _full_shape(params.get(k, v), tp) for k, v in own.items()}
     dims = {names[k]: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
                        and getattr(p, "partition_dim", None) is not None else None) for k, p in params.items()}
-    if tag.is_file():  # full TP=1 weights, e.g. pretrain.convert_lisa's lisa_model.pt
+    if tag.is_file():  # full TP=1 weights (tools.consolidate, tools.convert_lisa)
         full = as_float32(_state_file(tag)["state_dict"])
     else:
         layout = describe_layout(tag, read_meta(tag))

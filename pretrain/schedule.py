@@ -14,10 +14,14 @@ the shape (train.lr, train.steps, ...) from its config.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from pretrain.config import TrainConfig
+from models.config import ConfigError
+
+if TYPE_CHECKING:
+    from pretrain.config import TrainConfig
 
 SCHEDULES = ("cosine", "wsd")
 DECAY_SHAPES = ("linear", "sqrt")
@@ -28,6 +32,25 @@ def decay_steps(t: TrainConfig) -> int:
     if t.schedule == "wsd":
         return max(1, round(t.decay_fraction * t.steps))
     return t.steps - t.warmup_steps
+
+
+def validate_schedule(t: TrainConfig) -> None:
+    """The schedule keys of train.*; raises ConfigError naming the key and the fix."""
+    if t.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule={t.schedule!r}: choose one of {SCHEDULES}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if t.schedule != "wsd":
+        return
+    if t.decay_shape not in DECAY_SHAPES:
+        raise ConfigError(f"train.decay_shape={t.decay_shape!r}: choose one of {DECAY_SHAPES}")
+    if not 0 < t.decay_fraction <= 1:
+        raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
+    if t.warmup_steps + decay_steps(t) > t.steps:
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} plus the {decay_steps(t)} decay steps (train.decay_fraction="
+            f"{t.decay_fraction} of train.steps={t.steps}) exceed train.steps; shorten one of them"
+        )
 
 
 def lr_multiplier(index: int, t: TrainConfig) -> float:

@@ -13,19 +13,12 @@ longest expected stall plus one step plus one checkpoint save.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 EXIT_CODE_SAVED_ON_SIGNAL = 85  # exit code of pretrain.train after it saved and stopped on a signal
-# Written into the run directory by rank 0 after the checkpoint of a signal stop is complete; the
-# Slurm batch script reads it (exit codes do not survive torchrun) to decide whether to requeue.
-STOP_MARKER = "STOPPED_ON_SIGNAL"
 
 _received: list[int] = []
 
@@ -38,10 +31,6 @@ def _handler(signum, frame) -> None:  # noqa: ARG001
 def install(signals=(signal.SIGUSR1, signal.SIGTERM)) -> None:
     for sig in signals:
         signal.signal(sig, _handler)
-
-
-def received_locally() -> bool:
-    return bool(_received)
 
 
 def any_rank_received(device: torch.device | str = "cpu") -> int:
@@ -58,20 +47,3 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return str(signum)
-
-
-def write_stop_marker(run_dir: str | os.PathLike, step: int, signum: int) -> Path:
-    """Record that the run saved a complete checkpoint at `step` and stopped on `signum`."""
-    path = Path(run_dir) / STOP_MARKER
-    tmp = path.with_name(f".{STOP_MARKER}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"step": step, "signal": signal_name(signum), "time": time.time()}) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def clear_stop_marker(run_dir: str | os.PathLike) -> None:
-    (Path(run_dir) / STOP_MARKER).unlink(missing_ok=True)
-
-
-def reset() -> None:
-    _received.clear()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain import checkpoint, signals
+from pretrain import checkpoint, checkpoint_format, signals
 from pretrain.config import Config, ConfigError, data_sources, load_config, save_config, validate, validate_data
 from pretrain.distributed import destroy_distributed, device, init_distributed, read_env
 
@@ -33,9 +33,9 @@ def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None, Path | Non
     Returns (manifest, checkpoint to resume, checkpoint whose weights to start from)."""
     validate(cfg, world_size)
     manifest = validate_data(cfg)
-    resume_path = checkpoint.resolve_resume(cfg.train.resume, cfg.run.dir)
+    resume_path = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
-        checkpoint.check_compatible(checkpoint.read_meta(resume_path), cfg.to_dict()["model"],
+        checkpoint.check_compatible(checkpoint_format.read_meta(resume_path), cfg.to_dict()["model"],
                                     manifest.get("tokenizer_sha256"), resume_path)
         return manifest, resume_path, None
     if cfg.train.init_from:
@@ -64,7 +64,7 @@ def run(cfg: Config) -> int:
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
-        signals.clear_stop_marker(run_dir)  # a marker describes the latest process run only
+        checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
     if init_path is not None:
@@ -94,10 +94,10 @@ def run(cfg: Config) -> int:
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path)
         batches.load_state_dict(state["data"])
-        start_step = checkpoint.read_meta(resume_path)["step"]
+        start_step = checkpoint_format.read_meta(resume_path)["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}")
     trainer = Trainer(cfg, engine, batches, load_val_sets(cfg), logger, device(), meta,
-                      build_callbacks(cfg))
+                      build_callbacks(cfg, model))
     trainer.fit(start_step)
     if env.rank == 0:
         with open(run_dir / "losses.jsonl", "a") as f:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         code = run(cfg)
-    except (ConfigError, checkpoint.CheckpointError) as err:
+    except (ConfigError, checkpoint_format.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from models.moe.routing import sparse_layers
-from pretrain import checkpoint, signals
+from pretrain import checkpoint, checkpoint_format, signals
 from pretrain.config import Config
 from pretrain.data import Batches, all_batches, split_batch
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
@@ -32,7 +32,7 @@ class StepResult:
 
 
 class Callback:
-    """Hooks into the loop; override what you need."""
+    """Hooks into the loop; override what you need. Every rank runs every hook."""
 
     def on_train_begin(self, trainer: Trainer, step: int) -> None:
         """Before the first step of this process; `step` is the last completed step (0, or the resumed one)."""
@@ -40,7 +40,18 @@ class Callback:
     def on_step_begin(self, trainer: Trainer, step: int) -> None:
         """Before train step `step` runs."""
 
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> None: ...
+    def on_optimizer_step(self, trainer: Trainer, step: int) -> None:
+        """After step `step`'s optimizer update (and the model's own after-step updates), before
+        its loss is reduced, validated or saved."""
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        """After step `result.step` is logged and validated (result.metrics is set on log steps)."""
+
+    def on_evaluate(self, trainer: Trainer, step: int, val: dict[str, float]) -> None:
+        """After a completed validation at `step` ({"loss": ..., "<source>/loss": ...})."""
+
+    def on_save(self, trainer: Trainer, step: int, path: Path) -> None:
+        """After the checkpoint of `step` is complete on every rank."""
 
     def on_train_end(self, trainer: Trainer, step: int) -> None:
         """After the last step of this process: at train.steps, train.stop_at_step or a signal stop."""
@@ -66,7 +77,6 @@ class Trainer:
         self.device = device
         self.meta = meta
         self.callbacks = list(callbacks)
-        self.sparse_layers = sparse_layers(engine.module)  # MoE / UoE layers, found once
         self.losses: list[tuple[int, float]] = []
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
 
@@ -91,9 +101,8 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
-        # Part of the optimizer step: validation and the checkpoint of this step see the new biases.
-        for layer in self.sparse_layers:
-            layer.update_bias()
+        # Part of the optimizer step: validation and the checkpoint of this step see its result.
+        self.model.after_optimizer_step()
         return total / self.cfg.train.grad_accum
 
     @torch.no_grad()
@@ -123,69 +132,78 @@ class Trainer:
 
     def save(self, step: int) -> None:
         started = time.perf_counter()
-        path = checkpoint.save(self.engine, checkpoint.checkpoint_dir(self.cfg.run.dir), step, self.meta,
+        path = checkpoint.save(self.engine, checkpoint_format.checkpoint_dir(self.cfg.run.dir), step, self.meta,
                                {"data": self.batches.state_dict()}, self.cfg.train.keep_last)
         seconds = time.perf_counter() - started
         if dist.get_rank() == 0:  # the files of all ranks, on the shared run directory
             size_gb = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
             self.logger.scalars(step, {"save_s": seconds, "size_gb": size_gb}, prefix="checkpoint/")
             self.logger.print(f"saved checkpoint step {step} ({size_gb:.2f} GB) in {seconds:.1f} s to {path}")
+        self._emit("on_save", step, path)
+
+    def _emit(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
 
     def fit(self, start_step: int) -> int:
         """Train from `start_step` to `train.steps`; returns the last completed step."""
-        for callback in self.callbacks:
-            callback.on_train_begin(self, start_step)
+        self._emit("on_train_begin", start_step)
         step = self._train(start_step)
-        for callback in self.callbacks:
-            callback.on_train_end(self, step)
+        self._emit("on_train_end", step)
         return step
+
+    def _log(self, result: StepResult, lr: float, throughput: Throughput) -> None:
+        result.metrics = {"loss": result.loss, "lr": lr, "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+                          **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
+        self.logger.scalars(result.step, result.metrics, prefix="train/")
+        self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics))
+
+    def _validate(self, step: int) -> None:
+        val = self.evaluate()
+        if val is None:
+            return
+        self.logger.scalars(step, {**val, "perplexity": math.exp(min(val["loss"], 50))}, prefix="val/")
+        per_source = ", ".join(f"{k[:-5]} {v:.4f}" for k, v in val.items() if k != "loss")
+        self.logger.print(f"step {step} | val loss {val['loss']:.4f}" + (f" ({per_source})" if per_source else ""))
+        self._emit("on_evaluate", step, val)
+
+    def _stop_on_signal(self, step: int, signum: int) -> None:
+        self.save(step)
+        if dist.get_rank() == 0:
+            checkpoint_format.write_stop_marker(self.cfg.run.dir, step, signals.signal_name(signum))
+        dist.barrier()
+        self.stopped_by_signal = signum
+        self.logger.print(f"stopping at step {step} on {signals.signal_name(signum)}; resume with train.resume=auto")
 
     def _train(self, start_step: int) -> int:
         t = self.cfg.train
-        seq_len = self.cfg.model.max_seq_len
         dp = ps.get_data_parallel_world_size()
-        throughput = Throughput(t.micro_batch * t.grad_accum * seq_len * dp, self.meta["flops_per_token"],
-                                dist.get_world_size())
+        throughput = Throughput(t.micro_batch * t.grad_accum * self.cfg.model.max_seq_len * dp,
+                                self.meta["flops_per_token"], dist.get_world_size())
         step = start_step
         while step < t.steps:
-            for callback in self.callbacks:
-                callback.on_step_begin(self, step + 1)
+            self._emit("on_step_begin", step + 1)
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
             loss = self.train_step(throughput)
             step += 1
             throughput.step()
+            self._emit("on_optimizer_step", step)
             result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step
             if not math.isfinite(result.loss):
                 raise NonFiniteLossError(
                     f"loss became {result.loss} at step {step}; nothing was saved for this step. "
-                    f"Resume from the last checkpoint in {checkpoint.checkpoint_dir(self.cfg.run.dir)} "
+                    f"Resume from the last checkpoint in {checkpoint_format.checkpoint_dir(self.cfg.run.dir)} "
                     "with a lower train.lr or stronger train.grad_clip"
                 )
             self.losses.append((step, result.loss))
             if step % t.log_interval == 0 or step == t.steps:
-                result.metrics = {"loss": result.loss, "lr": lr,
-                                  "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                                  **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
-                self.logger.scalars(step, result.metrics, prefix="train/")
-                self.logger.print(progress_line(step, t.steps, result.metrics))
+                self._log(result, lr, throughput)
             if step % t.eval_interval == 0 or step == t.steps:
-                val = self.evaluate()
-                if val is not None:
-                    self.logger.scalars(step, {**val, "perplexity": math.exp(min(val["loss"], 50))}, prefix="val/")
-                    per_source = ", ".join(f"{k[:-5]} {v:.4f}" for k, v in val.items() if k != "loss")
-                    self.logger.print(f"step {step} | val loss {val['loss']:.4f}"
-                                      + (f" ({per_source})" if per_source else ""))
-            for callback in self.callbacks:
-                callback.on_step_end(self, result)
+                self._validate(step)
+            self._emit("on_step_end", result)
             signum = signals.any_rank_received(self.device)
             if signum and step < t.steps:
-                self.save(step)
-                if dist.get_rank() == 0:
-                    signals.write_stop_marker(self.cfg.run.dir, step, signum)
-                dist.barrier()
-                self.stopped_by_signal = signum
-                self.logger.print(f"stopping at step {step} on {signals.signal_name(signum)}; "
-                                  "resume with train.resume=auto")
+                self._stop_on_signal(step, signum)
                 return step
             if step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step:
                 self.save(step)

@@ -297,7 +297,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads(single_process, captur
 def test_convert_lisa_keeps_grouped_values(single_process):
     """Converting a grouped-query layer to LISA keeps its values: the new V projection gives the
     source layer's K/V-head values."""
-    from pretrain.convert_lisa import build_lisa_model, lisa_config
+    from models.attention.lisa_conversion import build_lisa_model, lisa_config
 
     cfg = small_cfg("ssss", num_kv_heads=2)
     source = build(cfg)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from data_prep import build_shards as bs
+from data_prep import tokenizer as tok
 from data_prep import train_tokenizer as tt
 from data_prep.sources import (BadInputReport, EmptyCorpusError, default_corpus, iter_documents,
                                list_files)
@@ -69,9 +70,9 @@ def test_tokenizer_files_ids_and_byte_fallback(tok_dir):
     assert {k: meta[k] for k in ("unk_id", "bos_id", "eos_id", "pad_id")} == \
         {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
     assert meta["model_type"] == "bpe"
-    assert meta["sha256"] == tt.sha256_file(tok_dir / "tokenizer.model")
+    assert meta["sha256"] == tok.sha256_file(tok_dir / "tokenizer.model")
 
-    sp, loaded = tt.load_tokenizer(tok_dir)
+    sp, loaded = tok.load_tokenizer(tok_dir)
     assert loaded == meta
     assert meta["vocab_size"] == sp.get_piece_size() <= 400
     # Characters never seen in training come out as UTF-8 byte pieces, not <unk>.
@@ -107,7 +108,7 @@ def test_load_tokenizer_missing(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError,
                        match=re.escape(f"no tokenizer at {missing}: run python -m data_prep.train_tokenizer --out {missing}")):
-        tt.load_tokenizer(missing)
+        tok.load_tokenizer(missing)
 
 
 def test_load_tokenizer_detects_replaced_model(tmp_path, tok_dir):
@@ -117,7 +118,7 @@ def test_load_tokenizer_detects_replaced_model(tmp_path, tok_dir):
     meta = json.loads((copy / "tokenizer.json").read_text())
     (copy / "tokenizer.json").write_text(json.dumps({**meta, "sha256": "0" * 64}))
     with pytest.raises(ValueError, match="does not match the sha256"):
-        tt.load_tokenizer(copy)
+        tok.load_tokenizer(copy)
 
 
 # --- sources -------------------------------------------------------------------
@@ -153,7 +154,7 @@ def test_roundtrip_single_document(tmp_path, tok_dir):
     text = make_text(random.Random(3), 60)
     (tmp_path / "one.txt").write_text(text)
     m = bs.build_shards([tmp_path / "one.txt"], tok_dir, tmp_path / "out", seq_len=16, val_fraction=0, workers=1)
-    sp, _ = tt.load_tokenizer(tok_dir)
+    sp, _ = tok.load_tokenizer(tok_dir)
     expected = sp.encode(text) + [sp.eos_id()]
 
     samples = read_split(tmp_path / "out" / "train")
@@ -177,7 +178,7 @@ def test_documents_keep_order_with_workers(tmp_path, tok_dir):
         bs.build_shards([tmp_path], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0, workers=2)
     finally:
         bs.BATCH_DOCS = old
-    sp, _ = tt.load_tokenizer(tok_dir)
+    sp, _ = tok.load_tokenizer(tok_dir)
     docs = split_docs(np.concatenate(read_split(tmp_path / "out" / "train")), sp.eos_id())
     assert len(docs) >= 25
     assert [sp.decode(d) for d in docs] == texts[: len(docs)]
@@ -204,7 +205,7 @@ def test_split_deterministic_disjoint_and_counted(tmp_path, tok_dir):
         assert st["tokens"] - st["samples"] * 17 == st["dropped_tokens"] < 17
     assert m1["token_dtype"] == "uint16" and m1["seq_len"] == 16
 
-    sp, _ = tt.load_tokenizer(tok_dir)
+    sp, _ = tok.load_tokenizer(tok_dir)
     seen = {}
     for split in ("train", "val"):
         stream = np.concatenate(read_split(tmp_path / "a" / split))

@@ -85,11 +85,12 @@ def test_uoe_ep2_resume_and_ep_change(shards, ep2_run, tmp_path):
 
 def _consolidated_loss_at_ep2_and_ep1(rank: int, tag_dir: str, config_path: str) -> None:
     from models.gpt import GPT
-    from models.moe.convert_experts import EXPERT_KEY, consolidate, load_full_state_dict
+    from pretrain.checkpoint_format import EXPERT_KEY
     from pretrain.config import load_config
+    from tools.convert_experts import expert_major_state, load_full_state_dict
 
     cfg = load_config(config_path)
-    full = consolidate(tag_dir)
+    full = expert_major_state(tag_dir)
     experts = [EXPERT_KEY.match(k) for k in full if EXPERT_KEY.match(k)]
     ids = sorted({(m.group(1), int(m.group(2))) for m in experts})
     assert len(ids) == cfg.model.num_layers * cfg.model.moe.num_experts

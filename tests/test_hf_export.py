@@ -48,7 +48,8 @@ def dist_env():
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Synthetic shards whose tokenizer is a real (tiny) SentencePiece model."""
-    from data_prep.train_tokenizer import MODEL_FILE, META_FILE, train_tokenizer
+    from data_prep.tokenizer import META_FILE, MODEL_FILE
+    from data_prep.train_tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("data")
     (root / "corpus").mkdir()
@@ -115,7 +116,7 @@ def fixed_tokens(vocab: int, batch: int = 2, seq: int = 32) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2_zero2", "tp2_zero3"])
 def test_export_logits_match_framework(runs, data, dist_env, tmp_path, layout):
-    from pretrain.export import main as export_main
+    from tools.export import main as export_main
 
     _, vocab = data
     out = tmp_path / "hf"
@@ -133,7 +134,7 @@ def test_export_logits_match_framework(runs, data, dist_env, tmp_path, layout):
 
 @pytest.mark.slow
 def test_export_bf16_and_sharded(runs, data, dist_env, tmp_path):
-    from pretrain.export import main as export_main
+    from tools.export import main as export_main
 
     _, vocab = data
     out = tmp_path / "hf16"
@@ -149,8 +150,8 @@ def test_export_bf16_and_sharded(runs, data, dist_env, tmp_path):
 def test_exported_tokenizer_encodes_like_sentencepiece(data, tmp_path):
     from transformers import AutoTokenizer, LlamaTokenizer
 
-    from data_prep.train_tokenizer import load_tokenizer
-    from pretrain.export import hf_tokenizer
+    from data_prep.tokenizer import load_tokenizer
+    from tools.export import hf_tokenizer
 
     root, _ = data
     sp, _ = load_tokenizer(root / "tokenizer")
@@ -169,7 +170,7 @@ def test_exported_tokenizer_encodes_like_sentencepiece(data, tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys):
-    from pretrain.evaluate import main as evaluate_main
+    from tools.evaluate import main as evaluate_main
 
     root, _ = data
     # The trainer validates on train.eval_batches=1 x micro_batch=4 samples per data-parallel rank:
@@ -187,14 +188,14 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys):
 def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
     from transformers import LlamaForCausalLM
 
-    from data_prep.train_tokenizer import load_tokenizer
+    from data_prep.tokenizer import load_tokenizer
     from pretrain.consolidate import load_model
-    from pretrain.export import main as export_main
-    from pretrain.generate import generate
+    from tools.export import main as export_main
+    from models.generation import generate
 
     root, vocab = data
     run = runs["tp2_zero3"]
-    proc = subprocess.run([sys.executable, "-m", "pretrain.generate", "--checkpoint", str(run), "--prompt",
+    proc = subprocess.run([sys.executable, "-m", "tools.generate", "--checkpoint", str(run), "--prompt",
                            "def function_3(", "--greedy", "--max-new-tokens", "6", "--json"],
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -227,7 +228,7 @@ def imported(data, dist_env, tmp_path_factory):
     and imported: (source model, imported run directory)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pretrain.import_hf import main as import_main
+    from tools.import_hf import main as import_main
 
     _, vocab = data
     torch.manual_seed(0)
@@ -243,7 +244,7 @@ def imported(data, dist_env, tmp_path_factory):
 
 
 def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
-    from pretrain.export import main as export_main
+    from tools.export import main as export_main
 
     root, vocab = data
     source, run = imported
@@ -297,7 +298,7 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
 
 @pytest.mark.slow
 def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, capsys):
-    from pretrain.export import main as export_main
+    from tools.export import main as export_main
 
     def export_fails(checkpoint, *needles):
         out = tmp_path / f"out_{time.monotonic_ns()}"
@@ -328,11 +329,11 @@ def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, cap
 
 def test_export_formats_and_unsupported_imports(tmp_path, capsys):
     from models.config import ModelConfig
-    from pretrain.export import ExportError, export_format
-    from pretrain.import_hf import main as import_main
+    from tools.export import ExportError, export_format
+    from tools.import_hf import main as import_main
 
     # relu "seqlen" rescales earlier rows as the sequence grows: the exported model does not cache
-    from pretrain.export import _remote_module
+    from tools.export import _remote_module
 
     remote = _remote_module()
     config = remote.UoEPretrainConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -400,8 +401,8 @@ def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, 
     reproduced by evaluate from the same checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from pretrain.evaluate import main as evaluate_main
-    from pretrain.export import main as export_main
+    from tools.evaluate import main as evaluate_main
+    from tools.export import main as export_main
 
     root, vocab = data
     run = remote_runs[layout]
@@ -460,10 +461,10 @@ torch.save({"logits": logits, "generated": new}, sys.argv[3])
 @pytest.mark.slow
 def test_remote_code_runs_without_the_framework(remote_runs, data, dist_env, tmp_path):
     """The exported folder works in a process that cannot import the framework (another working
-    directory, no PYTHONPATH): same logits, and HF greedy generation equals pretrain.generate's."""
+    directory, no PYTHONPATH): same logits, and HF greedy generation equals tools.generate's."""
     from pretrain.consolidate import load_model
-    from pretrain.export import main as export_main
-    from pretrain.generate import generate
+    from tools.export import main as export_main
+    from models.generation import generate
 
     _, vocab = data
     run, out = remote_runs["uoe_ep2"], tmp_path / "hf"
@@ -484,7 +485,7 @@ def test_remote_code_runs_without_the_framework(remote_runs, data, dist_env, tmp
 
 
 def evaluate_loss(checkpoint, shards, batches: int, capsys) -> float:
-    from pretrain.evaluate import main as evaluate_main
+    from tools.evaluate import main as evaluate_main
 
     assert evaluate_main(["--checkpoint", str(checkpoint), "--shards", str(shards), "--batches", str(batches),
                           "--batch-size", "4", "--json"]) == 0

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from models.counting import flops_per_token, param_counts
-from models.moe.matching import PRESETS, matched_models, parity, preset_models, preset_yaml, write_configs
+from models.moe.matching import matched_models, parity
 from pretrain.config import ConfigError, load_config, validate
+from tools.matching import PRESETS, preset_models, preset_yaml, write_configs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -54,7 +55,7 @@ def test_config_files_are_what_matching_writes(tmp_path):
     assert len(written) == 3 * len(PRESETS) - 1
     for path in written:
         assert (CONFIGS / path.name).read_text() == path.read_text(), \
-            f"configs/{path.name} is stale: python -m models.moe.matching --write configs"
+            f"configs/{path.name} is stale: python -m tools.matching --write configs"
 
 
 def test_fine_grained_3b():

@@ -317,7 +317,7 @@ def _bias_update(rank: int) -> None:
     cfg = make_cfg("uoe", bias_update_rate=0.25)
     layer = build("uoe", cfg)
     layer.pending_counts.copy_(torch.tensor([4.0, 0.0, 2.0, 2.0]) * (rank + 1))
-    layer.update_bias()  # DP sum: [12, 0, 6, 6], mean 6
+    layer.after_optimizer_step()  # DP sum: [12, 0, 6, 6], mean 6
     torch.testing.assert_close(layer.router_bias, torch.tensor([-0.25, 0.25, 0.0, 0.0]))
     assert float(layer.pending_counts.abs().sum()) == 0
 
@@ -438,7 +438,7 @@ def test_four_processes_dp_and_tp():
 def test_routing_telemetry_sums_what_the_forwards_routed():
     """The statistics summed on the device over training forwards equal those recomputed from the
     routing decisions, scores, aux losses and output norms of the same forwards."""
-    from models.moe.telemetry import RoutingTelemetry
+    from pretrain.routing_metrics import RoutingTelemetry
     from tests.dist_utils import single_process_group
 
     with single_process_group():
@@ -479,10 +479,9 @@ def test_routing_telemetry_sums_what_the_forwards_routed():
                                                                   rel=1e-6)
         assert RoutingTelemetry.collect([layer]) == {}  # read once: the sums start again
         # In training, norms are measured on the steps whose metrics are logged.
-        trainer = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_interval=5, steps=12)),
-                                  sparse_layers=[layer])
+        trainer = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_interval=5, steps=12)))
         measured = []
         for step in range(1, 13):
-            RoutingTelemetry().on_step_begin(trainer, step)
+            RoutingTelemetry([layer]).on_step_begin(trainer, step)
             measured.append(layer.stats.measure_norms)
         assert [s for s, m in zip(range(1, 13), measured) if m] == [5, 10, 12]

@@ -115,7 +115,7 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
     out = tmp_path / "report"
-    proc = run_module("pretrain.sink_report", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
+    proc = run_module("tools.sink_report", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
                       "--out", str(out))
     assert "Sink_1^0.3" in proc.stdout and "lisa" in proc.stdout
     report = json.loads((out / "sink_report.json").read_text())
@@ -132,7 +132,7 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path):
 def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path):
     root, run = hybrid_run
     out = tmp_path / "lisa"
-    proc = run_module("pretrain.convert_lisa", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
+    proc = run_module("tools.convert_lisa", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
                       "--layers", "auto", "--calib-shards", str(root / "shards"), "--out", str(out),
                       "--steps", "6", "--calib-batches", "2")
     report = json.loads((out / "conversion.json").read_text())

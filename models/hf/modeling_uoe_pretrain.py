@@ -1,6 +1,6 @@
 """Hugging Face modeling code for uoe-pretrain models that have no standard transformers
 architecture: Union-of-Experts and top-k router MoE MLPs, and hybrid softmax / softmax_sink /
-relu / LISA attention. `python -m pretrain.export` copies this file into the exported folder:
+relu / LISA attention. `python -m tools.export` copies this file into the exported folder:
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 

@@ -53,7 +53,7 @@ class RoutingStats:
         self.num_experts = num_experts
         self.device_size = 2 * num_experts + len(self.ON_DEVICE)
         # Output norms cost two reductions over [tokens, hidden] per forward; the trainer measures
-        # them on log steps only (models.moe.telemetry.RoutingTelemetry).
+        # them only on steps whose metrics are read.
         self.measure_norms = True
         self.reset()
 
@@ -144,8 +144,9 @@ class RoutedLayer(nn.Module):
         return expert_ids, selected, weights
 
     @torch.no_grad()
-    def update_bias(self) -> None:
-        """Collective over the data-parallel group; call on every rank after the optimizer step."""
+    def after_optimizer_step(self) -> None:
+        """The aux-loss-free bias update. Collective over the data-parallel group; every rank calls
+        it after every optimizer step (GPT.after_optimizer_step)."""
         if self.bias_update_rate <= 0:
             return
         counts = self.pending_counts.clone()

@@ -1,6 +1,6 @@
-"""Attention-sink metrics: a training callback and a checkpoint report.
+"""Attention-sink report of a checkpoint (the metrics of models.sinks).
 
-    python -m pretrain.sink_report --checkpoint RUN_DIR/checkpoints/step_00001000 --out DIR
+    python -m tools.sink_report --checkpoint RUN_DIR/checkpoints/step_00001000 --out DIR
 
 loads the checkpoint into one process (any saved layout, via pretrain.consolidate), runs a
 validation batch (T = 64 tokens, as in Gu et al.) with attention capture, prints the
@@ -16,41 +16,18 @@ from pathlib import Path
 
 import torch
 
-from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, SinkStats, gathered, measure, scalars
-from pretrain.consolidate import run_config
-from pretrain.trainer import Callback
+from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, SinkStats, measure
+from pretrain.checkpoint_format import resolve_checkpoint
+from pretrain.config import Config
+from pretrain.consolidate import load_model, run_config
+from pretrain.data import load_val_batches
+from tools.cli import reports_errors, run
 
-
-class SinkMetricsCallback(Callback):
-    """Every `interval` steps (and at the last step) measure alpha_1 / Sink_1^eps on the first
-    `seq` tokens of the fixed validation batch trainer.val_batches[0] and log them under sinks/.
-    Every rank runs the forward (tensor-parallel collectives); heads are gathered across the
-    tensor-parallel group and only rank 0 writes."""
-
-    def __init__(self, interval: int, eps: float = DEFAULT_EPS, seq: int = DEFAULT_SEQ, per_head: bool = True):
-        self.interval, self.eps, self.seq, self.per_head = interval, eps, seq, per_head
-
-    def on_step_end(self, trainer, result) -> None:
-        if result.step % self.interval and result.step != trainer.cfg.train.steps:
-            return
-        if not trainer.val_batches:
-            return
-        seq = min(self.seq, trainer.cfg.model.max_seq_len)
-        tokens = trainer.val_batches[0][:, :seq].to(trainer.device)
-        stats = gathered(measure(trainer.model, tokens))
-        trainer.logger.scalars(result.step, scalars(stats, self.eps, self.per_head), prefix="sinks/")
-
-
-# --- checkpoint report -------------------------------------------------------------------------------
 
 def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> tuple[torch.Tensor, str]:
     """Validation tokens [batch, seq] from the shards (the run's own by default), else random."""
-    from pretrain.data import load_val_batches
-
     full = run_config(ckpt)
     if full is not None or shards:
-        from pretrain.config import Config
-
         full = full or Config()
         if shards:
             full.data.shards, full.data.mix = shards, []  # --shards replaces the run's mixture too
@@ -97,6 +74,7 @@ def heatmap(stats: SinkStats, kinds: list[str], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+@reports_errors()
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
@@ -106,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ)
     parser.add_argument("--eps", type=float, default=DEFAULT_EPS)
     args = parser.parse_args(argv)
-    from pretrain.consolidate import load_model, resolve_checkpoint
-
     ckpt = resolve_checkpoint(args.checkpoint)
     model, cfg, meta = load_model(ckpt)
     tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
@@ -128,6 +104,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pretrain.distributed import run_cli
-
-    run_cli(main)
+    run(main)

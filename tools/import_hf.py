@@ -1,6 +1,6 @@
 """Import a local Hugging Face Llama-architecture model as a training checkpoint.
 
-    python -m pretrain.import_hf --model HF_DIR --out RUN_DIR [--tokenizer TOK_DIR] [--max-seq-len N]
+    python -m tools.import_hf --model HF_DIR --out RUN_DIR [--tokenizer TOK_DIR] [--max-seq-len N]
 
 Writes RUN_DIR/checkpoints/step_00000000 through a real single-process DeepSpeed engine
 (pretrain.engine.build_engine + pretrain.checkpoint.save, ZeRO-1, fresh optimizer state) and
@@ -13,7 +13,7 @@ Accepted: `LlamaForCausalLM` with silu MLP, no attention/MLP biases, no rope_sca
 hidden / heads, grouped-query attention (kept: model.num_kv_heads). Any other architecture or
 setting is refused with a clear error and nothing is written to --out.
 
-Mapping (the inverse of pretrain.export): q/k/v rows -> the fused QKV weight grouped by K/V head,
+Mapping (the inverse of tools.export): q/k/v rows -> the fused QKV weight grouped by K/V head,
 gate/up rows -> the interleaved SwiGLU w_in, embedding and head padded to model.vocab_pad_to with
 zero rows (padded logits are 0 until training pushes them down; --vocab-pad-to 1 avoids padding
 when the vocabulary is divisible by the tensor-parallel size you will train at).
@@ -35,28 +35,29 @@ import argparse
 import dataclasses
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from tools.cli import ToolError, reports_errors, run
 
-class ImportError_(RuntimeError):
-    pass
+
+class UnsupportedModel(ToolError):
+    """The Hugging Face model cannot be imported as it is."""
 
 
 def read_hf_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
-        raise ImportError_(f"--model {model_dir}: no config.json there (expected a Hugging Face model folder)")
+        raise UnsupportedModel(f"--model {model_dir}: no config.json there (expected a Hugging Face model folder)")
     return json.loads(path.read_text())
 
 
 def check_supported(hf: dict) -> None:
     arch = hf.get("architectures") or []
     if hf.get("model_type") != "llama" or arch != ["LlamaForCausalLM"]:
-        raise ImportError_(f"unsupported architecture {arch or hf.get('model_type')!r} (model_type="
+        raise UnsupportedModel(f"unsupported architecture {arch or hf.get('model_type')!r} (model_type="
                            f"{hf.get('model_type')!r}): only LlamaForCausalLM can be imported")
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
@@ -73,7 +74,7 @@ def check_supported(hf: dict) -> None:
     if hf["hidden_size"] % heads or head_dim * heads != hf["hidden_size"]:
         problems.append(f"head_dim={head_dim} x heads={heads} != hidden_size={hf['hidden_size']}")
     if problems:
-        raise ImportError_("unsupported Llama settings: " + "; ".join(problems))
+        raise UnsupportedModel("unsupported Llama settings: " + "; ".join(problems))
 
 
 def model_config_from_hf(hf: dict, max_seq_len: int | None, vocab_pad_to: int):
@@ -134,7 +135,7 @@ def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None = None,
                  max_seq_len: int | None = None, vocab_pad_to: int = 128, overwrite: bool = False) -> Path:
     from models.gpt import GPT
-    from pretrain import checkpoint
+    from pretrain import checkpoint, checkpoint_format
     from pretrain.config import Config, save_config, validate
     from pretrain.distributed import init_single_process
     from pretrain.engine import build_engine
@@ -143,14 +144,14 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     hf_cfg = read_hf_config(model_dir)
     check_supported(hf_cfg)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ImportError_(f"--out {out} exists and is not empty; choose a new run directory or pass --overwrite")
+        raise UnsupportedModel(f"--out {out} exists and is not empty; choose a new run directory or pass --overwrite")
     tokenizer_sha = None
     if tokenizer:
-        from data_prep.train_tokenizer import load_tokenizer
+        from data_prep.tokenizer import load_tokenizer
 
         sp, meta = load_tokenizer(tokenizer)
         if sp.get_piece_size() != hf_cfg["vocab_size"]:
-            raise ImportError_(f"--tokenizer {tokenizer} has {sp.get_piece_size()} tokens but the model's "
+            raise UnsupportedModel(f"--tokenizer {tokenizer} has {sp.get_piece_size()} tokens but the model's "
                                f"vocab_size is {hf_cfg['vocab_size']}")
         tokenizer_sha = meta["sha256"]
     cfg = Config()
@@ -181,13 +182,13 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
                 "imported_from": str(model_dir.resolve())}
         rank_state = {"data": {"epoch": 0, "sample_in_epoch": 0, "shuffle_seed": cfg.data.shuffle_seed,
                                "num_canonical_nodes": cfg.data.num_canonical_nodes, "initial_physical_nodes": 1}}
-        checkpoint.save(engine, checkpoint.checkpoint_dir(tmp), 0, meta, rank_state, keep_last=1)
-        tag = tmp / "checkpoints" / checkpoint.tag_for(0)
-        marker = checkpoint.read_meta(tag)
+        checkpoint.save(engine, checkpoint_format.checkpoint_dir(tmp), 0, meta, rank_state, keep_last=1)
+        tag = tmp / "checkpoints" / checkpoint_format.tag_for(0)
+        marker = checkpoint_format.read_meta(tag)
         # No optimizer moments to restore: checkpoint.load then keeps the loaded weights and schedule
         # and starts the optimizer fresh, at any data-parallel size and ZeRO stage 0-2.
         marker["optimizer_state"] = False
-        (tag / checkpoint.COMPLETE).write_text(json.dumps(marker, indent=1))
+        (tag / checkpoint_format.COMPLETE).write_text(json.dumps(marker, indent=1))
         save_config(cfg, tmp / "config.yaml")
         if out.exists():
             shutil.rmtree(out)
@@ -195,11 +196,12 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out / "checkpoints" / checkpoint.tag_for(0)
+    return out / "checkpoints" / checkpoint_format.tag_for(0)
 
 
+@reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.import_hf", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.import_hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="local Hugging Face model folder")
     parser.add_argument("--out", required=True, help="new run directory")
@@ -208,18 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-pad-to", type=int, default=128)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    from pretrain.config import ConfigError
-
-    try:
-        path = import_model(args.model, args.out, args.tokenizer, args.max_seq_len, args.vocab_pad_to, args.overwrite)
-    except (ImportError_, ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+    path = import_model(args.model, args.out, args.tokenizer, args.max_seq_len, args.vocab_pad_to, args.overwrite)
     print(f"wrote {path} and {Path(args.out) / 'config.yaml'}")
     return 0
 
 
 if __name__ == "__main__":
-    from pretrain.distributed import run_cli
-
-    run_cli(main)
+    run(main)

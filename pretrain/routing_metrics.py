@@ -1,8 +1,7 @@
-"""Routing telemetry and the aux-loss-free bias update, as one trainer callback.
+"""Routing telemetry of the sparse (MoE / UoE) layers, as a trainer callback.
 
-Every step (after the optimizer step) the per-expert selection bias of each sparse layer is
-updated when model.moe.bias_update_rate > 0. On log steps the routing statistics gathered by the
-training forwards since the last log step are summed over the data-parallel group and written to
+On log steps the routing statistics gathered by the training forwards since the last log step
+(models.moe.routing.RoutingStats) are summed over the data-parallel group and written to
 TensorBoard under routing/layer{L}/...:
   load_e{i}          fraction of the layer's token->expert assignments that went to expert i
   load_entropy       entropy of that distribution / log(N) (1 = perfectly balanced)
@@ -23,8 +22,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from pretrain.trainer import Callback
 from models.moe.routing import RoutedLayer, RoutingStats
+from pretrain.trainer import Callback
 
 
 def summarize(layer: RoutedLayer, totals: torch.Tensor) -> dict[str, float]:
@@ -53,21 +52,18 @@ def summarize(layer: RoutedLayer, totals: torch.Tensor) -> dict[str, float]:
 
 
 class RoutingTelemetry(Callback):
-    def __init__(self):
-        self.last: dict[str, float] = {}
+    def __init__(self, layers: list[RoutedLayer]):
+        self.layers = layers
 
     def on_step_begin(self, trainer, step) -> None:
         t = trainer.cfg.train
         log_step = step % t.log_interval == 0 or step == t.steps  # the steps whose metrics are read
-        for layer in trainer.sparse_layers:
+        for layer in self.layers:
             layer.stats.measure_norms = log_step
 
     def on_step_end(self, trainer, result) -> None:
-        layers = trainer.sparse_layers
-        if not result.metrics or not layers:
-            return
-        self.last = self.collect(layers)
-        trainer.logger.scalars(result.step, self.last, prefix="routing/")
+        if result.metrics:
+            trainer.logger.scalars(result.step, self.collect(self.layers), prefix="routing/")
 
     @staticmethod
     def collect(layers: list[RoutedLayer]) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Export a training checkpoint as a Hugging Face model folder.
 
-    python -m pretrain.export --checkpoint RUN_DIR[/checkpoints/step_XXXXXXXX] --out DIR [--dtype bf16|fp32]
+    python -m tools.export --checkpoint RUN_DIR[/checkpoints/step_XXXXXXXX] --out DIR [--dtype bf16|fp32]
 
 Reads any saved layout (tensor parallel, data parallel with ZeRO 0-3; see pretrain.consolidate)
 and writes DIR/config.json, model.safetensors (sharded above --max-shard-size, with an index),
@@ -48,10 +48,13 @@ from pathlib import Path
 
 import torch
 
-from pretrain.consolidate import ConsolidateError, consolidate, resolve_checkpoint, run_config
+from pretrain.checkpoint import model_config
+from pretrain.checkpoint_format import EXPERT_KEY, read_meta, resolve_checkpoint
+from pretrain.consolidate import full_state_dict, run_config
+from tools.cli import ToolError, reports_errors, run
 
 
-class ExportError(RuntimeError):
+class ExportError(ToolError):
     pass
 
 
@@ -166,8 +169,6 @@ def _remote_module():
 def to_remote_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Framework names (TP=1, full tensors) -> the modeling file's: `model.` prefix, `head` ->
     `lm_head`, the vocabulary trimmed, each layer's experts stacked into two tensors."""
-    from models.moe.convert_experts import EXPERT_KEY
-
     v = cfg.vocab_size
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -193,7 +194,7 @@ def to_remote_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict) -> Path | None:
     """The SentencePiece tokenizer directory: --tokenizer, else the run's data.tokenizer; checked
     against the checkpoint's tokenizer sha256. None when the run used no SentencePiece model."""
-    from data_prep.train_tokenizer import MODEL_FILE, sha256_file
+    from data_prep.tokenizer import MODEL_FILE, sha256_file
 
     if explicit:
         path = Path(explicit)
@@ -213,13 +214,11 @@ def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict) -> Path | No
 
 
 def special_ids(tokenizer_dir: Path | None) -> dict:
-    from data_prep.train_tokenizer import SPECIAL_IDS
+    from data_prep.tokenizer import SPECIAL_IDS, load_tokenizer
 
     ids = {"unk": SPECIAL_IDS["unk_id"], "bos": SPECIAL_IDS["bos_id"], "eos": SPECIAL_IDS["eos_id"],
            "pad": SPECIAL_IDS["pad_id"]}
     if tokenizer_dir is not None:
-        from data_prep.train_tokenizer import load_tokenizer
-
         sp, _ = load_tokenizer(tokenizer_dir)
         ids = {"unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
     return ids
@@ -230,7 +229,7 @@ def hf_tokenizer(tokenizer_dir: Path):
     no BOS/EOS added, no dummy prefix)."""
     from transformers import LlamaTokenizerFast
 
-    from data_prep.train_tokenizer import MODEL_FILE, load_tokenizer
+    from data_prep.tokenizer import MODEL_FILE, load_tokenizer
 
     sp, _ = load_tokenizer(tokenizer_dir)
     piece = sp.id_to_piece
@@ -282,12 +281,10 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
     tag_dir = resolve_checkpoint(checkpoint)
-    from pretrain.checkpoint import model_config, read_meta
-
     meta = read_meta(tag_dir)
     fmt = export_format(model_config(meta["model"]))
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta)
-    state, cfg, meta = consolidate(tag_dir)
+    state, cfg, meta = full_state_dict(tag_dir)
     info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
             "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
             "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
@@ -311,8 +308,9 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     return out
 
 
+@reports_errors()
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
     parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
@@ -321,16 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 2GB")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
-    try:
-        out = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)
-    except (ExportError, ConsolidateError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+    out = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)
     print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    from pretrain.distributed import run_cli
-
-    run_cli(main)
+    run(main)

@@ -1,6 +1,6 @@
 """Convert a trained checkpoint to a LISA model: share attention scores in redundant layers.
 
-    python -m pretrain.convert_lisa --checkpoint RUN/checkpoints/step_X --layers auto|3,4,5 \\
+    python -m tools.convert_lisa --checkpoint RUN/checkpoints/step_X --layers auto|3,4,5 \\
         --calib-shards DIR --out RUN_DIR [--steps N]
 
 1. Loads the checkpoint into one process (any saved layout, see pretrain.consolidate).
@@ -29,155 +29,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from models.sinks import capture_attention
-
-
-def read_samples(shards: str | Path, split: str, count: int) -> torch.Tensor:
-    """The first `count` token rows [count, seq + 1] of shards/split (repeated if fewer)."""
-    from streaming import StreamingDataset
-
-    from pretrain.data import clean_shared_memory_once
-
-    clean_shared_memory_once()
-    dataset = StreamingDataset(local=str(Path(shards) / split), shuffle=False, batch_size=1)
-    rows = [torch.from_numpy(dataset[i % len(dataset)]["tokens"].astype("int64")) for i in range(count)]
-    return torch.stack(rows)
-
-
-def head_similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[H_a, H_b] cosine similarity of attention maps a, b [batch, heads, q, k], batch-averaged."""
-    fa = torch.nn.functional.normalize(a.float().flatten(2), dim=-1)  # [batch, H, q*k]
-    fb = torch.nn.functional.normalize(b.float().flatten(2), dim=-1)
-    return torch.einsum("bhn,bgn->bhg", fa, fb).mean(0)
-
-
-def greedy_match(sim: torch.Tensor) -> list[int]:
-    """match[h_new] = h_prev, one to one, taking the most similar remaining pair first."""
-    sim = sim.clone()
-    match = [-1] * sim.shape[1]
-    for _ in range(sim.shape[0]):
-        flat = int(torch.argmax(sim))
-        prev, new = divmod(flat, sim.shape[1])
-        match[new] = prev
-        sim[prev, :] = -float("inf")
-        sim[:, new] = -float("inf")
-    return match
-
-
-@torch.no_grad()
-def layer_similarity(model, batches: list[torch.Tensor]) -> dict[int, dict]:
-    """For l >= 1: {"similarity": matched mean cosine, "unmatched": same-index mean cosine, "match": [...]}."""
-    sims: dict[int, torch.Tensor] = {}
-    for tokens in batches:
-        maps = capture_attention(model, tokens)
-        for layer in range(1, len(maps)):
-            s = head_similarity(maps[layer - 1], maps[layer])
-            sims[layer] = sims.get(layer, 0) + s / len(batches)
-    out = {}
-    for layer, s in sims.items():
-        match = greedy_match(s)
-        out[layer] = {"similarity": float(torch.stack([s[p, n] for n, p in enumerate(match)]).mean()),
-                      "unmatched": float(s.diagonal().mean()), "match": match}
-    return out
-
-
-def family(kind: str) -> str:
-    return "relu" if kind == "relu" else "softmax"
-
-
-def conversion_problem(kinds: list[str], layers: list[int], keep_full: int) -> str | None:
-    """Why turning `layers` into LISA layers would change what the model computes, or None.
-    A LISA layer applies the attention function of the nearest earlier non-LISA layer, so a
-    replaced layer (and every existing LISA layer) must keep its softmax / ReLU family."""
-    from models.attention import lisa_source_kind
-
-    new = list(kinds)
-    for layer in layers:
-        if layer < max(keep_full, 1):
-            return f"layer {layer} is within model.lisa.keep_full_layers={keep_full}"
-        if kinds[layer] == "lisa":
-            return f"layer {layer} is already a LISA layer"
-        new[layer] = "lisa"
-    for layer, kind in enumerate(new):
-        if kind != "lisa":
-            continue
-        before = kinds[layer] if kinds[layer] != "lisa" else lisa_source_kind(kinds, layer)
-        if family(lisa_source_kind(new, layer)) != family(before):
-            return (f"layer {layer} would share from a {lisa_source_kind(new, layer)} layer but computes "
-                    f"{family(before)} attention")
-    return None
-
-
-def propose_layers(sim: dict[int, dict], kinds: list[str], keep_full: int, threshold: float,
-                   max_fraction: float) -> list[int]:
-    """Most similar layers first, each kept only if the set stays convertible."""
-    ranked = sorted((l for l in sim if conversion_problem(kinds, [l], keep_full) is None),
-                    key=lambda l: -sim[l]["similarity"])
-    limit = max(1, int(max_fraction * len(kinds)))
-    chosen: list[int] = []
-    for layer in ranked:
-        if len(chosen) < limit and sim[layer]["similarity"] >= threshold and \
-                conversion_problem(kinds, chosen + [layer], keep_full) is None:
-            chosen.append(layer)
-    return sorted(chosen or ranked[:1])
-
-
-def lisa_config(cfg, layers: list[int]):
-    problem = conversion_problem(cfg.attention_kinds(), layers, cfg.lisa.keep_full_layers)
-    if problem:
-        raise ValueError(f"cannot convert layers {layers}: {problem}")
-    new = dataclasses.replace(cfg, lisa=dataclasses.replace(cfg.lisa),
-                              relu_attention=dataclasses.replace(cfg.relu_attention), moe=dataclasses.replace(cfg.moe))
-    kinds = cfg.attention_kinds()
-    for layer in layers:
-        kinds[layer] = "lisa"
-    new.attention = ",".join(kinds)
-    new.attention_kinds()  # validates placement
-    return new
-
-
-@torch.no_grad()
-def build_lisa_model(source, cfg, new_cfg, layers: list[int], sim: dict[int, dict]):
-    from models.attention.lisa import LISAAttention
-    from models.gpt import GPT
-
-    torch.manual_seed(0)
-    model = GPT(new_cfg)
-    own = model.state_dict()
-    replaced = tuple(f"blocks.{i}.attn." for i in layers)
-    for name, value in source.state_dict().items():
-        if torch.is_tensor(value) and not name.startswith(replaced):
-            own[name].copy_(value)  # everything outside the replaced attention layers, unchanged
-    for i in layers:
-        src_attn = source.blocks[i].attn
-        lisa: LISAAttention = model.blocks[i].attn
-        h, g, hd, d = cfg.num_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim, cfg.hidden_size
-        if not hasattr(src_attn, "qkv"):
-            raise ValueError(f"layer {i} is already a LISA layer; choose other layers")
-        qkv = src_attn.qkv.weight.view(cfg.kv_heads, g + 2, hd, d)  # grouped by K/V head
-        lisa.v.weight.copy_(qkv[:, g + 1].reshape(cfg.kv_width, d))
-        lisa.out.weight.copy_(src_attn.out.weight)
-        group = lisa.align.group
-        if group == h and i in sim:  # the matched head permutation: new head n reads previous head match[n]
-            mix = torch.zeros(h, h)
-            for n, p in enumerate(sim[i]["match"]):
-                mix[n, p] = 1.0
-            lisa.align.mix.copy_(mix.unsqueeze(0))
-    return model
-
-
-def new_parameters(model, layers: list[int]) -> list[torch.nn.Parameter]:
-    params = []
-    for i in layers:
-        attn = model.blocks[i].attn
-        params += list(attn.qk.parameters()) + list(attn.align.parameters())
-    return params
+from models.attention.lisa import qk_compression
+from models.attention.lisa_conversion import build_lisa_model, layer_similarity, lisa_config, new_parameters, \
+    propose_layers
+from pretrain.config import save_config
+from pretrain.consolidate import load_model, run_config
+from pretrain.data import read_samples
+from tools.cli import ToolError, reports_errors, run
 
 
 @torch.no_grad()
@@ -198,11 +61,9 @@ def forward_tokens_per_s(model, rows: torch.Tensor, repeats: int = 3) -> float:
     return repeats * tokens.numel() / (time.perf_counter() - t0)
 
 
+@reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
-    from models.attention.lisa import qk_compression
-    from pretrain.consolidate import load_model, run_config
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m tools.convert_lisa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--layers", default="auto", help="auto or comma-separated layer indices")
     parser.add_argument("--calib-shards", required=True, help="shards directory with train/ (and val/)")
@@ -221,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in source.parameters():
         p.requires_grad_(False)
     kinds = cfg.attention_kinds()
-    calib = read_samples(args.calib_shards, "train", args.calib_batches * args.micro_batch)
-    val_split = "val" if (Path(args.calib_shards) / "val").is_dir() else "train"
-    val = read_samples(args.calib_shards, val_split, args.val_samples)
+    shards = Path(args.calib_shards)
+    calib = read_samples(shards / "train", args.calib_batches * args.micro_batch)
+    val = read_samples(shards / ("val" if (shards / "val").is_dir() else "train"), args.val_samples)
 
     sim = layer_similarity(source, [b[:, :-1] for b in calib.split(args.micro_batch)])
     print(f"{'layer':>5} {'kind':<13} {'sim to l-1 (matched)':>20} {'(same index)':>12}  head match")
@@ -238,14 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         layers = sorted(int(x) for x in args.layers.split(",") if x.strip())
     if not layers:
-        print("error: no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
-              "existing LISA layers, softmax / ReLU families)", file=sys.stderr)
-        return 2
-    try:
-        new_cfg = lisa_config(cfg, layers)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
+                        "existing LISA layers, softmax / ReLU families)")
+    new_cfg = lisa_config(cfg, layers)
     print(f"LISA layers: {layers}; attention {new_cfg.attention}")
     model = build_lisa_model(source, cfg, new_cfg, layers, sim)
     for p in model.parameters():
@@ -258,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_init = val_loss(model, val, args.micro_batch)
     opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     model.train()
-    train_rows = read_samples(args.calib_shards, "train", max(args.steps, 1) * args.micro_batch)
+    train_rows = read_samples(shards / "train", max(args.steps, 1) * args.micro_batch)
     t0 = time.perf_counter()
     for step, batch in enumerate(train_rows.split(args.micro_batch)[: args.steps]):
         loss = model(batch[:, :-1], batch[:, 1:])
@@ -302,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
                out / "lisa_model.pt")
     full = run_config(Path(meta["checkpoint"]))
     if full is not None:
-        from pretrain.config import save_config
-
         full.model = new_cfg
         full.run.dir, full.run.name = str(out), out.name
         full.train.init_from, full.train.resume = str(out / "lisa_model.pt"), "auto"
@@ -314,6 +168,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pretrain.distributed import run_cli
-
-    run_cli(main)
+    run(main)

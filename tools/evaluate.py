@@ -1,6 +1,6 @@
 """Validation loss and perplexity of a checkpoint on any shard set, in one process.
 
-    python -m pretrain.evaluate --checkpoint RUN_DIR[/checkpoints/TAG] --shards DIR \\
+    python -m tools.evaluate --checkpoint RUN_DIR[/checkpoints/TAG] --shards DIR \\
         [--split val] [--batches 8] [--batch-size 4]
 
 --shards is a shard directory holding the split (DIR/val/index.json) or a split directory itself
@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
+from megatron.core import tensor_parallel
+
+from pretrain.consolidate import load_model
+from pretrain.data import read_samples
+from tools.cli import ToolError, reports_errors, run
 
 
 def split_dir(shards: str | Path, split: str) -> Path:
@@ -28,28 +32,12 @@ def split_dir(shards: str | Path, split: str) -> Path:
         return shards
     if (shards / split / "index.json").is_file():
         return shards / split
-    raise FileNotFoundError(f"--shards {shards}: neither {shards / split / 'index.json'} nor {shards / 'index.json'} "
-                            "exists; point at a directory written by data_prep.build_shards (or its split)")
-
-
-def read_rows(location: Path, count: int) -> torch.Tensor:
-    """The first `count` samples [count, seq + 1] in order, wrapping around."""
-    from streaming import StreamingDataset
-
-    from pretrain.data import clean_shared_memory_once
-
-    clean_shared_memory_once()
-    dataset = StreamingDataset(local=str(location), shuffle=False, batch_size=1)
-    n = len(dataset)
-    if n == 0:
-        raise ValueError(f"{location} holds no samples")
-    return torch.stack([torch.from_numpy(dataset[i % n]["tokens"].astype("int64")) for i in range(count)])
+    raise ToolError(f"--shards {shards}: neither {shards / split / 'index.json'} nor {shards / 'index.json'} "
+                    "exists; point at a directory written by data_prep.build_shards (or its split)")
 
 
 @torch.no_grad()
 def evaluate_rows(model, rows: torch.Tensor, batch_size: int) -> dict:
-    from megatron.core import tensor_parallel
-
     seq = rows.shape[1] - 1
     if seq > model.cfg.max_seq_len:
         raise ValueError(f"samples hold {seq} tokens but model.max_seq_len={model.cfg.max_seq_len}")
@@ -65,10 +53,9 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int) -> dict:
             "tokens": int(rows[:, 1:].numel()), "batch_losses": losses}
 
 
+@reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.consolidate import ConsolidateError, load_model
-
-    parser = argparse.ArgumentParser(prog="python -m pretrain.evaluate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--shards", required=True, help="shard directory (with SPLIT/) or a split directory")
@@ -78,16 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.batches < 1 or args.batch_size < 1:
-        print("error: --batches and --batch-size must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        location = split_dir(args.shards, args.split)
-        model, cfg, meta = load_model(args.checkpoint)
-        rows = read_rows(location, args.batches * args.batch_size)
-        result = evaluate_rows(model, rows, args.batch_size)
-    except (ConsolidateError, FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+        raise ToolError("--batches and --batch-size must be >= 1")
+    location = split_dir(args.shards, args.split)
+    model, cfg, meta = load_model(args.checkpoint)
+    rows = read_samples(location, args.batches * args.batch_size)
+    result = evaluate_rows(model, rows, args.batch_size)
     result.update(checkpoint=meta["checkpoint"], step=meta.get("step"), shards=str(location))
     if args.json:
         print(json.dumps(result))
@@ -98,6 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pretrain.distributed import run_cli
-
-    run_cli(main)
+    run(main)

@@ -1,0 +1,159 @@
+"""What a run directory holds on disk: checkpoint tags, the COMPLETE and stop markers, file and
+expert-key names. Standard library only: the Slurm job steps (launch.slurm_job, launch.status)
+read it without loading torch.
+
+    RUN_DIR/checkpoints/step_00000100/   one checkpoint (DeepSpeed files, rank_XXXXX.pt, COMPLETE)
+    RUN_DIR/checkpoints/latest           the tag of the newest complete checkpoint, moved last
+    RUN_DIR/STOPPED_ON_SIGNAL            the latest process run saved and stopped on a signal
+
+A checkpoint is complete once its COMPLETE marker exists (written after every rank's files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+STOP_MARKER = "STOPPED_ON_SIGNAL"
+TAG_PATTERN = re.compile(r"^step_(\d+)$")
+
+# DeepSpeed's file names inside a tag directory.
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+MP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+# A routed expert's parameter: prefix, expert id (local in a module, global in an expert file), rest.
+EXPERT_KEY = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..*)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used as asked; the message says what is wrong and what to do."""
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def read_meta(tag_dir: Path) -> dict:
+    """The COMPLETE marker of a checkpoint: model config, step, world size, tokenizer hash."""
+    return json.loads((Path(tag_dir) / COMPLETE).read_text())
+
+
+def latest_complete(ckpt_dir: Path) -> Path | None:
+    """The checkpoint `latest` names if complete, else the newest complete one."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / LATEST
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        if tag and (ckpt_dir / tag / COMPLETE).is_file():
+            return ckpt_dir / tag
+    if not ckpt_dir.is_dir():
+        return None
+    complete = sorted(d for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and (d / COMPLETE).is_file())
+    return complete[-1] if complete else None
+
+
+def latest_complete_step(run_dir: str | os.PathLike) -> int | None:
+    path = latest_complete(checkpoint_dir(run_dir))
+    if path is None:
+        return None
+    try:
+        return int(read_meta(path)["step"])
+    except (OSError, KeyError, ValueError, json.JSONDecodeError):
+        return None
+
+
+def resolve_resume(resume: str, run_dir: str) -> Path | None:
+    """train.resume (auto | none | a tag directory) -> the checkpoint to resume, or None."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_complete(checkpoint_dir(run_dir))
+    path = Path(resume)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(
+            f"train.resume={resume}: not a complete checkpoint (no {COMPLETE} marker); "
+            "use train.resume=auto to pick the newest complete one"
+        )
+    return path
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete checkpoint tag directory from a tag directory or a run directory."""
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return path
+    if TAG_PATTERN.match(path.name) or any(path.glob("*_model_states.pt")):
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker: the save was interrupted or is "
+            "still running); point at a complete step_XXXXXXXX directory or at the run directory"
+        )
+    for ckpt_dir in (checkpoint_dir(path), path):
+        if ckpt_dir.is_dir():
+            found = latest_complete(ckpt_dir)
+            if found is not None:
+                return found
+    raise CheckpointError(f"{path}: no complete checkpoint found (expected RUN_DIR/checkpoints/step_XXXXXXXX/"
+                          f"{COMPLETE}, or a step_XXXXXXXX directory)")
+
+
+def global_expert_key(key: str, ep_rank: int, local_experts: int) -> str:
+    """A module's parameter name (local expert id) -> the checkpoint's (global expert id)."""
+    match = EXPERT_KEY.match(key)
+    if not match:
+        return key
+    return f"{match.group(1)}{ep_rank * local_experts + int(match.group(2))}{match.group(3)}"
+
+
+def local_expert_state(full: dict, ep_size: int, ep_rank: int) -> dict:
+    """Keep one expert-parallel rank's experts (global ids [rank * N/ep, (rank + 1) * N/ep)) of a
+    state dict with global expert ids, under their local ids; everything else as it is."""
+    experts: dict[str, set[int]] = {}
+    for key in full:
+        if match := EXPERT_KEY.match(key):
+            experts.setdefault(match.group(1), set()).add(int(match.group(2)))
+    out = {}
+    for key, value in full.items():
+        match = EXPERT_KEY.match(key)
+        if not match:
+            out[key] = value
+            continue
+        n = len(experts[match.group(1)])
+        if n % ep_size:
+            raise ValueError(f"{match.group(1)}: {n} experts are not divisible by expert-parallel size {ep_size}")
+        local = n // ep_size
+        g = int(match.group(2))
+        if ep_rank * local <= g < (ep_rank + 1) * local:
+            out[f"{match.group(1)}{g - ep_rank * local}{match.group(3)}"] = value
+    return out
+
+
+def write_stop_marker(run_dir: str | os.PathLike, step: int, signal_name: str) -> Path:
+    """Record that the run saved a complete checkpoint at `step` and stopped on a signal."""
+    path = Path(run_dir) / STOP_MARKER
+    tmp = path.with_name(f".{STOP_MARKER}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step, "signal": signal_name, "time": time.time()}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_stop_marker(run_dir: str | os.PathLike) -> dict | None:
+    path = Path(run_dir) / STOP_MARKER
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def clear_stop_marker(run_dir: str | os.PathLike) -> None:
+    (Path(run_dir) / STOP_MARKER).unlink(missing_ok=True)

@@ -1,0 +1,48 @@
+"""What every command-line tool shares: bad input is one `error: ...` line and exit code 2, and
+the process group a tool started is torn down on the way out."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from models.config import ConfigError
+from pretrain.checkpoint_format import CheckpointError
+
+
+class ToolError(RuntimeError):
+    """A tool's input cannot be used; the message names the problem and the fix."""
+
+
+# Problems with what the user gave, as opposed to bugs: reported in one line.
+INPUT_ERRORS = (ToolError, CheckpointError, ConfigError, FileNotFoundError)
+
+
+def reports_errors(*extra: type[BaseException]):
+    """Decorate a tool's main(argv) -> exit code: input errors (and `extra`) print `error: ...` and
+    return 2."""
+    caught = INPUT_ERRORS + extra
+
+    def decorate(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def wrapped(argv: list[str] | None = None) -> int:
+            try:
+                return main(argv)
+            except caught as err:
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                return 2
+        return wrapped
+    return decorate
+
+
+def run(main: Callable[[], int]) -> NoReturn:
+    """Exit with a tool's main(), tearing down any process group it started."""
+    from pretrain.distributed import destroy_distributed
+
+    try:
+        code = main()
+    finally:
+        destroy_distributed()
+    sys.exit(code)

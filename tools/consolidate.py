@@ -1,0 +1,46 @@
+"""Write a checkpoint of any layout (tensor / expert / data parallel, ZeRO 0-3) as one full fp32
+state dict, keyed like the model at tensor- and expert-parallel size 1.
+
+    python -m tools.consolidate --checkpoint RUN_DIR[/checkpoints/TAG] --out weights.pt
+
+The file holds {"model": the model config, "state_dict": ..., "step": ..., "checkpoint": ...}:
+`train.init_from=weights.pt` starts a run from it at any layout, and torch.load reads it without
+this framework.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from pretrain.consolidate import load_model
+from tools.cli import ToolError, reports_errors, run
+
+
+@reports_errors()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.consolidate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
+    parser.add_argument("--out", required=True, help="output .pt file")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise ToolError(f"--out {out} exists; choose a new file or pass --overwrite")
+    model, cfg, meta = load_model(args.checkpoint)
+    state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save({"model": meta["model"], "state_dict": state, "step": meta.get("step"),
+                "checkpoint": meta["checkpoint"]}, tmp)
+    tmp.replace(out)
+    print(f"wrote {out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters, "
+          f"step {meta.get('step')} of {meta['checkpoint']}")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

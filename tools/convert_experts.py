@@ -1,0 +1,69 @@
+"""Expert-parallel layouts of checkpoints.
+
+DeepSpeed writes the routed experts of every sparse layer as one file per global expert,
+`layer_{L}_expert_{E}_mp_rank_{TP:02d}_model_states.pt`, and everything else (attention, norms,
+VSE, router, shared expert, selection bias) in `mp_rank_{TP:02d}_model_states.pt`; only the ZeRO
+optimizer shards depend on the expert-parallel size. `pretrain.checkpoint.load` therefore resumes
+a checkpoint at another EP size directly (weights and LR schedule restored, optimizer moments
+restarted); this tool converts between the DeepSpeed layout and one plain, EP-independent state
+dict of one tensor-parallel rank, with experts in global, expert-major order:
+
+    python -m tools.convert_experts RUN_DIR[/checkpoints/step_00000100] model_tp00.pt [--mp-rank 0]
+
+`load_full_state_dict(model, full)` loads such a state dict into a model built at any EP size.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint_format import EXPERT_KEY, local_expert_state, read_meta, resolve_checkpoint
+from pretrain.consolidate import describe_layout, rank_state
+from tools.cli import ToolError, reports_errors, run
+
+
+def expert_major_state(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """One TP rank's full model state dict from a checkpoint tag (or run) directory, checked
+    complete first; experts under their global ids in expert-major order, dtypes as saved."""
+    tag_dir = resolve_checkpoint(tag_dir)
+    layout = describe_layout(tag_dir, read_meta(tag_dir))
+    if not layout["experts"]:
+        raise ToolError(f"{tag_dir}: no expert files; this checkpoint has no MoE/UoE layers")
+    state = rank_state(tag_dir, mp_rank, layout)
+    return dict(sorted(state.items(), key=lambda kv: _order(kv[0])))
+
+
+def _order(key: str):
+    m = EXPERT_KEY.match(key)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else (key, -1, "")
+
+
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Load an EP-independent state dict into a model built at megatron-core's current EP size."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    rank = ps.get_expert_model_parallel_rank() if ep > 1 else 0
+    model.load_state_dict(local_expert_state(full, ep, rank), strict=True)
+
+
+@reports_errors()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.convert_experts", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a checkpoint tag directory, e.g. runs/x/checkpoints/step_00000100")
+    parser.add_argument("out", help="output .pt file (one per TP rank)")
+    parser.add_argument("--mp-rank", type=int, default=0, help="tensor-parallel rank to convert")
+    args = parser.parse_args(argv)
+    state = expert_major_state(args.checkpoint, args.mp_rank)
+    torch.save(state, args.out)
+    n = sum(1 for k in state if EXPERT_KEY.match(k))
+    print(f"wrote {args.out}: {len(state)} tensors, {n} of them expert weights (global expert-major order)")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,74 @@
+"""Sample text from a training checkpoint in one process (CPU or one GPU).
+
+    python -m tools.generate --checkpoint RUN_DIR[/checkpoints/TAG] --prompt "def main(" \\
+        [--max-new-tokens 64 --temperature 0.8 --top-p 0.95 --greedy --seed 0]
+
+The checkpoint is consolidated (any TP / DP / ZeRO layout, see pretrain.consolidate) into a model
+at tensor-parallel size 1. The prompt is encoded with the run's SentencePiece tokenizer
+(data.tokenizer in RUN_DIR/config.yaml, or --tokenizer) exactly as the training shards were:
+no BOS, no dummy prefix. --prompt-ids "5,6,7" gives token ids directly (runs without a tokenizer).
+Sampling only draws real tokens (ids < model.vocab_size; the padding rows of the embedding are
+never sampled) and stops at EOS or after --max-new-tokens. The context is cut to the last
+model.max_seq_len tokens (RoPE tables end there). Prints the continuation; --json prints ids too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from data_prep.tokenizer import SPECIAL_IDS, load_tokenizer
+from models.generation import generate
+from pretrain.checkpoint_format import read_meta, resolve_checkpoint
+from pretrain.consolidate import load_model
+from tools.cli import ToolError, reports_errors, run
+from tools.export import find_tokenizer
+
+
+@reports_errors(ValueError)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature / top-p)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
+    parser.add_argument("--json", action="store_true", help="print a JSON object with ids and text")
+    args = parser.parse_args(argv)
+    if not 0.0 < args.top_p <= 1.0 or args.max_new_tokens < 0:
+        raise ToolError("--top-p must be in (0, 1] and --max-new-tokens >= 0")
+    tag_dir = resolve_checkpoint(args.checkpoint)
+    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
+    sp = load_tokenizer(tokenizer_dir)[0] if tokenizer_dir is not None else None
+    if args.prompt is not None:
+        if sp is None:
+            raise ToolError("this run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR "
+                            "or give --prompt-ids")
+        prompt_ids = sp.encode(args.prompt)
+    else:
+        prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    model, cfg, _ = load_model(tag_dir)
+    bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ToolError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
+    eos = sp.eos_id() if sp is not None else SPECIAL_IDS["eos_id"]
+    new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, args.greedy, eos,
+                   torch.Generator().manual_seed(args.seed))
+    text = sp.decode(new) if sp is not None else None
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "ids": new, "text": text}))
+    else:
+        print(text if text is not None else " ".join(map(str, new)))
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
