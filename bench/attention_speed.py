@@ -25,8 +25,8 @@ KINDS = ["softmax", "softmax_sink", "relu", "lisa", "lisa_linear", "softmax+publ
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
-    from models.attention import build_attention
     from models.config import ModelConfig
+    from models.registry import build_attention
 
     cfg = ModelConfig(hidden_size=hidden, num_heads=heads, num_layers=2, max_seq_len=seq, attention="softmax")
     cfg.relu_attention.block_size = 256
@@ -34,8 +34,9 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     if kind in ("lisa", "lisa_linear"):
         cfg.attention = "softmax,lisa"
         cfg.lisa.align_hidden = 0 if kind == "lisa_linear" else cfg.lisa.align_hidden
-        return build_attention(cfg, 1, "lisa"), cfg
-    module = build_attention(cfg, 0, "softmax" if kind == "softmax+publish" else kind)
+        return build_attention(cfg, 1), cfg
+    cfg.attention = "softmax" if kind == "softmax+publish" else kind
+    module = build_attention(cfg, 0)
     module.publish_scores = kind == "softmax+publish"
     return module, cfg
 

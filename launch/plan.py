@@ -11,13 +11,14 @@ size, De = expert-data-parallel size D / EP):
                  ZeRO >= 1, the fp32 gradient partition of the optimizer (4 bytes/param / D)
   optimizer      fp32 master + Adam m, v = 12 bytes/param (DeepSpeed keeps the master partition
                  even in fp32); ZeRO-1/2/3 divide by D
-  activations    per layer and token, elements: 4h (residual and norm inputs/outputs)
-                 + (4h + 3k)/t (q, k, v, rotated q and k, attention output, output-projection input;
-                 k = K/V width, h without grouped-query attention) + 4f/t (MLP: gate/up
-                 output, activation, product; f = active MLP width) + a*s/t attention scores for
-                 kinds that store them (all but flash softmax); full activation checkpointing keeps
-                 h per layer plus one layer's full set, selective drops the scores term (the
-                 attention core is recomputed); plus the fp32 logits, 2 x V/t per token
+  activations    per layer and token, elements: 4h (residual and norm inputs/outputs) plus what
+                 the layer's attention and MLP kinds declare (models.registry): for the built-in
+                 attention kinds (4h + 3k)/t (q, k, v, rotated q and k, attention output,
+                 output-projection input; k = K/V width, h without grouped-query attention) + a*s/t
+                 attention scores for kinds that store them (all but flash softmax), for the MLPs
+                 4f/t (gate/up output, activation, product; f = active MLP width); full activation
+                 checkpointing keeps h per layer plus one layer's full set, selective drops the
+                 scores term (the attention core is recomputed); plus the fp32 logits, 2 x V/t per token
   buffers        DeepSpeed's reduce/all-gather buckets (ZeRO-1/2: 2 x min(5e8, P) elements;
                  ZeRO-3: prefetch bucket + live parameters)
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from launch.layouts import single_gpu_overrides
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
+from models.registry import ActivationLayout, attention_kind, mlp_kind
 from pretrain.config import Config, ConfigError, load_config, validate
 from pretrain.telemetry import peak_tflops
 
@@ -55,23 +57,13 @@ class Layout:
     checkpointing: str  # none | full | selective
 
 
-def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
-    moe, kind = cfg.moe, cfg.mlp_kind(layer)
-    if kind == "dense":
-        return cfg.ffn_hidden_size
-    if kind == "moe":
-        return moe.top_k * moe.expert_hidden_size + moe.shared_hidden_size
-    routing = moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
-    return moe.top_k * moe.expert_hidden_size + moe.num_experts * routing
-
-
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
-    t, h, kv, a = layout.tensor, cfg.hidden_size, cfg.kv_width, cfg.num_heads
+    t, h = layout.tensor, cfg.hidden_size
     elem = 2 if layout.bf16 else 4
-    stores_scores = lambda kind: kind != "softmax" or not layout.bf16  # noqa: E731 (flash on GPU only)
-    keeps_scores = lambda kind: stores_scores(kind) and layout.checkpointing != "selective"  # noqa: E731
-    per_layer = [4 * h + (4 * h + 3 * kv) / t + 4 * active_mlp_width(cfg, i) / t
-                 + (a * seq / t if keeps_scores(k) else 0) for i, k in enumerate(cfg.attention_kinds())]
+    # Flash softmax kernels run in bf16 on GPUs only.
+    kinds = ActivationLayout(tensor=t, seq=seq, flash=layout.bf16, selective=layout.checkpointing == "selective")
+    per_layer = [4 * h + attention_kind(k).activations(cfg, kinds)
+                 + mlp_kind(cfg.mlp_kind(i)).activations(cfg, t) for i, k in enumerate(cfg.attention_kinds())]
     tokens = layout.micro_batch * seq
     if layout.checkpointing == "full":
         layers = cfg.num_layers * h + max(per_layer)
@@ -125,7 +117,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     validate(cfg, world)
     p, t = cfg.parallel, cfg.train
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
-                    t.activation_checkpointing)  # validate() normalised it to none | full | selective
+                    t.activation_checkpointing)  # canonical (none | full | selective) since load_config
     memory = memory_breakdown(cfg, layout)
     total = peak_bytes(memory)
     fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context

@@ -1,61 +1,27 @@
-"""Model configuration: sizes, the attention kind of every layer and the MLP kind."""
+"""Model configuration: sizes, the attention kind of every layer, the MLP kind, and the config
+sections the kinds declare (model.moe, model.lisa, ...; see models.registry).
+
+Also the typed setter every config tree uses (`apply_values`): YAML and dotted command-line values
+become dataclass fields of the declared type, and a bad key or value is a ConfigError that names
+the key and the fix.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
+
+import yaml
+
 
 class ConfigError(ValueError):
     """A config problem, stated with the key at fault and the fix."""
 
 
-ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "lisa")
-ATTENTION_ABBREVIATIONS = {"s": "softmax", "k": "softmax_sink", "r": "relu", "l": "lisa"}
-MLP_KINDS = ("dense", "moe", "uoe")
-
-
-@dataclass
-class MoEConfig:
-    """Shared by the top-k router MoE and Union-of-Experts layers."""
-
-    num_experts: int = 4
-    top_k: int = 2
-    expert_hidden_size: int = 128  # D_e: ordinary (routed) neurons per expert
-    shared_hidden_size: int = 0  # MoE: width of the shared expert (0 = none)
-    routing_neurons: int = 0  # UoE: N_s per expert; 0 = shared_hidden_size // num_experts
-    score: str = "h"  # UoE routing-neuron activation scored: h | silu | z
-    vse_mode: str = "overlap"  # UoE virtual shared expert: overlap | disjoint
-    aux_loss_coef: float = 0.01
-    bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 = off
-    capacity_factor: float = 0.0  # 0 = dropless
-    moe_layers: str = "all"  # "all" or comma-separated layer indices
-    grouped_gemm: bool = False  # run each rank's experts as grouped GEMMs (torch._grouped_mm)
-
-
-@dataclass
-class ReLUAttentionConfig:
-    normalizer: str = "prefix"  # none | prefix | seqlen
-    block_size: int = 256  # query block for O(block x seq) memory
-
-
-@dataclass
-class LISAConfig:
-    # Low-rank Q/K correction, rank per head; 0 = head_dim // 8 (8x fewer Q/K parameters).
-    # Must be even (RoPE).
-    rank: int = 0
-    align_hidden: int = 16  # width of the head-alignment FFN; 0 = linear head mixing only
-    # Heads mixed together by the alignment FFN; 0 = all heads. Groups never straddle tensor-parallel
-    # ranks, so the group must divide num_heads / parallel.tensor.
-    align_group: int = 0
-    keep_full_layers: int = 2  # the first layers never share attention
-
-    def resolved_rank(self, head_dim: int) -> int:
-        return self.rank or max(2, head_dim // 8 // 2 * 2)
-
-    def resolved_group(self, num_heads: int) -> int:
-        return self.align_group or num_heads
-
-
-@dataclass
+@dataclass(init=False, eq=False)
 class ModelConfig:
     vocab_size: int = 4096  # tokenizer vocabulary; the embedding is padded to `vocab_pad_to`
     hidden_size: int = 128
@@ -71,13 +37,76 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     vocab_pad_to: int = 128
-    # One kind per layer: a list, a comma-separated string, or a compact string of letters
-    # (s=softmax, k=softmax_sink, r=relu, l=lisa), e.g. "ssrl". One entry repeats for every layer.
+    # One kind per layer: a list, a comma-separated string, or a compact string of the kinds'
+    # letters (s=softmax, k=softmax_sink, r=relu, l=lisa), e.g. "ssrl". One entry repeats for every layer.
     attention: str | list[str] = "softmax"
     mlp: str = "dense"
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    relu_attention: ReLUAttentionConfig = field(default_factory=ReLUAttentionConfig)
-    lisa: LISAConfig = field(default_factory=LISAConfig)
+    # Modules that register more kinds and sections (models.registry), imported before the rest
+    # of the config is read.
+    plugins: list[str] = field(default_factory=list)
+
+    # Keys that steer training, not what the weights mean (a run may change them between checkpoints).
+    TRAINING_ONLY: typing.ClassVar[tuple[str, ...]] = ("init_std", "plugins")
+
+    def __init__(self, **values):
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, values.pop(f.name, default))
+        object.__setattr__(self, "_sections", {})
+        for name, value in values.items():  # config sections, e.g. moe=MoEConfig(...)
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str):
+        """A config section (cfg.moe, cfg.lisa, ...), at its defaults until set."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        section = _section(name)
+        return self._sections.setdefault(name, section.config())
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in MODEL_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        section = _section(name)
+        if not isinstance(value, section.config):
+            raise TypeError(f"model.{name} must be a {section.config.__name__}, got {type(value).__name__}")
+        self._sections[name] = value
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ModelConfig) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"ModelConfig({self.to_dict()})"
+
+    def to_dict(self) -> dict:
+        """Fields, then the sections of the built-in kinds and of model.plugins (a section another
+        module registered in this process belongs to no model until its module is a plugin)."""
+        from models import registry
+
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for name, section in sorted(registry.sections().items()):
+            if section.origin.startswith("models.") or section.origin in self.plugins:
+                out[name] = dataclasses.asdict(getattr(self, name))
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        """A ModelConfig from a saved dict (a COMPLETE marker, a weights file); keys added since it
+        was written take their defaults."""
+        from models import registry
+
+        registry.load_plugins(values.get("plugins") or [])
+        cfg = cls()
+        apply_values(cfg, values, "model.")
+        return cfg
+
+    def signature(self) -> dict:
+        """The settings that fix the weights and what they compute, as flat dotted keys: two
+        configs with equal signatures can load each other's checkpoints."""
+        from models import registry
+
+        skip = set(self.TRAINING_ONLY) | registry.training_only_keys()
+        return {k: v for k, v in registry.flat_values(self.to_dict()).items() if k not in skip}
 
     @property
     def head_dim(self) -> int:
@@ -98,65 +127,138 @@ class ModelConfig:
         return (self.vocab_size + pad - 1) // pad * pad
 
     def attention_kinds(self) -> list[str]:
-        kinds = parse_attention_pattern(self.attention, self.num_layers)
-        if "lisa" in kinds:
-            check_lisa(self, kinds)
-        return kinds
+        """The attention kind of every layer (the pattern parsed, kinds not yet validated)."""
+        return parse_attention_pattern(self.attention, self.num_layers)
 
     def mlp_kind(self, layer: int) -> str:
-        if self.mlp == "dense" or self.moe.moe_layers == "all":
-            return self.mlp
-        wanted = {int(i) for i in str(self.moe.moe_layers).split(",") if i.strip()}
-        return self.mlp if layer in wanted else "dense"
+        from models import registry
+
+        applies = registry.mlp_kind(self.mlp).applies_to
+        return self.mlp if applies is None or applies(self, layer) else "dense"
+
+    def check_sizes(self, tensor: int = 1) -> None:
+        """Sizes that every kind relies on, for a model split over `tensor` ranks."""
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dimension {self.head_dim} must be even for rotary embeddings")
+        if self.num_kv_heads < 0 or self.num_heads % self.kv_heads:
+            raise ConfigError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads} "
+                              "(0 = as many K/V heads as query heads)")
+        if self.kv_heads % tensor:
+            which = (f"model.num_kv_heads={self.num_kv_heads}" if self.num_kv_heads
+                     else f"model.num_heads={self.num_heads}")
+            raise ConfigError(f"{which} is not divisible by parallel.tensor={tensor}; "
+                              "choose a tensor-parallel size that divides the (K/V) heads")
+        if self.padded_vocab_size % tensor:
+            raise ConfigError(f"model.vocab_pad_to={self.vocab_pad_to} must be a multiple of parallel.tensor={tensor}")
+
+
+MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def _section(name: str):
+    from models import registry
+
+    section = registry.sections().get(name)
+    if section is None:
+        raise AttributeError(f"model has no key or section {name!r} (sections: {sorted(registry.sections())})")
+    return section
 
 
 def parse_attention_pattern(pattern: str | list[str], num_layers: int) -> list[str]:
+    from models import registry
+
+    letters = registry.letters()
+    known = tuple(sorted(registry.attention_kinds()))
     if isinstance(pattern, str):
-        if "," in pattern or pattern in ATTENTION_KINDS:
+        if "," in pattern or pattern in registry.attention_kinds():
             kinds = [p.strip() for p in pattern.split(",") if p.strip()]
         else:
-            unknown = sorted(set(pattern) - set(ATTENTION_ABBREVIATIONS))
+            unknown = sorted(set(pattern) - set(letters))
             if unknown:
-                raise ValueError(
+                raise ConfigError(
                     f"model.attention={pattern!r}: unknown letters {unknown}; use a list of "
-                    f"{ATTENTION_KINDS} or letters {ATTENTION_ABBREVIATIONS}"
+                    f"{known} or letters {letters}"
                 )
-            kinds = [ATTENTION_ABBREVIATIONS[c] for c in pattern]
+            kinds = [letters[c] for c in pattern]
     else:
         kinds = list(pattern)
     if len(kinds) == 1:
         kinds = kinds * num_layers
-    bad = [k for k in kinds if k not in ATTENTION_KINDS]
+    bad = [k for k in kinds if k not in registry.attention_kinds()]
     if bad:
-        raise ValueError(f"model.attention: unknown kinds {bad}; choose from {ATTENTION_KINDS}")
+        raise ConfigError(f"model.attention: unknown kinds {bad}; choose from {known} "
+                          "(a kind outside models/attention/ registers when its module is imported: list it in "
+                          "model.plugins)")
     if len(kinds) != num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"model.attention lists {len(kinds)} layers but model.num_layers={num_layers}; "
             "give one kind per layer or a single kind for all"
-        )
-    if kinds and kinds[0] == "lisa":
-        raise ValueError(
-            "model.attention: layer 0 is lisa, but a lisa layer reuses the previous layer's attention "
-            "scores and layer 0 has none; start with softmax, softmax_sink or relu layers"
         )
     return kinds
 
 
-def check_lisa(cfg: ModelConfig, kinds: list[str]) -> None:
-    """Where lisa layers may go and whether their sizes fit; raises ValueError."""
-    lisa = cfg.lisa
-    early = [i for i, k in enumerate(kinds[: lisa.keep_full_layers]) if k == "lisa"]
-    if early:
-        raise ValueError(
-            f"model.attention puts lisa at layers {early}, but model.lisa.keep_full_layers="
-            f"{lisa.keep_full_layers} keeps the first layers as full attention; move them later or "
-            "lower keep_full_layers"
-        )
-    rank = lisa.resolved_rank(cfg.head_dim)
-    if rank % 2 or rank < 2:
-        raise ValueError(f"model.lisa.rank={lisa.rank} must be even and >= 2 (RoPE rotates pairs)")
-    group = lisa.resolved_group(cfg.num_heads)
-    if cfg.num_heads % group:
-        raise ValueError(
-            f"model.lisa.align_group={lisa.align_group} must divide model.num_heads={cfg.num_heads}"
-        )
+# --- the typed setter ---------------------------------------------------------------------------------
+
+def config_keys(obj) -> list[str]:
+    """The keys a config node takes: its fields, and for the model its registered sections."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    if isinstance(obj, ModelConfig):
+        from models import registry
+
+        names += sorted(registry.sections())
+    return names
+
+
+def coerce(value, annotation, key: str, parse=None):
+    """A YAML/CLI value as the field's declared type; `parse` (a field's metadata) turns it into
+    its one canonical form instead."""
+    if parse is not None:
+        return parse(value, key)
+    hint = annotation if not isinstance(annotation, str) else eval(annotation, vars(typing), {})  # noqa: S307
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if isinstance(value, str) and list in [typing.get_origin(a) or a for a in typing.get_args(hint)]:
+            text = value.strip()
+            return yaml.safe_load(text) if text.startswith("[") else value
+        return value
+    if origin is list and typing.get_args(hint) == (str,):
+        if isinstance(value, str):  # model.plugins=a.b,c.d
+            value = [part.strip() for part in value.strip("[]").split(",") if part.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r}: expected a list of names")
+        return [str(v) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if hint in (int, float, str):
+        try:
+            return hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected {hint.__name__}") from None
+    return value
+
+
+def apply_values(obj, values: dict, prefix: str = "") -> None:
+    """Set a config dataclass tree from nested {key: value}; sections recurse."""
+    hints = typing.get_type_hints(type(obj))
+    parsers = {f.name: f.metadata.get("parse") for f in dataclasses.fields(obj)}
+    names = config_keys(obj)
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
+            apply_values(current, value, key + ".")
+        else:
+            setattr(obj, name, coerce(value, hints[name], key, parsers.get(name)))

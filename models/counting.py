@@ -1,35 +1,19 @@
-"""Parameter counts and training FLOPs per token, from the config alone (for MFU and planning)."""
+"""Parameter counts and training FLOPs per token, from the config alone (for MFU and planning);
+each kind declares its own terms (models.registry)."""
 
 from __future__ import annotations
 
 from models.config import ModelConfig
+from models.registry import attention_kind, mlp_kind
 
 
 def attention_params(cfg: ModelConfig, kind: str) -> int:
-    d = cfg.hidden_size
-    if kind == "lisa":
-        from models.attention.lisa import lisa_param_count
-
-        return lisa_param_count(cfg)
-    extra = cfg.num_heads if kind == "softmax_sink" else 0
-    return 2 * d * d + 2 * d * cfg.kv_width + extra
+    return attention_kind(kind).params(cfg)
 
 
 def mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """(total, active per token) parameters of one layer's MLP."""
-    d, kind, moe = cfg.hidden_size, cfg.mlp_kind(layer), cfg.moe
-    if kind == "dense":
-        n = 3 * d * cfg.ffn_hidden_size
-        return n, n
-    experts = moe.num_experts * 3 * d * moe.expert_hidden_size
-    active_experts = moe.top_k * 3 * d * moe.expert_hidden_size
-    if kind == "moe":
-        shared = 3 * d * moe.shared_hidden_size
-        router = d * moe.num_experts
-        return router + shared + experts, router + shared + active_experts
-    routing = moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
-    vse = 3 * d * moe.num_experts * routing
-    return vse + experts, vse + active_experts
+    return mlp_kind(cfg.mlp_kind(layer)).params(cfg)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -45,17 +29,26 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
             "active_non_embedding": active - embedding}
 
 
+def score_flops(cfg: ModelConfig, kind: str, seq: int) -> float:
+    """Training FLOPs per token of one layer's score and value products: a kind's own count, else
+    Megatron's 12 x hidden x seq."""
+    own = attention_kind(kind).score_flops
+    return own(cfg, seq) if own is not None else 12.0 * cfg.hidden_size * seq
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token: 6 x active matmul parameters (the output head included, the
-    embedding lookup not) + 12 x layers x hidden x seq for attention scores (Megatron's formula)."""
+    embedding lookup not) + every layer's score FLOPs (Megatron's formula unless a kind says otherwise)."""
     seq = seq_len or cfg.max_seq_len
     counts = param_counts(cfg)
     matmul = counts["active_non_embedding"] + (cfg.padded_vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0)
-    return 6.0 * matmul + 12.0 * cfg.num_layers * cfg.hidden_size * seq
+    return 6.0 * matmul + sum(score_flops(cfg, kind, seq) for kind in cfg.attention_kinds())
 
 
 def expert_params(cfg: ModelConfig) -> int:
     """Parameters of the routed experts (sharded by expert parallelism); the rest is dense."""
-    moe = cfg.moe
-    per_layer = moe.num_experts * 3 * cfg.hidden_size * moe.expert_hidden_size
-    return sum(per_layer for i in range(cfg.num_layers) if cfg.mlp_kind(i) != "dense")
+    total = 0
+    for layer in range(cfg.num_layers):
+        own = mlp_kind(cfg.mlp_kind(layer)).expert_params
+        total += own(cfg) if own is not None else 0
+    return total

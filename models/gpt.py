@@ -10,11 +10,9 @@ from megatron.core import tensor_parallel
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.attention import build_attention
 from models.config import ModelConfig
 from models.layers import Rotary, column_linear, normal_init, parallel_config, tp_size
-from models.mlp import build_mlp
-
+from models.registry import build_attention, build_mlp
 
 CHECKPOINT_MODES = ("none", "full", "selective")
 
@@ -33,10 +31,10 @@ def checkpoint_mode(value: str | bool) -> str:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, attention_kind: str):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = build_attention(cfg, layer, attention_kind)
+        self.attn = build_attention(cfg, layer)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = build_mlp(cfg, layer)
 
@@ -48,20 +46,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, activation_checkpointing: str | bool = "none"):
         super().__init__()
-        if cfg.padded_vocab_size % tp_size():
-            raise ValueError(
-                f"padded vocabulary {cfg.padded_vocab_size} is not divisible by tensor parallel size "
-                f"{tp_size()}; set model.vocab_pad_to to a multiple of it"
-            )
+        assert cfg.padded_vocab_size % tp_size() == 0, \
+            f"padded vocabulary {cfg.padded_vocab_size} at TP={tp_size()} (models.registry.validate_model)"
         self.cfg = cfg
         self.activation_checkpointing = checkpoint_mode(activation_checkpointing)
         self.embed = tensor_parallel.VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, init_method=normal_init(cfg.init_std), config=parallel_config()
         )
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
-        self.blocks = nn.ModuleList(
-            Block(cfg, i, kind) for i, kind in enumerate(cfg.attention_kinds())
-        )
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         # With tied embeddings the head borrows the embedding's (vocab-split) weight.
         self.head = column_linear(

@@ -107,8 +107,7 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
         self.hidden = hidden or cfg.ffn_hidden_size
-        if self.hidden % tp_size():
-            raise ValueError(f"MLP width {self.hidden} is not divisible by tensor parallel size {tp_size()}")
+        assert self.hidden % tp_size() == 0, f"MLP width {self.hidden} at TP={tp_size()} (validate_model)"
         self.w_in = column_linear(cfg, cfg.hidden_size, 2 * self.hidden)
         self.w_out = row_linear(cfg, self.hidden, cfg.hidden_size)
 

@@ -54,20 +54,23 @@ def sink_stats(maps: dict[int, torch.Tensor]) -> SinkStats:
 
 @torch.no_grad()
 def capture_attention(model, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Run model.logits on tokens [batch, seq] with capture on; returns {layer: weights}.
-    Under tensor parallelism every rank of the group must call it (it runs the forward)."""
+    """Run model.logits on tokens [batch, seq] with capture on; returns {layer: weights} of the
+    layers whose kind exposes its weights (all built-in kinds do). Under tensor parallelism every
+    rank of the group must call it (it runs the forward)."""
     ctx = {"capture_attention": True}
     model.logits(tokens, ctx)
-    return ctx["attention_maps"]
+    return ctx.get("attention_maps", {})
 
 
-def measure(model, tokens: torch.Tensor) -> SinkStats:
+def measure(model, tokens: torch.Tensor) -> SinkStats | None:
+    """Sink statistics of the layers that expose their weights; None when none does."""
     was_training = model.training
     model.eval()
     try:
-        return sink_stats(capture_attention(model, tokens))
+        maps = capture_attention(model, tokens)
     finally:
         model.train(was_training)
+    return sink_stats(maps) if maps else None
 
 
 def gather_heads(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,6 @@ A crash at any point leaves `latest` at the previous complete checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -18,8 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint_format import COMPLETE, LATEST, TAG_PATTERN, CheckpointError, checkpoint_dir, read_meta, \
-    tag_for
+from models.config import ModelConfig
+from pretrain.checkpoint_format import COMPLETE, LATEST, TAG_PATTERN, CheckpointError, read_meta, tag_for
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -44,22 +43,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-# Model settings a run may change between checkpoints: they steer training, not what the weights mean.
-TRAINING_ONLY = {"init_std", "moe.aux_loss_coef", "moe.bias_update_rate", "moe.capacity_factor",
-                 "moe.grouped_gemm", "relu_attention.block_size"}
-
-
-def model_signature(model_config: dict, prefix: str = "") -> dict:
-    """The model settings that fix its weights and what they compute, as flat dotted keys."""
-    flat = {}
-    for key, value in model_config.items():
-        if isinstance(value, dict):
-            flat.update(model_signature(value, f"{prefix}{key}."))
-        elif f"{prefix}{key}" not in TRAINING_ONLY:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_last: int) -> Path:
@@ -101,20 +84,10 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def model_config(model: dict):
-    """A ModelConfig from the dict stored in a COMPLETE marker; keys added since it was written
-    take their defaults."""
-    from models.config import ModelConfig
-    from pretrain.config import _apply
-
-    cfg = ModelConfig()
-    _apply(cfg, model, "model.")
-    return cfg
-
-
 def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str | None, path: Path) -> None:
-    saved = model_signature(dataclasses.asdict(model_config(meta["model"])))
-    wanted = model_signature(model_config_dict)
+    """The checkpoint's model (its marker's, keys added since taking their defaults) is the config's."""
+    saved = ModelConfig.from_dict(meta["model"]).signature()
+    wanted = ModelConfig.from_dict(model_config_dict).signature()
     diff = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if diff:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {wanted.get(k)!r}" for k in diff)

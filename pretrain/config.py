@@ -1,36 +1,20 @@
-"""The run's config tree: typed dataclasses, loaded from YAML, overridden by dotted CLI keys,
-validated before any process group, model or data loader is built."""
+"""The run's config tree: typed dataclasses, loaded from YAML, overridden by dotted CLI keys and
+parsed once into canonical values (models.config.apply_values), then validated before any process
+group, model or data loader is built."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 
-from models.config import MLP_KINDS, ConfigError, ModelConfig
+from models import registry
+from models.config import ConfigError, ModelConfig, apply_values
 from pretrain.schedule import validate_schedule
-
-
-@dataclass
-class DataConfig:
-    shards: str = "data/shards"  # directory with train/, val/ and manifest.json (or a remote URL)
-    # A training mixture instead of `shards`: [{shards: DIR_OR_URL, weight: W, name: N}, ...]. Each
-    # source's train split makes up weight / sum(weights) of the samples (repeated where that share
-    # exceeds its size); validation reports every source's val split on its own. `name` defaults to
-    # the directory name.
-    mix: list[dict] = field(default_factory=list)
-    cache: str = ""  # local cache when `shards` is remote
-    tokenizer: str = "data/tokenizer"
-    num_workers: int = 0
-    shuffle_seed: int = 1234
-    num_canonical_nodes: int = 1  # keep fixed for a run: it defines the sample order
 
 
 @dataclass(frozen=True)
@@ -43,16 +27,16 @@ class DataSource:
 MIX_KEYS = {"shards", "weight", "name"}
 
 
-def data_sources(data: DataConfig) -> list[DataSource]:
-    """The shard sets training reads: data.mix when given, else data.shards."""
-    if not data.mix:
-        return [DataSource("", data.shards)]
-    if not isinstance(data.mix, list):
-        raise ConfigError(f"data.mix={data.mix!r}: give a list of sources, e.g. "
-                          "data.mix='[{shards: data/web, weight: 0.7}, {shards: data/code, weight: 0.3}]'")
+def parse_mix(value, key: str = "data.mix") -> list[DataSource]:
+    """data.mix as typed sources: names default to the directory name, weights > 0, names distinct."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}={value!r}: give a list of sources, e.g. "
+                          f"{key}='[{{shards: data/web, weight: 0.7}}, {{shards: data/code, weight: 0.3}}]'")
     sources = []
-    for i, entry in enumerate(data.mix):
-        where = f"data.mix[{i}]"
+    for i, entry in enumerate(value):
+        where = f"{key}[{i}]"
+        if isinstance(entry, DataSource):
+            entry = dataclasses.asdict(entry)
         if not isinstance(entry, dict) or "shards" not in entry or set(entry) - MIX_KEYS:
             raise ConfigError(f"{where}={entry!r}: give a mapping with shards (and optionally weight, name), "
                               "e.g. {shards: data/web, weight: 0.7}")
@@ -70,8 +54,47 @@ def data_sources(data: DataConfig) -> list[DataSource]:
         sources.append(DataSource(name, shards, weight))
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
-        raise ConfigError(f"data.mix names {names} repeat; give the sources distinct names (data.mix[i].name)")
+        raise ConfigError(f"{key} names {names} repeat; give the sources distinct names ({key}[i].name)")
     return sources
+
+
+def parse_checkpointing(value, key: str) -> str:
+    from models.gpt import checkpoint_mode
+
+    try:
+        return checkpoint_mode(value)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+FUSED_OPTIMIZER = ("auto", "true", "false")
+
+
+def parse_fused(value, key: str) -> str:
+    text = str(value).lower()  # YAML reads true/false as booleans
+    if text not in FUSED_OPTIMIZER:
+        raise ConfigError(f"{key}={value!r}: choose auto, true or false")
+    return text
+
+
+@dataclass
+class DataConfig:
+    shards: str = "data/shards"  # directory with train/, val/ and manifest.json (or a remote URL)
+    # A training mixture instead of `shards`: [{shards: DIR_OR_URL, weight: W, name: N}, ...]. Each
+    # source's train split makes up weight / sum(weights) of the samples (repeated where that share
+    # exceeds its size); validation reports every source's val split on its own. `name` defaults to
+    # the directory name.
+    mix: list[DataSource] = field(default_factory=list, metadata={"parse": parse_mix})
+    cache: str = ""  # local cache when `shards` is remote
+    tokenizer: str = "data/tokenizer"
+    num_workers: int = 0
+    shuffle_seed: int = 1234
+    num_canonical_nodes: int = 1  # keep fixed for a run: it defines the sample order
+
+    @property
+    def sources(self) -> list[DataSource]:
+        """The shard sets training reads: data.mix when given, else data.shards."""
+        return list(self.mix) or [DataSource("", self.shards)]
 
 
 @dataclass
@@ -98,8 +121,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    fused_optimizer: str = "auto"  # torch's fused AdamW: auto (on GPU) | true | false
-    activation_checkpointing: str = "none"  # none | full | selective (true/false = full/none)
+    # torch's fused AdamW: auto (on GPU) | true | false
+    fused_optimizer: str = field(default="auto", metadata={"parse": parse_fused})
+    # none | full | selective (true/false = full/none)
+    activation_checkpointing: str = field(default="none", metadata={"parse": parse_checkpointing})
     compile: bool = False  # torch.compile each block (attention only in UoE/MoE blocks); CPU compiles slowly
     eval_interval: int = 50
     eval_batches: int = 4
@@ -138,48 +163,9 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _coerce(value, annotation, key: str):
-    """Turn a YAML/CLI value into the field's declared type."""
-    hint = annotation if not isinstance(annotation, str) else eval(annotation, vars(typing), {})  # noqa: S307
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if isinstance(value, str) and list in [typing.get_origin(a) or a for a in typing.get_args(hint)]:
-            text = value.strip()
-            return yaml.safe_load(text) if text.startswith("[") else value
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{key}={value!r}: expected true or false")
-    if hint in (int, float, str):
-        try:
-            return hint(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r}: expected {hint.__name__}") from None
-    return value
-
-
-def _apply(obj, values: dict, prefix: str = "") -> None:
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for name, value in values.items():
-        key = f"{prefix}{name}"
-        if name not in names:
-            raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}")
-        current = getattr(obj, name)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
-            _apply(current, value, key + ".")
-        else:
-            setattr(obj, name, _coerce(value, hints[name], key))
+        sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: value.to_dict() if name == "model" else dataclasses.asdict(value)
+                for name, value in sections.items()}
 
 
 def parse_overrides(overrides: list[str]) -> dict:
@@ -197,7 +183,9 @@ def parse_overrides(overrides: list[str]) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    cfg = Config()
+    """Defaults, then the YAML file, then the overrides; model.plugins are imported first, so that
+    the kinds and sections they register can be named."""
+    values = {}
     if path:
         path = Path(path)
         if not path.is_file():
@@ -205,24 +193,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile)")
-        _apply(cfg, values)
-    _apply(cfg, parse_overrides(overrides or []))
-    _normalise(cfg)
+    tree = parse_overrides(overrides or [])
+    cfg = Config()
+    for layer in (values, tree):
+        plugins = (layer.get("model") or {}).get("plugins") if isinstance(layer.get("model"), dict) else None
+        if plugins is not None:
+            apply_values(cfg.model, {"plugins": plugins}, "model.")
+    registry.load_plugins(cfg.model.plugins)
+    apply_values(cfg, values)
+    apply_values(cfg, tree)
     return cfg
-
-
-def _normalise(cfg: Config) -> None:
-    """Settings with several spellings, in their one canonical form."""
-    from models.gpt import checkpoint_mode
-
-    try:
-        cfg.train.activation_checkpointing = checkpoint_mode(cfg.train.activation_checkpointing)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    fused = str(cfg.train.fused_optimizer).lower()  # YAML reads true/false as booleans
-    if fused not in ("auto", "true", "false"):
-        raise ConfigError(f"train.fused_optimizer={cfg.train.fused_optimizer!r}: choose auto, true or false")
-    cfg.train.fused_optimizer = fused
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
@@ -230,31 +210,10 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Check everything that can be checked without building anything expensive."""
+    """Every key, once, before anything expensive is built; raises ConfigError naming the key and the fix."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}"
-        )
-    if m.head_dim % 2:
-        raise ConfigError(f"head dimension {m.head_dim} must be even for rotary embeddings")
     if p.tensor < 1 or p.expert < 1:
         raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
-    if m.num_kv_heads < 0 or m.num_heads % m.kv_heads:
-        raise ConfigError(
-            f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
-            "(0 = as many K/V heads as query heads)"
-        )
-    if m.kv_heads % p.tensor:
-        which = f"model.num_kv_heads={m.num_kv_heads}" if m.num_kv_heads else f"model.num_heads={m.num_heads}"
-        raise ConfigError(
-            f"{which} is not divisible by parallel.tensor={p.tensor}; "
-            "choose a tensor-parallel size that divides the (K/V) heads"
-        )
-    if m.ffn_hidden_size % p.tensor:
-        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tensor={p.tensor}")
-    if m.padded_vocab_size % p.tensor:
-        raise ConfigError(f"model.vocab_pad_to={m.vocab_pad_to} must be a multiple of parallel.tensor={p.tensor}")
     if world_size % p.tensor:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tensor={p.tensor}; "
@@ -268,71 +227,26 @@ def validate(cfg: Config, world_size: int) -> None:
         )
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: choose 0, 1, 2 or 3")
-    try:
-        m.attention_kinds()
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if m.mlp not in MLP_KINDS:
-        raise ConfigError(f"model.mlp={m.mlp!r}: choose one of {MLP_KINDS}")
-    if m.mlp != "dense":
-        moe = m.moe
-        if moe.num_experts % p.expert:
-            raise ConfigError(
-                f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={p.expert}"
-            )
-        if not 1 <= moe.top_k <= moe.num_experts:
-            raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
-        if moe.expert_hidden_size % p.tensor or (m.mlp == "moe" and moe.shared_hidden_size % p.tensor):
-            raise ConfigError(
-                f"model.moe.expert_hidden_size={moe.expert_hidden_size} and shared_hidden_size="
-                f"{moe.shared_hidden_size} must be divisible by parallel.tensor={p.tensor} (experts are TP-split)"
-            )
-        if moe.grouped_gemm:
-            from models.moe.experts import check_grouped_gemm
-
-            try:
-                check_grouped_gemm(m.hidden_size, moe.expert_hidden_size // p.tensor, torch.bfloat16)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-        if m.mlp == "uoe":
-            routing = moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
-            if routing < 1:
-                raise ConfigError(
-                    "model.mlp=uoe needs routing neurons: set model.moe.routing_neurons, or "
-                    f"model.moe.shared_hidden_size >= num_experts={moe.num_experts} (N_s = shared // experts)"
-                )
-            if routing * moe.num_experts % p.tensor:
-                raise ConfigError(
-                    f"UoE virtual shared expert width {routing * moe.num_experts} (num_experts x routing neurons) "
-                    f"is not divisible by parallel.tensor={p.tensor}"
-                )
-            if moe.score not in ("h", "silu", "z") or moe.vse_mode not in ("overlap", "disjoint"):
-                raise ConfigError(
-                    f"model.moe.score={moe.score!r} / vse_mode={moe.vse_mode!r}: choose score h|silu|z "
-                    "and vse_mode overlap|disjoint"
-                )
-        if moe.capacity_factor < 0 or moe.bias_update_rate < 0:
-            raise ConfigError("model.moe.capacity_factor and bias_update_rate must be >= 0 (0 = off)")
-        if p.zero_stage == 3:
-            raise ConfigError(
-                "parallel.zero_stage=3 does not support expert layers (DeepSpeed refuses MoE with ZeRO-3); "
-                "use parallel.zero_stage=1 or 2 for moe/uoe models"
-            )
-    elif p.expert != 1:
+    registry.validate_model(m, registry.ParallelSizes(tensor=p.tensor, expert=p.expert))
+    routed = any(registry.mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
+    if routed and p.zero_stage == 3:
+        raise ConfigError(
+            "parallel.zero_stage=3 does not support expert layers (DeepSpeed refuses MoE with ZeRO-3); "
+            f"use parallel.zero_stage=1 or 2 for {m.mlp} models"
+        )
+    if not routed and p.expert != 1:
         raise ConfigError("parallel.expert > 1 needs an expert model: set model.mlp to moe or uoe")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision={t.precision!r}: choose auto, fp32 or bf16")
     for key in ("steps", "micro_batch", "grad_accum", "log_interval", "eval_interval", "save_interval", "keep_last"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
-    _normalise(cfg)
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = start at the full train.lr)")
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
     validate_schedule(t)
     _validate_profile(cfg.profile, t.steps, world_size)
-    data_sources(cfg.data)
 
 
 def parse_ranks(text: str) -> set[int] | None:
@@ -370,7 +284,7 @@ def validate_data(cfg: Config) -> dict:
     Returns the first local source's manifest ({} when all are remote)."""
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
     manifests, tokenizer = [], None
-    for source in data_sources(cfg.data):
+    for source in cfg.data.sources:
         if "://" in source.shards:
             continue
         key = (f"data.mix entry {source.name!r} (shards={source.shards})" if source.name

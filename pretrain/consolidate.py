@@ -39,9 +39,17 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import model_config
-from pretrain.checkpoint_format import COMPLETE, EXPERT_FILE, EXPERT_KEY, MP_MODEL, ZERO3_MODEL, CheckpointError, \
-    read_meta, resolve_checkpoint
+from models.config import ModelConfig
+from pretrain.checkpoint_format import (
+    COMPLETE,
+    EXPERT_FILE,
+    EXPERT_KEY,
+    MP_MODEL,
+    ZERO3_MODEL,
+    CheckpointError,
+    read_meta,
+    resolve_checkpoint,
+)
 
 
 class ConsolidateError(CheckpointError):
@@ -199,7 +207,7 @@ def full_state_dict(checkpoint: str | os.PathLike, model: torch.nn.Module | None
     meta = read_meta(tag_dir)
     if "model" not in meta:
         raise ConsolidateError(f"{tag_dir / COMPLETE} has no 'model' entry; it was not written by pretrain.train")
-    cfg = model_config(meta["model"])
+    cfg = ModelConfig.from_dict(meta["model"])
     layout = describe_layout(tag_dir, meta)
     if model is None:
         from models.gpt import GPT
@@ -218,7 +226,7 @@ def load_model(checkpoint: str | os.PathLike):
     from models.gpt import GPT
 
     tag_dir = resolve_checkpoint(checkpoint)
-    cfg = model_config(read_meta(tag_dir)["model"])
+    cfg = ModelConfig.from_dict(read_meta(tag_dir)["model"])
     _single_process()
     model = GPT(cfg)
     state, cfg, meta = full_state_dict(tag_dir, model)

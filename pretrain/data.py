@@ -11,7 +11,7 @@ from megatron.core import parallel_state as ps
 from streaming import Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
-from pretrain.config import Config, DataSource, data_sources
+from pretrain.config import Config, DataSource
 
 _cleaned = False
 
@@ -39,7 +39,7 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     """A fresh dataset and loader. Resume must load state into a fresh loader: a used one
     ignores the state and restarts at sample 0."""
     clean_shared_memory_once()
-    sources = data_sources(cfg.data)
+    sources = cfg.data.sources
     if cfg.data.mix:  # streaming draws weight / sum(weights) of every epoch from each source
         where = {"streams": [Stream(**_split_location(cfg, s, split), proportion=s.weight) for s in sources]}
     else:
@@ -70,7 +70,7 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = cfg.train.micro_batch
     sets = {}
-    for source in data_sources(cfg.data):
+    for source in cfg.data.sources:
         location = _split_location(cfg, source, "val")
         if location["remote"] is None and not (Path(location["local"]) / "index.json").is_file():
             continue

@@ -98,6 +98,15 @@ def init_single_process(backend: str | None = None) -> DistEnv:
     return init_distributed(1, 1, backend=backend or default)
 
 
+def dp_mean(value: torch.Tensor) -> float | list[float]:
+    """Mean over the data-parallel group (tensor-parallel peers hold the same value), of a scalar
+    or elementwise; non-finite on every rank when it is on any."""
+    value = value.detach().float().clone()
+    group = ps.get_data_parallel_group()
+    dist.all_reduce(value, group=group)
+    return (value.double() / dist.get_world_size(group)).tolist()
+
+
 def destroy_distributed() -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -34,11 +34,11 @@ def _state_file(path: Path) -> dict:
     return state
 
 
-def check_source(path: str, model_config: dict, tokenizer_sha256: str | None) -> Path:
+def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
     """The source (tag directory or state file), checked (same model, tokenizer, every file
     present) before any process group or model exists."""
     if Path(path).is_file():
-        check_compatible({"model": _state_file(Path(path))["model"]}, model_config, None, Path(path))
+        check_compatible({"model": _state_file(Path(path))["model"]}, model, None, Path(path))
         return Path(path)
     try:
         tag = resolve_checkpoint(path)
@@ -46,7 +46,7 @@ def check_source(path: str, model_config: dict, tokenizer_sha256: str | None) ->
         describe_layout(tag, meta)
     except CheckpointError as err:
         raise CheckpointError(f"train.init_from={path}: {err}") from None
-    check_compatible(meta, model_config, tokenizer_sha256, tag)
+    check_compatible(meta, model, tokenizer_sha256, tag)
     return tag
 
 
@@ -60,10 +60,10 @@ def _full_shape(param: torch.Tensor, tp: int) -> torch.Size:
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, tag: Path, num_experts: int) -> None:
+def load_weights(model: torch.nn.Module, tag: Path) -> None:
     """Copy the source's weights into this rank's (tensor- and expert-parallel) part of `model`."""
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    local_experts = max(1, num_experts // ps.get_expert_model_parallel_world_size())
+    local_experts = max(1, model.cfg.moe.num_experts // ps.get_expert_model_parallel_world_size())
     own = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     params = dict(model.named_parameters())
     ep_rank = ps.get_expert_model_parallel_rank()

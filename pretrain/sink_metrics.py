@@ -18,5 +18,6 @@ class SinkMetricsCallback(Callback):
     def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
         seq = min(self.seq, trainer.cfg.model.max_seq_len)
         tokens = trainer.val_batches[0][:, :seq].to(trainer.device)
-        stats = gathered(measure(trainer.model, tokens))
-        trainer.logger.scalars(step, scalars(stats, self.eps, self.per_head), prefix="sinks/")
+        stats = measure(trainer.model, tokens)  # the same on every rank: all or none of them have maps
+        if stats is not None:
+            trainer.logger.scalars(step, scalars(gathered(stats), self.eps, self.per_head), prefix="sinks/")

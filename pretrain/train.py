@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pretrain import checkpoint, checkpoint_format, signals
-from pretrain.config import Config, ConfigError, data_sources, load_config, save_config, validate, validate_data
+from pretrain.config import Config, ConfigError, load_config, save_config, validate, validate_data
 from pretrain.distributed import destroy_distributed, device, init_distributed, read_env
 
 
@@ -70,7 +70,7 @@ def run(cfg: Config) -> int:
     if init_path is not None:
         from pretrain.init_from import load_weights
 
-        load_weights(model, init_path, cfg.model.moe.num_experts)
+        load_weights(model, init_path)
     if cfg.train.compile:
         model.compile_blocks()
     engine = build_engine(cfg, model)
@@ -84,7 +84,7 @@ def run(cfg: Config) -> int:
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
                  f"ZeRO-{cfg.parallel.zero_stage}, {describe_optimizer(engine)}")
     if cfg.data.mix:
-        sources = data_sources(cfg.data)
+        sources = cfg.data.sources
         total = sum(source.weight for source in sources)
         logger.print("data mixture: " + ", ".join(f"{s.name} {100 * s.weight / total:.1f}% ({s.shards})"
                                                   for s in sources))

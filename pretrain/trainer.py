@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from pretrain import checkpoint, checkpoint_format, signals
 from pretrain.config import Config
 from pretrain.data import Batches, all_batches, split_batch
+from pretrain.distributed import dp_mean
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
 
 
@@ -55,15 +56,6 @@ class Callback:
 
     def on_train_end(self, trainer: Trainer, step: int) -> None:
         """After the last step of this process: at train.steps, train.stop_at_step or a signal stop."""
-
-
-def dp_mean(value: torch.Tensor) -> float | list[float]:
-    """Mean over the data-parallel group (tensor-parallel peers hold the same value), of a scalar
-    or elementwise; non-finite on every rank when it is on any."""
-    value = value.detach().float().clone()
-    group = ps.get_data_parallel_group()
-    dist.all_reduce(value, group=group)
-    return (value.double() / dist.get_world_size(group)).tolist()
 
 
 class Trainer:

@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
+from models.attention.lisa import LISAConfig
 from models.attention.relu import relu_attention
 from models.attention.sink import sink_softmax_attention, sink_softmax_weights
-from models.attention.softmax import causal_softmax_weights, scaled_scores, softmax_attention
-from models.config import LISAConfig, ModelConfig
+from models.attention.softmax import causal_softmax, scaled_scores, softmax_attention
+from models.config import ModelConfig
+from models.registry import validate_model
 from tests.dist_utils import single_process_group, spawn
 
 VOCAB = 128
@@ -107,7 +109,7 @@ def test_softmax_matches_explicit_reference():
         s = (q[:, :, i:i + 1] @ k[:, :, : i + 1].transpose(-2, -1)).squeeze(-2) / math.sqrt(8)
         ref[:, :, i] = (s.exp() / s.exp().sum(-1, keepdim=True)).unsqueeze(-2).matmul(v[:, :, : i + 1]).squeeze(-2)
     torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(causal_softmax_weights(q, k) @ v, ref)
+    torch.testing.assert_close(causal_softmax(scaled_scores(q, k)) @ v, ref)
 
 
 def test_sink_softmax_matches_formula_and_fast_path():
@@ -247,14 +249,14 @@ def test_lisa_qk_compression_and_exact_param_count(single_process):
 def test_lisa_placement_is_validated():
     cfg = ModelConfig(num_layers=4, attention="ssll", lisa=LISAConfig(keep_full_layers=3))
     with pytest.raises(ValueError, match="keep_full_layers"):
-        cfg.attention_kinds()
+        validate_model(cfg)
     cfg = ModelConfig(num_layers=2, attention="ls", lisa=LISAConfig(keep_full_layers=0))
     with pytest.raises(ValueError, match="layer 0 is lisa"):
-        cfg.attention_kinds()
+        validate_model(cfg)
     cfg = ModelConfig(num_layers=3, attention="srl", num_heads=4, lisa=LISAConfig(align_group=3, keep_full_layers=1))
     with pytest.raises(ValueError, match="align_group"):
-        cfg.attention_kinds()
-    ModelConfig(num_layers=4, attention="ssll").attention_kinds()  # default keep_full_layers=2
+        validate_model(cfg)
+    validate_model(ModelConfig(num_layers=4, attention="ssll"))  # default keep_full_layers=2
 
 
 # --- grouped-query attention ---------------------------------------------------------------------------
@@ -313,8 +315,8 @@ def test_convert_lisa_keeps_grouped_values(single_process):
 def test_grouped_query_heads_are_validated(single_process):
     from pretrain.config import ConfigError, load_config, validate
 
-    with pytest.raises(ValueError, match="num_kv_heads=3 does not divide model.num_heads=4"):
-        build(small_cfg("s", num_kv_heads=3))
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide model.num_heads=4"):
+        validate_model(small_cfg("s", num_kv_heads=3))
     for overrides, match in ((["model.num_kv_heads=3"], "num_kv_heads=3 must divide model.num_heads=4"),
                              (["model.num_kv_heads=1", "parallel.tensor=2"],
                               "num_kv_heads=1 is not divisible by parallel.tensor=2")):

@@ -12,8 +12,7 @@ import pytest
 from data_prep import build_shards as bs
 from data_prep import tokenizer as tok
 from data_prep import train_tokenizer as tt
-from data_prep.sources import (BadInputReport, EmptyCorpusError, default_corpus, iter_documents,
-                               list_files)
+from data_prep.sources import BadInputReport, EmptyCorpusError, default_corpus, iter_documents, list_files
 
 WORDS = ("the quick brown fox jumps over lazy dog data model token shard train value sample "
          "def return class import self print for while if else none true false alpha beta gamma").split()

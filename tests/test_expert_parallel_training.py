@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import torch
 from megatron.core import parallel_state as ps
 

@@ -68,7 +68,7 @@ def test_activation_checkpointing_gives_same_loss_and_grads(tmp_path):
 
 def test_compiled_blocks_give_same_loss_and_grads(tmp_path):
     """train.compile: torch.compile'd blocks (hybrid attention, UoE) compute what eager blocks do."""
-    from models.config import MoEConfig
+    from models.moe.routing import MoEConfig
 
     kwargs = dict(vocab_size=300, hidden_size=64, num_heads=4, num_layers=2, ffn_hidden_size=96, max_seq_len=32,
                   attention="sr", mlp="uoe",
@@ -85,8 +85,9 @@ def test_compiled_blocks_give_same_loss_and_grads(tmp_path):
 def test_compiled_units_trace_as_one_graph_each():
     """Each unit train.compile compiles (dense blocks of every attention kind, the attention of
     UoE/MoE blocks) is one graph: a graph break would split it and cost the fusion."""
-    from models.config import ModelConfig, MoEConfig
+    from models.config import ModelConfig
     from models.gpt import GPT
+    from models.moe.routing import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, shared_hidden_size=32)
     with single_process_group():

@@ -189,9 +189,9 @@ def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
     from transformers import LlamaForCausalLM
 
     from data_prep.tokenizer import load_tokenizer
+    from models.generation import generate
     from pretrain.consolidate import load_model
     from tools.export import main as export_main
-    from models.generation import generate
 
     root, vocab = data
     run = runs["tp2_zero3"]
@@ -329,11 +329,10 @@ def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, cap
 
 def test_export_formats_and_unsupported_imports(tmp_path, capsys):
     from models.config import ModelConfig
-    from tools.export import ExportError, export_format
-    from tools.import_hf import main as import_main
 
     # relu "seqlen" rescales earlier rows as the sequence grows: the exported model does not cache
-    from tools.export import _remote_module
+    from tools.export import ExportError, _remote_module, export_format
+    from tools.import_hf import main as import_main
 
     remote = _remote_module()
     config = remote.UoEPretrainConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -462,9 +461,9 @@ torch.save({"logits": logits, "generated": new}, sys.argv[3])
 def test_remote_code_runs_without_the_framework(remote_runs, data, dist_env, tmp_path):
     """The exported folder works in a process that cannot import the framework (another working
     directory, no PYTHONPATH): same logits, and HF greedy generation equals tools.generate's."""
+    from models.generation import generate
     from pretrain.consolidate import load_model
     from tools.export import main as export_main
-    from models.generation import generate
 
     _, vocab = data
     run, out = remote_runs["uoe_ep2"], tmp_path / "hf"

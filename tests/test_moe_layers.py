@@ -137,7 +137,8 @@ def moe_reference(x, w, n, k, coef, capacity_factor=0.0):
 # ----------------------------------------------------------------------------- harness
 
 def make_cfg(kind: str, **moe):
-    from models.config import ModelConfig, MoEConfig
+    from models.config import ModelConfig
+    from models.moe.routing import MoEConfig
 
     base = dict(num_experts=N, top_k=K, expert_hidden_size=DE, shared_hidden_size=N * NS, aux_loss_coef=0.01)
     base.update(moe)

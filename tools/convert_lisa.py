@@ -27,7 +27,6 @@ process, CPU or one GPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -35,8 +34,13 @@ from pathlib import Path
 import torch
 
 from models.attention.lisa import qk_compression
-from models.attention.lisa_conversion import build_lisa_model, layer_similarity, lisa_config, new_parameters, \
-    propose_layers
+from models.attention.lisa_conversion import (
+    build_lisa_model,
+    layer_similarity,
+    lisa_config,
+    new_parameters,
+    propose_layers,
+)
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": dataclasses.asdict(new_cfg), "state_dict": model.state_dict(), "layers": layers},
+    torch.save({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers},
                out / "lisa_model.pt")
     full = run_config(Path(meta["checkpoint"]))
     if full is not None:

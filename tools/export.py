@@ -8,7 +8,8 @@ generation_config.json and the tokenizer (tokenizer.model + tokenizer.json + tok
 loadable as LlamaTokenizer and LlamaTokenizerFast; it encodes text to the same ids as the
 SentencePiece model used for training: no BOS/EOS added, no dummy prefix, byte fallback).
 
-Dense softmax models become a standard `LlamaForCausalLM`:
+Dense softmax models become a standard `LlamaForCausalLM` (a kind with neither a Llama mapping nor
+support in the bundled modeling file is refused with an error):
 
 * fused QKV rows grouped by K/V head [kv_head, q_1..q_g|k|v, head_dim] -> q_proj / k_proj /
   v_proj, num_key_value_heads = model.num_kv_heads (no RoPE permutation: both use the half-split
@@ -21,10 +22,12 @@ Dense softmax models become a standard `LlamaForCausalLM`:
   unchanged (the framework's softmax also spans the padded entries, which training pushes
   towards zero probability, so per-token losses can differ in the last digits).
 
-Every other model (softmax_sink / relu / LISA attention, router MoE / UoE MLPs, in any mix) has
-no standard transformers architecture. It is written with the self-contained modeling file
-models/hf/modeling_uoe_pretrain.py copied into the folder (config.json maps AutoConfig and
-AutoModelForCausalLM to it), loaded with `trust_remote_code=True`:
+(Llama is chosen when every layer's attention and MLP kind declares a Llama mapping in
+models.registry, as the softmax attention and dense MLP kinds do.) Every other model (softmax_sink /
+relu / LISA attention, router MoE / UoE MLPs, in any mix) has no standard transformers architecture.
+It is written with the self-contained modeling file models/hf/modeling_uoe_pretrain.py copied into
+the folder (config.json maps AutoConfig and AutoModelForCausalLM to it), loaded with
+`trust_remote_code=True`:
 
 * parameter names and layouts are the framework's (prefix `model.`, `head` -> `lm_head`), except
   that each layer's experts are stacked: experts.w_in [N, 2 * D_e, d], experts.w_out [N, d, D_e];
@@ -48,7 +51,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint import model_config
+from models import registry
+from models.config import ModelConfig
 from pretrain.checkpoint_format import EXPERT_KEY, read_meta, resolve_checkpoint
 from pretrain.consolidate import full_state_dict, run_config
 from tools.cli import ToolError, reports_errors, run
@@ -59,14 +63,30 @@ class ExportError(ToolError):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REMOTE_CODE = Path(__file__).resolve().parent.parent / "models" / "hf" / "modeling_uoe_pretrain.py"
 
 
 def export_format(cfg) -> str:
-    """"llama" for dense softmax models, "remote" (the bundled modeling file) for the rest."""
+    """"llama" when every layer's kinds map onto Llama (dense softmax models), "remote" (the bundled
+    modeling file) when it implements them all; ExportError naming the kinds otherwise."""
     if cfg.hidden_size % cfg.num_heads:
         raise ExportError(f"hidden_size {cfg.hidden_size} not divisible by num_heads {cfg.num_heads}")
-    dense = all(cfg.mlp_kind(i) == "dense" for i in range(cfg.num_layers))
-    return "llama" if dense and set(cfg.attention_kinds()) == {"softmax"} else "remote"
+    kinds = layer_kinds(cfg)
+    if all(kind.llama is not None for kind in kinds):
+        return "llama"
+    unsupported = sorted({kind.name for kind in kinds if not kind.hf_remote})
+    if unsupported:
+        raise ExportError(
+            f"kind(s) {unsupported} have no Hugging Face export: neither a Llama mapping nor the bundled "
+            f"modeling file ({REMOTE_CODE.name}) implements them; python -m tools.consolidate writes the "
+            "weights as one state dict instead")
+    return "remote"
+
+
+def layer_kinds(cfg) -> list:
+    """The registered attention and MLP kind of every layer."""
+    return [kind for i, attn in enumerate(cfg.attention_kinds())
+            for kind in (registry.attention_kind(attn), registry.mlp_kind(cfg.mlp_kind(i)))]
 
 
 def llama_config(cfg, dtype: torch.dtype, special: dict):
@@ -99,38 +119,24 @@ def llama_config(cfg, dtype: torch.dtype, special: dict):
 
 
 def to_llama_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Framework names/layouts (TP=1, full tensors) -> LlamaForCausalLM state dict."""
-    h, kv, hd, d, v = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size
-    g = h // kv
+    """Framework names/layouts (TP=1, full tensors) -> LlamaForCausalLM state dict; each layer's
+    attention and MLP through their kinds' Llama mappings."""
+    v = cfg.vocab_size
     out = {"model.embed_tokens.weight": state["embed.weight"][:v], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["head.weight"][:v]
-    for i in range(cfg.num_layers):
+    for i, attn in enumerate(cfg.attention_kinds()):
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
-        qkv = state[src + "attn.qkv.weight"].view(kv, g + 2, hd, d)  # grouped by K/V head
-        w_in = state[src + "mlp.w_in.weight"]
-        out.update({
-            dst + "self_attn.q_proj.weight": qkv[:, :g].reshape(h * hd, d),
-            dst + "self_attn.k_proj.weight": qkv[:, g].reshape(kv * hd, d),
-            dst + "self_attn.v_proj.weight": qkv[:, g + 1].reshape(kv * hd, d),
-            dst + "self_attn.o_proj.weight": state[src + "attn.out.weight"],
-            dst + "mlp.gate_proj.weight": w_in[0::2],
-            dst + "mlp.up_proj.weight": w_in[1::2],
-            dst + "mlp.down_proj.weight": state[src + "mlp.w_out.weight"],
-            dst + "input_layernorm.weight": state[src + "attn_norm.weight"],
-            dst + "post_attention_layernorm.weight": state[src + "mlp_norm.weight"],
-        })
+        out.update(registry.attention_kind(attn).llama.to_llama(cfg, state, src + "attn.", dst + "self_attn."))
+        out.update(registry.mlp_kind(cfg.mlp_kind(i)).llama.to_llama(cfg, state, src + "mlp.", dst + "mlp."))
+        out[dst + "input_layernorm.weight"] = state[src + "attn_norm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = state[src + "mlp_norm.weight"]
     return {k: t.contiguous().clone() for k, t in out.items()}
-
-
-REMOTE_CODE = Path(__file__).resolve().parent.parent / "models" / "hf" / "modeling_uoe_pretrain.py"
 
 
 def remote_config(cfg, dtype: torch.dtype, special: dict):
     """The bundled modeling file's config for `cfg`, with auto_map pointing at that file."""
-    from models.attention import lisa_source_kind
     from models.attention.lisa import lisa_sizes
-    from models.moe.uoe import routing_neurons
 
     module = _remote_module()
     kinds = cfg.attention_kinds()
@@ -143,11 +149,12 @@ def remote_config(cfg, dtype: torch.dtype, special: dict):
         intermediate_size=cfg.ffn_hidden_size,
         max_position_embeddings=cfg.max_seq_len, rope_theta=float(cfg.rope_base), rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std, attention_kinds=kinds,
-        lisa_sources=[lisa_source_kind(kinds, i) if k == "lisa" else None for i, k in enumerate(kinds)],
+        lisa_sources=[registry.score_source(kinds, i) if k == "lisa" else None for i, k in enumerate(kinds)],
         relu_normalizer=cfg.relu_attention.normalizer, lisa_rank=rank, lisa_align_group=group,
         lisa_align_hidden=hidden, mlp_kinds=[cfg.mlp_kind(i) for i in range(cfg.num_layers)],
         num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, expert_hidden_size=moe.expert_hidden_size,
-        shared_hidden_size=moe.shared_hidden_size, routing_neurons=routing_neurons(cfg) if cfg.mlp == "uoe" else 0,
+        shared_hidden_size=moe.shared_hidden_size,
+        routing_neurons=moe.resolved_routing_neurons() if cfg.mlp == "uoe" else 0,
         uoe_score=moe.score, vse_mode=moe.vse_mode, tie_word_embeddings=bool(cfg.tie_embeddings),
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"], torch_dtype=dtype,
         architectures=["UoEPretrainForCausalLM"],
@@ -282,7 +289,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
     tag_dir = resolve_checkpoint(checkpoint)
     meta = read_meta(tag_dir)
-    fmt = export_format(model_config(meta["model"]))
+    fmt = export_format(ModelConfig.from_dict(meta["model"]))
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta)
     state, cfg, meta = full_state_dict(tag_dir)
     info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,

@@ -32,7 +32,6 @@ weights and starts the optimizer fresh.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -40,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from models import registry
+from models.config import ModelConfig
 from tools.cli import ToolError, reports_errors, run
 
 
@@ -77,9 +78,7 @@ def check_supported(hf: dict) -> None:
         raise UnsupportedModel("unsupported Llama settings: " + "; ".join(problems))
 
 
-def model_config_from_hf(hf: dict, max_seq_len: int | None, vocab_pad_to: int):
-    from models.config import ModelConfig
-
+def model_config_from_hf(hf: dict, max_seq_len: int | None, vocab_pad_to: int) -> ModelConfig:
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     rope = hf.get("rope_theta")
@@ -103,12 +102,9 @@ def load_hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM state dict -> framework names/layouts at TP=1 (padded vocabulary).
-
-    Query head j reads K/V head j // (heads / kv_heads) in both (transformers' repeat_kv), so each
-    K/V head's query rows go into its group of the fused QKV weight."""
-    h, kv, hd, d, v, pv = (cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size,
-                           cfg.padded_vocab_size)
+    """LlamaForCausalLM state dict -> framework names/layouts at TP=1 (padded vocabulary), each
+    layer's attention and MLP through their kinds' Llama mappings."""
+    v, pv = cfg.vocab_size, cfg.padded_vocab_size
 
     def pad(w: torch.Tensor) -> torch.Tensor:
         return torch.cat([w, w.new_zeros(pv - v, w.shape[1])]) if pv > v else w
@@ -116,19 +112,12 @@ def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     out = {"embed.weight": pad(hf["model.embed_tokens.weight"]), "norm.weight": hf["model.norm.weight"]}
     if not cfg.tie_embeddings:
         out["head.weight"] = pad(hf["lm_head.weight"])
-    for i in range(cfg.num_layers):
+    for i, attn in enumerate(cfg.attention_kinds()):
         src, dst = f"model.layers.{i}.", f"blocks.{i}."
-        q = hf[src + "self_attn.q_proj.weight"].view(kv, h // kv, hd, d)
-        k, val = (hf[src + f"self_attn.{n}_proj.weight"].view(kv, 1, hd, d) for n in "kv")
-        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-        out.update({
-            dst + "attn.qkv.weight": torch.cat([q, k, val], dim=1).reshape(-1, d),
-            dst + "attn.out.weight": hf[src + "self_attn.o_proj.weight"],
-            dst + "mlp.w_in.weight": torch.stack([gate, up], dim=1).reshape(2 * cfg.ffn_hidden_size, d),
-            dst + "mlp.w_out.weight": hf[src + "mlp.down_proj.weight"],
-            dst + "attn_norm.weight": hf[src + "input_layernorm.weight"],
-            dst + "mlp_norm.weight": hf[src + "post_attention_layernorm.weight"],
-        })
+        out.update(registry.attention_kind(attn).llama.from_llama(cfg, hf, src + "self_attn.", dst + "attn."))
+        out.update(registry.mlp_kind(cfg.mlp_kind(i)).llama.from_llama(cfg, hf, src + "mlp.", dst + "mlp."))
+        out[dst + "attn_norm.weight"] = hf[src + "input_layernorm.weight"]
+        out[dst + "mlp_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
     return {k: t.float().contiguous().clone() for k, t in out.items()}
 
 

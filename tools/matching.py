@@ -13,7 +13,6 @@ lines every size config carries: the 8x80 GB-node layout the file sets, and the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import yaml
@@ -21,7 +20,6 @@ import yaml
 from launch.layouts import NODES_PREFIX, SINGLE_GPU_PREFIX
 from models.config import ModelConfig
 from models.moe.matching import matched_models, parity
-
 
 # Presets: (model fields, sparse shape, parallel / train hints). Sizes are total parameters of the
 # sparse models with a 32k vocabulary (untied); active sizes are printed by `main`.
@@ -66,7 +64,7 @@ def preset_models(name: str) -> dict[str, ModelConfig]:
 def preset_yaml(name: str, kind: str) -> dict:
     p = PRESETS[name]
     cfg = preset_models(name)[kind]
-    model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("relu_attention", "lisa")}
+    model = {k: v for k, v in cfg.to_dict().items() if k not in ("relu_attention", "lisa", "plugins")}
     if kind == "dense":
         model.pop("moe")
     parallel = dict(tensor=1, **p["parallel"])

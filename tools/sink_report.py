@@ -21,7 +21,7 @@ from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import Config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import load_val_batches
-from tools.cli import reports_errors, run
+from tools.cli import ToolError, reports_errors, run
 
 
 def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> tuple[torch.Tensor, str]:
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg, meta = load_model(ckpt)
     tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
     stats = measure(model, tokens)
+    if stats is None:
+        raise ToolError(f"no attention layer of this model ({cfg.attention}) exposes its weights; "
+                        "nothing to report")
     kinds = cfg.attention_kinds()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,19 +13,28 @@ from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
 from models.layers import column_linear, row_linear, tp_size
+from models.registry import ActivationLayout
 
 
-def check_heads_divisible(cfg: ModelConfig) -> int:
+def local_heads(cfg: ModelConfig) -> int:
     """Query heads per tensor-parallel rank (every rank holds whole K/V groups)."""
-    if cfg.num_heads % cfg.kv_heads:
-        raise ValueError(
-            f"model.num_kv_heads={cfg.num_kv_heads} does not divide model.num_heads={cfg.num_heads}")
-    if cfg.kv_heads % tp_size():
-        raise ValueError(
-            f"model.num_heads={cfg.num_heads} (K/V heads {cfg.kv_heads}) is not divisible by tensor "
-            f"parallel size {tp_size()}"
-        )
+    assert cfg.num_heads % cfg.kv_heads == 0 and cfg.kv_heads % tp_size() == 0, \
+        f"{cfg.num_heads} heads / {cfg.kv_heads} K/V heads at TP={tp_size()} (models.registry.validate_model)"
     return cfg.num_heads // tp_size()
+
+
+def projected_params(cfg: ModelConfig) -> int:
+    """Parameters of the fused QKV and output projections."""
+    return 2 * cfg.hidden_size * cfg.hidden_size + 2 * cfg.hidden_size * cfg.kv_width
+
+
+def projected_activations(cfg: ModelConfig, layout: ActivationLayout, stores_scores: bool) -> float:
+    """Elements per token kept for backward: q, k, v, rotated q and k, the attention output and the
+    output projection's input ((4h + 3k) / t, k = K/V width), plus heads x seq / t scores when the
+    core keeps them (not under selective checkpointing, which recomputes the core)."""
+    h, t = cfg.hidden_size, layout.tensor
+    scores = cfg.num_heads * layout.seq / t if stores_scores and not layout.selective else 0.0
+    return (4 * h + 3 * cfg.kv_width) / t + scores
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -46,9 +55,9 @@ class ProjectedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        # Set by build_attention when the next layer is a LISA layer that reuses this one's scores.
+        # Set by models.registry.build_attention when the next layer reuses this one's scores.
         self.publish_scores = False
-        self.local_heads = check_heads_divisible(cfg)
+        self.local_heads = local_heads(cfg)
         self.kv_groups = cfg.num_heads // cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.qkv = column_linear(cfg, cfg.hidden_size, cfg.hidden_size + 2 * cfg.kv_width)
@@ -69,7 +78,7 @@ class ProjectedAttention(nn.Module):
 
     def publish(self, ctx: dict, scores: torch.Tensor) -> None:
         """Hand this layer's pre-activation scores [batch, local_heads, seq, seq] to a following
-        LISA layer (only when one needs them)."""
+        layer that reuses them (LISA), only when one does."""
         if self.publish_scores:
             ctx.setdefault("attention_scores", {})[self.layer] = scores
 

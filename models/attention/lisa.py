@@ -13,15 +13,17 @@ and a low-rank per-head correction with RoPE adds the layer-wise difference:
     S = S_hat + (X Wq_r)(X Wk_r)^T / sqrt(r)        (rank r per head; Wk_r zero at init)
 
 V (with its K/V heads under grouped-query attention) and the output projection are kept. The
-attention function follows the nearest earlier non-LISA layer: ReLU (same normaliser) after a
-relu layer, plain softmax after softmax or softmax_sink layers (the sink logit is not shared). Q/K parameters shrink by head_dim / r
-(8x at the default rank). Groups never straddle tensor-parallel ranks, so the group must divide
-the local heads (num_heads / parallel.tensor).
+attention function follows the nearest earlier layer that computes its own scores (its kind's
+score_family): ReLU (same normaliser) after a relu layer, plain softmax after softmax or softmax_sink
+layers (the sink logit is not shared). Q/K parameters shrink by head_dim / r (8x at the default
+rank). Groups never straddle tensor-parallel ranks, so the group must divide the local heads
+(num_heads / parallel.tensor).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +32,33 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.attention.base import ProjectedAttention, check_heads_divisible, expand_kv
+from models import registry
+from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.relu import relu_weights
 from models.attention.softmax import causal_softmax
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.layers import Rotary, column_linear, row_linear
+
+
+@dataclass
+class LISAConfig:
+    # Low-rank Q/K correction, rank per head; 0 = head_dim // 8 (8x fewer Q/K parameters).
+    # Must be even (RoPE).
+    rank: int = 0
+    align_hidden: int = 16  # width of the head-alignment FFN; 0 = linear head mixing only
+    # Heads mixed together by the alignment FFN; 0 = all heads. Groups never straddle tensor-parallel
+    # ranks, so the group must divide num_heads / parallel.tensor.
+    align_group: int = 0
+    keep_full_layers: int = 2  # the first layers never share attention
+
+    def resolved_rank(self, head_dim: int) -> int:
+        return self.rank or max(2, head_dim // 8 // 2 * 2)
+
+    def resolved_group(self, num_heads: int) -> int:
+        return self.align_group or num_heads
+
+
+registry.register_section("lisa", LISAConfig)
 
 
 def lisa_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -75,11 +99,7 @@ class HeadAlign(nn.Module):
 
     def __init__(self, num_heads: int, local_heads: int, group: int, hidden: int):
         super().__init__()
-        if local_heads % group:
-            raise ValueError(
-                f"model.lisa.align_group={group} must divide the heads per tensor-parallel rank "
-                f"({local_heads}); alignment groups cannot straddle ranks"
-            )
+        assert local_heads % group == 0, f"align_group {group} straddles TP ranks ({local_heads} heads)"
         self.group = group
         groups, local = num_heads // group, local_heads // group
         # Full-size init then this rank's groups: the same model at every tensor-parallel size.
@@ -123,14 +143,15 @@ class LISAAttention(nn.Module):
     publish = ProjectedAttention.publish
     capture = ProjectedAttention.capture
 
-    def __init__(self, cfg: ModelConfig, layer: int, source_kind: str = "softmax"):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.publish_scores = False
-        self.local_heads = check_heads_divisible(cfg)
+        self.local_heads = local_heads(cfg)
         self.head_dim = cfg.head_dim
         self.rank, group, hidden = lisa_sizes(cfg)
-        self.source_kind = source_kind
+        # The weight function of the layer whose scores it realigns (relu or softmax).
+        self.family = registry.attention_kind(registry.score_source(cfg.attention_kinds(), layer)).score_family
         self.normalizer = cfg.relu_attention.normalizer
         d = cfg.hidden_size
         self.qk = column_linear(cfg, d, 2 * cfg.num_heads * self.rank)  # head-major [head, q|k, rank]
@@ -146,7 +167,7 @@ class LISAAttention(nn.Module):
         if shared is None:
             raise RuntimeError(
                 f"LISA layer {self.layer} found no attention scores from layer {self.layer - 1}; "
-                "was that layer built with publish_scores (build_attention does this)?"
+                "was that layer built with publish_scores (models.registry.build_attention does this)?"
             )
         b, s, _ = x.shape
         qk, _ = self.qk(x)
@@ -156,7 +177,7 @@ class LISAAttention(nn.Module):
 
     def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Attention weights from the scores, applied to the values: [batch, heads, seq, head_dim]."""
-        if self.source_kind == "relu":
+        if self.family == "relu":
             weights, normalised = relu_weights(scores, self.normalizer), False
         else:
             weights, normalised = causal_softmax(scores), True
@@ -175,3 +196,36 @@ class LISAAttention(nn.Module):
             o = self.mix(scores, v, ctx)
         out, _ = self.out(o.transpose(1, 2).flatten(2))
         return out
+
+
+def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) -> None:
+    """Where lisa layers may go and whether their sizes fit."""
+    lisa = cfg.lisa
+    early = [i for i, k in enumerate(kinds[: lisa.keep_full_layers]) if k == "lisa"]
+    if early:
+        raise ConfigError(
+            f"model.attention puts lisa at layers {early}, but model.lisa.keep_full_layers="
+            f"{lisa.keep_full_layers} keeps the first layers as full attention; move them later or "
+            "lower keep_full_layers"
+        )
+    rank = lisa.resolved_rank(cfg.head_dim)
+    if rank % 2 or rank < 2:
+        raise ConfigError(f"model.lisa.rank={lisa.rank} must be even and >= 2 (RoPE rotates pairs)")
+    group = lisa.resolved_group(cfg.num_heads)
+    if cfg.num_heads % group:
+        raise ConfigError(
+            f"model.lisa.align_group={lisa.align_group} must divide model.num_heads={cfg.num_heads}"
+        )
+    if cfg.num_heads // sizes.tensor % group:
+        raise ConfigError(
+            f"model.lisa.align_group={lisa.align_group} (groups of {group} heads) must divide the heads per "
+            f"tensor-parallel rank ({cfg.num_heads} / parallel.tensor={sizes.tensor}): alignment groups "
+            "cannot straddle ranks; lower model.lisa.align_group or parallel.tensor"
+        )
+
+
+registry.register_attention(registry.AttentionKind(
+    name="lisa", letter="l", module=LISAAttention, params=lisa_param_count,
+    activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=True),
+    reads_previous_scores=True, validate=validate, hf_remote=True,
+))

@@ -6,11 +6,11 @@ tools.convert_lisa runs it on a checkpoint and trains the new parameters.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import torch
 
-from models.attention import lisa_source_kind
+from models import registry
 from models.attention.lisa import LISAAttention
 from models.sinks import capture_attention
 
@@ -41,7 +41,7 @@ def layer_similarity(model, batches: list[torch.Tensor]) -> dict[int, dict]:
     sims: dict[int, torch.Tensor] = {}
     for tokens in batches:
         maps = capture_attention(model, tokens)
-        for layer in range(1, len(maps)):
+        for layer in (layer for layer in maps if layer - 1 in maps):  # layers whose kinds expose weights
             s = head_similarity(maps[layer - 1], maps[layer])
             sims[layer] = sims.get(layer, 0) + s / len(batches)
     out = {}
@@ -52,28 +52,30 @@ def layer_similarity(model, batches: list[torch.Tensor]) -> dict[int, dict]:
     return out
 
 
-def family(kind: str) -> str:
-    return "relu" if kind == "relu" else "softmax"
+def family(kinds: list[str], layer: int) -> str | None:
+    """The weight function layer `layer` applies ("softmax" / "relu"; a LISA layer: its source's)."""
+    source = registry.score_source(kinds, layer)
+    return registry.attention_kind(source).score_family if source else None
 
 
 def conversion_problem(kinds: list[str], layers: list[int], keep_full: int) -> str | None:
     """Why turning `layers` into LISA layers would change what the model computes, or None.
-    A LISA layer applies the attention function of the nearest earlier non-LISA layer, so a
-    replaced layer (and every existing LISA layer) must keep its softmax / ReLU family."""
+    A LISA layer applies the attention function of the nearest earlier layer that computes its own
+    scores, so a replaced layer (and every existing LISA layer) must keep its softmax / ReLU family."""
     new = list(kinds)
     for layer in layers:
         if layer < max(keep_full, 1):
             return f"layer {layer} is within model.lisa.keep_full_layers={keep_full}"
-        if kinds[layer] == "lisa":
+        if registry.attention_kind(kinds[layer]).reads_previous_scores:
             return f"layer {layer} is already a LISA layer"
         new[layer] = "lisa"
     for layer, kind in enumerate(new):
         if kind != "lisa":
             continue
-        before = kinds[layer] if kinds[layer] != "lisa" else lisa_source_kind(kinds, layer)
-        if family(lisa_source_kind(new, layer)) != family(before):
-            return (f"layer {layer} would share from a {lisa_source_kind(new, layer)} layer but computes "
-                    f"{family(before)} attention")
+        want, got = family(kinds, layer), family(new, layer)
+        if got is None or got != want:
+            return (f"layer {layer} would share from a {registry.score_source(new, layer)} layer but computes "
+                    f"{want} attention")
     return None
 
 
@@ -95,13 +97,12 @@ def lisa_config(cfg, layers: list[int]):
     problem = conversion_problem(cfg.attention_kinds(), layers, cfg.lisa.keep_full_layers)
     if problem:
         raise ValueError(f"cannot convert layers {layers}: {problem}")
-    new = dataclasses.replace(cfg, lisa=dataclasses.replace(cfg.lisa),
-                              relu_attention=dataclasses.replace(cfg.relu_attention), moe=dataclasses.replace(cfg.moe))
+    new = copy.deepcopy(cfg)
     kinds = cfg.attention_kinds()
     for layer in layers:
         kinds[layer] = "lisa"
     new.attention = ",".join(kinds)
-    new.attention_kinds()  # validates placement
+    registry.validate_model(new)  # placement and sizes of the new LISA layers
     return new
 
 

@@ -11,14 +11,25 @@ block's scores), so memory is O(block x seq) per head rather than O(seq^2).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from models.attention.base import ProjectedAttention, expand_kv
+from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
 from models.attention.softmax import causal_mask, scaled_scores
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
+from models.registry import AttentionKind, ParallelSizes, register_attention, register_section
 
 NORMALIZERS = ("none", "prefix", "seqlen")
+
+
+@dataclass
+class ReLUAttentionConfig:
+    normalizer: str = "prefix"  # none | prefix | seqlen
+    block_size: int = 256  # query block for O(block x seq) memory
+
+
+register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size",))
 
 
 def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0) -> torch.Tensor:
@@ -85,8 +96,6 @@ class _BlockedReLUAttention(torch.autograd.Function):
 def relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str = "prefix",
                    block: int = 256) -> torch.Tensor:
     """Blocked causal ReLU attention on [batch, heads, seq, head_dim]."""
-    if normalizer not in NORMALIZERS:
-        raise ValueError(f"model.relu_attention.normalizer={normalizer!r}: choose one of {NORMALIZERS}")
     return _BlockedReLUAttention.apply(q, k, v, normalizer, max(1, int(block)))
 
 
@@ -95,11 +104,6 @@ class ReLUAttention(ProjectedAttention):
         super().__init__(cfg, layer)
         self.normalizer = cfg.relu_attention.normalizer
         self.block_size = cfg.relu_attention.block_size
-        if self.normalizer not in NORMALIZERS:
-            raise ValueError(
-                f"model.relu_attention.normalizer={self.normalizer!r}: choose one of {NORMALIZERS}")
-        if self.block_size < 1:
-            raise ValueError(f"model.relu_attention.block_size={self.block_size} must be >= 1")
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
@@ -110,3 +114,18 @@ class ReLUAttention(ProjectedAttention):
         weights = relu_weights(scores, self.normalizer)
         self.capture(ctx, weights, normalised=False)
         return weights.to(v.dtype) @ v
+
+
+def validate(cfg: ModelConfig, kinds: list[str], sizes: ParallelSizes) -> None:
+    relu = cfg.relu_attention
+    if relu.normalizer not in NORMALIZERS:
+        raise ConfigError(f"model.relu_attention.normalizer={relu.normalizer!r}: choose one of {NORMALIZERS}")
+    if relu.block_size < 1:
+        raise ConfigError(f"model.relu_attention.block_size={relu.block_size} must be >= 1")
+
+
+register_attention(AttentionKind(
+    name="relu", letter="r", module=ReLUAttention, params=projected_params,
+    activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=True),
+    score_family="relu", validate=validate, hf_remote=True,
+))

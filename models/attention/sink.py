@@ -14,9 +14,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 
-from models.attention.base import ProjectedAttention, expand_kv
+from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
 from models.attention.softmax import causal_mask, scaled_scores
 from models.config import ModelConfig
+from models.registry import AttentionKind, register_attention
 
 
 def sink_softmax_weights(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -64,3 +65,12 @@ class SinkSoftmaxAttention(ProjectedAttention):
         weights = sink_softmax_weights(scores, self.sink)
         self.capture(ctx, weights, normalised=False)
         return weights.to(v.dtype) @ v
+
+
+register_attention(AttentionKind(
+    name="softmax_sink", letter="k", module=SinkSoftmaxAttention,
+    params=lambda cfg: projected_params(cfg) + cfg.num_heads,  # + one sink logit per head
+    activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=True),
+    score_family="softmax",  # a LISA layer after it applies plain softmax (the sink logit is not shared)
+    hf_remote=True,
+))

@@ -11,7 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.attention.base import ProjectedAttention, expand_kv
+from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.config import ModelConfig
+from models.registry import AttentionKind, LlamaMapping, register_attention
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device, offset: int = 0) -> torch.Tensor:
@@ -30,11 +32,6 @@ def causal_softmax(scores: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
-def causal_softmax_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Explicit attention weights [batch, heads, q_len, k_len]; for metrics, not training."""
-    return causal_softmax(scaled_scores(q, k))
-
-
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal SDPA; k/v may hold fewer (grouped-query) heads than q."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
@@ -50,3 +47,33 @@ class SoftmaxAttention(ProjectedAttention):
         weights = causal_softmax(scores)
         self.capture(ctx, weights, normalised=True)
         return weights.to(v.dtype) @ v
+
+
+def to_llama(cfg: ModelConfig, state: dict, src: str, dst: str) -> dict:
+    """The fused QKV rows, grouped by K/V head [kv_head, q_1..q_g|k|v, head_dim], as q/k/v_proj (no
+    RoPE permutation: both use the half-split rotate_half layout)."""
+    h, kv, hd, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+    g = h // kv
+    qkv = state[src + "qkv.weight"].view(kv, g + 2, hd, d)
+    return {dst + "q_proj.weight": qkv[:, :g].reshape(h * hd, d),
+            dst + "k_proj.weight": qkv[:, g].reshape(kv * hd, d),
+            dst + "v_proj.weight": qkv[:, g + 1].reshape(kv * hd, d),
+            dst + "o_proj.weight": state[src + "out.weight"]}
+
+
+def from_llama(cfg: ModelConfig, state: dict, src: str, dst: str) -> dict:
+    """Query head j reads K/V head j // (heads / kv_heads) in both (transformers' repeat_kv), so each
+    K/V head's query rows go into its group of the fused QKV weight."""
+    h, kv, hd, d = cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+    q = state[src + "q_proj.weight"].view(kv, h // kv, hd, d)
+    k, v = (state[src + f"{n}_proj.weight"].view(kv, 1, hd, d) for n in "kv")
+    return {dst + "qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, d),
+            dst + "out.weight": state[src + "o_proj.weight"]}
+
+
+register_attention(AttentionKind(
+    name="softmax", letter="s", module=SoftmaxAttention, params=projected_params,
+    # Flash kernels (bf16 on GPU) keep no scores.
+    activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=not layout.flash),
+    score_family="softmax", llama=LlamaMapping(to_llama, from_llama), hf_remote=True,
+))

@@ -147,10 +147,8 @@ class ExpertContainer(MoE):
     def __init__(self, cfg: ModelConfig, num_experts: int, width: int, ep_size: int | None = None):
         nn.Module.__init__(self)  # MoE.__init__ would build a TopKGate whose weight stays unused
         ep = ep_world() if ep_size is None else ep_size
-        if num_experts % ep:
-            raise ValueError(f"{num_experts} experts are not divisible by expert-parallel size {ep}")
-        if width % tp_size():
-            raise ValueError(f"expert width {width} is not divisible by tensor parallel size {tp_size()}")
+        assert num_experts % ep == 0 and width % tp_size() == 0, \
+            f"{num_experts} experts of width {width} at EP={ep}, TP={tp_size()} (models.registry.validate_model)"
         if ps.get_expert_tensor_parallel_world_size() != tp_size():
             raise ValueError("experts are split over the tensor-parallel group: megatron-core's expert tensor "
                              "parallel size must equal the tensor parallel size (its default)")
@@ -162,8 +160,6 @@ class ExpertContainer(MoE):
         self.num_local_experts = num_experts // ep
         self.width = width
         experts = Experts(ExpertMLP(cfg.hidden_size, width), self.num_local_experts, self.expert_group_name)
-        if cfg.moe.grouped_gemm:
-            check_grouped_gemm(cfg.hidden_size, width // tp_size(), torch.bfloat16)  # the stricter case
         self.deepspeed_moe = _Dispatcher(experts, num_experts, cfg.moe.grouped_gemm)
         if ep == 1:
             self.deepspeed_moe.ep_group = _SINGLE

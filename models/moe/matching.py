@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import copy
 
-from models.config import ModelConfig, MoEConfig
+from models.config import ModelConfig
 from models.counting import flops_per_token, param_counts
+from models.moe.routing import MoEConfig
 
 
 def matched_models(base: ModelConfig, num_experts: int, top_k: int, expert_hidden: int,
@@ -41,7 +42,7 @@ def matched_models(base: ModelConfig, num_experts: int, top_k: int, expert_hidde
 def parity(models: dict[str, ModelConfig]) -> dict[str, dict]:
     """Parameter / FLOP counts per kind, and UoE minus MoE in both (= minus the routers)."""
     table = {kind: {**param_counts(cfg), "flops_per_token": flops_per_token(cfg)} for kind, cfg in models.items()}
-    uoe, moe = models["uoe"], models["moe"]
+    moe = models["moe"]
     router = sum(moe.hidden_size * moe.moe.num_experts for i in range(moe.num_layers) if moe.mlp_kind(i) == "moe")
     table["uoe_minus_moe"] = {"total": table["uoe"]["total"] - table["moe"]["total"],
                               "active": table["uoe"]["active"] - table["moe"]["active"],

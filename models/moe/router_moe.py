@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from torch import nn
 
 from models.config import ModelConfig
 from models.layers import SwiGLU, tp_size
 from models.moe.experts import ExpertContainer
-from models.moe.routing import RoutedLayer
+from models.moe.routing import RoutedLayer, expert_params, is_sparse_layer, validate_routed
+from models.registry import MLPKind, ParallelSizes, register_mlp
 
 
 class RouterMoE(RoutedLayer):
@@ -47,3 +51,24 @@ class RouterMoE(RoutedLayer):
         if self.shared is not None:
             y = y + self.shared(x)
         return y.view(shape)
+
+
+def params(cfg: ModelConfig) -> tuple[int, int]:
+    moe, d = cfg.moe, cfg.hidden_size
+    shared_and_router = 3 * d * moe.shared_hidden_size + d * moe.num_experts
+    active_experts = moe.top_k * 3 * d * moe.expert_hidden_size
+    return shared_and_router + expert_params(cfg), shared_and_router + active_experts
+
+
+def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
+    moe = cfg.moe
+    validate_routed(cfg, sizes, {"expert_hidden_size": moe.expert_hidden_size,
+                                 "shared_hidden_size": moe.shared_hidden_size})
+
+
+register_mlp(MLPKind(
+    name="moe", module=RouterMoE, params=params, expert_params=expert_params, routed=True,
+    activations=lambda cfg, tensor: 4 * (cfg.moe.top_k * cfg.moe.expert_hidden_size
+                                         + cfg.moe.shared_hidden_size) / tensor,
+    applies_to=is_sparse_layer, validate=validate, hf_remote=True,
+))

@@ -18,14 +18,90 @@ Conventions (documented choices):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.moe.dispatch import capacity_mask
+from models.registry import ParallelSizes, register_section
+
+
+@dataclass
+class MoEConfig:
+    """model.moe: shared by the top-k router MoE and Union-of-Experts layers."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    expert_hidden_size: int = 128  # D_e: ordinary (routed) neurons per expert
+    shared_hidden_size: int = 0  # MoE: width of the shared expert (0 = none)
+    routing_neurons: int = 0  # UoE: N_s per expert; 0 = shared_hidden_size // num_experts
+    score: str = "h"  # UoE routing-neuron activation scored: h | silu | z
+    vse_mode: str = "overlap"  # UoE virtual shared expert: overlap | disjoint
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 = off
+    capacity_factor: float = 0.0  # 0 = dropless
+    moe_layers: str = "all"  # "all" or comma-separated layer indices
+    grouped_gemm: bool = False  # run each rank's experts as grouped GEMMs (torch._grouped_mm)
+
+    def resolved_routing_neurons(self) -> int:
+        """UoE routing neurons per expert (N_s)."""
+        return self.routing_neurons or self.shared_hidden_size // self.num_experts
+
+    def sparse_layers(self) -> set[int] | None:
+        """The layers listed in moe_layers; None for "all"."""
+        if str(self.moe_layers).strip() == "all":
+            return None
+        return {int(i) for i in str(self.moe_layers).split(",") if i.strip()}
+
+
+register_section("moe", MoEConfig, training_only=("aux_loss_coef", "bias_update_rate", "capacity_factor",
+                                                  "grouped_gemm"))
+
+
+def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether `layer` takes the routed MLP (model.moe.moe_layers) or stays dense."""
+    wanted = cfg.moe.sparse_layers()
+    return wanted is None or layer in wanted
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """The routed experts of one layer: N SwiGLUs of width D_e."""
+    return cfg.moe.num_experts * 3 * cfg.hidden_size * cfg.moe.expert_hidden_size
+
+
+def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[str, int]) -> None:
+    """What the router MoE and UoE layers both read; `split_widths` names the widths that
+    tensor parallelism splits."""
+    moe = cfg.moe
+    if moe.num_experts % sizes.expert:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={sizes.expert}")
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+    if any(width % sizes.tensor for width in split_widths.values()):
+        widths = " and ".join(f"{name}={width}" for name, width in split_widths.items())
+        raise ConfigError(f"model.moe.{widths} must be divisible by parallel.tensor={sizes.tensor} "
+                          "(experts are TP-split)")
+    if moe.grouped_gemm:
+        from models.moe.experts import check_grouped_gemm
+
+        try:  # bf16 is the stricter case
+            check_grouped_gemm(cfg.hidden_size, moe.expert_hidden_size // sizes.tensor, torch.bfloat16)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    if moe.capacity_factor < 0 or moe.bias_update_rate < 0:
+        raise ConfigError("model.moe.capacity_factor and bias_update_rate must be >= 0 (0 = off)")
+    try:
+        layers = moe.sparse_layers()
+    except ValueError:
+        raise ConfigError(f"model.moe.moe_layers={moe.moe_layers!r}: give 'all' or comma-separated layer "
+                          "indices, e.g. 1,3") from None
+    if layers is not None and (not layers or not all(0 <= i < cfg.num_layers for i in layers)):
+        raise ConfigError(f"model.moe.moe_layers={moe.moe_layers!r}: name layers between 0 and "
+                          f"model.num_layers - 1 = {cfg.num_layers - 1}, or 'all'")
 
 
 def recomputing() -> bool:
@@ -101,8 +177,7 @@ class RoutedLayer(nn.Module):
         self.aux_loss_coef = moe.aux_loss_coef
         self.bias_update_rate = moe.bias_update_rate
         self.capacity_factor = moe.capacity_factor
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        assert 1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} of {self.num_experts} experts"
         # Persistent so that a resumed run selects exactly as before; all zeros when unused.
         self.register_buffer("router_bias", torch.zeros(self.num_experts), persistent=True)
         self.register_buffer("pending_counts", torch.zeros(self.num_experts), persistent=False)

@@ -27,39 +27,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.layers import column_linear, row_linear, tp_size
 from models.moe.experts import ExpertContainer
-from models.moe.routing import RoutedLayer, recomputing, scores_from_norms
+from models.moe.routing import (
+    RoutedLayer,
+    expert_params,
+    is_sparse_layer,
+    recomputing,
+    scores_from_norms,
+    validate_routed,
+)
+from models.registry import MLPKind, ParallelSizes, register_mlp
 
 SCORES = ("h", "silu", "z")
 VSE_MODES = ("overlap", "disjoint")
-
-
-def routing_neurons(cfg: ModelConfig) -> int:
-    moe = cfg.moe
-    return moe.routing_neurons or moe.shared_hidden_size // moe.num_experts
 
 
 class UnionOfExperts(RoutedLayer):
     def __init__(self, cfg: ModelConfig, layer: int, ep_size: int | None = None):
         super().__init__(cfg, layer)
         moe = cfg.moe
-        if moe.score not in SCORES:
-            raise ValueError(f"model.moe.score={moe.score!r}: choose one of {SCORES}")
-        if moe.vse_mode not in VSE_MODES:
-            raise ValueError(f"model.moe.vse_mode={moe.vse_mode!r}: choose one of {VSE_MODES}")
         self.score = moe.score
         self.vse_mode = moe.vse_mode
-        self.routing_neurons = routing_neurons(cfg)
-        if self.routing_neurons < 1:
-            raise ValueError("UoE needs routing neurons: set model.moe.routing_neurons or model.moe.shared_hidden_size "
-                             ">= num_experts")
+        self.routing_neurons = moe.resolved_routing_neurons()
         width = self.num_experts * self.routing_neurons
-        if width % tp_size():
-            raise ValueError(f"VSE width {width} (experts x routing neurons) is not divisible by TP size {tp_size()}")
+        assert self.score in SCORES and self.vse_mode in VSE_MODES and width > 0 and width % tp_size() == 0, \
+            f"UoE score={self.score} vse_mode={self.vse_mode} width={width} at TP={tp_size()} (validate_model)"
         self.vse_in = column_linear(cfg, cfg.hidden_size, 2 * width)
         self.vse_out = row_linear(cfg, width, cfg.hidden_size)
         self.experts = ExpertContainer(cfg, self.num_experts, moe.expert_hidden_size, ep_size)
@@ -98,3 +97,38 @@ class UnionOfExperts(RoutedLayer):
                 self.stats.add("vse_norm", torch.linalg.vector_norm(y_vse, dtype=torch.float32))
                 self.stats.add("routed_norm", torch.linalg.vector_norm(y_r, dtype=torch.float32))
         return (y_vse + y_r).view(shape)
+
+
+def params(cfg: ModelConfig) -> tuple[int, int]:
+    moe, d = cfg.moe, cfg.hidden_size
+    vse = 3 * d * moe.num_experts * moe.resolved_routing_neurons()
+    return vse + expert_params(cfg), vse + moe.top_k * 3 * d * moe.expert_hidden_size
+
+
+def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
+    moe = cfg.moe
+    validate_routed(cfg, sizes, {"expert_hidden_size": moe.expert_hidden_size})
+    routing = moe.resolved_routing_neurons()
+    if routing < 1:
+        raise ConfigError(
+            "model.mlp=uoe needs routing neurons: set model.moe.routing_neurons, or "
+            f"model.moe.shared_hidden_size >= num_experts={moe.num_experts} (N_s = shared // experts)"
+        )
+    if routing * moe.num_experts % sizes.tensor:
+        raise ConfigError(
+            f"UoE virtual shared expert width {routing * moe.num_experts} (num_experts x routing neurons) "
+            f"is not divisible by parallel.tensor={sizes.tensor}"
+        )
+    if moe.score not in SCORES or moe.vse_mode not in VSE_MODES:
+        raise ConfigError(
+            f"model.moe.score={moe.score!r} / vse_mode={moe.vse_mode!r}: choose score {'|'.join(SCORES)} "
+            f"and vse_mode {'|'.join(VSE_MODES)}"
+        )
+
+
+register_mlp(MLPKind(
+    name="uoe", module=UnionOfExperts, params=params, expert_params=expert_params, routed=True,
+    activations=lambda cfg, tensor: 4 * (cfg.moe.top_k * cfg.moe.expert_hidden_size
+                                         + cfg.moe.num_experts * cfg.moe.resolved_routing_neurons()) / tensor,
+    applies_to=is_sparse_layer, validate=validate, hf_remote=True,
+))

@@ -1,0 +1,274 @@
+"""Attention and MLP kinds as plug-ins: each kind is declared once, in its own module, next to its
+nn.Module, and everything else (building, validation, parameter and FLOP counts, the planner's
+memory terms, checkpoint compatibility, export) asks this registry.
+
+    register_attention(AttentionKind(name="softmax", letter="s", module=SoftmaxAttention, params=...))
+    register_mlp(MLPKind(name="dense", module=DenseMLP, params=...))
+    register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size",))
+
+A registered section becomes a key of the model config (model.relu_attention.normalizer). The
+modules of models/attention/, models/mlp/ and models/moe/ register the built-in kinds when a kind
+is first looked up; a kind anywhere else registers when its module is imported, which a run does
+for every module named in model.plugins. Looking up a kind nobody registered is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from models.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from models.config import ModelConfig
+
+BUILTIN_PACKAGES = ("models.attention", "models.mlp", "models.moe")
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """The parallel layout a model is validated for (model-parallel sizes only)."""
+    tensor: int = 1
+    expert: int = 1
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """What the planner's activation terms depend on."""
+    tensor: int  # tensor-parallel size
+    seq: int
+    flash: bool  # softmax attention runs a fused kernel that keeps no scores (bf16 on GPU)
+    selective: bool  # train.activation_checkpointing=selective: the attention core is recomputed
+
+
+@dataclass(frozen=True)
+class LlamaMapping:
+    """How a layer's part maps onto transformers' LlamaForCausalLM, both ways:
+    to_llama(cfg, state, src, dst) takes this framework's full (TP=1) tensors under prefix src
+    (e.g. "blocks.3.attn.") and returns Llama's under prefix dst ("model.layers.3.self_attn.");
+    from_llama(cfg, state, src, dst) is the inverse."""
+    to_llama: Callable[[ModelConfig, dict, str, str], dict]
+    from_llama: Callable[[ModelConfig, dict, str, str], dict]
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    name: str
+    module: Callable[[ModelConfig, int], nn.Module]  # (cfg, layer) -> that layer's attention
+    params: Callable[[ModelConfig], int]  # parameters of one layer
+    # Activation elements per token one layer keeps for the backward pass (planner).
+    activations: Callable[[ModelConfig, ActivationLayout], float]
+    letter: str = ""  # its letter in compact patterns (model.attention=ssrl)
+    # Training FLOPs per token beyond 6 x parameters: the score and value products (Megatron's
+    # 12 x hidden x seq per layer unless the kind says otherwise).
+    score_flops: Callable[[ModelConfig, int], float] | None = None
+    # The weight function ("softmax" or "relu") a LISA layer applies to this kind's pre-activation
+    # scores when it reuses them; None: the kind publishes no scores.
+    score_family: str | None = None
+    reads_previous_scores: bool = False  # LISA: the layer reuses the previous layer's scores
+    # Checks of the keys this kind reads, run before anything is built; raises ConfigError.
+    validate: Callable[[ModelConfig, list[str], ParallelSizes], None] | None = None
+    llama: LlamaMapping | None = None  # Hugging Face export as Llama attention
+    hf_remote: bool = False  # the bundled modeling file (models/hf) implements it
+    origin: str = ""  # the registering module (set by register_attention)
+
+
+@dataclass(frozen=True)
+class MLPKind:
+    name: str
+    module: Callable[[ModelConfig, int], nn.Module]  # (cfg, layer) -> that layer's MLP
+    params: Callable[[ModelConfig], tuple[int, int]]  # (total, active per token) of one layer
+    activations: Callable[[ModelConfig, int], float]  # (cfg, tensor size) -> elements per token
+    # Parameters of one layer that expert parallelism shards (the routed experts).
+    expert_params: Callable[[ModelConfig], int] | None = None
+    routed: bool = False  # experts in DeepSpeed's MoE container: expert parallelism, ZeRO 0-2 only
+    # Which layers take this kind (the others are dense); None: every layer.
+    applies_to: Callable[[ModelConfig, int], bool] | None = None
+    validate: Callable[[ModelConfig, ParallelSizes], None] | None = None
+    llama: LlamaMapping | None = None
+    hf_remote: bool = False
+    origin: str = ""
+
+
+@dataclass(frozen=True)
+class Section:
+    """A config section a kind reads: model.<name>.<key>."""
+    name: str
+    config: type
+    training_only: tuple[str, ...] = ()  # keys that steer training, not what the weights mean
+    origin: str = ""
+
+
+_attention: dict[str, AttentionKind] = {}
+_mlp: dict[str, MLPKind] = {}
+_sections: dict[str, Section] = {}
+_builtins_loaded = False
+
+
+def _origin() -> str:
+    """The module that called register_*: a kind is known by where it was declared."""
+    return sys._getframe(2).f_globals.get("__name__", "")
+
+
+def _add(table: dict, what: str, name: str, entry) -> None:
+    old = table.get(name)
+    if old is not None and old.origin != entry.origin:
+        raise ValueError(f"{what} {name!r} is registered twice: by {old.origin} and by {entry.origin}; rename one")
+    table[name] = entry
+
+
+def register_attention(kind: AttentionKind) -> AttentionKind:
+    kind = dataclasses.replace(kind, origin=kind.origin or _origin())
+    if kind.letter and any(k.letter == kind.letter and k.name != kind.name for k in _attention.values()):
+        raise ValueError(f"attention kind {kind.name!r}: letter {kind.letter!r} is taken; choose another or none")
+    _add(_attention, "attention kind", kind.name, kind)
+    return kind
+
+
+def register_mlp(kind: MLPKind) -> MLPKind:
+    kind = dataclasses.replace(kind, origin=kind.origin or _origin())
+    _add(_mlp, "MLP kind", kind.name, kind)
+    return kind
+
+
+def register_section(name: str, config: type, training_only: tuple[str, ...] = ()) -> type:
+    from models.config import MODEL_FIELDS
+
+    if name in MODEL_FIELDS:
+        raise ValueError(f"config section {name!r} would hide model.{name}; choose another name")
+    _add(_sections, "config section", name, Section(name, config, tuple(training_only), _origin()))
+    return config
+
+
+def load_builtins() -> None:
+    """Import every module of the built-in kind packages (each registers what it defines)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for package in BUILTIN_PACKAGES:
+        for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+            importlib.import_module(f"{package}.{info.name}")
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Import the modules of model.plugins, which register kinds and sections of their own."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ConfigError(f"model.plugins names {name!r}, which cannot be imported ({err}); "
+                              "put the module on PYTHONPATH or remove it from model.plugins") from None
+
+
+def attention_kinds() -> dict[str, AttentionKind]:
+    load_builtins()
+    return dict(_attention)
+
+
+def mlp_kinds() -> dict[str, MLPKind]:
+    load_builtins()
+    return dict(_mlp)
+
+
+def sections() -> dict[str, Section]:
+    load_builtins()
+    return dict(_sections)
+
+
+def _lookup(kinds: dict, name: str, key: str, home: str):
+    if name not in kinds:
+        raise ConfigError(f"{key}={name!r}: choose one of {tuple(sorted(kinds))} (a kind outside {home} registers "
+                          "when its module is imported: list the module in model.plugins)")
+    return kinds[name]
+
+
+def attention_kind(name: str) -> AttentionKind:
+    return _lookup(attention_kinds(), name, "model.attention", "models/attention/")
+
+
+def mlp_kind(name: str) -> MLPKind:
+    return _lookup(mlp_kinds(), name, "model.mlp", "models/mlp/ and models/moe/")
+
+
+def letters() -> dict[str, str]:
+    return {k.letter: k.name for k in attention_kinds().values() if k.letter}
+
+
+def build_attention(cfg: ModelConfig, layer: int) -> nn.Module:
+    kinds = cfg.attention_kinds()
+    module = attention_kind(kinds[layer]).module(cfg, layer)
+    # A layer that reuses scores needs the previous one to hand them over.
+    module.publish_scores = layer + 1 < len(kinds) and attention_kind(kinds[layer + 1]).reads_previous_scores
+    return module
+
+
+def build_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    return mlp_kind(cfg.mlp_kind(layer)).module(cfg, layer)
+
+
+def score_source(kinds: list[str], layer: int) -> str | None:
+    """The nearest layer at or before `layer` whose kind computes its own scores (a LISA layer's
+    source: whose attention function it keeps); None when there is none."""
+    for kind in reversed(kinds[:layer + 1]):
+        if not attention_kind(kind).reads_previous_scores:
+            return kind
+    return None
+
+
+def validate_pattern(kinds: list[str]) -> None:
+    """Every layer that reuses scores has a source that publishes them."""
+    for layer, kind in enumerate(kinds):
+        if not attention_kind(kind).reads_previous_scores:
+            continue
+        publishing = sorted(k.name for k in attention_kinds().values() if k.score_family)
+        if layer == 0:
+            raise ConfigError(
+                f"model.attention: layer 0 is {kind}, but a {kind} layer reuses the previous layer's attention "
+                f"scores and layer 0 has none; start with one of {publishing}")
+        source = score_source(kinds, layer)
+        if attention_kind(source).score_family is None:
+            raise ConfigError(
+                f"model.attention: layer {layer} is {kind}, which reuses attention scores, but its source layer "
+                f"({source}) publishes none; put one of {publishing} before it")
+
+
+def validate_model(cfg: ModelConfig, sizes: ParallelSizes = ParallelSizes()) -> None:
+    """Every model.* key, for a model split `sizes` ways; raises ConfigError naming the key and the fix."""
+    cfg.check_sizes(sizes.tensor)
+    kinds = cfg.attention_kinds()
+    validate_pattern(kinds)
+    for name in dict.fromkeys(kinds):
+        kind = attention_kind(name)
+        if kind.validate is not None:
+            kind.validate(cfg, kinds, sizes)
+    mlp = mlp_kind(cfg.mlp)
+    if mlp.validate is not None:
+        mlp.validate(cfg, sizes)  # first: it checks which layers take it (applies_to)
+    for name in dict.fromkeys(cfg.mlp_kind(i) for i in range(cfg.num_layers)):
+        other = mlp_kind(name)
+        if name != cfg.mlp and other.validate is not None:
+            other.validate(cfg, sizes)
+
+
+def flat_values(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"moe": {"top_k": 2}} -> {"moe.top_k": 2}."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flat_values(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def training_only_keys() -> set[str]:
+    """Dotted section keys that a run may change between checkpoints."""
+    return {f"{s.name}.{key}" for s in sections().values() for key in s.training_only}

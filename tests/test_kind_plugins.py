@@ -1,0 +1,185 @@
+"""A new attention kind and a new MLP kind, declared in this file alone (nothing else edited), train
+at tensor-parallel size 2 and are answered for by counting, the planner, validation and export.
+
+This module is also the plug-in: runs name it in model.plugins, and importing it registers the kinds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.config import ConfigError, ModelConfig
+from models.layers import column_linear, row_linear
+from models.registry import (
+    AttentionKind,
+    MLPKind,
+    ParallelSizes,
+    register_attention,
+    register_mlp,
+    register_section,
+    validate_model,
+)
+from tests.dist_utils import single_process_group, train
+from tests.synthetic import tiny_overrides, write_synthetic_shards
+
+PLUGIN = __name__
+
+
+@dataclass
+class ToyAttentionConfig:
+    temperature: float = 1.0  # scores are q.k x temperature / sqrt(head_dim)
+
+
+@dataclass
+class ToyMLPConfig:
+    width: int = 96
+
+
+register_section("toy_attention", ToyAttentionConfig)
+register_section("toy_mlp", ToyMLPConfig)
+
+
+class ToyAttention(ProjectedAttention):
+    """Causal softmax attention at another temperature; publishes no scores."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.temperature = cfg.toy_attention.temperature
+
+    def core(self, q, k, v, ctx):
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.temperature / math.sqrt(q.shape[-1]))
+
+
+class ToyMLP(nn.Module):
+    """A GELU MLP (no gate), split over tensor-parallel ranks."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.up = column_linear(cfg, cfg.hidden_size, cfg.toy_mlp.width)
+        self.down = row_linear(cfg, cfg.toy_mlp.width, cfg.hidden_size)
+
+    def forward(self, x):
+        hidden, _ = self.up(x)
+        out, _ = self.down(F.gelu(hidden))
+        return out
+
+
+def check_toy_attention(cfg: ModelConfig, kinds: list[str], sizes: ParallelSizes) -> None:
+    if not cfg.toy_attention.temperature > 0:
+        raise ConfigError(f"model.toy_attention.temperature={cfg.toy_attention.temperature} must be > 0")
+
+
+def check_toy_mlp(cfg: ModelConfig, sizes: ParallelSizes) -> None:
+    if cfg.toy_mlp.width % sizes.tensor:
+        raise ConfigError(f"model.toy_mlp.width={cfg.toy_mlp.width} is not divisible by parallel.tensor={sizes.tensor}")
+
+
+register_attention(AttentionKind(
+    name="toy_attention", module=ToyAttention, params=projected_params,
+    activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=True),
+    validate=check_toy_attention,
+))
+register_mlp(MLPKind(
+    name="toy_mlp", module=ToyMLP, params=lambda cfg: (2 * cfg.hidden_size * cfg.toy_mlp.width,) * 2,
+    activations=lambda cfg, tensor: 2 * cfg.toy_mlp.width / tensor, validate=check_toy_mlp,
+))
+
+TOY = {"model.plugins": f"[{PLUGIN}]", "model.attention": "toy_attention", "model.mlp": "toy_mlp",
+       "model.toy_attention.temperature": 0.5, "model.toy_mlp.width": 96}
+
+
+def toy_config(**extra) -> ModelConfig:
+    values = dict(vocab_size=256, hidden_size=64, num_heads=4, num_layers=2, max_seq_len=32,
+                  attention="toy_attention", mlp="toy_mlp", plugins=[PLUGIN])
+    return ModelConfig(**{**values, **extra})
+
+
+def test_counting_planner_validation_and_export_answer_for_the_toy_kinds():
+    from launch.plan import Layout, activation_bytes
+    from models.counting import flops_per_token, param_counts
+    from models.gpt import GPT
+    from tools.export import ExportError, export_format
+
+    cfg = toy_config(toy_mlp=ToyMLPConfig(width=80))
+    with single_process_group():
+        model = GPT(cfg)
+    counts = param_counts(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    d, L, w, s = cfg.hidden_size, cfg.num_layers, 80, cfg.max_seq_len
+    assert sum(p.numel() for p in model.blocks[0].mlp.parameters()) == 2 * d * w
+    # 6 x active parameters without the embedding, + 12 x hidden x seq per layer (the default score term)
+    assert flops_per_token(cfg) == 6 * (counts["total"] - cfg.padded_vocab_size * d) + 12 * L * d * s
+    # The planner takes each layer's activations from the kinds: the toy MLP's 2w/t per token.
+    layout = Layout(world=2, tensor=2, expert=1, data=1, zero_stage=1, micro_batch=4, bf16=False, checkpointing="none")
+    wider = toy_config(toy_mlp=ToyMLPConfig(width=160))
+    assert activation_bytes(wider, layout, s) - activation_bytes(cfg, layout, s) == 4 * s * L * (2 * 80 / 2) * 4
+    assert cfg.to_dict()["toy_mlp"] == {"width": 80} and ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ExportError, match=r"kind\(s\) \['toy_attention', 'toy_mlp'\] have no Hugging Face export"):
+        export_format(cfg)
+    # Validation runs the kinds' own checks, and the registry's rules about them.
+    validate_model(cfg, ParallelSizes(tensor=2))
+    with pytest.raises(ConfigError, match="model.toy_mlp.width=81 is not divisible by parallel.tensor=2"):
+        validate_model(toy_config(toy_mlp=ToyMLPConfig(width=81)), ParallelSizes(tensor=2))
+    with pytest.raises(ConfigError, match="temperature=0.0 must be > 0"):
+        validate_model(toy_config(toy_attention=ToyAttentionConfig(temperature=0.0)))
+    with pytest.raises(ConfigError, match=r"layer 1 is lisa, which reuses attention scores, but its source layer "
+                                          r"\(toy_attention\) publishes none"):
+        validate_model(toy_config(attention="toy_attention,lisa", lisa=_lisa(keep_full_layers=1)))
+
+
+def _lisa(**values):
+    from models.attention.lisa import LISAConfig
+
+    return LISAConfig(**values)
+
+
+def test_an_unregistered_kind_is_an_error_everywhere():
+    from models.counting import param_counts
+    from pretrain.config import load_config
+
+    cfg = ModelConfig(attention=["softmax", "nonesuch"])
+    with pytest.raises(ConfigError, match=r"unknown kinds \['nonesuch'\].*list it in model.plugins"):
+        param_counts(cfg)
+    with pytest.raises(ConfigError, match="model.mlp='nonesuch': choose one of"):
+        param_counts(ModelConfig(mlp="nonesuch"))
+    with pytest.raises(ConfigError, match="model.plugins names 'no.such.module', which cannot be imported"):
+        load_config(None, ["model.plugins=[no.such.module]"])
+
+
+def losses(run) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_toy_kinds_train_at_tensor_parallel_2_as_at_1(tmp_path, capsys):
+    """Two steps at TP=2 give the single-process losses; the checkpoint remembers the plug-in, so
+    tools load it without being told, and export refuses it with the kinds' names."""
+    from tools.consolidate import main as consolidate_main
+    from tools.export import main as export_main
+
+    data = write_synthetic_shards(tmp_path / "data", train=64, val=8)
+    runs = {}
+    for tp in (1, 2):
+        runs[tp] = tmp_path / f"tp{tp}"
+        overrides = {**TOY, "train.steps": 2, "train.warmup_steps": 0, "train.eval_interval": 2,
+                     "train.save_interval": 2, "parallel.tensor": tp}
+        out = train(tp, tiny_overrides(data, runs[tp], **overrides))
+        assert "step 2/2" in out.stdout
+    assert losses(runs[2]) == pytest.approx(losses(runs[1]), rel=1e-5)
+    marker = json.loads((runs[2] / "checkpoints" / "step_00000002" / "COMPLETE").read_text())
+    assert marker["model"]["plugins"] == [PLUGIN] and marker["model"]["toy_attention"] == {"temperature": 0.5}
+    assert export_main(["--checkpoint", str(runs[2]), "--out", str(tmp_path / "hf")]) == 2
+    assert "['toy_attention', 'toy_mlp'] have no Hugging Face export" in capsys.readouterr().err
+    with single_process_group():
+        assert consolidate_main(["--checkpoint", str(runs[2]), "--out", str(tmp_path / "toy.pt")]) == 0
+    state = torch.load(tmp_path / "toy.pt", weights_only=False)["state_dict"]
+    assert state["blocks.0.mlp.up.weight"].shape == (96, 64)  # both TP halves, joined
