@@ -54,3 +54,21 @@ def test_slurm_helpers_do_not_load_torch():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+TOOLS = sorted(p.stem for p in (REPO / "tools").glob("*.py") if p.stem not in ("__init__", "cli"))
+
+
+def test_every_tool_answers_help(capsys):
+    """`python -m tools.<name> --help` for every command-line tool (its main, in this process)."""
+    import importlib
+
+    import pytest
+
+    assert len(TOOLS) >= 9
+    for name in TOOLS:
+        main = importlib.import_module(f"tools.{name}").main
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--help"])
+        assert exit_info.value.code == 0, name
+        assert capsys.readouterr().out.startswith(f"usage: python -m tools.{name}"), name

@@ -3,6 +3,7 @@ the process group a tool started is torn down on the way out."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from collections.abc import Callable
@@ -18,6 +19,13 @@ class ToolError(RuntimeError):
 
 # Problems with what the user gave, as opposed to bugs: reported in one line.
 INPUT_ERRORS = (ToolError, CheckpointError, ConfigError, FileNotFoundError)
+
+
+def argument_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """A tool's parser: `python -m <module>` as its name, its module docstring as the help text.
+    Pass the module's __spec__.name (its __name__ is "__main__" under python -m)."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def reports_errors(*extra: type[BaseException]):

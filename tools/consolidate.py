@@ -10,19 +10,17 @@ this framework.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 from pretrain.consolidate import load_model
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
 @reports_errors()
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.consolidate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
     parser.add_argument("--out", required=True, help="output .pt file")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")

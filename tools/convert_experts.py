@@ -15,14 +15,13 @@ dict of one tensor-parallel rank, with experts in global, expert-major order:
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 from pretrain.checkpoint_format import EXPERT_KEY, local_expert_state, read_meta, resolve_checkpoint
 from pretrain.consolidate import describe_layout, rank_state
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
 def expert_major_state(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
@@ -52,8 +51,7 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) 
 
 @reports_errors()
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.convert_experts", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("checkpoint", help="a checkpoint tag directory, e.g. runs/x/checkpoints/step_00000100")
     parser.add_argument("out", help="output .pt file (one per TP rank)")
     parser.add_argument("--mp-rank", type=int, default=0, help="tensor-parallel rank to convert")

@@ -26,7 +26,6 @@ process, CPU or one GPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from models.attention.lisa_conversion import (
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
 @torch.no_grad()
@@ -67,7 +66,7 @@ def forward_tokens_per_s(model, rows: torch.Tensor, repeats: int = 3) -> float:
 
 @reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.convert_lisa", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--layers", default="auto", help="auto or comma-separated layer indices")
     parser.add_argument("--calib-shards", required=True, help="shards directory with train/ (and val/)")

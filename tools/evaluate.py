@@ -13,7 +13,6 @@ Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -23,7 +22,7 @@ from megatron.core import tensor_parallel
 
 from pretrain.consolidate import load_model
 from pretrain.data import read_samples
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
 def split_dir(shards: str | Path, split: str) -> Path:
@@ -55,8 +54,7 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int) -> dict:
 
 @reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--shards", required=True, help="shard directory (with SPLIT/) or a split directory")
     parser.add_argument("--split", default="val")

@@ -41,7 +41,6 @@ never leaves a partial DIR.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import shutil
@@ -55,7 +54,7 @@ from models import registry
 from models.config import ModelConfig
 from pretrain.checkpoint_format import EXPERT_KEY, read_meta, resolve_checkpoint
 from pretrain.consolidate import full_state_dict, run_config
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
 class ExportError(ToolError):
@@ -317,8 +316,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
 
 @reports_errors()
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
     parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))

@@ -14,7 +14,6 @@ model.max_seq_len tokens (RoPE tables end there). Prints the continuation; --jso
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -23,14 +22,13 @@ from data_prep.tokenizer import SPECIAL_IDS, load_tokenizer
 from models.generation import generate
 from pretrain.checkpoint_format import read_meta, resolve_checkpoint
 from pretrain.consolidate import load_model
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 from tools.export import find_tokenizer
 
 
 @reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text to continue")

@@ -31,7 +31,6 @@ weights and starts the optimizer fresh.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
@@ -41,7 +40,7 @@ import torch
 
 from models import registry
 from models.config import ModelConfig
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
 class UnsupportedModel(ToolError):
@@ -190,8 +189,7 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
 
 @reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.import_hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--model", required=True, help="local Hugging Face model folder")
     parser.add_argument("--out", required=True, help="new run directory")
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir of this model (optional)")

@@ -12,7 +12,6 @@ lines every size config carries: the 8x80 GB-node layout the file sets, and the 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import yaml
@@ -20,6 +19,7 @@ import yaml
 from launch.layouts import NODES_PREFIX, SINGLE_GPU_PREFIX
 from models.config import ModelConfig
 from models.moe.matching import matched_models, parity
+from tools.cli import argument_parser, run
 
 # Presets: (model fields, sparse shape, parallel / train hints). Sizes are total parameters of the
 # sparse models with a 32k vocabulary (untied); active sizes are printed by `main`.
@@ -122,8 +122,8 @@ def write_configs(out_dir: Path) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.matching", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--write", metavar="DIR", help="write the YAML configs into DIR")
     args = parser.parse_args(argv)
     for name in PRESETS:
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.write:
         for path in write_configs(Path(args.write)):
             print("wrote", path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

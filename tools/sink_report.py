@@ -9,7 +9,6 @@ per-layer table and writes sink_report.json and a layer x head heatmap of alpha_
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import Config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import load_val_batches
-from tools.cli import ToolError, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
 def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> tuple[torch.Tensor, str]:
@@ -76,7 +75,7 @@ def heatmap(stats: SinkStats, kinds: list[str], path: Path, title: str) -> None:
 
 @reports_errors()
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True, help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
     parser.add_argument("--out", required=True, help="directory for sink_report.json and sink_heatmap.png")
     parser.add_argument("--shards", help="shards directory with val/ (default: the run's data.shards)")
