@@ -52,11 +52,26 @@ def single_gpu_layout(cfg_path: str) -> list[str]:
     return [kv for kv in overrides if not kv.startswith("train.grad_accum=")]
 
 
-def environment(device: str) -> dict:
-    import deepspeed
+PINNED = ("torch", "deepspeed", "megatron-core", "mosaicml-streaming", "transformers")
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-           "device": device}
+
+def environment(device: str) -> dict:
+    """The machine and the versions that ran, beside requirements.txt's pins (a GPU machine may bring
+    its own torch), and which version-dependent code paths are there."""
+    from importlib import metadata
+
+    pins = dict(line.split("==", 1) for line in (Path(__file__).parents[1] / "requirements.txt").read_text().split()
+                if "==" in line)
+    versions = {}
+    for name in PINNED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+           "versions": {name: {"running": versions[name], "pinned": pins.get(name)} for name in PINNED},
+           "code_paths": {"grouped-GEMM experts (torch._grouped_mm)": hasattr(torch, "_grouped_mm"),
+                          "torch.compile": hasattr(torch, "compile")}}
     if device == "cuda":
         env.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(),
                    memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
@@ -236,10 +251,13 @@ def count(n: int) -> str:
 
 def markdown(report: dict) -> str:
     env = report["environment"]
+    versions = ", ".join(f"{name} {v['running']}" + (f" (pinned {v['pinned']})" if v["running"] != v["pinned"] else "")
+                         for name, v in env["versions"].items())
+    paths = ", ".join(f"{name}: {'yes' if there else 'no'}" for name, there in env["code_paths"].items())
     lines = [f"# GPU check {report['date']} on {env['gpu']}", "",
-             f"torch {env['torch']}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, DeepSpeed {env['deepspeed']}, "
-             f"Python {env['python']}", "", "| correctness (fp32, 3 AdamW steps) | CPU losses | device losses | |",
-             "|---|---|---|---|"]
+             f"CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python {env['python']}; {versions}", "",
+             f"version-dependent code paths: {paths}", "",
+             "| correctness (fp32, 3 AdamW steps) | CPU losses | device losses | |", "|---|---|---|---|"]
     for name, c in report["correctness"].items():
         if "error" in c:
             lines.append(f"| {name} | | | ERROR: {c['error']} |")

@@ -3,7 +3,8 @@
 #   environment (GPU, CUDA, NCCL, torch, DeepSpeed), CPU-vs-GPU losses of tiny fp32 models of every
 #   family, then bf16 throughput, TFLOP/s, MFU and peak memory (against the planner's estimate) of
 #   ~1B dense, UoE and hybrid models at seq 2048. Results: bench/results/gpu_check-<date>.{json,md}.
-#   Without a GPU it says so and exits 0. Arguments go to `python -m bench.gpu_check` (--help).
+#   Without a GPU it says so and exits 0 (unless --device cpu: the script itself on tiny fp32 models).
+#   Arguments go to `python -m bench.gpu_check` (--help).
 #
 #   PRETRAIN_PYTHON=/path/to/python bash bench/gpu_check.sh   # an existing environment (cluster module,
 #                                                             # container) instead of creating .venv
@@ -21,7 +22,7 @@ if ! "$PY" -c "import deepspeed, megatron.core, yaml" 2>/dev/null; then
          "(pip install -r requirements.txt) or unset PRETRAIN_PYTHON to use .venv" >&2
     exit 2
 fi
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [[ " $* " != *" --device cpu "* ]] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "no CUDA device found: nothing measured (this check needs a GPU)"
     exit 0
 fi

@@ -65,3 +65,38 @@ def test_shell_entry_names_a_python_without_the_requirements(tmp_path):
     out = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env={**os.environ, "PRETRAIN_PYTHON": str(bare)},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot import deepspeed" in out.stderr and str(bare) in out.stderr
+
+
+def test_gpu_wheel_list_covers_what_the_carried_packages_need():
+    """bench/gpu_wheels.sh --list names requirements.txt's pins for the packages the GPU machine
+    lacks, and every runtime requirement of a carried package is carried, on the machine, or
+    named as skipped."""
+    import re
+    from importlib import metadata
+
+    out = subprocess.run(["bash", "bench/gpu_wheels.sh", "3.12", "--list"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    listed = {}
+    for line in out.stdout.splitlines():
+        spec, how, tag = line.split()
+        name, version = spec.split("==")
+        assert how in ("binary", "build") and tag == "cp312", line
+        listed[norm(name)] = version
+    pins = dict(line.split("==") for line in (REPO / "requirements.txt").read_text().split())
+    for name in ("deepspeed", "megatron-core", "mosaicml-streaming"):
+        assert listed[name] == pins[name], name
+    text = (REPO / "bench" / "gpu_wheels.txt").read_text()
+    have = {norm(n) for line in text.splitlines() if line.startswith(("have ", "skip ")) for n in line.split()[1:]}
+    missing = []
+    for name in listed:
+        for requirement in metadata.requires(name) or []:
+            if "extra ==" in requirement or "python_version <" in requirement:
+                continue
+            needed = norm(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0])
+            if needed not in listed and needed not in have:
+                missing.append(f"{name} needs {needed}")
+    assert not missing, missing
+    bad = subprocess.run(["bash", "bench/gpu_wheels.sh", "latest"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage: bash bench/gpu_wheels.sh PYTHON_VERSION" in bad.stderr

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU check as the GPU machine runs it, in one command: the wheels of bench/gpu_wheels.sh are
+# installed with --no-deps into a folder of their own (the machine's own packages stay as they are)
+# that goes on PYTHONPATH, then bench/gpu_check.sh runs with the machine's python3 and writes its
+# reports and log under OUT_DIR as it goes (a timeout keeps what was measured).
+#
+#   bash bench/gpu_run.sh OUT_DIR [bench.gpu_check arguments, e.g. --row-timeout 200]
+#
+# PRETRAIN_PYTHON (python3) and GPU_WHEELS (.whl) name another interpreter or wheel folder.
+# bash bench/gpu_dry_run.sh runs this script on a CPU machine, against a Python that holds only
+# what the GPU machine holds.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${1:?usage: bash bench/gpu_run.sh OUT_DIR [bench.gpu_check arguments]}
+shift
+PY=${PRETRAIN_PYTHON:-python3}
+wheels=${GPU_WHEELS:-.whl}
+site=$(mktemp -d /tmp/pretrain-site.XXXXXX)
+if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+    echo "error: no wheels in $wheels; build them with bash bench/gpu_wheels.sh PYTHON_VERSION" >&2
+    exit 2
+fi
+mkdir -p "$out"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl
+export PYTHONPATH=$site PYTHONUNBUFFERED=1
+PRETRAIN_PYTHON=$PY bash bench/gpu_check.sh --out-dir "$out" "$@" 2>&1 | tee "$out/log"
