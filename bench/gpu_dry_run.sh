@@ -10,7 +10,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:-/tmp/pretrain-gpu-dry-run}
 image=/tmp/pretrain-gpu-image
 wheels=/tmp/pretrain-gpu-wheels
-rm -rf "$image" "$wheels" "$out"
+if [[ -e $out && -n $(ls -A "$out") ]]; then
+    echo "error: $out is not empty; name a new or empty OUT_DIR" >&2
+    exit 2
+fi
+rm -rf "$image" "$wheels"
 .venv/bin/python -m venv "$image"
 .venv/bin/python - "$image" <<'PY'
 import os, re, sys, sysconfig

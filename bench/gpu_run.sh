@@ -15,12 +15,13 @@ out=${1:?usage: bash bench/gpu_run.sh OUT_DIR [bench.gpu_check arguments]}
 shift
 PY=${PRETRAIN_PYTHON:-python3}
 wheels=${GPU_WHEELS:-.whl}
-site=$(mktemp -d /tmp/pretrain-site.XXXXXX)
 if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
     echo "error: no wheels in $wheels; build them with bash bench/gpu_wheels.sh PYTHON_VERSION" >&2
     exit 2
 fi
+site=$(mktemp -d /tmp/pretrain-site.XXXXXX)
+trap 'rm -rf "$site"' EXIT
 mkdir -p "$out"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl
-export PYTHONPATH=$site PYTHONUNBUFFERED=1
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PRETRAIN_PYTHON=$PY bash bench/gpu_check.sh --out-dir "$out" "$@" 2>&1 | tee "$out/log"

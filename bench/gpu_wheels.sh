@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels the GPU machine lacks (bench/gpu_wheels.txt), for its Python, into one folder that
-# travels with the checkout (about 13 MB; .whl/ is ignored by git):
+# travels with the checkout (about 12 MiB; .whl/ is ignored by git):
 #
 #   bash bench/gpu_wheels.sh 3.12 [--out .whl]   # download the binary wheels, build the others
 #   bash bench/gpu_wheels.sh 3.12 --list         # print what it would fetch, fetch nothing

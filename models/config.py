@@ -38,7 +38,7 @@ class ModelConfig:
     init_std: float = 0.02
     vocab_pad_to: int = 128
     # One kind per layer: a list, a comma-separated string, or a compact string of the kinds'
-    # letters (s=softmax, k=softmax_sink, r=relu, l=lisa), e.g. "ssrl". One entry repeats for every layer.
+    # letters (built in: s=softmax, k=softmax_sink, r=relu, l=lisa), e.g. "ssrl". One entry repeats.
     attention: str | list[str] = "softmax"
     mlp: str = "dense"
     # Modules that register more kinds and sections (models.registry), imported before the rest
@@ -78,14 +78,23 @@ class ModelConfig:
     def __repr__(self) -> str:
         return f"ModelConfig({self.to_dict()})"
 
+    def __copy__(self) -> ModelConfig:
+        """Fields and section objects shared, the section table not (setting a section on the copy
+        leaves the original alone). Copy with copy.deepcopy, not dataclasses.replace, which passes
+        the fields only and so resets every section."""
+        new = object.__new__(ModelConfig)
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "_sections", dict(self._sections))
+        return new
+
     def to_dict(self) -> dict:
-        """Fields, then the sections of the built-in kinds and of model.plugins (a section another
-        module registered in this process belongs to no model until its module is a plugin)."""
+        """Fields, then the sections of the built-in kinds and of model.plugins' packages (a section
+        another module registered in this process belongs to no model until it is a plug-in)."""
         from models import registry
 
         out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
         for name, section in sorted(registry.sections().items()):
-            if section.origin.startswith("models.") or section.origin in self.plugins:
+            if section.belongs_to(self.plugins):
                 out[name] = dataclasses.asdict(getattr(self, name))
         return out
 
@@ -262,3 +271,14 @@ def apply_values(obj, values: dict, prefix: str = "") -> None:
             apply_values(current, value, key + ".")
         else:
             setattr(obj, name, coerce(value, hints[name], key, parsers.get(name)))
+
+
+def normalise(obj, prefix: str = "") -> None:
+    """Run the fields' parse functions over a tree set in code; apply_values already ran them on
+    what it set, and they leave a canonical value as it is."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            normalise(value, f"{prefix}{f.name}.")
+        elif f.metadata.get("parse") is not None:
+            setattr(obj, f.name, f.metadata["parse"](value, f"{prefix}{f.name}"))

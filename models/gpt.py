@@ -95,12 +95,15 @@ class GPT(nn.Module):
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
         return loss + self.aux_loss()
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, module: nn.Module | None = None) -> None:
         """Every layer's own update after an optimizer step (routed layers move their selection
-        bias). Layers may hold collectives here: every rank calls it after every step."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "after_optimizer_step"):
-                module.after_optimizer_step()
+        bias): the outermost submodules that define after_optimizer_step, each once. Layers may hold
+        collectives here: every rank calls it after every step."""
+        for child in (self if module is None else module).children():
+            if hasattr(child, "after_optimizer_step"):
+                child.after_optimizer_step()
+            else:
+                self.after_optimizer_step(child)
 
     def aux_loss(self) -> torch.Tensor | float:
         losses = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]

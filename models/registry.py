@@ -3,7 +3,7 @@ nn.Module, and everything else (building, validation, parameter and FLOP counts,
 memory terms, checkpoint compatibility, export) asks this registry.
 
     register_attention(AttentionKind(name="softmax", letter="s", module=SoftmaxAttention, params=...))
-    register_mlp(MLPKind(name="dense", module=DenseMLP, params=...))
+    register_mlp(MLPKind(name="dense", module=lambda cfg, layer: SwiGLU(cfg), params=...))
     register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size",))
 
 A registered section becomes a key of the model config (model.relu_attention.normalizer). The
@@ -105,16 +105,23 @@ class Section:
     training_only: tuple[str, ...] = ()  # keys that steer training, not what the weights mean
     origin: str = ""
 
+    def belongs_to(self, plugins: list[str]) -> bool:
+        """Part of a model config that lists `plugins`: built in, or declared in the package of one."""
+        packages = {name.split(".")[0] for name in plugins}
+        return self.origin.startswith("models.") or self.origin.split(".")[0] in packages
+
 
 _attention: dict[str, AttentionKind] = {}
 _mlp: dict[str, MLPKind] = {}
 _sections: dict[str, Section] = {}
-_builtins_loaded = False
+_builtins = "not loaded"  # -> "loading" -> "loaded"
+_plugin_loading: str | None = None  # the model.plugins module being imported
 
 
 def _origin() -> str:
-    """The module that called register_*: a kind is known by where it was declared."""
-    return sys._getframe(2).f_globals.get("__name__", "")
+    """Where a registration comes from: the plug-in being loaded, else the module that called
+    register_*."""
+    return _plugin_loading or sys._getframe(2).f_globals.get("__name__", "")
 
 
 def _add(table: dict, what: str, name: str, entry) -> None:
@@ -126,8 +133,6 @@ def _add(table: dict, what: str, name: str, entry) -> None:
 
 def register_attention(kind: AttentionKind) -> AttentionKind:
     kind = dataclasses.replace(kind, origin=kind.origin or _origin())
-    if kind.letter and any(k.letter == kind.letter and k.name != kind.name for k in _attention.values()):
-        raise ValueError(f"attention kind {kind.name!r}: letter {kind.letter!r} is taken; choose another or none")
     _add(_attention, "attention kind", kind.name, kind)
     return kind
 
@@ -139,9 +144,9 @@ def register_mlp(kind: MLPKind) -> MLPKind:
 
 
 def register_section(name: str, config: type, training_only: tuple[str, ...] = ()) -> type:
-    from models.config import MODEL_FIELDS
+    from models.config import ModelConfig
 
-    if name in MODEL_FIELDS:
+    if hasattr(ModelConfig, name) or name in ModelConfig.__annotations__:
         raise ValueError(f"config section {name!r} would hide model.{name}; choose another name")
     _add(_sections, "config section", name, Section(name, config, tuple(training_only), _origin()))
     return config
@@ -149,23 +154,34 @@ def register_section(name: str, config: type, training_only: tuple[str, ...] = (
 
 def load_builtins() -> None:
     """Import every module of the built-in kind packages (each registers what it defines)."""
-    global _builtins_loaded
-    if _builtins_loaded:
+    global _builtins
+    if _builtins != "not loaded":  # done, or under way (a kind module being imported looks kinds up)
         return
-    _builtins_loaded = True
-    for package in BUILTIN_PACKAGES:
-        for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
-            importlib.import_module(f"{package}.{info.name}")
+    _builtins = "loading"
+    try:
+        for package in BUILTIN_PACKAGES:
+            for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+                importlib.import_module(f"{package}.{info.name}")
+    except BaseException:
+        _builtins = "not loaded"
+        raise
+    _builtins = "loaded"
 
 
 def load_plugins(modules: list[str]) -> None:
-    """Import the modules of model.plugins, which register kinds and sections of their own."""
+    """Import the modules of model.plugins (after the built-in kinds), which register kinds and
+    sections of their own."""
+    global _plugin_loading
+    load_builtins()
     for name in modules:
+        _plugin_loading = name
         try:
             importlib.import_module(name)
         except ImportError as err:
             raise ConfigError(f"model.plugins names {name!r}, which cannot be imported ({err}); "
                               "put the module on PYTHONPATH or remove it from model.plugins") from None
+        finally:
+            _plugin_loading = None
 
 
 def attention_kinds() -> dict[str, AttentionKind]:
@@ -199,7 +215,16 @@ def mlp_kind(name: str) -> MLPKind:
 
 
 def letters() -> dict[str, str]:
-    return {k.letter: k.name for k in attention_kinds().values() if k.letter}
+    """{letter: kind} of the compact attention patterns; two kinds with one letter are an error."""
+    table: dict[str, AttentionKind] = {}
+    for kind in attention_kinds().values():
+        if kind.letter and kind.letter in table:
+            other = table[kind.letter]
+            raise ConfigError(f"attention kinds {other.name!r} ({other.origin}) and {kind.name!r} ({kind.origin}) "
+                              f"both use the letter {kind.letter!r}; give one of them another letter or none")
+        if kind.letter:
+            table[kind.letter] = kind
+    return {letter: kind.name for letter, kind in table.items()}
 
 
 def build_attention(cfg: ModelConfig, layer: int) -> nn.Module:

@@ -85,9 +85,11 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
 
 
 def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str | None, path: Path) -> None:
-    """The checkpoint's model (its marker's, keys added since taking their defaults) is the config's."""
-    saved = ModelConfig.from_dict(meta["model"]).signature()
-    wanted = ModelConfig.from_dict(model_config_dict).signature()
+    """The checkpoint's model is the config's. Keys and sections the marker lacks (added since it was
+    written, or declared by a plug-in only one side lists) count at their defaults."""
+    plugins = sorted({*meta["model"].get("plugins", []), *model_config_dict.get("plugins", [])})
+    saved = ModelConfig.from_dict({**meta["model"], "plugins": plugins}).signature()
+    wanted = ModelConfig.from_dict({**model_config_dict, "plugins": plugins}).signature()
     diff = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
     if diff:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {wanted.get(k)!r}" for k in diff)

@@ -105,12 +105,19 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                           f"{COMPLETE}, or a step_XXXXXXXX directory)")
 
 
-def global_expert_key(key: str, ep_rank: int, local_experts: int) -> str:
-    """A module's parameter name (local expert id) -> the checkpoint's (global expert id)."""
-    match = EXPERT_KEY.match(key)
-    if not match:
-        return key
-    return f"{match.group(1)}{ep_rank * local_experts + int(match.group(2))}{match.group(3)}"
+def global_expert_keys(keys, ep_rank: int) -> dict[str, str]:
+    """A module's parameter names (local expert ids) -> the checkpoint's (global expert ids): a
+    layer's local experts are those its keys name, and rank r holds ids [r * local, (r + 1) * local)."""
+    local: dict[str, set[int]] = {}
+    for key in keys:
+        if match := EXPERT_KEY.match(key):
+            local.setdefault(match.group(1), set()).add(int(match.group(2)))
+    out = {}
+    for key in keys:
+        match = EXPERT_KEY.match(key)
+        out[key] = (f"{match.group(1)}{ep_rank * len(local[match.group(1)]) + int(match.group(2))}{match.group(3)}"
+                    if match else key)
+    return out
 
 
 def local_expert_state(full: dict, ep_size: int, ep_rank: int) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from models import registry
-from models.config import ConfigError, ModelConfig, apply_values
+from models.config import ConfigError, ModelConfig, apply_values, normalise
 from pretrain.schedule import validate_schedule
 
 
@@ -29,6 +29,8 @@ MIX_KEYS = {"shards", "weight", "name"}
 
 def parse_mix(value, key: str = "data.mix") -> list[DataSource]:
     """data.mix as typed sources: names default to the directory name, weights > 0, names distinct."""
+    if value is None:  # `mix:` left empty in YAML
+        return []
     if not isinstance(value, list):
         raise ConfigError(f"{key}={value!r}: give a list of sources, e.g. "
                           f"{key}='[{{shards: data/web, weight: 0.7}}, {{shards: data/code, weight: 0.3}}]'")
@@ -211,6 +213,7 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 def validate(cfg: Config, world_size: int) -> None:
     """Every key, once, before anything expensive is built; raises ConfigError naming the key and the fix."""
+    normalise(cfg)  # values set in code, not through load_config
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.tensor < 1 or p.expert < 1:
         raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
@@ -235,7 +238,8 @@ def validate(cfg: Config, world_size: int) -> None:
             f"use parallel.zero_stage=1 or 2 for {m.mlp} models"
         )
     if not routed and p.expert != 1:
-        raise ConfigError("parallel.expert > 1 needs an expert model: set model.mlp to moe or uoe")
+        experts = sorted(name for name, kind in registry.mlp_kinds().items() if kind.routed)
+        raise ConfigError(f"parallel.expert > 1 needs an expert model: set model.mlp to one of {experts}")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision={t.precision!r}: choose auto, fp32 or bf16")
     for key in ("steps", "micro_batch", "grad_accum", "log_interval", "eval_interval", "save_interval", "keep_last"):

@@ -22,7 +22,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from pretrain.checkpoint import check_compatible
-from pretrain.checkpoint_format import CheckpointError, global_expert_key, read_meta, resolve_checkpoint
+from pretrain.checkpoint_format import CheckpointError, global_expert_keys, read_meta, resolve_checkpoint
 from pretrain.consolidate import as_float32, describe_layout, merge_tensor_parallel, tensor_parallel_shards
 
 
@@ -63,11 +63,9 @@ def _full_shape(param: torch.Tensor, tp: int) -> torch.Size:
 def load_weights(model: torch.nn.Module, tag: Path) -> None:
     """Copy the source's weights into this rank's (tensor- and expert-parallel) part of `model`."""
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    local_experts = max(1, model.cfg.moe.num_experts // ps.get_expert_model_parallel_world_size())
     own = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     params = dict(model.named_parameters())
-    ep_rank = ps.get_expert_model_parallel_rank()
-    names = {k: global_expert_key(k, ep_rank, local_experts) for k in own}
+    names = global_expert_keys(own, ps.get_expert_model_parallel_rank())
     full_shapes = {names[k]: _full_shape(params.get(k, v), tp) for k, v in own.items()}
     dims = {names[k]: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
                        and getattr(p, "partition_dim", None) is not None else None) for k, p in params.items()}

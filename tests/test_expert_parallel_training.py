@@ -5,7 +5,6 @@ EP=1 with the same loss and gradient norm on the next batch; routing telemetry r
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

@@ -183,3 +183,35 @@ def test_toy_kinds_train_at_tensor_parallel_2_as_at_1(tmp_path, capsys):
         assert consolidate_main(["--checkpoint", str(runs[2]), "--out", str(tmp_path / "toy.pt")]) == 0
     state = torch.load(tmp_path / "toy.pt", weights_only=False)["state_dict"]
     assert state["blocks.0.mlp.up.weight"].shape == (96, 64)  # both TP halves, joined
+
+
+def test_a_checkpoint_from_before_a_plugin_resumes_with_it():
+    """A plug-in added to a run counts at its defaults on the checkpoint's side; only a section
+    value that differs from them makes it another model."""
+    from pretrain.checkpoint import check_compatible
+    from pretrain.checkpoint_format import CheckpointError
+
+    marker = {"model": ModelConfig().to_dict()}
+    assert "toy_attention" not in marker["model"]
+    check_compatible(marker, ModelConfig(plugins=[PLUGIN]).to_dict(), None, "ckpt")
+    hotter = ModelConfig(plugins=[PLUGIN], toy_attention=ToyAttentionConfig(temperature=2.0))
+    with pytest.raises(CheckpointError, match="toy_attention.temperature: checkpoint 1.0 vs config 2.0"):
+        check_compatible(marker, hotter.to_dict(), None, "ckpt")
+
+
+def test_a_plugin_package_owns_the_sections_its_modules_declare(tmp_path, monkeypatch):
+    package = tmp_path / "toy_package_kinds"
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import sections\n")
+    (package / "sections.py").write_text(
+        "from dataclasses import dataclass\nfrom models.registry import register_section\n\n"
+        "@dataclass\nclass Knob:\n    turns: int = 3\n\nregister_section('toy_knob', Knob)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from models.registry import load_plugins
+
+    load_plugins(["toy_package_kinds"])
+    cfg = ModelConfig(plugins=["toy_package_kinds"])
+    cfg.toy_knob.turns = 5
+    assert cfg.to_dict()["toy_knob"] == {"turns": 5}
+    assert ModelConfig.from_dict(cfg.to_dict()).toy_knob.turns == 5
+    assert "toy_knob" not in ModelConfig().to_dict()  # a config that does not list the plug-in

@@ -148,7 +148,8 @@ def remote_config(cfg, dtype: torch.dtype, special: dict):
         intermediate_size=cfg.ffn_hidden_size,
         max_position_embeddings=cfg.max_seq_len, rope_theta=float(cfg.rope_base), rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std, attention_kinds=kinds,
-        lisa_sources=[registry.score_source(kinds, i) if k == "lisa" else None for i, k in enumerate(kinds)],
+        lisa_sources=[registry.score_source(kinds, i) if registry.attention_kind(k).reads_previous_scores else None
+                      for i, k in enumerate(kinds)],
         relu_normalizer=cfg.relu_attention.normalizer, lisa_rank=rank, lisa_align_group=group,
         lisa_align_hidden=hidden, mlp_kinds=[cfg.mlp_kind(i) for i in range(cfg.num_layers)],
         num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, expert_hidden_size=moe.expert_hidden_size,
@@ -294,7 +295,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
             "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
             "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
-    if fmt == "remote" and cfg.mlp != "dense" and cfg.moe.capacity_factor > 0:
+    if fmt == "remote" and registry.mlp_kind(cfg.mlp).routed and cfg.moe.capacity_factor > 0:
         info["capacity_factor_dropped"] = cfg.moe.capacity_factor
         print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "
               "routes every token (dropless), as inference does", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""Attention kinds, one module each, chosen per layer by `model.attention`; every module here
-registers its kind with models.registry (a new file here is a new kind).
+"""Attention kinds, one module each, chosen per layer by `model.attention`. models.registry imports
+every module here, so a new file that registers a kind is found by itself (base.py and
+lisa_conversion.py are helpers and register none).
 
 A kind's layer takes (x, ctx). It publishes its pre-activation scores into
 ctx["attention_scores"][layer] when the next layer reuses them (`publish_scores`, set by

@@ -1,2 +1,2 @@
-"""MLP kinds, one module each, chosen by `model.mlp`; every module here registers its kind with
-models.registry (a new file here is a new kind). The sparse kinds live in models/moe/."""
+"""MLP kinds, one module each, chosen by `model.mlp`. models.registry imports every module here,
+so a new file that registers a kind is found by itself. The sparse kinds live in models/moe/."""

@@ -51,7 +51,7 @@ class MoEConfig:
         """UoE routing neurons per expert (N_s)."""
         return self.routing_neurons or self.shared_hidden_size // self.num_experts
 
-    def sparse_layers(self) -> set[int] | None:
+    def listed_layers(self) -> set[int] | None:
         """The layers listed in moe_layers; None for "all"."""
         if str(self.moe_layers).strip() == "all":
             return None
@@ -64,7 +64,7 @@ register_section("moe", MoEConfig, training_only=("aux_loss_coef", "bias_update_
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether `layer` takes the routed MLP (model.moe.moe_layers) or stays dense."""
-    wanted = cfg.moe.sparse_layers()
+    wanted = cfg.moe.listed_layers()
     return wanted is None or layer in wanted
 
 
@@ -95,7 +95,7 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
     if moe.capacity_factor < 0 or moe.bias_update_rate < 0:
         raise ConfigError("model.moe.capacity_factor and bias_update_rate must be >= 0 (0 = off)")
     try:
-        layers = moe.sparse_layers()
+        layers = moe.listed_layers()
     except ValueError:
         raise ConfigError(f"model.moe.moe_layers={moe.moe_layers!r}: give 'all' or comma-separated layer "
                           "indices, e.g. 1,3") from None
