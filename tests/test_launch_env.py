@@ -53,3 +53,12 @@ def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_pat
     assert "has no '# single-gpu (80-141 GB):' line" in capsys.readouterr().err
     assert local_main([config, "--single-gpu", "--nproc", "2", "--dry-run", *fit_data]) == 2
     assert "runs one process" in capsys.readouterr().err
+
+
+def test_reading_a_config_prints_nothing():
+    """launch/demo.sh and job scripts read config values from stdout: loading a config (which
+    imports every kind, DeepSpeed's experts included) must print nothing there."""
+    code = "from pretrain.config import load_config; print(load_config('configs/demo.yaml').train.steps)"
+    out = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout == "300\n"

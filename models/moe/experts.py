@@ -20,13 +20,21 @@ caller. The expert-parallel group is then made of ranks with the same TP rank.
 
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from deepspeed.moe.experts import Experts
-from deepspeed.moe.layer import MoE
-from megatron.core import parallel_state as ps
-from torch import nn
+
+# DeepSpeed picks its accelerator when first imported (which the kind registry may do while a config
+# is read): without a GPU it must be the CPU one, and unless told so it says so on stdout.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from deepspeed.moe.experts import Experts  # noqa: E402
+from deepspeed.moe.layer import MoE  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from torch import nn  # noqa: E402
 
 from models.config import ModelConfig
 from models.layers import output_init, tp_size
