@@ -60,8 +60,9 @@ class ModelConfig:
         """A config section (cfg.moe, cfg.lisa, ...), at its defaults until set."""
         if name.startswith("_"):
             raise AttributeError(name)
-        section = _section(name)
-        return self._sections.setdefault(name, section.config())
+        if name not in self._sections:
+            self._sections[name] = _section(name).config()
+        return self._sections[name]
 
     def __setattr__(self, name: str, value) -> None:
         if name in MODEL_FIELDS:
@@ -115,7 +116,7 @@ class ModelConfig:
         from models import registry
 
         skip = set(self.TRAINING_ONLY) | registry.training_only_keys()
-        return {k: v for k, v in registry.flat_values(self.to_dict()).items() if k not in skip}
+        return {k: v for k, v in _flat(self.to_dict()).items() if k not in skip}
 
     @property
     def head_dim(self) -> int:
@@ -165,6 +166,17 @@ class ModelConfig:
 
 
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    """{"moe": {"top_k": 2}} -> {"moe.top_k": 2}."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _section(name: str):

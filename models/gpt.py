@@ -30,6 +30,14 @@ def checkpoint_mode(value: str | bool) -> str:
     return mode
 
 
+def _outermost_with(module: nn.Module, method: str) -> list[nn.Module]:
+    """The submodules defining `method` that no other such submodule contains."""
+    found = []
+    for child in module.children():
+        found += [child] if hasattr(child, method) else _outermost_with(child, method)
+    return found
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -49,6 +57,7 @@ class GPT(nn.Module):
         assert cfg.padded_vocab_size % tp_size() == 0, \
             f"padded vocabulary {cfg.padded_vocab_size} at TP={tp_size()} (models.registry.validate_model)"
         self.cfg = cfg
+        self._step_layers: list[nn.Module] | None = None  # see after_optimizer_step
         self.activation_checkpointing = checkpoint_mode(activation_checkpointing)
         self.embed = tensor_parallel.VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, init_method=normal_init(cfg.init_std), config=parallel_config()
@@ -95,15 +104,14 @@ class GPT(nn.Module):
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
         return loss + self.aux_loss()
 
-    def after_optimizer_step(self, module: nn.Module | None = None) -> None:
+    def after_optimizer_step(self) -> None:
         """Every layer's own update after an optimizer step (routed layers move their selection
-        bias): the outermost submodules that define after_optimizer_step, each once. Layers may hold
-        collectives here: every rank calls it after every step."""
-        for child in (self if module is None else module).children():
-            if hasattr(child, "after_optimizer_step"):
-                child.after_optimizer_step()
-            else:
-                self.after_optimizer_step(child)
+        bias): the outermost submodules that define after_optimizer_step, each once, found on the
+        first call. Layers may hold collectives here: every rank calls it after every step."""
+        if self._step_layers is None:
+            self._step_layers = _outermost_with(self, "after_optimizer_step")
+        for layer in self._step_layers:
+            layer.after_optimizer_step()
 
     def aux_loss(self) -> torch.Tensor | float:
         losses = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]

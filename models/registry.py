@@ -18,9 +18,10 @@ import dataclasses
 import importlib
 import pkgutil
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from models.config import ConfigError
 
@@ -184,19 +185,19 @@ def load_plugins(modules: list[str]) -> None:
             _plugin_loading = None
 
 
-def attention_kinds() -> dict[str, AttentionKind]:
+def attention_kinds() -> types.MappingProxyType[str, AttentionKind]:
     load_builtins()
-    return dict(_attention)
+    return types.MappingProxyType(_attention)
 
 
-def mlp_kinds() -> dict[str, MLPKind]:
+def mlp_kinds() -> types.MappingProxyType[str, MLPKind]:
     load_builtins()
-    return dict(_mlp)
+    return types.MappingProxyType(_mlp)
 
 
-def sections() -> dict[str, Section]:
+def sections() -> types.MappingProxyType[str, Section]:
     load_builtins()
-    return dict(_sections)
+    return types.MappingProxyType(_sections)
 
 
 def _lookup(kinds: dict, name: str, key: str, home: str):
@@ -281,17 +282,6 @@ def validate_model(cfg: ModelConfig, sizes: ParallelSizes = ParallelSizes()) -> 
         other = mlp_kind(name)
         if name != cfg.mlp and other.validate is not None:
             other.validate(cfg, sizes)
-
-
-def flat_values(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"moe": {"top_k": 2}} -> {"moe.top_k": 2}."""
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(flat_values(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def training_only_keys() -> set[str]:

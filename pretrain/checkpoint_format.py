@@ -105,13 +105,19 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                           f"{COMPLETE}, or a step_XXXXXXXX directory)")
 
 
+def _expert_ids(keys) -> dict[str, set[int]]:
+    """{layer prefix: the expert ids its keys name}."""
+    ids: dict[str, set[int]] = {}
+    for key in keys:
+        if match := EXPERT_KEY.match(key):
+            ids.setdefault(match.group(1), set()).add(int(match.group(2)))
+    return ids
+
+
 def global_expert_keys(keys, ep_rank: int) -> dict[str, str]:
     """A module's parameter names (local expert ids) -> the checkpoint's (global expert ids): a
     layer's local experts are those its keys name, and rank r holds ids [r * local, (r + 1) * local)."""
-    local: dict[str, set[int]] = {}
-    for key in keys:
-        if match := EXPERT_KEY.match(key):
-            local.setdefault(match.group(1), set()).add(int(match.group(2)))
+    local = _expert_ids(keys)
     out = {}
     for key in keys:
         match = EXPERT_KEY.match(key)
@@ -123,10 +129,7 @@ def global_expert_keys(keys, ep_rank: int) -> dict[str, str]:
 def local_expert_state(full: dict, ep_size: int, ep_rank: int) -> dict:
     """Keep one expert-parallel rank's experts (global ids [rank * N/ep, (rank + 1) * N/ep)) of a
     state dict with global expert ids, under their local ids; everything else as it is."""
-    experts: dict[str, set[int]] = {}
-    for key in full:
-        if match := EXPERT_KEY.match(key):
-            experts.setdefault(match.group(1), set()).add(int(match.group(2)))
+    experts = _expert_ids(full)
     out = {}
     for key, value in full.items():
         match = EXPERT_KEY.match(key)

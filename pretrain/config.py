@@ -197,10 +197,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile)")
     tree = parse_overrides(overrides or [])
     cfg = Config()
-    for layer in (values, tree):
-        plugins = (layer.get("model") or {}).get("plugins") if isinstance(layer.get("model"), dict) else None
-        if plugins is not None:
-            apply_values(cfg.model, {"plugins": plugins}, "model.")
+    for layer in (values, tree):  # the overrides' plug-ins win, as their other keys do
+        model = layer.get("model")
+        if isinstance(model, dict) and "plugins" in model:
+            apply_values(cfg.model, {"plugins": model["plugins"]}, "model.")
     registry.load_plugins(cfg.model.plugins)
     apply_values(cfg, values)
     apply_values(cfg, tree)

@@ -80,7 +80,7 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
         for b in range(cfg.train.eval_batches):
             # len(dataset) counts this rank's share; indexing is over all samples.
             indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
-            batches.append(torch.stack([torch.from_numpy(dataset[i]["tokens"].astype("int64")) for i in indices]))
+            batches.append(_collate([dataset[i] for i in indices]))
         sets[source.name] = batches
     return sets
 
@@ -102,7 +102,7 @@ def read_samples(location: str | Path, count: int) -> torch.Tensor:
     n = len(dataset)
     if n == 0:
         raise ValueError(f"{location} holds no samples")
-    return torch.stack([torch.from_numpy(dataset[i % n]["tokens"].astype("int64")) for i in range(count)])
+    return _collate([dataset[i % n] for i in range(count)])
 
 
 def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
