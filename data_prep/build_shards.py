@@ -1,48 +1,59 @@
 """Tokenize a corpus into fixed-length training samples stored as MDS shards.
 
-    python -m data_prep.build_shards --tokenizer data/tok --out data/shards --seq-len 256
+    python -m data_prep.build_shards --tokenizer data/tok --out data/shards --seq-len 2048 [--workers N]
+
+Spread over a cluster (launch.submit_prep does these steps with Slurm job arrays)::
+
+    python -m data_prep.build_shards --tokenizer data/tok --out OUT --seq-len 2048 --plan-only
+    python -m data_prep.build_shards --out OUT --task I --tasks N      # on N machines, I = 0..N-1
+    python -m data_prep.build_shards --out OUT --merge
 
 Layout written under ``--out``::
 
-    train/   MDS shards (index.json + shard files), column "tokens"
+    train/   MDS shards: one directory per part, and an index.json over all of them (column "tokens")
     val/     same, for the held-out documents
-    manifest.json
+    manifest.json, plan.json, parts/
 
-Each document is tokenized and followed by one EOS token (no BOS: the EOS of the
-previous document already marks where a new one starts). The token stream of each
-split is concatenated and cut into samples of ``seq_len + 1`` ids, so a sample gives
-``seq_len`` inputs and their next-token targets; the last incomplete sample of each
-split is dropped. Documents go to train or val by a seeded hash of their origin,
-so the split is reproducible and never cuts a document in two.
+The corpus is cut into parts (:mod:`data_prep.parts`), which worker processes or Slurm tasks build
+independently; a part that completed is never built again, so an interrupted build continues where
+it stopped. Each document is tokenized and followed by one EOS token (no BOS: the EOS of the
+previous document already marks where a new one starts). The token stream of each split of a part is
+cut into samples of ``seq_len + 1`` ids, so a sample gives ``seq_len`` inputs and their next-token
+targets; the last incomplete sample of each split of each part is dropped (counted in the manifest).
+Documents go to train or val by a seeded hash of their origin, so the split is reproducible and never
+cuts a document in two.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
+import itertools
+import logging
+import multiprocessing as mp
 import os
+import queue
 import shutil
 import sys
 import time
-from collections import deque
-from multiprocessing import Pool
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
-import sentencepiece as spm
-from tqdm import tqdm
 
-from data_prep.sources import BadInputReport, as_sources, iter_documents, require_documents
-from data_prep.tokenizer import MODEL_FILE, load_tokenizer
+from data_prep import parts as P
+from data_prep.sources import BadInputReport, as_sources, list_files, require_documents
+from data_prep.tokenizer import load_tokenizer
 
 SPLITS = ("train", "val")
-# Documents are handed to the workers in batches of about this many characters:
-# big enough to amortise the inter-process round trip, small enough to keep
-# every worker busy and the memory in flight low.
+# Documents are encoded in batches of about this many characters: sentencepiece's batched encode
+# amortises its per-call cost, and the token arrays of a batch are built in one numpy call.
 BATCH_CHARS = 1 << 20
 BATCH_DOCS = 512
+# Settings a part's output depends on; a plan made with other values is another build.
+PLAN_SETTINGS = ("sources", "text_field", "tokenizer", "tokenizer_sha256", "vocab_size", "seq_len", "val_fraction",
+                 "seed", "compression", "shard_size_limit", "part_bytes")
 
 
 def assign_split(origin: str, seed: int, val_fraction: float) -> str:
@@ -61,58 +72,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-# --- tokenization workers -------------------------------------------------------
-
-_worker: dict = {}
-
-
-def _init_worker(model_file: str, eos_id: int, dtype: str) -> None:
-    # Loaded once per process: the model cannot be pickled with each task.
-    _worker.update(sp=spm.SentencePieceProcessor(model_file=model_file), eos=eos_id, dtype=dtype)
-
-
-def _encode_batch(texts: list[str]) -> list[np.ndarray]:
-    # One thread per process; the parallelism comes from the pool.
-    ids = _worker["sp"].encode(texts, num_threads=1)
-    return [np.array(x + [_worker["eos"]], dtype=_worker["dtype"]) for x in ids]
-
-
-def _batches(docs, seed: int, val_fraction: float) -> Iterator[tuple[list[str], list[str]]]:
-    """Group documents into (splits, texts) batches for the workers."""
-    splits, texts, chars = [], [], 0
-    for doc in docs:
-        splits.append(assign_split(doc.origin, seed, val_fraction))
-        texts.append(doc.text)
-        chars += len(doc.text)
-        if chars >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
-            yield splits, texts
-            splits, texts, chars = [], [], 0
-    if texts:
-        yield splits, texts
-
-
-def _encoded(batches: Iterable, workers: int, init_args: tuple) -> Iterator[tuple[list[str], list[np.ndarray]]]:
-    """Encode batches in ``workers`` processes, yielding results in input order.
-
-    Pool.imap would also keep the order, but its feeder thread reads the whole
-    input iterator ahead, i.e. the whole corpus into memory. A bounded window of
-    apply_async results gives the same ordered, parallel stream with flat memory.
-    """
-    if workers <= 1:
-        _init_worker(*init_args)
-        for splits, texts in batches:
-            yield splits, _encode_batch(texts)
-        return
-    with Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        pending: deque = deque()
-        for splits, texts in batches:
-            pending.append((splits, pool.apply_async(_encode_batch, (texts,))))
-            if len(pending) >= 2 * workers:
-                s, r = pending.popleft()
-                yield s, r.get()
-        while pending:
-            s, r = pending.popleft()
-            yield s, r.get()
+def available_cpus() -> int:
+    # The CPUs this process may run on: under Slurm or taskset fewer than the machine has.
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class SamplePacker:
@@ -131,147 +93,391 @@ class SamplePacker:
         return samples
 
 
-# --- up-front checks ------------------------------------------------------------
-
-def _check_output(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix new shards with old ones; with ``overwrite`` clear the old ones."""
-    for split in SPLITS:
-        d = out_dir / split
-        if not d.exists() or not any(d.iterdir()):
-            continue
-        if not overwrite:
-            what = "shards" if (d / "index.json").exists() else "files (an interrupted run?)"
-            raise FileExistsError(f"{d} already contains {what}: pass --overwrite to replace them, "
-                                  "or choose another --out")
-        shutil.rmtree(d)
-    if overwrite:
-        (out_dir / "manifest.json").unlink(missing_ok=True)
+def _batches(docs, seed: int, val_fraction: float) -> Iterator[tuple[list[str], list[str]]]:
+    """Group documents into (texts, splits) batches for one encode call."""
+    texts, splits, chars = [], [], 0
+    for doc in docs:
+        texts.append(doc.text)
+        splits.append(assign_split(doc.origin, seed, val_fraction))
+        chars += len(doc.text)
+        if chars >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
+            yield texts, splits
+            texts, splits, chars = [], [], 0
+    if texts:
+        yield texts, splits
 
 
-def build_shards(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shards", seq_len: int = 512,
-                 val_fraction: float = 0.01, *, workers: int | None = None, overwrite: bool = False,
-                 compression: str | None = "zstd", shard_size_limit: int | str = "64mb", seed: int = 0,
-                 text_field: str = "text", max_docs: int | None = None, progress: bool = False,
-                 bad_inputs: BadInputReport | None = None) -> dict:
-    """Tokenize ``sources`` (None = default corpus) into ``out_dir``; return the manifest."""
+# --- planning -------------------------------------------------------------------
+
+def _settings_diff(old: dict, new: dict) -> str:
+    return ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in PLAN_SETTINGS if old.get(k) != new.get(k))
+
+
+def _clear(out_dir: Path) -> None:
+    for name in (*SPLITS, P.MARKER_DIR):
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    for name in ("manifest.json", P.PLAN_FILE):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shards", seq_len: int = 512,
+               val_fraction: float = 0.01, *, compression: str | None = "zstd", shard_size_limit: int | str = "64mb",
+               seed: int = 0, text_field: str = "text", part_size: int | str = "auto",
+               overwrite: bool = False, dry_run: bool = False) -> dict:
+    """Check everything that can be checked cheaply, cut the corpus into parts, write ``plan.json``
+    (``dry_run``: change nothing on disk).
+
+    An existing plan with the same settings and parts is kept (its completed parts count); one with
+    other settings, or finished shards, need ``overwrite``.
+    """
     out_dir = Path(out_dir)
     if seq_len < 1:
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    workers = workers or os.cpu_count() or 1
+    shard_size = P.parse_size(shard_size_limit)
     sp, tok = load_tokenizer(tokenizer_dir)
-    _check_output(out_dir, overwrite)
     srcs = as_sources(sources)
+    files = list_files(srcs)
     require_documents(srcs, text_field=text_field)
+    total = sum(P.file_bytes(f) for f in files)
+    part_bytes = P.auto_part_bytes(total) if str(part_size) == "auto" else P.parse_size(part_size)
+    settings = {
+        "sources": [str(s) for s in srcs], "text_field": text_field, "tokenizer": str(tokenizer_dir),
+        "tokenizer_sha256": tok["sha256"], "vocab_size": sp.get_piece_size(), "eos_id": sp.eos_id(),
+        "bos_id": sp.bos_id(), "tokenizer_model_type": tok.get("model_type"), "seq_len": seq_len,
+        "val_fraction": val_fraction, "seed": seed,
+        "compression": None if compression in (None, "", "none") else compression,
+        "shard_size_limit": shard_size, "part_bytes": part_bytes,
+    }
+    plan = {"settings": settings, "files": len(files), "bytes": total,
+            "parts": [p.to_dict() for p in P.plan_parts(files, part_bytes)]}
+    plan["plan_id"] = P.plan_id(plan)
 
-    vocab_size = sp.get_piece_size()
-    dtype = token_dtype(vocab_size)
-    column = f"ndarray:{dtype.name}"
-    sample_len = seq_len + 1
-    compression = None if compression in (None, "", "none") else compression
-    report = bad_inputs if bad_inputs is not None else BadInputReport()
-    # Imported here, after the cheap checks: importing streaming pulls in torch
-    # and transformers and takes many seconds, which a usage error should not cost.
-    from streaming import MDSWriter
+    old = P.read_plan(out_dir)
+    finished = (out_dir / "manifest.json").is_file()
+    if overwrite:
+        if not dry_run:
+            _clear(out_dir)
+    elif finished:
+        raise FileExistsError(f"{out_dir} already contains shards (manifest.json): pass --overwrite to replace "
+                              "them, or choose another --out")
+    elif old is not None and old.get("plan_id") != plan["plan_id"]:
+        diff = _settings_diff(old["settings"], settings) or "the corpus files changed"
+        raise FileExistsError(f"{out_dir} holds an unfinished build planned differently ({diff}): pass "
+                              "--overwrite to start over, or rerun with the settings of that build")
+    elif old is None:
+        for split in SPLITS:
+            d = out_dir / split
+            if d.exists() and any(d.iterdir()):
+                raise FileExistsError(f"{d} already contains files (an interrupted run?): pass --overwrite to "
+                                      "replace them, or choose another --out")
+    if (old is None or overwrite) and not dry_run:
+        P.write_json_atomic(out_dir / P.PLAN_FILE, plan)
+    return plan
 
-    stats = {s: {"documents": 0, "tokens": 0, "samples": 0} for s in SPLITS}
-    packers = {s: SamplePacker(sample_len, dtype) for s in SPLITS}
-    writers = {s: MDSWriter(out=str(out_dir / s), columns={"tokens": column}, compression=compression,
-                            size_limit=shard_size_limit) for s in SPLITS}
 
-    docs = iter_documents(srcs, text_field=text_field, report=report, max_docs=max_docs)
-    init_args = (str(Path(tokenizer_dir) / MODEL_FILE), sp.eos_id(), dtype.name)
-    with tqdm(unit="doc", desc="tokenizing", disable=not progress) as bar:
-        for splits, encoded in _encoded(_batches(docs, seed, val_fraction), workers, init_args):
-            for split, ids in zip(splits, encoded):
-                st = stats[split]
-                st["documents"] += 1
-                st["tokens"] += len(ids)
-                for sample in packers[split].add(ids):
-                    writers[split].write({"tokens": sample})
-                    st["samples"] += 1
-            bar.update(len(encoded))
+# --- building one part ------------------------------------------------------------
+
+def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[int, int], None] | None = None) -> dict:
+    """Tokenize, pack and write one part; its marker, written last, is returned."""
+    from streaming import MDSWriter  # pulls in torch: imported only when shards are written
+
+    s = plan["settings"]
+    dtype = token_dtype(s["vocab_size"])
+    sample_len = s["seq_len"] + 1
+    eos = s["eos_id"]
+    marker_file = P.marker_path(out_dir, part)
+    marker_file.unlink(missing_ok=True)
+    report = BadInputReport()
+    stats = {split: {"documents": 0, "tokens": 0, "samples": 0} for split in SPLITS}
+    packers = {split: SamplePacker(sample_len, dtype) for split in SPLITS}
+    writers = {}
+    for split in SPLITS:
+        d = out_dir / split / part.name
+        shutil.rmtree(d, ignore_errors=True)  # what a killed attempt left
+        writers[split] = MDSWriter(out=str(d), columns={"tokens": f"ndarray:{dtype.name}"},
+                                   compression=s["compression"], size_limit=s["shard_size_limit"])
+    start = time.time()
+    docs = P.iter_part_documents(part, s["text_field"], report)
+    for texts, splits in _batches(docs, s["seed"], s["val_fraction"]):
+        ids = sp.encode(texts, num_threads=1)  # one thread: the parallelism is across parts
+        for x in ids:
+            x.append(eos)
+        for split in SPLITS:
+            chosen = [x for x, where in zip(ids, splits) if where == split]
+            if not chosen:
+                continue
+            n = sum(map(len, chosen))
+            flat = np.fromiter(itertools.chain.from_iterable(chosen), dtype=dtype, count=n)
+            st = stats[split]
+            st["documents"] += len(chosen)
+            st["tokens"] += n
+            for sample in packers[split].add(flat):
+                writers[split].write({"tokens": sample})
+                st["samples"] += 1
+        if on_batch is not None:
+            on_batch(len(texts), sum(map(len, ids)))
     for w in writers.values():
         w.finish()
+    for split in SPLITS:
+        stats[split]["dropped_tokens"] = stats[split]["tokens"] - stats[split]["samples"] * sample_len
+    marker = {"plan_id": plan["plan_id"], "part": part.index, "tokenizer_sha256": s["tokenizer_sha256"],
+              "seq_len": s["seq_len"], "splits": stats, "bad_inputs": report.to_dict(),
+              "seconds": round(time.time() - start, 3)}
+    P.write_json_atomic(marker_file, marker)
+    return marker
 
-    empty = [s for s in SPLITS if stats[s]["samples"] == 0 and (s == "train" or val_fraction > 0)]
+
+# --- building many parts ------------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _load_plan_tokenizer(plan: dict):
+    sp, tok = load_tokenizer(plan["settings"]["tokenizer"])
+    if tok["sha256"] != plan["settings"]["tokenizer_sha256"]:
+        raise ValueError(f"the tokenizer at {plan['settings']['tokenizer']} is not the one this build was planned "
+                         "with (sha256 differs): restore it, or plan again with --overwrite")
+    return sp
+
+
+def _init_worker(out_dir: str, plan: dict, progress_queue) -> None:
+    # Loaded once per process: the tokenizer cannot be pickled with each task.
+    _worker.update(out_dir=Path(out_dir), plan=plan, sp=_load_plan_tokenizer(plan), queue=progress_queue)
+
+
+def _build_in_worker(index: int) -> dict:
+    q = _worker["queue"]
+    part = P.parts_of(_worker["plan"])[index]
+    return build_part(_worker["out_dir"], _worker["plan"], part, _worker["sp"], lambda d, t: q.put((d, t)))
+
+
+def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | None = None,
+                progress: bool = False, log: Callable[[str], None] | None = None) -> list[int]:
+    """Build the parts ``indices`` (default: all) of the plan in ``out_dir`` that are not complete yet,
+    in ``workers`` processes; returns the indices built. ``log`` gets one line per finished part."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    plan = P.read_plan(out_dir)
+    if plan is None:
+        raise FileNotFoundError(f"no {P.PLAN_FILE} in {out_dir}: plan the build first (--plan-only, or run "
+                                "build_shards without --task)")
+    parts = P.parts_of(plan)
+    chosen = [parts[i] for i in (indices if indices is not None else range(len(parts)))]
+    todo = [p for p in chosen if P.read_marker(out_dir, p, plan) is None]
+    if log and len(todo) < len(chosen):
+        log(f"{len(chosen) - len(todo)} of {len(chosen)} parts already complete, skipped")
+    if not todo:
+        return []
+    workers = max(1, min(workers or available_cpus(), len(todo)))
+    bar = tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=not progress)
+
+    def finished(marker: dict) -> None:
+        tokens = sum(s["tokens"] for s in marker["splits"].values())
+        bar.set_postfix(parts=f"{finished.count + 1}/{len(todo)}")
+        finished.count += 1
+        if log:
+            log(f"part {marker['part']} done: {sum(s['documents'] for s in marker['splits'].values())} documents, "
+                f"{tokens:,} tokens in {marker['seconds']:.1f}s ({tokens / max(marker['seconds'], 1e-9):,.0f} tok/s); "
+                f"{finished.count}/{len(todo)}")
+    finished.count = 0
+
+    with bar:
+        if workers == 1:
+            sp = _load_plan_tokenizer(plan)
+            for part in todo:
+                finished(build_part(out_dir, plan, part, sp, lambda d, t: bar.update(t)))
+            return [p.index for p in todo]
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        progress_queue = ctx.Queue()
+        with ctx.Pool(workers, initializer=_init_worker, initargs=(str(out_dir), plan, progress_queue)) as pool:
+            pending = [pool.apply_async(_build_in_worker, (p.index,)) for p in todo]
+            while pending:
+                for r in [r for r in pending if r.ready()]:
+                    pending.remove(r)
+                    finished(r.get())  # re-raises a worker's error here
+                try:
+                    while True:
+                        bar.update(progress_queue.get(timeout=0.02)[1])
+                except queue.Empty:
+                    pass
+    return [p.index for p in todo]
+
+
+# --- merging ---------------------------------------------------------------------
+
+@contextmanager
+def _quiet_root_logger():
+    # streaming's merge_index logs a temporary folder through the root logger at WARNING.
+    root = logging.getLogger()
+    handler = logging.NullHandler()
+    root.addHandler(handler)
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+        root.removeHandler(handler)
+
+
+def merge_parts(out_dir) -> dict:
+    """One index per split over the parts of ``out_dir``, and ``manifest.json``; returns the manifest."""
+    from streaming.base.util import merge_index
+
+    out_dir = Path(out_dir)
+    plan = P.read_plan(out_dir)
+    if plan is None:
+        raise FileNotFoundError(f"no {P.PLAN_FILE} in {out_dir}: nothing was planned there")
+    s = plan["settings"]
+    parts = P.parts_of(plan)
+    markers = [P.read_marker(out_dir, p, plan) for p in parts]
+    missing = [p.index for p, m in zip(parts, markers) if m is None]
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+        raise ValueError(f"{len(missing)} of {len(parts)} parts of {out_dir} are not complete (parts {shown}): "
+                         "build them first (build_shards --task, or resubmit launch.submit_prep)")
+    for m in markers:
+        if m["tokenizer_sha256"] != s["tokenizer_sha256"] or m["seq_len"] != s["seq_len"]:
+            raise ValueError(f"part {m['part']} of {out_dir} was built with another tokenizer or seq_len than "
+                             "the plan: rebuild it (delete parts/part-*.json of it)")
+
+    sample_len = s["seq_len"] + 1
+    stats = {split: {key: sum(m["splits"][split][key] for m in markers)
+                     for key in ("documents", "tokens", "samples", "dropped_tokens")} for split in SPLITS}
+    empty = [x for x in SPLITS if stats[x]["samples"] == 0 and (x == "train" or s["val_fraction"] > 0)]
     if empty:
-        for s in SPLITS:
-            shutil.rmtree(out_dir / s, ignore_errors=True)
-        counts = ", ".join(f"{s}: {stats[s]['documents']} documents / {stats[s]['tokens']} tokens" for s in SPLITS)
+        _clear(out_dir)
+        counts = ", ".join(f"{x}: {stats[x]['documents']} documents / {stats[x]['tokens']} tokens" for x in SPLITS)
         raise ValueError(f"split {' and '.join(empty)} got no complete sample of {sample_len} tokens ({counts}): "
                          "use a smaller --seq-len, a larger corpus, or a larger --val-fraction "
                          "(or --val-fraction 0 for no validation split); nothing was written")
+    for split in SPLITS:
+        (out_dir / split / "index.json").unlink(missing_ok=True)
+        with _quiet_root_logger():
+            merge_index([str(out_dir / split / p.name / "index.json") for p in parts], str(out_dir / split))
 
-    for s in SPLITS:
-        stats[s]["dropped_tokens"] = stats[s]["tokens"] - stats[s]["samples"] * sample_len
+    report = BadInputReport()
+    for m in markers:
+        report.merge(m["bad_inputs"])
+    dtype = token_dtype(s["vocab_size"])
     manifest = {
         "format": "mds",
-        "columns": {"tokens": column},
-        "sources": [str(s) for s in srcs],
-        "text_field": text_field,
-        "max_docs": max_docs,
-        "tokenizer": {"dir": str(tokenizer_dir), "sha256": tok["sha256"], "model_type": tok.get("model_type")},
-        "tokenizer_sha256": tok["sha256"],
-        "vocab_size": vocab_size,
+        "columns": {"tokens": f"ndarray:{dtype.name}"},
+        "sources": s["sources"],
+        "text_field": s["text_field"],
+        "tokenizer": {"dir": s["tokenizer"], "sha256": s["tokenizer_sha256"], "model_type": s["tokenizer_model_type"]},
+        "tokenizer_sha256": s["tokenizer_sha256"],
+        "vocab_size": s["vocab_size"],
         "token_dtype": dtype.name,
-        "eos_id": sp.eos_id(),
-        "bos_id": sp.bos_id(),
+        "eos_id": s["eos_id"],
+        "bos_id": s["bos_id"],
         "document_separator": "eos after each document, no bos",
-        "seq_len": seq_len,
+        "seq_len": s["seq_len"],
         "sample_len": sample_len,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "compression": compression,
-        "shard_size_limit": shard_size_limit,
-        "documents": sum(stats[s]["documents"] for s in SPLITS),
-        "splits": {s: {"path": s, **stats[s]} for s in SPLITS},
+        "val_fraction": s["val_fraction"],
+        "seed": s["seed"],
+        "compression": s["compression"],
+        "shard_size_limit": s["shard_size_limit"],
+        "parts": len(parts),
+        "part_bytes": s["part_bytes"],
+        "plan_id": plan["plan_id"],
+        "documents": sum(stats[x]["documents"] for x in SPLITS),
+        "splits": {x: {"path": x, **stats[x]} for x in SPLITS},
         "bad_inputs": report.to_dict(),
     }
-    tmp = out_dir / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(out_dir / "manifest.json")
+    P.write_json_atomic(out_dir / "manifest.json", manifest)
     return manifest
+
+
+def build_shards(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shards", seq_len: int = 512,
+                 val_fraction: float = 0.01, *, workers: int | None = None, overwrite: bool = False,
+                 compression: str | None = "zstd", shard_size_limit: int | str = "64mb", seed: int = 0,
+                 text_field: str = "text", part_size: int | str = "auto", progress: bool = False,
+                 log: Callable[[str], None] | None = None) -> dict:
+    """Plan, build every part on this machine and merge: ``sources`` (None = default corpus) into
+    ``out_dir``; returns the manifest."""
+    plan_build(sources, tokenizer_dir, out_dir, seq_len, val_fraction, compression=compression,
+               shard_size_limit=shard_size_limit, seed=seed, text_field=text_field, part_size=part_size,
+               overwrite=overwrite)
+    build_parts(out_dir, workers=workers, progress=progress, log=log)
+    return merge_parts(out_dir)
+
+
+def _print_manifest(m: dict, out: Path, seconds: float) -> None:
+    print(f"built shards from {m['documents']} documents in {seconds:.1f}s "
+          f"(seq_len {m['seq_len']}, vocab {m['vocab_size']}, {m['token_dtype']}, {m['parts']} parts)")
+    for split in SPLITS:
+        st = m["splits"][split]
+        print(f"  {split:5s} {st['documents']:>8} docs {st['tokens']:>11,} tokens {st['samples']:>8} samples "
+              f"-> {out / split}")
+    print(f"manifest: {out / 'manifest.json'}")
+    report = BadInputReport()
+    report.merge(m["bad_inputs"])
+    print(report.summary())
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m data_prep.build_shards", description=__doc__.split("\n")[0])
     p.add_argument("--sources", nargs="+", default=None, metavar="PATH",
-                   help="files/directories of .txt/.py/.md/.jsonl/.jsonl.gz "
-                        "(default: the Python standard library's .py files)")
-    p.add_argument("--tokenizer", required=True, help="directory written by data_prep.train_tokenizer")
+                   help="files/directories of .txt/.py/.md, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst, .json.gz, "
+                        ".json.zst) or .parquet (default: the Python standard library's .py files)")
+    p.add_argument("--tokenizer", help="directory written by data_prep.train_tokenizer or import_tokenizer")
     p.add_argument("--out", required=True, help="output directory (train/, val/, manifest.json)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sample are seq_len + 1")
     p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out, in [0, 1)")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all CPUs)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing shards in --out")
+    p.add_argument("--workers", type=int, default=None, help="processes building parts (default: the CPUs available)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing shards or an unfinished build in --out")
     p.add_argument("--compression", default="zstd", help="MDS shard compression, or 'none'")
     p.add_argument("--shard-size-limit", default="64mb", help="max shard size, e.g. 64mb")
+    p.add_argument("--part-size", default="auto",
+                   help="input bytes per part, e.g. 256mb (default auto: about 256 parts, 1 MiB to 256 MiB each)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
-    p.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    p.add_argument("--text-field", default="text", help="JSON field or Parquet column holding the text")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--plan-only", action="store_true", help="write plan.json and stop (for a cluster build)")
+    mode.add_argument("--task", type=int, default=None,
+                      help="build only the parts of task TASK of --tasks (plan.json must exist in --out)")
+    mode.add_argument("--merge", action="store_true", help="merge the built parts of --out into one shard set")
+    p.add_argument("--tasks", type=int, default=None, help="number of tasks the parts are dealt to (with --task)")
     args = p.parse_args(argv)
 
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     start = time.time()
-    report = BadInputReport()
+    out = Path(args.out)
     try:
-        m = build_shards(args.sources, args.tokenizer, args.out, args.seq_len, args.val_fraction,
-                         workers=args.workers, overwrite=args.overwrite, compression=args.compression,
-                         shard_size_limit=args.shard_size_limit, seed=args.seed, text_field=args.text_field,
-                         max_docs=args.max_docs, progress=not args.no_progress, bad_inputs=report)
+        if args.task is not None:
+            if args.tasks is None:
+                raise ValueError("--task needs --tasks (the number of tasks the parts are dealt to)")
+            plan = P.read_plan(out)
+            if plan is None:
+                raise FileNotFoundError(f"no {P.PLAN_FILE} in {out}: plan the build first with --plan-only")
+            mine = P.tasks_parts(P.parts_of(plan), args.task, args.tasks)
+            log(f"task {args.task} of {args.tasks}: parts {[x.index for x in mine]}")
+            build_parts(out, [x.index for x in mine], workers=args.workers, progress=False, log=log)
+            return 0
+        if args.merge:
+            _print_manifest(merge_parts(out), out, time.time() - start)
+            return 0
+        if args.tokenizer is None:
+            raise ValueError("--tokenizer is required to plan a build (a directory written by "
+                             "data_prep.train_tokenizer or data_prep.import_tokenizer)")
+        plan = plan_build(args.sources, args.tokenizer, out, args.seq_len, args.val_fraction,
+                          compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
+                          text_field=args.text_field, part_size=args.part_size, overwrite=args.overwrite)
+        if args.plan_only:
+            print(f"planned {len(plan['parts'])} parts of {plan['files']} files ({plan['bytes']:,} bytes) "
+                  f"in {out / P.PLAN_FILE}")
+            return 0
+        build_parts(out, workers=args.workers, progress=not args.no_progress, log=log if args.no_progress else None)
+        _print_manifest(merge_parts(out), out, time.time() - start)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"built shards from {m['documents']} documents in {time.time() - start:.1f}s "
-          f"(seq_len {m['seq_len']}, vocab {m['vocab_size']}, {m['token_dtype']})")
-    for s in SPLITS:
-        st = m["splits"][s]
-        print(f"  {s:5s} {st['documents']:>8} docs {st['tokens']:>11,} tokens {st['samples']:>8} samples "
-              f"-> {Path(args.out) / s}")
-    print(f"manifest: {Path(args.out) / 'manifest.json'}")
-    print(report.summary())
     return 0
 
 

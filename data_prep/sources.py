@@ -1,35 +1,31 @@
-"""Corpus readers: turn files on disk into a stream of text documents.
+"""Corpus sources: which files of the given paths are corpus, and their documents as one stream.
 
 Supported inputs (any number of them, mixed):
 
-* a directory tree: every ``.txt`` / ``.py`` / ``.md`` / ``.jsonl`` / ``.jsonl.gz``
-  file below it, walked recursively in sorted order so runs are reproducible;
+* a directory tree: every file below it of a type in ``readers.ALL_SUFFIXES`` (plain text, JSON
+  Lines plain/gzip/zstd, Parquet), walked recursively in sorted order so runs are reproducible;
 * a single file of one of those types;
 * a :class:`Source` with its own suffix filter and excluded directory names
   (this is how :func:`default_corpus` restricts the standard library to ``.py``).
 
-Plain-text files are one document each (origin ``"path"``); JSONL files are one
-document per line (origin ``"path:line"``), the text taken from a configurable field.
-
-Bad input never stops a run halfway: unreadable files, non-UTF-8 files and
-malformed JSONL lines are skipped and counted in a :class:`BadInputReport`,
-which keeps the first few examples so the user can find them.
+How each format is read, and what counts as a bad record, is in :mod:`data_prep.readers`. Bad input
+never stops a run halfway: it is skipped and counted in a :class:`BadInputReport`, which keeps the
+first few examples so the user can find them.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
-TEXT_SUFFIXES = (".txt", ".py", ".md")
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
-ALL_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
+from data_prep.readers import ALL_SUFFIXES, Document, has_suffix, read_file
+
+__all__ = ["ALL_SUFFIXES", "BadInputReport", "Document", "EmptyCorpusError", "Source", "as_sources",
+           "default_corpus", "iter_documents", "list_files", "require_documents"]
 
 # Directories of the standard library left out of the default corpus: installed
 # third-party packages are not part of Python, and the test suites are large
@@ -40,12 +36,6 @@ DEFAULT_CORPUS_EXCLUDES = ("site-packages", "dist-packages", "test", "tests", "i
 
 class EmptyCorpusError(ValueError):
     """The given sources contain no documents at all."""
-
-
-@dataclass(frozen=True)
-class Document:
-    text: str
-    origin: str  # "path" for a whole file, "path:line" for a JSONL record
 
 
 @dataclass(frozen=True)
@@ -78,6 +68,12 @@ class BadInputReport:
     def to_dict(self) -> dict:
         return {"count": self.count, "by_reason": dict(sorted(self.by_reason.items())),
                 "examples": list(self.examples)}
+
+    def merge(self, other: dict) -> None:
+        """Add the counts of another report's :meth:`to_dict` (the reports of a build's parts)."""
+        self.count += other["count"]
+        self.by_reason.update(other["by_reason"])
+        self.examples += other["examples"][: self.max_examples - len(self.examples)]
 
     def summary(self) -> str:
         if not self.count:
@@ -114,10 +110,6 @@ def as_sources(sources: Iterable[str | os.PathLike | Source] | str | os.PathLike
     return out
 
 
-def _has_suffix(name: str, suffixes: Sequence[str]) -> bool:
-    return any(name.endswith(s) for s in suffixes)
-
-
 def list_files(sources) -> list[Path]:
     """All corpus files of ``sources`` in a deterministic order.
 
@@ -132,59 +124,14 @@ def list_files(sources) -> list[Path]:
             for dirpath, dirnames, filenames in os.walk(p):
                 # Sorting in place also fixes the order os.walk descends in.
                 dirnames[:] = sorted(d for d in dirnames if d not in src.exclude_dirs)
-                files += [Path(dirpath) / f for f in sorted(filenames) if _has_suffix(f, src.suffixes)]
+                files += [Path(dirpath) / f for f in sorted(filenames) if has_suffix(f, src.suffixes)]
         elif p.exists() or p.is_symlink():
-            if not _has_suffix(p.name, ALL_SUFFIXES):
+            if not has_suffix(p.name, ALL_SUFFIXES):
                 raise ValueError(f"unsupported corpus file {p}: expected one of {', '.join(ALL_SUFFIXES)}")
             files.append(p)
         else:
             raise FileNotFoundError(f"corpus source not found: {p}")
     return files
-
-
-def _read_text_file(path: Path, report: BadInputReport) -> Iterator[Document]:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        report.add(str(path), f"unreadable ({e.strerror or type(e).__name__})")
-        return
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        report.add(str(path), f"not UTF-8 (byte {e.start})")
-        return
-    if text:
-        yield Document(text, str(path))
-
-
-def _read_jsonl_file(path: Path, text_field: str, report: BadInputReport) -> Iterator[Document]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    lineno = 0
-    try:
-        # Binary mode so a single bad line costs only that line, not the whole file.
-        with opener(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                where = f"{path}:{lineno}"
-                if not raw.strip():
-                    continue  # blank lines are harmless padding, not errors
-                try:
-                    rec = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    report.add(where, "not UTF-8")
-                    continue
-                except json.JSONDecodeError:
-                    report.add(where, "malformed JSON")
-                    continue
-                text = rec.get(text_field) if isinstance(rec, dict) else None
-                if not isinstance(text, str):
-                    report.add(where, f"missing or non-string {text_field!r} field")
-                    continue
-                if text:
-                    yield Document(text, where)
-    except (OSError, EOFError) as e:
-        # Unopenable file, or a truncated/corrupt gzip stream partway through.
-        where = f"{path}:{lineno + 1}" if lineno else str(path)
-        report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
 
 
 def iter_documents(sources=None, *, text_field: str = "text", report: BadInputReport | None = None,
@@ -193,11 +140,7 @@ def iter_documents(sources=None, *, text_field: str = "text", report: BadInputRe
     report = report if report is not None else BadInputReport()
     n = 0
     for path in list_files(sources):
-        if _has_suffix(path.name, JSONL_SUFFIXES):
-            docs = _read_jsonl_file(path, text_field, report)
-        else:
-            docs = _read_text_file(path, report)
-        for doc in docs:
+        for doc in read_file(path, text_field, report):
             if max_docs is not None and n >= max_docs:
                 return
             n += 1
@@ -212,6 +155,6 @@ def require_documents(sources=None, *, text_field: str = "text") -> None:
         suffixes = sorted({x for s in srcs for x in s.suffixes})
         raise EmptyCorpusError(
             f"empty corpus: no documents found in {names} (looked for non-empty, readable "
-            f"{' / '.join(suffixes)} files; JSONL records need a string {text_field!r} field). "
+            f"{' / '.join(suffixes)} files; JSON Lines records and Parquet rows need a string {text_field!r} field, see --text-field). "
             "Pass --sources with a directory or file that contains text, or leave --sources out "
             "to use the built-in default corpus (the Python standard library).")

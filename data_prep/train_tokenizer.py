@@ -5,6 +5,12 @@
 Writes ``OUT/tokenizer.model`` and ``OUT/tokenizer.json`` (ids, vocab size and the
 model's sha256, so shards built with it can be traced back to it).
 
+The tokenizer learns from a uniform sample of the corpus's documents (reservoir sampling over every
+file, seeded, at most ``--sample-docs`` documents of at most ``--max-doc-chars`` characters each, so
+memory is bounded by their product whatever the corpus size), shuffled, of which the first
+``--max-sentences`` lines go to SentencePiece. ``OUT/tokenizer_sample.txt`` lists the origins of the
+sampled documents; tokenizer.json records how many were seen and sampled.
+
 Choices that matter downstream:
 
 * byte_fallback: any character outside the vocabulary becomes its UTF-8 bytes, so
@@ -18,32 +24,53 @@ Choices that matter downstream:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
+import random
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import sentencepiece as spm
 
-from data_prep.sources import BadInputReport, as_sources, iter_documents, require_documents
+from data_prep.sources import BadInputReport, Document, as_sources, iter_documents, require_documents
 from data_prep.tokenizer import META_FILE, MODEL_FILE, SPECIAL_IDS, sha256_file
 
 # SentencePiece silently drops training sentences longer than this many bytes.
 MAX_SENTENCE_BYTES = 4192
+SAMPLE_FILE = "tokenizer_sample.txt"
 
 
-def _training_lines(docs, max_sentences: int, max_doc_chars: int, stats: dict) -> Iterator[str]:
+def reservoir_sample(docs: Iterable[Document], size: int, seed: int, max_doc_chars: int,
+                     stats: dict) -> list[Document]:
+    """A uniform sample of ``size`` documents of the stream (Algorithm R), each cut to ``max_doc_chars``,
+    in a seeded random order. Holds ``size`` documents at most, however long the stream."""
+    rng = random.Random(seed)
+    sample: list[Document] = []
+    for i, doc in enumerate(docs):
+        stats["documents_seen"] = i + 1
+        slot = i if i < size else rng.randrange(i + 1)
+        if slot < size:
+            kept = Document(doc.text[:max_doc_chars], doc.origin)
+            if slot == len(sample):
+                sample.append(kept)
+            else:
+                sample[slot] = kept
+    rng.shuffle(sample)
+    return sample
+
+
+def _training_lines(docs, max_sentences: int, stats: dict) -> Iterator[str]:
     """Lines of the documents, the unit SentencePiece learns from.
 
     Whole documents would be cut by MAX_SENTENCE_BYTES; lines keep the memory use
-    and the per-sentence limit in check. ``max_doc_chars`` keeps one huge file from
-    dominating the sample, ``max_sentences`` bounds the total training time.
+    and the per-sentence limit in check. ``max_sentences`` bounds the total training time.
     """
     for doc in docs:
         stats["documents"] += 1
-        for line in doc.text[:max_doc_chars].splitlines():
+        for line in doc.text.splitlines():
             if not line.strip():
                 continue
             if len(line.encode("utf-8")) > MAX_SENTENCE_BYTES:
@@ -73,8 +100,8 @@ def _train(lines, model_writer, vocab_size: int, model_type: str, num_threads: i
 
 
 def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 4096,
-                    model_type: str = "bpe", *, max_sentences: int = 300_000,
-                    max_doc_chars: int = 100_000, seed: int = 0, overwrite: bool = False,
+                    model_type: str = "bpe", *, max_sentences: int = 300_000, sample_docs: int = 20_000,
+                    max_doc_chars: int = 50_000, seed: int = 0, overwrite: bool = False,
                     text_field: str = "text", num_threads: int = 2,
                     bad_inputs: BadInputReport | None = None) -> dict:
     """Train a tokenizer on ``sources`` (None = default corpus) and return its metadata."""
@@ -84,15 +111,18 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
     if vocab_size <= 256 + len(SPECIAL_IDS):
         raise ValueError(f"vocab_size {vocab_size} is too small: the 256 byte-fallback pieces "
                          f"and {len(SPECIAL_IDS)} special tokens alone need {256 + len(SPECIAL_IDS)}")
+    if sample_docs < 1 or max_doc_chars < 1 or max_sentences < 1:
+        raise ValueError("sample_docs, max_doc_chars and max_sentences must be at least 1")
     if (out_dir / MODEL_FILE).exists() and not overwrite:
         raise FileExistsError(f"tokenizer already exists at {out_dir}: pass --overwrite to replace it")
     srcs = as_sources(sources)
     require_documents(srcs, text_field=text_field)
 
     report = bad_inputs if bad_inputs is not None else BadInputReport()
-    stats = {"documents": 0, "sentences": 0, "chars": 0}
-    lines = _training_lines(iter_documents(srcs, text_field=text_field, report=report),
-                            max_sentences, max_doc_chars, stats)
+    stats = {"documents_seen": 0, "documents": 0, "sentences": 0, "chars": 0}
+    sample = reservoir_sample(iter_documents(srcs, text_field=text_field, report=report), sample_docs, seed,
+                              max_doc_chars, stats)
+    lines = _training_lines(sample, max_sentences, stats)
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)
     try:
@@ -108,6 +138,8 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
     tmp = out_dir / (MODEL_FILE + ".tmp")
     tmp.write_bytes(model.getvalue())
     tmp.replace(out_dir / MODEL_FILE)
+    origins = "".join(d.origin + "\n" for d in sample)
+    (out_dir / SAMPLE_FILE).write_text(origins)
     sp = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE))
     meta = {
         "vocab_size": sp.get_piece_size(),
@@ -119,8 +151,10 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
         "add_dummy_prefix": False,
         "requested_vocab_size": vocab_size,
         "sources": [str(s) for s in srcs],
-        "training": {**stats, "max_sentences": max_sentences, "max_doc_chars": max_doc_chars,
-                     "seed": seed},
+        "training": {**stats, "max_sentences": max_sentences, "max_doc_chars": max_doc_chars, "seed": seed,
+                     "sample": {"method": "reservoir", "size": sample_docs, "documents": len(sample),
+                                "origins": SAMPLE_FILE,
+                                "origins_sha256": hashlib.sha256(origins.encode()).hexdigest()}},
         "bad_inputs": report.to_dict(),
     }
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -130,16 +164,18 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m data_prep.train_tokenizer", description=__doc__.split("\n")[0])
     p.add_argument("--sources", nargs="+", default=None, metavar="PATH",
-                   help="files/directories of .txt/.py/.md/.jsonl/.jsonl.gz "
-                        "(default: the Python standard library's .py files)")
+                   help="files/directories of .txt/.py/.md, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst, .json.gz, "
+                        ".json.zst) or .parquet (default: the Python standard library's .py files)")
     p.add_argument("--out", required=True, help="output directory for tokenizer.model/.json")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--sample-docs", type=int, default=20_000,
+                   help="documents sampled uniformly from the whole corpus to train on")
+    p.add_argument("--max-doc-chars", type=int, default=50_000,
+                   help="keep at most this many characters of each sampled document (memory: sample-docs x this)")
     p.add_argument("--max-sentences", type=int, default=300_000,
-                   help="cap on training lines fed to SentencePiece (bounds time and memory)")
-    p.add_argument("--max-doc-chars", type=int, default=100_000,
-                   help="use at most this many characters of each document")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+                   help="cap on training lines fed to SentencePiece from the shuffled sample (bounds time)")
+    p.add_argument("--text-field", default="text", help="JSON field or Parquet column holding the text")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --out")
     args = p.parse_args(argv)
@@ -148,7 +184,8 @@ def main(argv=None) -> int:
     report = BadInputReport()
     try:
         meta = train_tokenizer(args.sources, args.out, args.vocab_size, args.model_type,
-                               max_sentences=args.max_sentences, max_doc_chars=args.max_doc_chars,
+                               max_sentences=args.max_sentences, sample_docs=args.sample_docs,
+                               max_doc_chars=args.max_doc_chars,
                                seed=args.seed, overwrite=args.overwrite, text_field=args.text_field,
                                bad_inputs=report)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
@@ -156,7 +193,8 @@ def main(argv=None) -> int:
         return 2
     t = meta["training"]
     print(f"trained {meta['model_type']} tokenizer, vocab {meta['vocab_size']}, on {t['documents']} documents "
-          f"({t['sentences']} lines, {t['chars']:,} chars) in {time.time() - start:.1f}s")
+          f"sampled from {t['documents_seen']} ({t['sentences']} lines, {t['chars']:,} chars) "
+          f"in {time.time() - start:.1f}s")
     print(f"wrote {Path(args.out) / MODEL_FILE} and {Path(args.out) / META_FILE} (sha256 {meta['sha256'][:12]})")
     print(report.summary())
     return 0

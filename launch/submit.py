@@ -24,35 +24,13 @@ from pathlib import Path
 import yaml
 
 from launch import slurm_job
+from launch.sbatch import SubmitError, parse_time, sbatch_lines, submit
 from pretrain.config import Config, ConfigError, load_config, validate, validate_data
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "train.sbatch"
 ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
                  "COMPLETING", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
-
-
-class SubmitError(ValueError):
-    pass
-
-
-def parse_time(text: str) -> int:
-    """Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds."""
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
-    if not m:
-        raise SubmitError(f"--time {text!r}: use HH:MM:SS (or D-HH:MM:SS)")
-    days, a, b, c = m.groups()
-    if days is not None:  # D-HH[:MM[:SS]]
-        seconds = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
-    elif c is not None:  # HH:MM:SS
-        seconds = int(a) * 3600 + int(b) * 60 + int(c)
-    elif b is not None:  # MM:SS
-        seconds = int(a) * 60 + int(b)
-    else:  # MM
-        seconds = int(a) * 60
-    if seconds <= 0:
-        raise SubmitError(f"--time {text!r} must be positive")
-    return seconds
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,23 +90,6 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, int]:
     if re.search(r"[\s%]", cfg.run.dir):
         raise SubmitError(f"run.dir={cfg.run.dir!r}: Slurm's --output cannot take a path with spaces or '%'")
     return cfg, procs
-
-
-def sbatch_lines(args: argparse.Namespace) -> list[str]:
-    lines = []
-    if args.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
-    for flag in ("partition", "account", "qos", "constraint", "cpus_per_task"):
-        value = getattr(args, flag)
-        if value not in (None, ""):
-            lines.append(f"#SBATCH --{flag.replace('_', '-')}={value}")
-    if args.exclusive:
-        lines.append("#SBATCH --exclusive")
-    for extra in args.sbatch_arg:
-        if not extra.startswith("-") or "\n" in extra:
-            raise SubmitError(f"--sbatch-arg {extra!r}: expected one option such as --mem=0")
-        lines.append(f"#SBATCH {extra}")
-    return lines
 
 
 def env_lines(args: argparse.Namespace) -> list[str]:
@@ -225,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / slurm_job.JOB_CONFIG).write_text(config_text)
     script_path = run_dir / slurm_job.JOB_SCRIPT
     script_path.write_text(script)
-    res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=120)
-    if res.returncode != 0:
-        print(f"error: sbatch failed ({res.returncode}): {res.stderr.strip()}", file=sys.stderr)
+    try:
+        job_id = submit([str(script_path)])
+    except SubmitError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 1
-    job_id = res.stdout.strip().split(";")[0]
     with open(run_dir / slurm_job.JOB_IDS, "a") as f:
         f.write(job_id + "\n")
     print(f"submitted job {job_id}: {args.nodes} nodes x {procs} processes, run dir {run_dir}")

@@ -193,8 +193,10 @@ def test_split_deterministic_disjoint_and_counted(tmp_path, tok_dir):
     m2 = bs.build_shards([src], tok_dir, tmp_path / "b", **kw)
     assert m1 == m2 == json.loads((tmp_path / "a" / "manifest.json").read_text())
     for split in ("train", "val"):
-        for f in (tmp_path / "a" / split).iterdir():
-            assert f.read_bytes() == (tmp_path / "b" / split / f.name).read_bytes()
+        files = [f for f in (tmp_path / "a" / split).rglob("*") if f.is_file()]
+        assert any(f.name == "index.json" and f.parent.name.startswith("part-") for f in files)
+        for f in files:
+            assert f.read_bytes() == (tmp_path / "b" / f.relative_to(tmp_path / "a")).read_bytes()
 
     tr, va = m1["splits"]["train"], m1["splits"]["val"]
     assert tr["documents"] + va["documents"] == m1["documents"] == 80

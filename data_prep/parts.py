@@ -1,0 +1,190 @@
+"""A corpus cut into deterministic parts, the unit of work of a shard build.
+
+A part is a run of whole files in listing order, closed once it holds ``part_bytes`` of input, or a
+run of row groups of one large Parquet file. The cut depends on the files alone (their order and
+sizes), never on how many processes or Slurm tasks build it, so every way of building a corpus
+gives the same parts and therefore the same samples.
+
+On disk, under the output directory of a build::
+
+    plan.json                   settings and the list of parts (written once, before any part)
+    train/part-NNNNN/, val/...  the MDS shards of each part
+    parts/part-NNNNN.json       a part's counts; written last, so it marks the part complete
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from data_prep.readers import PARQUET_SUFFIXES, Document, has_suffix, parquet_row_groups, read_file
+
+PLAN_FILE = "plan.json"
+MARKER_DIR = "parts"
+MIN_AUTO_PART_BYTES = 1 << 20
+MAX_AUTO_PART_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    path: str
+    row_groups: tuple[int, ...] | None = None  # None: the whole file
+
+
+@dataclass(frozen=True)
+class Part:
+    index: int
+    pieces: tuple[Piece, ...]
+    bytes: int
+
+    @property
+    def name(self) -> str:
+        return f"part-{self.index:05d}"
+
+    def to_dict(self) -> dict:
+        return {"pieces": [[p.path, list(p.row_groups) if p.row_groups is not None else None] for p in self.pieces],
+                "bytes": self.bytes}
+
+    @classmethod
+    def from_dict(cls, index: int, d: dict) -> "Part":
+        return cls(index, tuple(Piece(path, tuple(groups) if groups is not None else None)
+                                for path, groups in d["pieces"]), d["bytes"])
+
+
+def parse_size(text: int | str) -> int:
+    """Bytes of ``64mb``, ``1gb``, ``512kb`` or a plain number."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower()
+    for unit, factor in (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40), ("b", 1)):
+        if s.endswith(unit):
+            s, mult = s[: -len(unit)], factor
+            break
+    else:
+        mult = 1
+    try:
+        value = float(s) * mult
+    except ValueError:
+        raise ValueError(f"size {text!r}: use a number of bytes or e.g. 64mb, 1gb") from None
+    if value < 1:
+        raise ValueError(f"size {text!r} must be at least one byte")
+    return int(value)
+
+
+def auto_part_bytes(total_bytes: int) -> int:
+    """About 256 parts for a corpus, each between 1 MiB and 256 MiB of input."""
+    return max(MIN_AUTO_PART_BYTES, min(MAX_AUTO_PART_BYTES, total_bytes // 256))
+
+
+def file_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # broken link or unreadable: the reader reports it when the part is built
+
+
+def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
+    """Cut ``files`` (in order) into parts of about ``part_bytes`` of input each."""
+    parts: list[Part] = []
+    pieces: list[Piece] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal pieces, size
+        if pieces:
+            parts.append(Part(len(parts), tuple(pieces), size))
+            pieces, size = [], 0
+
+    for path in files:
+        n = file_bytes(path)
+        if has_suffix(path.name, PARQUET_SUFFIXES) and n > part_bytes:
+            groups = parquet_row_groups(path)
+            if len(groups) > 1:
+                close()
+                run: list[int] = []
+                run_bytes = 0
+                for i, (_, group_bytes) in enumerate(groups):
+                    run.append(i)
+                    run_bytes += group_bytes
+                    if run_bytes >= part_bytes:
+                        parts.append(Part(len(parts), (Piece(str(path), tuple(run)),), run_bytes))
+                        run, run_bytes = [], 0
+                if run:
+                    parts.append(Part(len(parts), (Piece(str(path), tuple(run)),), run_bytes))
+                continue
+        pieces.append(Piece(str(path)))
+        size += n
+        if size >= part_bytes:
+            close()
+    close()
+    return parts
+
+
+def iter_part_documents(part: Part, text_field: str, report) -> Iterator[Document]:
+    for piece in part.pieces:
+        yield from read_file(Path(piece.path), text_field, report, piece.row_groups)
+
+
+# --- the parts of a build on disk -------------------------------------------------
+
+def plan_id(plan: dict) -> str:
+    """Fingerprint of a plan's settings and parts: a marker from another plan does not count."""
+    body = json.dumps({"settings": plan["settings"], "parts": plan["parts"]}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_plan(out_dir: Path) -> dict | None:
+    path = Path(out_dir) / PLAN_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def parts_of(plan: dict) -> list[Part]:
+    return [Part.from_dict(i, d) for i, d in enumerate(plan["parts"])]
+
+
+def marker_path(out_dir: Path, part: Part) -> Path:
+    return Path(out_dir) / MARKER_DIR / f"{part.name}.json"
+
+
+def read_marker(out_dir: Path, part: Part, plan: dict) -> dict | None:
+    """The completed part's counts, or None when it is not (or not for this plan) complete."""
+    path = marker_path(out_dir, part)
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return marker if marker.get("plan_id") == plan_id(plan) else None
+
+
+def tasks_parts(parts: Sequence[Part], task: int, tasks: int) -> list[Part]:
+    """The parts task ``task`` of ``tasks`` builds: every tasks-th part, starting at its own index."""
+    if not 0 <= task < tasks:
+        raise ValueError(f"task {task} is outside 0..{tasks - 1} (--task must be below --tasks)")
+    return list(parts[task::tasks])
+
+
+def status(out_dir: Path) -> dict:
+    """Parts done and to do of the build in ``out_dir``, with the counts of the done ones."""
+    plan = read_plan(out_dir)
+    if plan is None:
+        raise FileNotFoundError(f"no {PLAN_FILE} in {out_dir}: nothing was planned there")
+    parts = parts_of(plan)
+    done = {p.index: m for p in parts if (m := read_marker(out_dir, p, plan)) is not None}
+    return {"parts": len(parts), "done": sorted(done), "todo": [p.index for p in parts if p.index not in done],
+            "tokens": sum(s["tokens"] for m in done.values() for s in m["splits"].values()),
+            "documents": sum(s["documents"] for m in done.values() for s in m["splits"].values()),
+            "bytes_done": sum(parts[i].bytes for i in done), "bytes": sum(p.bytes for p in parts),
+            "merged": (Path(out_dir) / "manifest.json").is_file()}

@@ -1,0 +1,222 @@
+"""One reader per corpus file format, each a stream of :class:`Document` that never stops on bad input.
+
+    plain text   .txt .py .md                                   one document per file, origin "path"
+    JSON Lines   .jsonl .jsonl.gz .jsonl.zst .json.gz .json.zst  one per line, origin "path:line"
+    Parquet      .parquet                                       one per row, origin "path:row" (1-based)
+
+Compressed and Parquet files are streamed (zstd frames and gzip members as they come, Parquet one
+row group at a time), so memory stays flat whatever the file size. A bad record (malformed JSON,
+a missing, null or non-string text field, bytes that are not UTF-8, a text that is not valid
+Unicode such as a lone surrogate escape) is counted in the report and skipped; a bad file (unreadable,
+truncated, corrupt) is counted once at the place where it broke, and the records before it are kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+TEXT_SUFFIXES = (".txt", ".py", ".md")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
+PARQUET_SUFFIXES = (".parquet",)
+ALL_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+# Records are read this many rows at a time from a Parquet row group.
+PARQUET_BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    origin: str  # "path" for a whole file, "path:line" / "path:row" for a record
+
+
+def has_suffix(name: str, suffixes: Sequence[str]) -> bool:
+    return any(name.endswith(s) for s in suffixes)
+
+
+def _valid_unicode(text: str, raw: bytes) -> bool:
+    """False for a text holding lone surrogates, which JSON escapes allow and UTF-8 cannot encode.
+
+    Only a record with a ``\\ud...`` escape can hold one, so the encode check runs on those alone.
+    """
+    if b"\\ud" not in raw and b"\\uD" not in raw:
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def read_text_file(path: Path, report) -> Iterator[Document]:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        report.add(str(path), f"unreadable ({e.strerror or type(e).__name__})")
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        report.add(str(path), f"not UTF-8 (byte {e.start})")
+        return
+    if text:
+        yield Document(text, str(path))
+
+
+class _ZstdReader(io.RawIOBase):
+    """A zstd file as a raw stream, frame after frame; a file that ends inside a frame raises EOFError
+    (zstandard's own stream_reader ends quietly there, which would lose the rest of a file unnoticed)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path):
+        import zstandard
+
+        self._dctx = zstandard.ZstdDecompressor()
+        self._file = open(path, "rb")
+        self._dobj = self._dctx.decompressobj()
+        self._pending = b""
+        self._in_frame = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self._pending:
+            chunk = self._file.read(self.CHUNK)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("compressed file ended before the end of its zstd frame (truncated?)")
+                return 0
+            while chunk:
+                self._in_frame = True
+                self._pending += self._dobj.decompress(chunk)
+                if not self._dobj.eof:
+                    break
+                # A frame ended inside this chunk; what follows it starts the next frame.
+                chunk = self._dobj.unused_data
+                self._dobj = self._dctx.decompressobj()
+                self._in_frame = False
+        n = min(len(buf), len(self._pending))
+        buf[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _open_zstd(path: Path):
+    return io.BufferedReader(_ZstdReader(path), buffer_size=1 << 20)
+
+
+def _opener(path: Path) -> Callable:
+    if path.name.endswith(".gz"):
+        return lambda: gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        return lambda: _open_zstd(path)
+    return lambda: open(path, "rb")
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError)
+    try:
+        import zstandard
+        errors += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    return errors
+
+
+def read_jsonl_file(path: Path, text_field: str, report) -> Iterator[Document]:
+    lineno = 0
+    try:
+        # Binary lines so one bad line costs only that line, not the whole file.
+        with _opener(path)() as f:
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                if not raw.strip():
+                    continue  # blank lines are harmless padding, not errors
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    report.add(where, "not UTF-8")
+                    continue
+                except json.JSONDecodeError:
+                    report.add(where, "malformed JSON")
+                    continue
+                text = rec.get(text_field) if isinstance(rec, dict) else None
+                if not isinstance(text, str):
+                    report.add(where, f"missing or non-string {text_field!r} field")
+                    continue
+                if not _valid_unicode(text, raw):
+                    report.add(where, "invalid Unicode (lone surrogate)")
+                    continue
+                if text:
+                    yield Document(text, where)
+    except _stream_errors() as e:
+        # Unopenable file, or a truncated/corrupt compressed stream partway through.
+        where = f"{path}:{lineno + 1}" if lineno else str(path)
+        report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
+
+
+def parquet_row_groups(path: Path) -> list[tuple[int, int]]:
+    """(rows, compressed bytes) of each row group, from the footer alone; [] if unreadable."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (OSError, ValueError):
+        return []
+    return [(meta.row_group(i).num_rows,
+             sum(meta.row_group(i).column(c).total_compressed_size for c in range(meta.num_columns)))
+            for i in range(meta.num_row_groups)]
+
+
+def read_parquet_file(path: Path, text_field: str, report,
+                      row_groups: Sequence[int] | None = None) -> Iterator[Document]:
+    """Rows of ``row_groups`` (default: all) of a Parquet file, one row group in memory at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) on a bad footer
+        report.add(str(path), f"unreadable ({e})")
+        return
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        report.add(str(path), f"no {text_field!r} column (columns: {', '.join(schema.names)})")
+        return
+    if not (pa.types.is_string(schema.field(text_field).type) or pa.types.is_large_string(schema.field(text_field).type)):
+        report.add(str(path), f"column {text_field!r} is {schema.field(text_field).type}, not a string")
+        return
+    groups = range(pf.metadata.num_row_groups) if row_groups is None else row_groups
+    for group in groups:
+        row = sum(pf.metadata.row_group(g).num_rows for g in range(group))  # rows before this group
+        try:
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[text_field]):
+                for text in batch.column(0).to_pylist():
+                    row += 1
+                    if text is None:
+                        report.add(f"{path}:{row}", f"missing or non-string {text_field!r} field")
+                    elif text:
+                        yield Document(text, f"{path}:{row}")
+        except (OSError, ValueError) as e:
+            report.add(f"{path}:{row + 1}", f"unreadable ({e})")
+            return
+
+
+def read_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None) -> Iterator[Document]:
+    """The documents of one corpus file, by its suffix (``row_groups`` only for Parquet)."""
+    if has_suffix(path.name, PARQUET_SUFFIXES):
+        return read_parquet_file(path, text_field, report, row_groups)
+    if has_suffix(path.name, JSONL_SUFFIXES):
+        return read_jsonl_file(path, text_field, report)
+    return read_text_file(path, report)

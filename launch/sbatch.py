@@ -1,0 +1,59 @@
+"""Pieces every Slurm submission here shares (torch-free: submitting must not wait for torch).
+
+The time-limit parser, the #SBATCH lines of the common cluster flags, and sbatch itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+
+
+class SubmitError(ValueError):
+    pass
+
+
+def parse_time(text: str) -> int:
+    """Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if not m:
+        raise SubmitError(f"--time {text!r}: use HH:MM:SS (or D-HH:MM:SS)")
+    days, a, b, c = m.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        seconds = int(days) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    elif c is not None:  # HH:MM:SS
+        seconds = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:  # MM:SS
+        seconds = int(a) * 60 + int(b)
+    else:  # MM
+        seconds = int(a) * 60
+    if seconds <= 0:
+        raise SubmitError(f"--time {text!r} must be positive")
+    return seconds
+
+
+def sbatch_lines(args: argparse.Namespace) -> list[str]:
+    """#SBATCH lines of the cluster flags both submit commands take (GPUs, partition, account, ...)."""
+    lines = []
+    if args.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
+    for flag in ("partition", "account", "qos", "constraint", "cpus_per_task"):
+        value = getattr(args, flag)
+        if value not in (None, ""):
+            lines.append(f"#SBATCH --{flag.replace('_', '-')}={value}")
+    if args.exclusive:
+        lines.append("#SBATCH --exclusive")
+    for extra in args.sbatch_arg:
+        if not extra.startswith("-") or "\n" in extra:
+            raise SubmitError(f"--sbatch-arg {extra!r}: expected one option such as --mem=0")
+        lines.append(f"#SBATCH {extra}")
+    return lines
+
+
+def submit(args_and_script: list[str]) -> str:
+    """sbatch --parsable ARGS... SCRIPT; the job id (raises SubmitError with sbatch's message)."""
+    res = subprocess.run(["sbatch", "--parsable", *args_and_script], capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise SubmitError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}")
+    return res.stdout.strip().split(";")[0]

@@ -1,0 +1,225 @@
+"""Build shards on a Slurm cluster: plan the parts here, build them in a job array, merge in a last job.
+
+    python -m launch.submit_prep --tokenizer data/tok --out /shared/shards --sources /data/fineweb \\
+        --seq-len 2048 --tasks 64 --cpus-per-task 16 --time 04:00:00 --partition cpu
+    python -m launch.submit_prep ... --dry-run        # print the plan summary and both scripts
+    python -m launch.submit_prep --status /shared/shards
+
+The build settings are data_prep.build_shards's; the corpus is cut into parts on this machine (its
+file list and Parquet footers only) and written to OUT/plan.json, which every task reads. Task I of
+N builds parts I, I+N, ...; a merge job, run once all tasks succeeded, joins the parts into one
+shard set and writes the manifest. Running the same command again after a task failed or was
+killed submits only the tasks with unfinished parts (and the merge). Paths must be visible from
+the compute nodes (a shared file system); they are made absolute here. Exit code 2: nothing was
+submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from data_prep import parts as P
+from data_prep.build_shards import plan_build
+from launch.sbatch import SubmitError, parse_time, sbatch_lines, submit
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "slurm" / "prep.sbatch"
+SLURM_DIR = "slurm"
+JOBS_FILE = "jobs.json"
+ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--status", metavar="OUT", help="show the parts and jobs of the build in OUT, submit nothing")
+    build = p.add_argument_group("build (as data_prep.build_shards)")
+    build.add_argument("--out", help="output directory, on a file system the compute nodes share")
+    build.add_argument("--tokenizer", help="tokenizer directory (train_tokenizer or import_tokenizer)")
+    build.add_argument("--sources", nargs="+", default=None, metavar="PATH",
+                       help="corpus files/directories (default: the Python standard library's .py files)")
+    build.add_argument("--seq-len", type=int, default=512)
+    build.add_argument("--val-fraction", type=float, default=0.01)
+    build.add_argument("--compression", default="zstd")
+    build.add_argument("--shard-size-limit", default="64mb")
+    build.add_argument("--part-size", default="auto")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--text-field", default="text")
+    build.add_argument("--overwrite", action="store_true", help="discard an existing build in --out and plan again")
+    slurm = p.add_argument_group("slurm")
+    slurm.add_argument("--tasks", type=int, default=None, help="array tasks (default: one per part, at most 1000)")
+    slurm.add_argument("--max-running", type=int, default=None, help="run at most this many tasks at once (%%K)")
+    slurm.add_argument("--time", default="04:00:00", help="time limit of each task, HH:MM:SS")
+    slurm.add_argument("--cpus-per-task", type=int, default=None, help="CPUs (= build processes) of each task")
+    slurm.add_argument("--partition")
+    slurm.add_argument("--account")
+    slurm.add_argument("--qos")
+    slurm.add_argument("--constraint")
+    slurm.add_argument("--exclusive", action="store_true")
+    slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                       help="extra sbatch option rendered as an #SBATCH line, e.g. --sbatch-arg=--mem=32G")
+    slurm.add_argument("--job-name", default="prep")
+    slurm.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
+    slurm.add_argument("--dry-run", action="store_true", help="print the plan and the scripts; submit nothing")
+    args = p.parse_args(argv)
+    args.gpus_per_node = 0  # sbatch_lines: CPU jobs
+    return args
+
+
+def render(args: argparse.Namespace, out: Path, command: str, log: str) -> str:
+    if re.search(r"[\s%]", str(out)):
+        raise SubmitError(f"--out {out}: Slurm's --output cannot take a path with spaces or '%'")
+    if re.search(r"\s", args.job_name):
+        raise SubmitError(f"--job-name {args.job_name!r} must not contain spaces")
+    values = {"JOB_NAME": args.job_name, "TIME": args.time, "LOG": log, "REPO": str(REPO),
+              "REPO_Q": shlex.quote(str(REPO)), "SBATCH_EXTRA": "\n".join(sbatch_lines(args)), "COMMAND": command}
+    text = TEMPLATE.read_text().replace(
+        "# {{NAME}} placeholders are filled in by launch.submit_prep; the rendered script is plain bash.",
+        "# Rendered by launch.submit_prep from slurm/prep.sbatch.")
+    text = re.sub(r"\{\{([A-Z_]+)\}\}", lambda m: values[m.group(1)], text)
+    if "{{" in text:
+        raise SubmitError("slurm/prep.sbatch has a placeholder launch.submit_prep does not know")
+    return text
+
+
+def pending_tasks(out: Path, plan: dict, tasks: int) -> list[int]:
+    """Tasks of ``tasks`` that still have a part without its completion marker."""
+    parts = P.parts_of(plan)
+    return [t for t in range(tasks) if any(P.read_marker(out, p, plan) is None for p in P.tasks_parts(parts, t, tasks))]
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def submit_build(args: argparse.Namespace) -> int:
+    if not args.out or not args.tokenizer:
+        raise SubmitError("--out and --tokenizer are required (or --status OUT)")
+    parse_time(args.time)  # a malformed limit fails here, not in sbatch
+    out = Path(_absolute(args.out))
+    sources = [_absolute(s) for s in args.sources] if args.sources else None
+    plan = plan_build(sources, _absolute(args.tokenizer), out, args.seq_len, args.val_fraction,
+                      compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
+                      text_field=args.text_field, part_size=args.part_size, overwrite=args.overwrite,
+                      dry_run=args.dry_run)
+    n_parts = len(plan["parts"])
+    previous = _jobs(out)
+    tasks = args.tasks or (previous[-1]["tasks"] if previous else min(n_parts, 1000))
+    if tasks < 1:
+        raise SubmitError(f"--tasks {tasks} must be >= 1")
+    tasks = min(tasks, n_parts)
+    if previous and previous[-1]["tasks"] != tasks and previous[-1]["plan_id"] == plan["plan_id"]:
+        # Parts are dealt to tasks by index modulo the count; keep it within one build.
+        raise SubmitError(f"this build was submitted with --tasks {previous[-1]['tasks']}: keep it (or leave "
+                          "--tasks out) so the remaining tasks build the remaining parts")
+    todo = pending_tasks(out, plan, tasks)
+    py = shlex.quote(args.python)
+    out_q = shlex.quote(str(out))
+    array_script = render(args, out, f'exec {py} -m data_prep.build_shards --out {out_q} '
+                                     f'--task "$SLURM_ARRAY_TASK_ID" --tasks {tasks} --no-progress',
+                          str(out / SLURM_DIR / "task-%A_%a.log"))
+    merge_script = render(args, out, f"exec {py} -m data_prep.build_shards --out {out_q} --merge",
+                          str(out / SLURM_DIR / "merge-%j.log"))
+    array = ",".join(map(str, todo)) + (f"%{args.max_running}" if args.max_running else "")
+    summary = (f"{n_parts} parts of {plan['files']} files ({plan['bytes']:,} bytes, about "
+               f"{plan['settings']['part_bytes']:,} per part) over {tasks} tasks; "
+               f"{len(todo)} tasks to run{(' (' + array + ')') if todo else ''}")
+    if args.dry_run:
+        print(f"# {summary}")
+        print(f"##### {out / SLURM_DIR / 'task.sbatch'} (sbatch --array={array or '-'})")
+        print(array_script, end="")
+        print(f"##### {out / SLURM_DIR / 'merge.sbatch'} (sbatch --dependency=afterok:ARRAY_JOB)")
+        print(merge_script, end="")
+        return 0
+    if shutil.which("sbatch") is None:
+        raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
+    if (out / "manifest.json").is_file():
+        print(f"{out} is complete already (manifest.json): nothing to submit")
+        return 0
+    if previous:
+        active = [f"{task} {state}" for key in ("array_job", "merge_job") if previous[-1][key]
+                  for task, state in job_states(previous[-1][key]).items() if state in ACTIVE_STATES]
+        if active:
+            raise SubmitError(f"jobs of this build are still queued or running ({', '.join(active)}): wait for "
+                              "them, or scancel them first")
+    slurm_dir = out / SLURM_DIR
+    slurm_dir.mkdir(parents=True, exist_ok=True)
+    (slurm_dir / "task.sbatch").write_text(array_script)
+    (slurm_dir / "merge.sbatch").write_text(merge_script)
+    array_job = submit([f"--array={array}", str(slurm_dir / "task.sbatch")]) if todo else None
+    dependency = [f"--dependency=afterok:{array_job}", "--kill-on-invalid-dep=yes"] if array_job else []
+    merge_job = submit([*dependency, str(slurm_dir / "merge.sbatch")])
+    record = {"submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "plan_id": plan["plan_id"], "tasks": tasks,
+              "array": array, "array_job": array_job, "merge_job": merge_job}
+    P.write_json_atomic(slurm_dir / JOBS_FILE, {"jobs": previous + [record]})
+    print(summary)
+    print(f"submitted {'array job ' + array_job + ' and ' if array_job else ''}merge job {merge_job}")
+    print(f"logs:   {slurm_dir}/task-*.log, merge-*.log")
+    print(f"status: python -m launch.submit_prep --status {out}")
+    return 0
+
+
+def _jobs(out: Path) -> list[dict]:
+    path = out / SLURM_DIR / JOBS_FILE
+    return json.loads(path.read_text())["jobs"] if path.is_file() else []
+
+
+def job_states(job: str) -> dict[str, str]:
+    """Array task or job id -> Slurm state, for what scontrol still knows of ``job``."""
+    if shutil.which("scontrol") is None:
+        return {}
+    res = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60)
+    states = {}
+    for line in res.stdout.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        task = fields.get("ArrayTaskId")
+        key = f"{fields.get('ArrayJobId')}_{task}" if task else fields.get("JobId", job)
+        states[key] = fields.get("JobState", "?")
+    return states
+
+
+def format_status(out: Path) -> str:
+    st = P.status(out)
+    pct = 100 * st["bytes_done"] / max(st["bytes"], 1)
+    lines = [f"{out}: {len(st['done'])}/{st['parts']} parts complete ({pct:.0f}% of {st['bytes']:,} input bytes), "
+             f"{st['documents']:,} documents, {st['tokens']:,} tokens so far; "
+             f"{'merged (manifest.json written)' if st['merged'] else 'not merged yet'}"]
+    if st["todo"]:
+        shown = ", ".join(map(str, st["todo"][:20])) + (" ..." if len(st["todo"]) > 20 else "")
+        lines.append(f"  parts to build: {shown}")
+    jobs = _jobs(out)
+    if jobs:
+        last = jobs[-1]
+        lines.append(f"  last submission {last['submitted']}: {last['tasks']} tasks, array {last['array'] or '-'}")
+        for job in (last["array_job"], last["merge_job"]):
+            if job:
+                states = job_states(job)
+                counts: dict[str, int] = {}
+                for state in states.values():
+                    counts[state] = counts.get(state, 0) + 1
+                shown = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no longer known to Slurm"
+                lines.append(f"  job {job}: {shown}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.status:
+            print(format_status(Path(args.status)))
+            return 0
+        return submit_build(args)
+    except (SubmitError, FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"error: {err}\nnothing was submitted", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

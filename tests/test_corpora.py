@@ -1,0 +1,305 @@
+"""Corpora at scale: the Parquet / zstd / gzip readers, bad records, shard builds cut into parts
+(the same samples whoever builds them, completed parts never rebuilt), tokenizer training on a
+uniform sample, and existing SentencePiece models."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from data_prep import build_shards as bs
+from data_prep import parts as P
+from data_prep import train_tokenizer as tt
+from data_prep.import_tokenizer import import_tokenizer
+from data_prep.import_tokenizer import main as import_main
+from data_prep.sources import BadInputReport, iter_documents
+from data_prep.tokenizer import load_tokenizer
+from tests.test_data_prep import make_text, read_split
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus_tok")
+    rng = random.Random(0)
+    for i in range(20):
+        (root / f"doc{i:02d}.txt").write_text(make_text(rng, 40))
+    out = tmp_path_factory.mktemp("tok")
+    tt.train_tokenizer([root], out, vocab_size=400, overwrite=True, num_threads=1)
+    return out
+
+
+def write_jsonl_zst(path: Path, lines: list[str]) -> None:
+    path.write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
+
+
+def write_parquet(path: Path, texts: list, row_group_size: int, column: str = "text") -> None:
+    table = pa.table({column: pa.array(texts, type=pa.string()), "id": list(range(len(texts)))})
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+def samples_multiset(out: Path) -> Counter:
+    return Counter(tuple(s.tolist()) for split in ("train", "val") for s in read_split(out / split))
+
+
+def assert_samples_are_source_spans(out: Path, texts: list[str], sp) -> int:
+    """Every document piece of every sample decodes to a span of one source text."""
+    pieces = 0
+    for sample in read_split(out / "train"):
+        cur: list[int] = []
+        for t in sample.tolist() + [sp.eos_id()]:
+            if t == sp.eos_id():
+                if cur:
+                    piece = sp.decode(cur)
+                    assert any(piece in text for text in texts), piece[:80]
+                    pieces += 1
+                cur = []
+            else:
+                cur.append(t)
+    return pieces
+
+
+# --- readers ---------------------------------------------------------------------
+
+def test_parquet_streams_row_groups_counts_nulls_and_round_trips(tmp_path, tok_dir):
+    rng = random.Random(1)
+    texts = [make_text(rng, rng.randrange(2, 8)) for _ in range(12)]
+    values = texts[:4] + [None] + texts[4:8] + [""] + texts[8:]
+    src = tmp_path / "data.parquet"
+    write_parquet(src, values, row_group_size=3, column="content")
+    assert pq.ParquetFile(src).metadata.num_row_groups == 5
+
+    report = BadInputReport()
+    docs = list(iter_documents([src], text_field="content", report=report))
+    assert [d.text for d in docs] == texts
+    assert docs[4].origin == f"{src}:6"  # 1-based rows: the null was row 5
+    assert report.to_dict()["by_reason"] == {"missing or non-string 'content' field": 1}
+    assert report.examples == [f"{src}:5: missing or non-string 'content' field"]
+
+    wrong = BadInputReport()
+    assert list(iter_documents([src], text_field="text", report=wrong)) == []
+    assert wrong.examples == [f"{src}: no 'text' column (columns: content, id)"]
+
+    # A part size below the file size cuts it by row groups; the rows still all arrive, once.
+    plan = bs.plan_build([src], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0, text_field="content",
+                         part_size=src.stat().st_size // 3)
+    groups = [g for part in plan["parts"] for piece in part["pieces"] for g in piece[1]]
+    assert len(plan["parts"]) >= 2 and groups == list(range(5))
+    bs.build_parts(tmp_path / "out", workers=1)
+    m = bs.merge_parts(tmp_path / "out")
+    assert m["documents"] == 12 and m["bad_inputs"]["count"] == 1 and m["parts"] == len(plan["parts"])
+    sp, _ = load_tokenizer(tok_dir)
+    assert assert_samples_are_source_spans(tmp_path / "out", texts, sp) >= 10
+
+
+def test_zstd_and_gzip_json_lines_bad_lines_and_truncation(tmp_path, tok_dir):
+    rng = random.Random(2)
+    texts = [make_text(rng, 4) for _ in range(6)]
+    zst = tmp_path / "a.jsonl.zst"
+    write_jsonl_zst(zst, [json.dumps({"text": texts[0]}), "{broken", json.dumps({"text": texts[1]})])
+    dolma = tmp_path / "b.json.gz"
+    with gzip.open(dolma, "wt") as f:
+        f.write("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(texts[2:4])) + "\n")
+    # A .zst cut short: the records before the cut are kept, the break is counted once.
+    many = [make_text(rng, 3) for _ in range(3000)]  # several zstd blocks of 128 KiB
+    texts += many
+    full = zstandard.ZstdCompressor().compress(("\n".join(json.dumps({"text": t}) for t in many) + "\n").encode())
+    cut = tmp_path / "c.json.zst"
+    cut.write_bytes(full[: len(full) // 2])
+
+    report = BadInputReport()
+    docs = list(iter_documents([tmp_path], report=report))
+    by_file = Counter(d.origin.rsplit(":", 1)[0] for d in docs)
+    assert [d.text for d in docs if d.origin.startswith(str(zst))] == texts[:2]
+    assert [d.text for d in docs if d.origin.startswith(str(dolma))] == texts[2:4]
+    assert 0 < by_file[str(cut)] < 3000
+    reasons = report.to_dict()["by_reason"]
+    assert reasons.pop("malformed JSON") == 1 and report.examples[0] == f"{zst}:2: malformed JSON"
+    (unreadable, n), = reasons.items()
+    assert n == 1 and unreadable.startswith("unreadable")
+    assert report.examples[1].startswith(f"{cut}:{by_file[str(cut)] + 1}: unreadable")
+
+    m = bs.build_shards([tmp_path], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0, workers=1)
+    assert m["documents"] == len(docs) and m["bad_inputs"]["count"] == 2
+    sp, _ = load_tokenizer(tok_dir)
+    assert assert_samples_are_source_spans(tmp_path / "out", texts, sp) > 0
+
+
+def test_lone_surrogate_is_counted_not_fatal_in_both_commands(tmp_path, tok_dir, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    good = [make_text(random.Random(i), 30) for i in range(4)]
+    lines = [json.dumps({"text": t}) for t in good]
+    lines.insert(2, '{"text": "lone \\ud800 surrogate"}')            # valid JSON, invalid Unicode
+    lines.insert(3, '{"text": "a pair \\ud83d\\ude00 is fine\\n"}')  # one character, kept
+    (corpus / "web.jsonl").write_text("\n".join(lines) + "\n")
+    where = f"{corpus / 'web.jsonl'}:3: invalid Unicode (lone surrogate)"
+
+    assert tt.main(["--sources", str(corpus), "--out", str(tmp_path / "tok"), "--vocab-size", "300"]) == 0
+    assert where in capsys.readouterr().out
+    meta = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    assert meta["bad_inputs"]["by_reason"] == {"invalid Unicode (lone surrogate)": 1}
+    assert meta["training"]["documents_seen"] == 5
+
+    assert bs.main(["--sources", str(corpus), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "out"),
+                    "--seq-len", "8", "--val-fraction", "0", "--workers", "2", "--no-progress"]) == 0
+    assert where in capsys.readouterr().out
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["documents"] == 5 and m["bad_inputs"]["by_reason"] == {"invalid Unicode (lone surrogate)": 1}
+
+
+# --- parts -------------------------------------------------------------------------
+
+def make_corpus(root: Path, files: int = 6, seed: int = 3) -> list[str]:
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for i in range(files):
+        docs = [make_text(rng, rng.randrange(3, 12)) for _ in range(8)]
+        (root / f"f{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+        texts += docs
+    return texts
+
+
+def test_parts_are_cut_by_the_corpus_alone(tmp_path):
+    files = []
+    for i, size in enumerate([100, 300, 50, 700, 20, 20, 20]):
+        (tmp_path / f"{i}.txt").write_text("x" * size)
+        files.append(tmp_path / f"{i}.txt")
+    parts = P.plan_parts(files, 400)
+    assert [[Path(p.path).name for p in part.pieces] for part in parts] == \
+        [["0.txt", "1.txt"], ["2.txt", "3.txt"], ["4.txt", "5.txt", "6.txt"]]
+    assert [p.bytes for p in parts] == [400, 750, 60]
+    assert P.plan_parts(files, 400) == parts
+    assert [p.index for p in P.tasks_parts(parts, 1, 2)] == [1]
+    with pytest.raises(ValueError, match="--task must be below --tasks"):
+        P.tasks_parts(parts, 2, 2)
+    assert P.parse_size("64mb") == 64 << 20 and P.parse_size("1.5kb") == 1536
+    with pytest.raises(ValueError, match="e.g. 64mb"):
+        P.parse_size("lots")
+
+
+def test_worker_count_does_not_change_the_samples(tmp_path, tok_dir):
+    make_corpus(tmp_path / "corpus")
+    kw = dict(seq_len=16, val_fraction=0.2, part_size="2kb")
+    m1 = bs.build_shards([tmp_path / "corpus"], tok_dir, tmp_path / "w1", workers=1, **kw)
+    m2 = bs.build_shards([tmp_path / "corpus"], tok_dir, tmp_path / "w2", workers=2, **kw)
+    assert m1 == m2 and m1["parts"] >= 3
+    for split in ("train", "val"):
+        a, b = read_split(tmp_path / "w1" / split), read_split(tmp_path / "w2" / split)
+        assert len(a) == m1["splits"][split]["samples"] > 0
+        assert [x.tolist() for x in a] == [x.tolist() for x in b]
+
+
+def test_tasks_build_their_parts_and_a_killed_part_is_rebuilt_alone(tmp_path, tok_dir, capsys):
+    texts = make_corpus(tmp_path / "corpus")
+    kw = dict(seq_len=16, val_fraction=0.2, part_size="2kb")
+    bs.build_shards([tmp_path / "corpus"], tok_dir, tmp_path / "local", workers=1, **kw)
+
+    out = tmp_path / "cluster"
+    assert bs.main(["--sources", str(tmp_path / "corpus"), "--tokenizer", str(tok_dir), "--out", str(out),
+                    "--seq-len", "16", "--val-fraction", "0.2", "--part-size", "2kb", "--plan-only"]) == 0
+    plan = P.read_plan(out)
+    parts = P.parts_of(plan)
+    assert bs.main(["--out", str(out), "--task", "0", "--tasks", "2", "--workers", "1"]) == 0
+    assert bs.main(["--out", str(out), "--merge"]) == 2
+    assert "not complete (parts 1, 3" in capsys.readouterr().err
+    assert bs.main(["--out", str(out), "--task", "1", "--tasks", "2", "--workers", "1"]) == 0
+
+    # What a task killed while writing part 1 leaves: no marker, a half-written shard.
+    victim = parts[1]
+    P.marker_path(out, victim).unlink()
+    shard = next((out / "train" / victim.name).glob("shard.*"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    kept = {p.index: P.marker_path(out, p).stat().st_mtime_ns for p in parts if p.index != 1}
+    assert P.status(out)["todo"] == [1]
+    capsys.readouterr()
+    assert bs.main(["--out", str(out), "--task", "1", "--tasks", "2", "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"{len(P.tasks_parts(parts, 1, 2)) - 1} of {len(P.tasks_parts(parts, 1, 2))} parts already complete" in err
+    assert {p.index: P.marker_path(out, p).stat().st_mtime_ns for p in parts if p.index != 1} == kept
+    assert bs.main(["--out", str(out), "--merge"]) == 0
+
+    assert samples_multiset(out) == samples_multiset(tmp_path / "local")
+    local = json.loads((tmp_path / "local" / "manifest.json").read_text())
+    assert json.loads((out / "manifest.json").read_text())["splits"] == local["splits"]
+    sp, _ = load_tokenizer(tok_dir)
+    assert assert_samples_are_source_spans(out, texts, sp) > 10
+
+
+def test_an_unfinished_build_continues_and_other_settings_are_refused(tmp_path, tok_dir):
+    make_corpus(tmp_path / "corpus")
+    kw = dict(seq_len=16, val_fraction=0.2, part_size="2kb")
+    out = tmp_path / "out"
+    plan = bs.plan_build([tmp_path / "corpus"], tok_dir, out, **kw)
+    bs.build_parts(out, [0], workers=1)
+    first = P.marker_path(out, P.parts_of(plan)[0]).stat().st_mtime_ns
+    with pytest.raises(FileExistsError, match=r"planned differently \(seq_len: 16 there, 32 now\).*--overwrite"):
+        bs.build_shards([tmp_path / "corpus"], tok_dir, out, workers=1, **{**kw, "seq_len": 32})
+    m = bs.build_shards([tmp_path / "corpus"], tok_dir, out, workers=1, **kw)
+    assert P.marker_path(out, P.parts_of(plan)[0]).stat().st_mtime_ns == first
+    assert m == bs.build_shards([tmp_path / "corpus"], tok_dir, tmp_path / "fresh", workers=1, **kw)
+
+
+# --- tokenizers ------------------------------------------------------------------------
+
+def test_reservoir_sample_is_uniform_and_bounded():
+    from data_prep.readers import Document
+
+    docs = [Document("x" * 50, f"d{i}") for i in range(200)]
+    hits = Counter()
+    for seed in range(300):
+        stats: dict = {}
+        sample = tt.reservoir_sample(iter(docs), 20, seed, 10, stats)
+        assert len(sample) == 20 and stats["documents_seen"] == 200 and all(len(d.text) == 10 for d in sample)
+        hits.update(int(d.origin[1:]) // 50 for d in sample)  # which quarter of the stream
+    # 300 x 20 draws, 1500 expected per quarter; "the first N" would put all 6000 in the first.
+    assert all(1300 < hits[q] < 1700 for q in range(4)), hits
+
+
+def test_tokenizer_trains_on_a_sample_of_all_files(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"f{i:02d}.txt").write_text(make_text(random.Random(i), 20))
+    meta = tt.train_tokenizer([corpus], tmp_path / "tok", vocab_size=300, sample_docs=10, num_threads=1)
+    sample = meta["training"]["sample"]
+    origins = (tmp_path / "tok" / sample["origins"]).read_text().split()
+    assert sample["documents"] == len(origins) == 10 and meta["training"]["documents_seen"] == 30
+    assert max(int(Path(o).stem[1:]) for o in origins) >= 10  # not just the first ten files
+
+
+def test_existing_sentencepiece_model_is_used_like_ours(tmp_path, tok_dir, capsys):
+    import sentencepiece as spm
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(make_text(random.Random(5), 300))
+    # Llama-2's conventions: unigram, dummy prefix, no pad piece, <s> = 1, </s> = 2.
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "llama"), vocab_size=300,
+                                   model_type="unigram", pad_id=-1, byte_fallback=True, minloglevel=2)
+    meta = import_tokenizer(tmp_path / "llama.model", tmp_path / "imported")
+    assert {k: meta[k] for k in ("unk_id", "bos_id", "eos_id", "pad_id", "model_type", "add_dummy_prefix")} == \
+        {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1, "model_type": "unigram", "add_dummy_prefix": True}
+    sp, loaded = load_tokenizer(tmp_path / "imported")
+    assert loaded == meta and sp.get_piece_size() == meta["vocab_size"]
+
+    m = bs.build_shards([corpus], tmp_path / "imported", tmp_path / "out", seq_len=8, val_fraction=0, workers=1)
+    assert m["tokenizer_sha256"] == meta["sha256"] and m["vocab_size"] == meta["vocab_size"]
+    stream = np.concatenate(read_split(tmp_path / "out" / "train")).tolist()
+    assert stream == (sp.encode(corpus.read_text()) + [2])[: len(stream)] and len(stream) > 100
+
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    assert import_main(["--model", str(tmp_path / "tokenizer.json"), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a SentencePiece model" in err and "tokenizer.model of a Llama-2-style checkpoint" in err
+    assert not (tmp_path / "bad").exists()
+    assert import_main(["--model", str(tmp_path / "llama.model"), "--out", str(tmp_path / "imported")]) == 2
+    assert "--overwrite" in capsys.readouterr().err
