@@ -11,7 +11,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
-from models.layers import Rotary, column_linear, normal_init, parallel_config, tp_size
+from models.layers import (
+    Rotary,
+    column_linear,
+    normal_init,
+    parallel_config,
+    tp_size,
+    vocab_parallel_logsumexp,
+)
 from models.registry import build_attention, build_mlp
 
 CHECKPOINT_MODES = ("none", "full", "selective")
@@ -52,13 +59,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, activation_checkpointing: str | bool = "none"):
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: str | bool = "none", z_loss: float = 0.0):
         super().__init__()
         assert cfg.padded_vocab_size % tp_size() == 0, \
             f"padded vocabulary {cfg.padded_vocab_size} at TP={tp_size()} (models.registry.validate_model)"
         self.cfg = cfg
         self._step_layers: list[nn.Module] | None = None  # see after_optimizer_step
         self.activation_checkpointing = checkpoint_mode(activation_checkpointing)
+        # z-loss: z_loss x mean(logsumexp(logits)^2), keeps the softmax normaliser near 1 (bf16 stability).
+        self.z_loss = z_loss
+        self.last_z_loss: torch.Tensor | None = None  # detached, of the last training forward
         self.embed = tensor_parallel.VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, init_method=normal_init(cfg.init_std), config=parallel_config()
         )
@@ -99,10 +109,17 @@ class GPT(nn.Module):
         return logits
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy plus any auxiliary (load-balancing) losses."""
-        logits = self.logits(tokens)
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
-        return loss + self.aux_loss()
+        """Mean next-token cross-entropy plus any auxiliary (load-balancing, z) losses while training."""
+        logits = self.logits(tokens).float()
+        z = None
+        if self.training and self.z_loss > 0:
+            # Before the cross-entropy: megatron's overwrites the logits in place.
+            z = self.z_loss * vocab_parallel_logsumexp(logits).square().mean()
+            self.last_z_loss = z.detach()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels).mean()
+        if not self.training:
+            return loss
+        return loss + self.aux_loss() + (z if z is not None else 0.0)
 
     def after_optimizer_step(self) -> None:
         """Every layer's own update after an optimizer step (routed layers move their selection

@@ -121,6 +121,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    z_loss: float = 0.0  # coefficient of mean(logsumexp(LM logits)^2) in the loss; 0 = off (1e-4 is usual)
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # torch's fused AdamW: auto (on GPU) | true | false
@@ -247,6 +248,8 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = start at the full train.lr)")
+    if t.z_loss < 0:
+        raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 = off; 1e-4 is the usual coefficient)")
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
     validate_schedule(t)

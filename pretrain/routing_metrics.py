@@ -10,6 +10,7 @@ TensorBoard under routing/layer{L}/...:
   dropped_frac       dropped / assignments
   score_e{i}         mean routing score of expert i (UoE: activation norm; MoE: router probability)
   aux_loss           mean Switch aux loss per micro-batch (not logged when the coef is 0)
+  router_z_loss      mean router z-loss per micro-batch (router MoE with model.moe.router_z_loss_coef > 0)
   vse_over_routed    ||y_vse|| / ||y_r|| (UoE only)
 plus routing/load_entropy and routing/max_load averaged / maximised over layers.
 """
@@ -46,6 +47,8 @@ def summarize(layer: RoutedLayer, totals: torch.Tensor) -> dict[str, float]:
     out["dropped_frac"] = dropped / assignments
     if layer.aux_loss_coef > 0 and forwards > 0:
         out["aux_loss"] = aux / forwards
+    if getattr(layer, "router_z_loss_coef", 0) > 0 and forwards > 0:
+        out["router_z_loss"] = sums["router_z"] / forwards
     if routed_norm > 0:
         out["vse_over_routed"] = vse_norm / routed_norm
     return out

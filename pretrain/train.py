@@ -66,7 +66,7 @@ def run(cfg: Config) -> int:
         save_config(cfg, run_dir / "config.yaml")
         checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
+    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing, z_loss=cfg.train.z_loss)
     if init_path is not None:
         from pretrain.init_from import load_weights
 

@@ -71,6 +71,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.losses: list[tuple[int, float]] = []
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
+        self.last_z_loss = torch.zeros(())
 
     @property
     def model(self):
@@ -83,6 +84,7 @@ class Trainer:
     def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
         total = torch.zeros((), device=self.device)
+        z_total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.train.grad_accum):
             waited = time.perf_counter()
             batch = next(self.batches)
@@ -93,6 +95,9 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
+            if self.model.last_z_loss is not None:
+                z_total += self.model.last_z_loss
+        self.last_z_loss = z_total / self.cfg.train.grad_accum  # part of the loss, logged on its own
         # Part of the optimizer step: validation and the checkpoint of this step see its result.
         self.model.after_optimizer_step()
         return total / self.cfg.train.grad_accum
@@ -147,6 +152,8 @@ class Trainer:
     def _log(self, result: StepResult, lr: float, throughput: Throughput) -> None:
         result.metrics = {"loss": result.loss, "lr": lr, "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                           **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
+        if self.cfg.train.z_loss > 0:
+            result.metrics["z_loss"] = dp_mean(self.last_z_loss)
         self.logger.scalars(result.step, result.metrics, prefix="train/")
         self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics))
 

@@ -18,7 +18,8 @@ def full_tensor(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
 
 
 def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int = 0,
-                       activation_checkpointing: bool = False, compile_blocks: bool = False) -> None:
+                       activation_checkpointing: bool = False, compile_blocks: bool = False,
+                       z_loss: float = 0.0) -> None:
     """Build a GPT with a fixed seed, run one forward/backward on a fixed batch and save the
     loss plus full (TP-gathered) gradients from rank 0 (and whether torch.compile made graphs)."""
     from models.config import ModelConfig
@@ -26,7 +27,7 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
 
     cfg = ModelConfig(**model_kwargs)
     torch.manual_seed(seed)
-    model = GPT(cfg, activation_checkpointing=activation_checkpointing)
+    model = GPT(cfg, activation_checkpointing=activation_checkpointing, z_loss=z_loss)
     if compile_blocks:
         model.compile_blocks()
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -34,11 +35,14 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
     loss.backward()
     grads = {name: full_tensor(p, p.grad) for name, p in model.named_parameters()}
     weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
+    with torch.no_grad():  # every rank: the forward holds tensor-parallel collectives
+        logits = model.logits(tokens[:, :-1])
     if rank == 0:
         from torch._dynamo.utils import counters
 
         compiled = counters["stats"]["unique_graphs"] > 0
-        torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "compiled": compiled}, out_path)
+        torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "compiled": compiled,
+                    "z_loss": model.last_z_loss, "logits": logits}, out_path)
 
 
 def loader_batches(rank: int, shards_root: str, out_dir: str, batches: int = 3) -> None:

@@ -486,3 +486,24 @@ def test_routing_telemetry_sums_what_the_forwards_routed():
             RoutingTelemetry([layer]).on_step_begin(trainer, step)
             measured.append(layer.stats.measure_norms)
         assert [s for s, m in zip(range(1, 13), measured) if m] == [5, 10, 12]
+
+
+def test_router_z_loss_is_added_to_the_aux_loss_and_counted():
+    from pretrain.routing_metrics import RoutingTelemetry
+    from tests.dist_utils import single_process_group
+
+    with single_process_group():
+        x = torch.randn(12, D, generator=torch.Generator().manual_seed(0))
+        plain = build("moe", make_cfg("moe"))
+        plain(x)
+        coef = 0.1
+        layer = build("moe", make_cfg("moe", router_z_loss_coef=coef))
+        layer(x)
+        logits = F.linear(x.float(), layer.router.float())
+        want = coef * torch.logsumexp(logits, dim=-1).square().mean()
+        torch.testing.assert_close(layer.aux_loss - plain.aux_loss, want.detach())
+        layer.aux_loss.backward()
+        assert layer.router.grad is not None and layer.router.grad.abs().sum() > 0
+        metrics = RoutingTelemetry.collect([layer])
+        assert metrics["layer0/router_z_loss"] == pytest.approx(float(want))
+        assert "layer0/router_z_loss" not in RoutingTelemetry.collect([plain])

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bench.memory_plan import measurement_env
-from launch.plan import main as plan_main
 from launch.layouts import NODES_PREFIX, SINGLE_GPU_PREFIX, read_layouts
+from launch.plan import main as plan_main
 from launch.plan import plan
 from models.counting import param_counts
 from pretrain.config import load_config, validate

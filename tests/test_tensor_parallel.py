@@ -22,3 +22,22 @@ def test_tp2_matches_tp1_loss_and_grads(tmp_path, tie):
     torch.testing.assert_close(tp["loss"], ref["loss"], rtol=1e-5, atol=1e-6)
     for name in ref["grads"]:
         torch.testing.assert_close(tp["grads"][name], ref["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_z_loss_is_the_formula_and_tp2_matches_tp1(tmp_path):
+    coef = 0.05
+    spawn(gpt_loss_and_grads, 1, MODEL, str(tmp_path / "off.pt"))
+    spawn(gpt_loss_and_grads, 1, MODEL, str(tmp_path / "tp1.pt"), 0, False, False, coef)
+    spawn(gpt_loss_and_grads, 2, MODEL, str(tmp_path / "tp2.pt"), 0, False, False, coef, tensor=2)
+    off, ref, tp = (torch.load(tmp_path / f"{n}.pt") for n in ("off", "tp1", "tp2"))
+    # TP=1 holds the whole (padded) vocabulary: the reference formula on plain logsumexp.
+    want = coef * torch.logsumexp(ref["logits"].float(), dim=-1).square().mean()
+    torch.testing.assert_close(ref["z_loss"], want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ref["loss"] - off["loss"], want, rtol=1e-5, atol=1e-7)
+    assert off["z_loss"] is None and want > 0.1
+    torch.testing.assert_close(tp["z_loss"], ref["z_loss"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(tp["loss"], ref["loss"], rtol=1e-5, atol=1e-6)
+    for name in ref["grads"]:
+        torch.testing.assert_close(tp["grads"][name], ref["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+    # The term has a gradient: the head's gradient moves with it.
+    assert not torch.allclose(ref["grads"]["head.weight"], off["grads"]["head.weight"], atol=1e-6)

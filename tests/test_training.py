@@ -57,12 +57,17 @@ def test_fused_optimizer_matches_the_default(data, reference, tmp_path):
 
 def test_tensor_parallel_training_matches_single_process(data, tmp_path):
     ref_run, tp_run = tmp_path / "tp1", tmp_path / "tp2"
-    overrides = {"train.steps": STEPS, "train.grad_clip": 0.05}  # clipping active: the TP grad norm must be global
+    # Clipping active: the TP grad norm must be global; z-loss on: its logsumexp spans both vocab halves.
+    overrides = {"train.steps": STEPS, "train.grad_clip": 0.05, "train.z_loss": 1e-3, "train.log_interval": 1}
     train(1, tiny_overrides(data, ref_run, **overrides))
     train(2, tiny_overrides(data, tp_run, **overrides, **{"parallel.tensor": 2}))
     ref, got = losses(ref_run), losses(tp_run)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5, abs=1e-6), step
+    z = [{r["step"]: r["train/z_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+          if "train/z_loss" in r} for run in (ref_run, tp_run)]
+    assert sorted(z[0]) == list(range(1, STEPS + 1)) and all(v > 0 for v in z[0].values())
+    assert z[1] == pytest.approx(z[0], rel=1e-5)
 
 
 def test_resume_reproduces_uninterrupted_losses(data, tmp_path):

@@ -2,7 +2,8 @@
 
 Router: logits = x W_r^T in fp32, p = softmax(logits) over all N experts, top-k on p (+ the
 aux-loss-free bias when enabled), weights = the k selected probabilities renormalised to sum to 1
-(identical to softmax over the k selected logits). The Switch aux loss uses p.
+(identical to softmax over the k selected logits). The Switch aux loss uses p; the optional router
+z-loss (model.moe.router_z_loss_coef) is coef x mean over tokens of logsumexp(logits)^2.
 The router weight is replicated over tensor-parallel ranks (every TP rank routes the same tokens);
 the shared expert is an ordinary TP-split SwiGLU of width model.moe.shared_hidden_size.
 """
@@ -20,7 +21,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.layers import SwiGLU, tp_size
 from models.moe.experts import ExpertContainer
-from models.moe.routing import RoutedLayer, expert_params, is_sparse_layer, validate_routed
+from models.moe.routing import RoutedLayer, expert_params, is_sparse_layer, recomputing, validate_routed
 from models.registry import MLPKind, ParallelSizes, register_mlp
 
 
@@ -28,6 +29,7 @@ class RouterMoE(RoutedLayer):
     def __init__(self, cfg: ModelConfig, layer: int, ep_size: int | None = None):
         super().__init__(cfg, layer)
         moe = cfg.moe
+        self.router_z_loss_coef = moe.router_z_loss_coef
         self.router = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
         nn.init.normal_(self.router, mean=0.0, std=cfg.init_std)
         self.shared = SwiGLU(cfg, moe.shared_hidden_size) if moe.shared_hidden_size > 0 else None
@@ -42,6 +44,11 @@ class RouterMoE(RoutedLayer):
         # renormalised top-k of p, and the aux loss's softmax of log p is p itself.
         # The bias (when enabled) is thus added to log p for selection; telemetry reports p.
         expert_ids, _, weights = self.route(torch.log_softmax(logits, dim=-1), stat_scores=probs)
+        if self.training and self.router_z_loss_coef > 0:
+            z = self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+            self.aux_loss = z if self.aux_loss is None else self.aux_loss + z
+            if not recomputing():
+                self.stats.add("router_z", z.detach())
         if tp_size() > 1:
             weights = copy_to_tensor_model_parallel_region(weights)
         routed_in = copy_to_tensor_model_parallel_region(x) if tp_size() > 1 else x

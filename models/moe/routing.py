@@ -42,6 +42,7 @@ class MoEConfig:
     score: str = "h"  # UoE routing-neuron activation scored: h | silu | z
     vse_mode: str = "overlap"  # UoE virtual shared expert: overlap | disjoint
     aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0  # router MoE: coef x mean(logsumexp(router logits)^2); 0 = off
     bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 = off
     capacity_factor: float = 0.0  # 0 = dropless
     moe_layers: str = "all"  # "all" or comma-separated layer indices
@@ -58,8 +59,8 @@ class MoEConfig:
         return {int(i) for i in str(self.moe_layers).split(",") if i.strip()}
 
 
-register_section("moe", MoEConfig, training_only=("aux_loss_coef", "bias_update_rate", "capacity_factor",
-                                                  "grouped_gemm"))
+register_section("moe", MoEConfig, training_only=("aux_loss_coef", "router_z_loss_coef", "bias_update_rate",
+                                                  "capacity_factor", "grouped_gemm"))
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -122,7 +123,7 @@ class RoutingStats:
     aux loss and (UoE) output norms. What the device computes is summed on the device (no forward
     waits for the GPU) and read, in one collective, on log steps; token counts are known on the host."""
 
-    ON_DEVICE = ("dropped", "aux", "vse_norm", "routed_norm")
+    ON_DEVICE = ("dropped", "aux", "router_z", "vse_norm", "routed_norm")
     ON_HOST = ("tokens", "assignments", "forwards")
 
     def __init__(self, num_experts: int):
