@@ -42,6 +42,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from data_prep import dedup
 from data_prep import parts as P
 from data_prep.sources import BadInputReport, as_sources, list_files, require_documents
 from data_prep.tokenizer import load_tokenizer
@@ -53,7 +54,7 @@ BATCH_CHARS = 1 << 20
 BATCH_DOCS = 512
 # Settings a part's output depends on; a plan made with other values is another build.
 PLAN_SETTINGS = ("sources", "text_field", "tokenizer", "tokenizer_sha256", "vocab_size", "seq_len", "val_fraction",
-                 "seed", "compression", "shard_size_limit", "part_bytes")
+                 "seed", "compression", "shard_size_limit", "part_bytes", "dedup")
 
 
 def assign_split(origin: str, seed: int, val_fraction: float) -> str:
@@ -123,7 +124,7 @@ def _clear(out_dir: Path) -> None:
 def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shards", seq_len: int = 512,
                val_fraction: float = 0.01, *, compression: str | None = "zstd", shard_size_limit: int | str = "64mb",
                seed: int = 0, text_field: str = "text", part_size: int | str = "auto",
-               overwrite: bool = False, dry_run: bool = False) -> dict:
+               dedup_mode: str = "none", overwrite: bool = False, dry_run: bool = False) -> dict:
     """Check everything that can be checked cheaply, cut the corpus into parts, write ``plan.json``
     (``dry_run``: change nothing on disk).
 
@@ -135,6 +136,8 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if dedup_mode not in dedup.DEDUP_MODES:
+        raise ValueError(f"dedup {dedup_mode!r}: choose one of {', '.join(dedup.DEDUP_MODES)}")
     shard_size = P.parse_size(shard_size_limit)
     sp, tok = load_tokenizer(tokenizer_dir)
     srcs = as_sources(sources)
@@ -148,7 +151,7 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
         "bos_id": sp.bos_id(), "tokenizer_model_type": tok.get("model_type"), "seq_len": seq_len,
         "val_fraction": val_fraction, "seed": seed,
         "compression": None if compression in (None, "", "none") else compression,
-        "shard_size_limit": shard_size, "part_bytes": part_bytes,
+        "shard_size_limit": shard_size, "part_bytes": part_bytes, "dedup": dedup_mode,
     }
     plan = {"settings": settings, "files": len(files), "bytes": total,
             "parts": [p.to_dict() for p in P.plan_parts(files, part_bytes)]}
@@ -179,6 +182,15 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
 
 # --- building one part ------------------------------------------------------------
 
+def _first_occurrences(docs, keep: np.ndarray, dropped: list[int]):
+    """The documents the dedup index keeps (``keep`` is in reading order); counts the others."""
+    for i, doc in enumerate(docs):
+        if keep[i]:
+            yield doc
+        else:
+            dropped[0] += 1
+
+
 def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[int, int], None] | None = None) -> dict:
     """Tokenize, pack and write one part; its marker, written last, is returned."""
     from streaming import MDSWriter  # pulls in torch: imported only when shards are written
@@ -200,6 +212,9 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
                                    compression=s["compression"], size_limit=s["shard_size_limit"])
     start = time.time()
     docs = P.iter_part_documents(part, s["text_field"], report)
+    duplicates = [0]
+    if s.get("dedup", "none") == "exact":
+        docs = _first_occurrences(docs, dedup.keep_mask(out_dir, part), duplicates)
     for texts, splits in _batches(docs, s["seed"], s["val_fraction"]):
         ids = sp.encode(texts, num_threads=1)  # one thread: the parallelism is across parts
         for x in ids:
@@ -224,7 +239,7 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
         stats[split]["dropped_tokens"] = stats[split]["tokens"] - stats[split]["samples"] * sample_len
     marker = {"plan_id": plan["plan_id"], "part": part.index, "tokenizer_sha256": s["tokenizer_sha256"],
               "seq_len": s["seq_len"], "splits": stats, "bad_inputs": report.to_dict(),
-              "seconds": round(time.time() - start, 3)}
+              "duplicates": duplicates[0], "seconds": round(time.time() - start, 3)}
     P.write_json_atomic(marker_file, marker)
     return marker
 
@@ -247,16 +262,45 @@ def _init_worker(out_dir: str, plan: dict, progress_queue) -> None:
     _worker.update(out_dir=Path(out_dir), plan=plan, sp=_load_plan_tokenizer(plan), queue=progress_queue)
 
 
-def _build_in_worker(index: int) -> dict:
-    q = _worker["queue"]
+def _in_worker(job: str, index: int):
     part = P.parts_of(_worker["plan"])[index]
+    if job == "hash":
+        return dedup.hash_part(_worker["out_dir"], _worker["plan"], part)
+    q = _worker["queue"]
     return build_part(_worker["out_dir"], _worker["plan"], part, _worker["sp"], lambda d, t: q.put((d, t)))
+
+
+def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, bar, done: Callable) -> None:
+    """``job`` (hash | build) for each part of ``todo`` in ``workers`` processes; ``done`` gets each result."""
+    if workers == 1:
+        sp = _load_plan_tokenizer(plan) if job == "build" else None
+        for part in todo:
+            done(dedup.hash_part(out_dir, plan, part) if job == "hash"
+                 else build_part(out_dir, plan, part, sp, lambda d, t: bar.update(t)))
+        return
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    progress_queue = ctx.Queue()
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(out_dir), plan, progress_queue)) as pool:
+        pending = [pool.apply_async(_in_worker, (job, p.index)) for p in todo]
+        while pending:
+            for r in [r for r in pending if r.ready()]:
+                pending.remove(r)
+                done(r.get())  # re-raises a worker's error here
+            try:
+                while True:
+                    bar.update(progress_queue.get(timeout=0.02)[1])
+            except queue.Empty:
+                pass
 
 
 def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | None = None,
                 progress: bool = False, log: Callable[[str], None] | None = None) -> list[int]:
     """Build the parts ``indices`` (default: all) of the plan in ``out_dir`` that are not complete yet,
-    in ``workers`` processes; returns the indices built. ``log`` gets one line per finished part."""
+    in ``workers`` processes; returns the indices built. ``log`` gets one line per finished part.
+
+    With ``dedup exact`` the parts are hashed first. A full build (``indices`` None) then builds the
+    dedup index and goes on; a task's share (``indices`` given) stops after hashing while the index
+    is missing: the index needs the hashes of every part (``--dedup-index``)."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
@@ -266,43 +310,36 @@ def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | Non
                                 "build_shards without --task)")
     parts = P.parts_of(plan)
     chosen = [parts[i] for i in (indices if indices is not None else range(len(parts)))]
+    workers = max(1, workers or available_cpus())
+    if plan["settings"].get("dedup", "none") == "exact" and not dedup.index_done(out_dir, plan):
+        to_hash = [p for p in chosen if not dedup.hashes_done(out_dir, p)]
+        with tqdm(total=len(to_hash), unit="part", desc="hashing", disable=not progress) as bar:
+            _run("hash", out_dir, plan, to_hash, min(workers, max(len(to_hash), 1)), bar, lambda n: bar.update(1))
+        if log:
+            log(f"hashed the documents of {len(to_hash)} parts ({len(chosen) - len(to_hash)} were done)")
+        if indices is not None:
+            return []
+        counts = dedup.build_index(out_dir, plan)
+        if log:
+            log(f"dedup index: {counts['duplicates']} of {counts['documents']} documents are duplicates")
     todo = [p for p in chosen if P.read_marker(out_dir, p, plan) is None]
     if log and len(todo) < len(chosen):
         log(f"{len(chosen) - len(todo)} of {len(chosen)} parts already complete, skipped")
     if not todo:
         return []
-    workers = max(1, min(workers or available_cpus(), len(todo)))
-    bar = tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=not progress)
 
     def finished(marker: dict) -> None:
-        tokens = sum(s["tokens"] for s in marker["splits"].values())
-        bar.set_postfix(parts=f"{finished.count + 1}/{len(todo)}")
         finished.count += 1
+        bar.set_postfix(parts=f"{finished.count}/{len(todo)}")
         if log:
+            tokens = sum(s["tokens"] for s in marker["splits"].values())
             log(f"part {marker['part']} done: {sum(s['documents'] for s in marker['splits'].values())} documents, "
                 f"{tokens:,} tokens in {marker['seconds']:.1f}s ({tokens / max(marker['seconds'], 1e-9):,.0f} tok/s); "
                 f"{finished.count}/{len(todo)}")
     finished.count = 0
 
-    with bar:
-        if workers == 1:
-            sp = _load_plan_tokenizer(plan)
-            for part in todo:
-                finished(build_part(out_dir, plan, part, sp, lambda d, t: bar.update(t)))
-            return [p.index for p in todo]
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        progress_queue = ctx.Queue()
-        with ctx.Pool(workers, initializer=_init_worker, initargs=(str(out_dir), plan, progress_queue)) as pool:
-            pending = [pool.apply_async(_build_in_worker, (p.index,)) for p in todo]
-            while pending:
-                for r in [r for r in pending if r.ready()]:
-                    pending.remove(r)
-                    finished(r.get())  # re-raises a worker's error here
-                try:
-                    while True:
-                        bar.update(progress_queue.get(timeout=0.02)[1])
-                except queue.Empty:
-                    pass
+    with tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+        _run("build", out_dir, plan, todo, min(workers, len(todo)), bar, finished)
     return [p.index for p in todo]
 
 
@@ -338,6 +375,9 @@ def merge_parts(out_dir) -> dict:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
         raise ValueError(f"{len(missing)} of {len(parts)} parts of {out_dir} are not complete (parts {shown}): "
                          "build them first (build_shards --task, or resubmit launch.submit_prep)")
+    dedup_mode = s.get("dedup", "none")
+    if dedup_mode == "exact" and not dedup.index_done(out_dir, plan):
+        raise ValueError(f"{out_dir} deduplicates, but its dedup index is missing: run build_shards --dedup-index")
     for m in markers:
         if m["tokenizer_sha256"] != s["tokenizer_sha256"] or m["seq_len"] != s["seq_len"]:
             raise ValueError(f"part {m['part']} of {out_dir} was built with another tokenizer or seq_len than "
@@ -383,6 +423,7 @@ def merge_parts(out_dir) -> dict:
         "parts": len(parts),
         "part_bytes": s["part_bytes"],
         "plan_id": plan["plan_id"],
+        "dedup": {"method": dedup_mode, "dropped_documents": sum(m.get("duplicates", 0) for m in markers)},
         "documents": sum(stats[x]["documents"] for x in SPLITS),
         "splits": {x: {"path": x, **stats[x]} for x in SPLITS},
         "bad_inputs": report.to_dict(),
@@ -394,13 +435,13 @@ def merge_parts(out_dir) -> dict:
 def build_shards(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shards", seq_len: int = 512,
                  val_fraction: float = 0.01, *, workers: int | None = None, overwrite: bool = False,
                  compression: str | None = "zstd", shard_size_limit: int | str = "64mb", seed: int = 0,
-                 text_field: str = "text", part_size: int | str = "auto", progress: bool = False,
-                 log: Callable[[str], None] | None = None) -> dict:
+                 text_field: str = "text", part_size: int | str = "auto", dedup_mode: str = "none",
+                 progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Plan, build every part on this machine and merge: ``sources`` (None = default corpus) into
     ``out_dir``; returns the manifest."""
     plan_build(sources, tokenizer_dir, out_dir, seq_len, val_fraction, compression=compression,
                shard_size_limit=shard_size_limit, seed=seed, text_field=text_field, part_size=part_size,
-               overwrite=overwrite)
+               dedup_mode=dedup_mode, overwrite=overwrite)
     build_parts(out_dir, workers=workers, progress=progress, log=log)
     return merge_parts(out_dir)
 
@@ -412,6 +453,8 @@ def _print_manifest(m: dict, out: Path, seconds: float) -> None:
         st = m["splits"][split]
         print(f"  {split:5s} {st['documents']:>8} docs {st['tokens']:>11,} tokens {st['samples']:>8} samples "
               f"-> {out / split}")
+    if m["dedup"]["method"] != "none":
+        print(f"  dedup {m['dedup']['method']}: {m['dedup']['dropped_documents']} duplicate documents dropped")
     print(f"manifest: {out / 'manifest.json'}")
     report = BadInputReport()
     report.merge(m["bad_inputs"])
@@ -435,12 +478,16 @@ def main(argv=None) -> int:
                    help="input bytes per part, e.g. 256mb (default auto: about 256 parts, 1 MiB to 256 MiB each)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split")
     p.add_argument("--text-field", default="text", help="JSON field or Parquet column holding the text")
+    p.add_argument("--dedup", choices=dedup.DEDUP_MODES, default="none",
+                   help="exact: drop documents whose text appeared before (in part order), across the whole build")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--plan-only", action="store_true", help="write plan.json and stop (for a cluster build)")
     mode.add_argument("--task", type=int, default=None,
                       help="build only the parts of task TASK of --tasks (plan.json must exist in --out)")
     mode.add_argument("--merge", action="store_true", help="merge the built parts of --out into one shard set")
+    mode.add_argument("--dedup-index", action="store_true",
+                      help="with --dedup exact: mark first occurrences once every part is hashed")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks the parts are dealt to (with --task)")
     args = p.parse_args(argv)
 
@@ -463,12 +510,20 @@ def main(argv=None) -> int:
         if args.merge:
             _print_manifest(merge_parts(out), out, time.time() - start)
             return 0
+        if args.dedup_index:
+            plan = P.read_plan(out)
+            if plan is None:
+                raise FileNotFoundError(f"no {P.PLAN_FILE} in {out}: plan the build first with --plan-only")
+            counts = dedup.build_index(out, plan)
+            print(f"dedup index: {counts['duplicates']} of {counts['documents']} documents are duplicates")
+            return 0
         if args.tokenizer is None:
             raise ValueError("--tokenizer is required to plan a build (a directory written by "
                              "data_prep.train_tokenizer or data_prep.import_tokenizer)")
         plan = plan_build(args.sources, args.tokenizer, out, args.seq_len, args.val_fraction,
                           compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
-                          text_field=args.text_field, part_size=args.part_size, overwrite=args.overwrite)
+                          text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
+                          overwrite=args.overwrite)
         if args.plan_only:
             print(f"planned {len(plan['parts'])} parts of {plan['files']} files ({plan['bytes']:,} bytes) "
                   f"in {out / P.PLAN_FILE}")

@@ -144,9 +144,16 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: Path) -> dict | None:
+    """A JSON file written by write_json_atomic; None when absent or unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def read_plan(out_dir: Path) -> dict | None:
-    path = Path(out_dir) / PLAN_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(Path(out_dir) / PLAN_FILE)
 
 
 def parts_of(plan: dict) -> list[Part]:
@@ -159,14 +166,8 @@ def marker_path(out_dir: Path, part: Part) -> Path:
 
 def read_marker(out_dir: Path, part: Part, plan: dict) -> dict | None:
     """The completed part's counts, or None when it is not (or not for this plan) complete."""
-    path = marker_path(out_dir, part)
-    if not path.is_file():
-        return None
-    try:
-        marker = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    return marker if marker.get("plan_id") == plan_id(plan) else None
+    marker = read_json(marker_path(out_dir, part))
+    return marker if marker is not None and marker.get("plan_id") == plan_id(plan) else None
 
 
 def tasks_parts(parts: Sequence[Part], task: int, tasks: int) -> list[Part]:

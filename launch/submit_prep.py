@@ -8,7 +8,8 @@
 The build settings are data_prep.build_shards's; the corpus is cut into parts on this machine (its
 file list and Parquet footers only) and written to OUT/plan.json, which every task reads. Task I of
 N builds parts I, I+N, ...; a merge job, run once all tasks succeeded, joins the parts into one
-shard set and writes the manifest. Running the same command again after a task failed or was
+shard set and writes the manifest. With --dedup exact the same array runs twice, around a job that
+builds the dedup index: first it hashes its parts' documents, then it builds them. Running the same command again after a task failed or was
 killed submits only the tasks with unfinished parts (and the merge). Paths must be visible from
 the compute nodes (a shared file system); they are made absolute here. Exit code 2: nothing was
 submitted.
@@ -26,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from data_prep import dedup
 from data_prep import parts as P
 from data_prep.build_shards import plan_build
 from launch.sbatch import SubmitError, parse_time, sbatch_lines, submit
@@ -52,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     build.add_argument("--part-size", default="auto")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--text-field", default="text")
+    build.add_argument("--dedup", choices=dedup.DEDUP_MODES, default="none",
+                       help="exact: drop repeated documents across the build (adds a hash array and an index job)")
     build.add_argument("--overwrite", action="store_true", help="discard an existing build in --out and plan again")
     slurm = p.add_argument_group("slurm")
     slurm.add_argument("--tasks", type=int, default=None, help="array tasks (default: one per part, at most 1000)")
@@ -107,8 +111,8 @@ def submit_build(args: argparse.Namespace) -> int:
     sources = [_absolute(s) for s in args.sources] if args.sources else None
     plan = plan_build(sources, _absolute(args.tokenizer), out, args.seq_len, args.val_fraction,
                       compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
-                      text_field=args.text_field, part_size=args.part_size, overwrite=args.overwrite,
-                      dry_run=args.dry_run)
+                      text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
+                      overwrite=args.overwrite, dry_run=args.dry_run)
     n_parts = len(plan["parts"])
     previous = _jobs(out)
     tasks = args.tasks or (previous[-1]["tasks"] if previous else min(n_parts, 1000))
@@ -119,24 +123,43 @@ def submit_build(args: argparse.Namespace) -> int:
         # Parts are dealt to tasks by index modulo the count; keep it within one build.
         raise SubmitError(f"this build was submitted with --tasks {previous[-1]['tasks']}: keep it (or leave "
                           "--tasks out) so the remaining tasks build the remaining parts")
+    parts = P.parts_of(plan)
     todo = pending_tasks(out, plan, tasks)
     py = shlex.quote(args.python)
     out_q = shlex.quote(str(out))
-    array_script = render(args, out, f'exec {py} -m data_prep.build_shards --out {out_q} '
-                                     f'--task "$SLURM_ARRAY_TASK_ID" --tasks {tasks} --no-progress',
-                          str(out / SLURM_DIR / "task-%A_%a.log"))
-    merge_script = render(args, out, f"exec {py} -m data_prep.build_shards --out {out_q} --merge",
-                          str(out / SLURM_DIR / "merge-%j.log"))
-    array = ",".join(map(str, todo)) + (f"%{args.max_running}" if args.max_running else "")
-    summary = (f"{n_parts} parts of {plan['files']} files ({plan['bytes']:,} bytes, about "
+    logs = out / SLURM_DIR
+    # The same task script hashes (while a dedup index is missing) or builds its parts.
+    scripts = {
+        "task": render(args, out, f'exec {py} -m data_prep.build_shards --out {out_q} '
+                                  f'--task "$SLURM_ARRAY_TASK_ID" --tasks {tasks} --no-progress',
+                       str(logs / "task-%A_%a.log")),
+        "dedup": render(args, out, f"exec {py} -m data_prep.build_shards --out {out_q} --dedup-index",
+                        str(logs / "dedup-%j.log")),
+        "merge": render(args, out, f"exec {py} -m data_prep.build_shards --out {out_q} --merge",
+                        str(logs / "merge-%j.log")),
+    }
+
+    def array_of(ids: list[int]) -> str:
+        return ",".join(map(str, ids)) + (f"%{args.max_running}" if args.max_running else "")
+
+    steps: list[tuple[str, str | None, str]] = []  # (name, --array or None, script), each after the last
+    if plan["settings"].get("dedup", "none") == "exact" and not dedup.index_done(out, plan):
+        to_hash = [t for t in range(tasks) if any(not dedup.hashes_done(out, p) for p in P.tasks_parts(parts, t, tasks))]
+        if to_hash:
+            steps.append(("hash array", array_of(to_hash), "task"))
+        steps.append(("dedup", None, "dedup"))
+    if todo:
+        steps.append(("array", array_of(todo), "task"))
+    steps.append(("merge", None, "merge"))
+    summary = (f"{len(parts)} parts of {plan['files']} files ({plan['bytes']:,} bytes, about "
                f"{plan['settings']['part_bytes']:,} per part) over {tasks} tasks; "
-               f"{len(todo)} tasks to run{(' (' + array + ')') if todo else ''}")
+               f"{len(todo)} tasks to run{(' (' + array_of(todo) + ')') if todo else ''}; jobs: "
+               + " -> ".join(name + (f" ({array})" if array else "") for name, array, _ in steps))
     if args.dry_run:
         print(f"# {summary}")
-        print(f"##### {out / SLURM_DIR / 'task.sbatch'} (sbatch --array={array or '-'})")
-        print(array_script, end="")
-        print(f"##### {out / SLURM_DIR / 'merge.sbatch'} (sbatch --dependency=afterok:ARRAY_JOB)")
-        print(merge_script, end="")
+        for name in dict.fromkeys(script for _, _, script in steps):
+            print(f"##### {logs / (name + '.sbatch')}")
+            print(scripts[name], end="")
         return 0
     if shutil.which("sbatch") is None:
         raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
@@ -144,24 +167,27 @@ def submit_build(args: argparse.Namespace) -> int:
         print(f"{out} is complete already (manifest.json): nothing to submit")
         return 0
     if previous:
-        active = [f"{task} {state}" for key in ("array_job", "merge_job") if previous[-1][key]
-                  for task, state in job_states(previous[-1][key]).items() if state in ACTIVE_STATES]
+        active = [f"{task} {state}" for job in previous[-1]["jobs"].values()
+                  for task, state in job_states(job).items() if state in ACTIVE_STATES]
         if active:
             raise SubmitError(f"jobs of this build are still queued or running ({', '.join(active)}): wait for "
                               "them, or scancel them first")
-    slurm_dir = out / SLURM_DIR
-    slurm_dir.mkdir(parents=True, exist_ok=True)
-    (slurm_dir / "task.sbatch").write_text(array_script)
-    (slurm_dir / "merge.sbatch").write_text(merge_script)
-    array_job = submit([f"--array={array}", str(slurm_dir / "task.sbatch")]) if todo else None
-    dependency = [f"--dependency=afterok:{array_job}", "--kill-on-invalid-dep=yes"] if array_job else []
-    merge_job = submit([*dependency, str(slurm_dir / "merge.sbatch")])
+    logs.mkdir(parents=True, exist_ok=True)
+    for name, text in scripts.items():
+        (logs / f"{name}.sbatch").write_text(text)
+    jobs: dict[str, str] = {}
+    last = None
+    for name, array, script in steps:
+        options = [f"--array={array}"] if array else []
+        if last is not None:  # cancelled, not left pending, when the step before it fails
+            options += [f"--dependency=afterok:{last}", "--kill-on-invalid-dep=yes"]
+        last = jobs[name] = submit([*options, str(logs / f"{script}.sbatch")])
     record = {"submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "plan_id": plan["plan_id"], "tasks": tasks,
-              "array": array, "array_job": array_job, "merge_job": merge_job}
-    P.write_json_atomic(slurm_dir / JOBS_FILE, {"jobs": previous + [record]})
+              "array": array_of(todo) if todo else "", "jobs": jobs}
+    P.write_json_atomic(logs / JOBS_FILE, {"jobs": previous + [record]})
     print(summary)
-    print(f"submitted {'array job ' + array_job + ' and ' if array_job else ''}merge job {merge_job}")
-    print(f"logs:   {slurm_dir}/task-*.log, merge-*.log")
+    print("submitted " + ", ".join(f"{name} job {job}" for name, job in jobs.items()))
+    print(f"logs:   {logs}/task-*.log, merge-*.log")
     print(f"status: python -m launch.submit_prep --status {out}")
     return 0
 
@@ -191,6 +217,11 @@ def format_status(out: Path) -> str:
     lines = [f"{out}: {len(st['done'])}/{st['parts']} parts complete ({pct:.0f}% of {st['bytes']:,} input bytes), "
              f"{st['documents']:,} documents, {st['tokens']:,} tokens so far; "
              f"{'merged (manifest.json written)' if st['merged'] else 'not merged yet'}"]
+    plan = P.read_plan(out)
+    if plan["settings"].get("dedup", "none") == "exact":
+        hashed = sum(dedup.hashes_done(out, p) for p in P.parts_of(plan))
+        lines.append(f"  dedup exact: {hashed}/{st['parts']} parts hashed, index "
+                     f"{'written' if dedup.index_done(out, plan) else 'not written yet'}")
     if st["todo"]:
         shown = ", ".join(map(str, st["todo"][:20])) + (" ..." if len(st["todo"]) > 20 else "")
         lines.append(f"  parts to build: {shown}")
@@ -198,14 +229,14 @@ def format_status(out: Path) -> str:
     if jobs:
         last = jobs[-1]
         lines.append(f"  last submission {last['submitted']}: {last['tasks']} tasks, array {last['array'] or '-'}")
-        for job in (last["array_job"], last["merge_job"]):
+        for name, job in last["jobs"].items():
             if job:
                 states = job_states(job)
                 counts: dict[str, int] = {}
                 for state in states.values():
                     counts[state] = counts.get(state, 0) + 1
                 shown = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no longer known to Slurm"
-                lines.append(f"  job {job}: {shown}")
+                lines.append(f"  {name} job {job}: {shown}")
     return "\n".join(lines)
 
 

@@ -57,7 +57,7 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     dist.barrier()
     if rank == 0:
         marker = {**meta, "step": step, "world_size": dist.get_world_size(), "time": time.time(),
-                  "expert_parallel": _expert_parallel_size()}
+                  "expert_parallel": _expert_parallel_size(), "tensor_parallel": _tensor_parallel_size()}
         _atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
         _atomic_write(ckpt_dir / LATEST, tag.encode())
         _prune(ckpt_dir, keep_last, keep=tag)
@@ -102,6 +102,12 @@ def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str 
             f"checkpoint {path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]} "
             f"vs {tokenizer_sha256[:12]}); use the tokenizer of that run"
         )
+
+
+def _tensor_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def _expert_parallel_size() -> int:

@@ -86,6 +86,23 @@ def resolve_resume(resume: str, run_dir: str) -> Path | None:
     return path
 
 
+def check_layout(meta: dict, world_size: int, tensor: int, path: Path) -> None:
+    """Refuse, before anything is built, a resume at another world or tensor-parallel size: the
+    ZeRO optimizer shards, the tensor-parallel weight slices and the per-rank data order of a
+    checkpoint are laid out for the processes that saved it. (Another expert-parallel size at the
+    same world size loads: experts are stored per global id, and the moments restart.)"""
+    saved_world, saved_tp = meta.get("world_size"), meta.get("tensor_parallel")
+    if saved_world is None or (saved_world == world_size and saved_tp in (None, tensor)):
+        return
+    saved = f"world {saved_world}" + (f" = tensor {saved_tp} x data {saved_world // saved_tp}" if saved_tp else "")
+    raise CheckpointError(
+        f"checkpoint {path} was saved at {saved} (expert {meta.get('expert_parallel', 1)}), but this run asks "
+        f"for world {world_size} = tensor {tensor} x data {world_size // tensor}; resuming on another "
+        "layout is not supported. Resume it with the saved number of processes and parallel.tensor, or "
+        f"start a new run.dir from its weights with train.init_from={path} (optimizer, schedule and data "
+        "order start over)")
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A complete checkpoint tag directory from a tag directory or a run directory."""
     path = Path(path)

@@ -35,8 +35,9 @@ def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None, Path | Non
     manifest = validate_data(cfg)
     resume_path = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
-        checkpoint.check_compatible(checkpoint_format.read_meta(resume_path), cfg.to_dict()["model"],
-                                    manifest.get("tokenizer_sha256"), resume_path)
+        meta = checkpoint_format.read_meta(resume_path)
+        checkpoint.check_compatible(meta, cfg.to_dict()["model"], manifest.get("tokenizer_sha256"), resume_path)
+        checkpoint_format.check_layout(meta, world_size, cfg.parallel.tensor, resume_path)
         return manifest, resume_path, None
     if cfg.train.init_from:
         from pretrain.init_from import check_source

@@ -1,14 +1,27 @@
-"""Small synthetic shard sets for trainer tests: learnable token patterns, no tokenizer needed."""
+"""Small synthetic data for tests: shard sets with learnable token patterns (no tokenizer needed) and
+code-like text for the tokenizer and shard-building tests."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
 from streaming import MDSWriter
 
 FAKE_TOKENIZER_SHA = "0" * 64
+
+WORDS = ("the quick brown fox jumps over lazy dog data model token shard train value sample "
+         "def return class import self print for while if else none true false alpha beta gamma").split()
+
+
+def make_text(rng: random.Random, lines: int) -> str:
+    out = []
+    for _ in range(lines):
+        indent = "    " * rng.randrange(3)
+        out.append(indent + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 12))))
+    return "\n".join(out) + "\n"
 
 
 def write_synthetic_shards(root: Path, vocab_size: int = 256, seq_len: int = 32, train: int = 256,

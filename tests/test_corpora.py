@@ -23,18 +23,8 @@ from data_prep.import_tokenizer import import_tokenizer
 from data_prep.import_tokenizer import main as import_main
 from data_prep.sources import BadInputReport, iter_documents
 from data_prep.tokenizer import load_tokenizer
-from tests.test_data_prep import make_text, read_split
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus_tok")
-    rng = random.Random(0)
-    for i in range(20):
-        (root / f"doc{i:02d}.txt").write_text(make_text(rng, 40))
-    out = tmp_path_factory.mktemp("tok")
-    tt.train_tokenizer([root], out, vocab_size=400, overwrite=True, num_threads=1)
-    return out
+from tests.synthetic import make_text
+from tests.test_data_prep import read_split, split_docs
 
 
 def write_jsonl_zst(path: Path, lines: list[str]) -> None:
@@ -47,7 +37,9 @@ def write_parquet(path: Path, texts: list, row_group_size: int, column: str = "t
 
 
 def samples_multiset(out: Path) -> Counter:
-    return Counter(tuple(s.tolist()) for split in ("train", "val") for s in read_split(out / split))
+    splits = json.loads((out / "manifest.json").read_text())["splits"]
+    return Counter(tuple(s.tolist()) for split in ("train", "val") if splits[split]["samples"]
+                   for s in read_split(out / split))
 
 
 def assert_samples_are_source_spans(out: Path, texts: list[str], sp) -> int:
@@ -303,3 +295,41 @@ def test_existing_sentencepiece_model_is_used_like_ours(tmp_path, tok_dir, capsy
     assert not (tmp_path / "bad").exists()
     assert import_main(["--model", str(tmp_path / "llama.model"), "--out", str(tmp_path / "imported")]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, tok_dir, capsys):
+    rng = random.Random(7)
+    a, b, c, d, e = (make_text(rng, 6) for _ in range(5))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, docs in (("f0", [a, b, c]), ("f1", [b, d]), ("f2", [a, a, e]), ("f3", [c])):
+        (corpus / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    kw = dict(seq_len=8, val_fraction=0, part_size="100b", dedup_mode="exact")
+    m = bs.build_shards([corpus], tok_dir, tmp_path / "local", workers=1, **kw)
+    assert m["parts"] == 4 and m["dedup"] == {"method": "exact", "dropped_documents": 4}
+    assert m["documents"] == 5 and m["splits"]["train"]["documents"] == 5
+    plan = P.read_plan(tmp_path / "local")
+    markers = [P.read_marker(tmp_path / "local", p, plan) for p in P.parts_of(plan)]
+    assert [(x["splits"]["train"]["documents"], x["duplicates"]) for x in markers] == [(3, 0), (1, 1), (1, 2), (0, 1)]
+    sp, _ = load_tokenizer(tok_dir)
+    first = split_docs(np.concatenate(read_split(tmp_path / "local" / "train" / "part-00000")), sp.eos_id())
+    assert [sp.decode(x) for x in first] == [a, b]  # c is cut by the part's last incomplete sample
+    assert bs.build_shards([corpus], tok_dir, tmp_path / "w2", workers=2, **kw) == m
+
+    # On a cluster: tasks hash first, one step builds the index, the same tasks then build.
+    out = tmp_path / "cluster"
+    args = ["--out", str(out), "--tasks", "2", "--workers", "1"]
+    assert bs.main(["--sources", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", "8",
+                    "--val-fraction", "0", "--part-size", "100b", "--dedup", "exact", "--plan-only"]) == 0
+    assert bs.main(args + ["--task", "0"]) == 0
+    assert P.status(out)["done"] == []  # hashed, not built
+    assert bs.main(["--out", str(out), "--dedup-index"]) == 2
+    assert "have no document hashes yet (parts 1, 3)" in capsys.readouterr().err
+    assert bs.main(args + ["--task", "1"]) == 0
+    assert bs.main(["--out", str(out), "--dedup-index"]) == 0
+    assert "4 of 9 documents are duplicates" in capsys.readouterr().out
+    for task in ("0", "1"):
+        assert bs.main(args + ["--task", task]) == 0
+    assert bs.main(["--out", str(out), "--merge"]) == 0
+    assert samples_multiset(out) == samples_multiset(tmp_path / "local")
+    assert json.loads((out / "manifest.json").read_text())["dedup"] == m["dedup"]

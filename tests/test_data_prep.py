@@ -13,29 +13,7 @@ from data_prep import build_shards as bs
 from data_prep import tokenizer as tok
 from data_prep import train_tokenizer as tt
 from data_prep.sources import BadInputReport, EmptyCorpusError, default_corpus, iter_documents, list_files
-
-WORDS = ("the quick brown fox jumps over lazy dog data model token shard train value sample "
-         "def return class import self print for while if else none true false alpha beta gamma").split()
-
-
-def make_text(rng: random.Random, lines: int) -> str:
-    out = []
-    for _ in range(lines):
-        indent = "    " * rng.randrange(3)
-        out.append(indent + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 12))))
-    return "\n".join(out) + "\n"
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    """A small tokenizer trained once for the whole module."""
-    root = tmp_path_factory.mktemp("tokcorpus")
-    rng = random.Random(0)
-    for i in range(20):
-        (root / f"doc{i:02d}.txt").write_text(make_text(rng, 40))
-    out = tmp_path_factory.mktemp("tok")
-    tt.train_tokenizer([root], out, vocab_size=400, model_type="bpe", overwrite=True)
-    return out
+from tests.synthetic import make_text
 
 
 def read_split(path: Path) -> list[np.ndarray]:

@@ -119,6 +119,18 @@ def test_checkpoint_from_another_model_is_rejected(data, tmp_path):
     from pretrain.config import load_config
 
     tag = run / "checkpoints" / "step_00000004"
+    # Another layout is refused before any process group or model is built (exit 2).
+    out = train(2, tiny_overrides(data, run, **{"train.steps": 8}), check=False)
+    assert out.returncode != 0 and "model:" not in out.stdout
+    assert (f"checkpoint {tag} was saved at world 1 = tensor 1 x data 1 (expert 1), but this run asks for "
+            "world 2 = tensor 1 x data 2") in out.stderr and f"train.init_from={tag}" in out.stderr
+    from pretrain.checkpoint_format import check_layout
+
+    saved = {"world_size": 2, "tensor_parallel": 2, "expert_parallel": 1}
+    check_layout(saved, 2, 2, tag)
+    check_layout({"world_size": 2}, 2, 2, tag)  # a marker from before tensor_parallel was recorded
+    with pytest.raises(CheckpointError, match="saved at world 2 = tensor 2 x data 1 .* tensor 1 x data 2"):
+        check_layout(saved, 2, 1, tag)
     meta = read_meta(tag)
     del meta["model"]["num_kv_heads"]
     model = load_config(None, tiny_overrides(data, run)).to_dict()["model"]

@@ -82,6 +82,9 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={sizes.expert}")
     if not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+    for key in ("aux_loss_coef", "router_z_loss_coef"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0 (0 = off)")
     if any(width % sizes.tensor for width in split_widths.values()):
         widths = " and ".join(f"{name}={width}" for name, width in split_widths.items())
         raise ConfigError(f"model.moe.{widths} must be divisible by parallel.tensor={sizes.tensor} "
