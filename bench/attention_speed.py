@@ -41,7 +41,9 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     return module, cfg
 
 
-def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device) -> float:
+def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
+              documents: torch.Tensor | None = None) -> float:
+    """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
     from models.layers import Rotary
 
     module, cfg = build(kind, hidden, heads, seq)
@@ -51,7 +53,7 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
     scores = torch.randn(batch, heads, seq, seq, device=device, requires_grad=True)
     times = []
     for i in range(repeats + 1):
-        ctx = {"rotary": rotary, "attention_scores": {0: scores}}
+        ctx = {"rotary": rotary, "attention_scores": {0: scores}, "document_ids": documents}
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()

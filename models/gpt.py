@@ -108,9 +108,11 @@ class GPT(nn.Module):
         logits, _ = self.head(x, weight=weight)
         return logits
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy plus any auxiliary (load-balancing, z) losses while training."""
-        logits = self.logits(tokens).float()
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy plus any auxiliary (load-balancing, z) losses while training.
+        document_ids [batch, seq] (models.attention.masks.document_ids): attend within documents only."""
+        logits = self.logits(tokens, {"document_ids": document_ids} if document_ids is not None else None).float()
         z = None
         if self.training and self.z_loss > 0:
             # Before the cross-entropy: megatron's overwrites the logits in place.

@@ -92,6 +92,9 @@ class DataConfig:
     num_workers: int = 0
     shuffle_seed: int = 1234
     num_canonical_nodes: int = 1  # keep fixed for a run: it defines the sample order
+    # Attention within documents: each sample's documents (split after every EOS, the id in the
+    # shards' manifest) attend only to themselves, in training and validation.
+    document_mask: bool = False
 
     @property
     def sources(self) -> list[DataSource]:
@@ -122,6 +125,11 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     z_loss: float = 0.0  # coefficient of mean(logsumexp(LM logits)^2) in the loss; 0 = off (1e-4 is usual)
+    # Skip optimizer steps whose loss or grad norm is more than spike_sigmas standard deviations above
+    # the mean of the last spike_window applied steps (pretrain.spikes).
+    skip_spikes: bool = False
+    spike_sigmas: float = 6.0
+    spike_window: int = 128
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # torch's fused AdamW: auto (on GPU) | true | false
@@ -248,6 +256,13 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = start at the full train.lr)")
+    if t.skip_spikes:
+        if t.spike_sigmas <= 0 or t.spike_window < 20:
+            raise ConfigError(f"train.spike_sigmas={t.spike_sigmas} must be > 0 and train.spike_window="
+                              f"{t.spike_window} at least 20 (the steps judged before a spike can be found)")
+        if cfg.parallel.zero_stage < 1:
+            raise ConfigError("train.skip_spikes=true needs parallel.zero_stage >= 1: the check runs inside "
+                              "DeepSpeed's ZeRO optimizer step, where the global gradient norm is known")
     if t.z_loss < 0:
         raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 = off; 1e-4 is the usual coefficient)")
     if t.warmup_steps >= t.steps:
@@ -325,5 +340,12 @@ def validate_data(cfg: Config) -> dict:
                 f"the shards of {key} were built with a different tokenizer than {cfg.data.tokenizer}; "
                 "point data.tokenizer at the one used for the shards, or rebuild them"
             )
+        if cfg.data.document_mask and manifest.get("eos_id") is None:
+            raise ConfigError(f"data.document_mask=true needs the EOS id, which the manifest of {key} does not "
+                              "record: rebuild the shards with python -m data_prep.build_shards, or set "
+                              "data.document_mask=false")
         manifests.append(manifest)
+    if cfg.data.document_mask and not manifests:
+        raise ConfigError("data.document_mask=true needs the EOS id from a local manifest.json, but every data "
+                          "source is remote: set data.document_mask=false")
     return manifests[0] if manifests else {}

@@ -60,10 +60,21 @@ def param_groups(model: nn.Module) -> list[dict]:
 def build_engine(cfg: Config, model: nn.Module):
     import deepspeed
 
+    config = deepspeed_config(cfg)
+    optimizer = None
+    if cfg.train.skip_spikes:
+        # The same torch AdamW, built here so that pretrain.spikes can veto a step.
+        from pretrain.spikes import SkipStepAdamW
+
+        params = config.pop("optimizer")["params"]
+        params.pop("torch_adam")
+        optimizer = SkipStepAdamW(param_groups(model), lr=params.pop("lr"), betas=tuple(params.pop("betas")), **params)
+        config["zero_allow_untested_optimizer"] = True  # ZeRO checks the exact type; this is torch's AdamW
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=param_groups(model),
-        config=deepspeed_config(cfg),
+        model_parameters=None if optimizer is not None else param_groups(model),
+        optimizer=optimizer,
+        config=config,
         mpu=MegatronCoreMPU(),
         lr_scheduler=client_scheduler(cfg.train),
     )
@@ -73,4 +84,9 @@ def build_engine(cfg: Config, model: nn.Module):
 def describe_optimizer(engine) -> str:
     """The torch optimizer under DeepSpeed's ZeRO/bf16 wrappers, e.g. "AdamW (fused)"."""
     optimizer = engine.basic_optimizer
-    return type(optimizer).__name__ + (" (fused)" if optimizer.defaults.get("fused") else "")
+    from pretrain.spikes import SkipStepAdamW
+
+    name = "AdamW" if isinstance(optimizer, SkipStepAdamW) else type(optimizer).__name__
+    notes = [n for n, on in (("fused", optimizer.defaults.get("fused")),
+                             ("skips spikes", isinstance(optimizer, SkipStepAdamW))) if on]
+    return name + (f" ({', '.join(notes)})" if notes else "")

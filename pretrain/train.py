@@ -78,7 +78,7 @@ def run(cfg: Config) -> int:
     batches = Batches(build_loader(cfg, "train", shuffle=True))
     counts = param_counts(cfg.model)
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
-            "flops_per_token": flops_per_token(cfg.model), "params": counts}
+            "eos_id": manifest.get("eos_id"), "flops_per_token": flops_per_token(cfg.model), "params": counts}
     logger = Logger(run_dir, env.rank)
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
@@ -99,6 +99,8 @@ def run(cfg: Config) -> int:
         logger.print(f"resumed from {resume_path} at step {start_step}")
     trainer = Trainer(cfg, engine, batches, load_val_sets(cfg), logger, device(), meta,
                       build_callbacks(cfg, model))
+    if resume_path is not None and trainer.spikes is not None and "spikes" in state:
+        trainer.spikes.load_state_dict(state["spikes"])
     trainer.fit(start_step)
     if env.rank == 0:
         with open(run_dir / "losses.jsonl", "a") as f:

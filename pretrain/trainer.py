@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from models.attention.masks import document_ids
 from pretrain import checkpoint, checkpoint_format, signals
 from pretrain.config import Config
 from pretrain.data import Batches, all_batches, split_batch
 from pretrain.distributed import dp_mean
+from pretrain.spikes import SpikeGuard
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
 
 
@@ -72,6 +74,13 @@ class Trainer:
         self.losses: list[tuple[int, float]] = []
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
         self.last_z_loss = torch.zeros(())
+        # data.document_mask: the EOS id that ends each document of a sample (from the manifest).
+        self.document_eos: int | None = meta.get("eos_id") if cfg.data.document_mask else None
+        self.spikes: SpikeGuard | None = None
+        if cfg.train.skip_spikes:
+            self.spikes = SpikeGuard(cfg.train.spike_window, cfg.train.spike_sigmas)
+            zero = engine.optimizer  # DeepSpeed's ZeRO wrapper: it has the global norm before the torch step
+            engine.basic_optimizer.should_skip = lambda: self.spikes.skip(float(zero._global_grad_norm or 0.0))
 
     @property
     def model(self):
@@ -81,20 +90,28 @@ class Trainer:
     def val_batches(self) -> list[torch.Tensor]:
         return all_batches(self.val_sets)
 
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """The engine's loss on one micro-batch (inputs and shifted labels, documents when masked)."""
+        inputs, labels = split_batch(batch, self.device)
+        if self.document_eos is None:
+            return self.engine(inputs, labels)
+        return self.engine(inputs, labels, document_ids(inputs, self.document_eos))
+
     def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
         total = torch.zeros((), device=self.device)
         z_total = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.train.grad_accum):
+        for micro in range(self.cfg.train.grad_accum):
             waited = time.perf_counter()
             batch = next(self.batches)
             if throughput is not None:
                 throughput.data_wait(time.perf_counter() - waited)
-            inputs, labels = split_batch(batch, self.device)
-            loss = self.engine(inputs, labels)
+            loss = self.forward(batch)
             self.engine.backward(loss)
-            self.engine.step()
             total += loss.detach().float()
+            if self.spikes is not None and micro == self.cfg.train.grad_accum - 1:
+                self.spikes.begin_step(dp_mean(total / self.cfg.train.grad_accum))  # before the update
+            self.engine.step()
             if self.model.last_z_loss is not None:
                 z_total += self.model.last_z_loss
         self.last_z_loss = z_total / self.cfg.train.grad_accum  # part of the loss, logged on its own
@@ -117,8 +134,7 @@ class Trainer:
                 if signals.any_rank_received(self.device):
                     self.engine.train()
                     return None
-                inputs, labels = split_batch(batch, self.device)
-                sums[i] += self.engine(inputs, labels).float()
+                sums[i] += self.forward(batch).float()
         self.engine.train()
         counts = torch.tensor([len(batches) for batches in self.val_sets.values()], device=self.device)
         means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts]))
@@ -129,8 +145,11 @@ class Trainer:
 
     def save(self, step: int) -> None:
         started = time.perf_counter()
+        rank_state = {"data": self.batches.state_dict()}
+        if self.spikes is not None:
+            rank_state["spikes"] = self.spikes.state_dict()
         path = checkpoint.save(self.engine, checkpoint_format.checkpoint_dir(self.cfg.run.dir), step, self.meta,
-                               {"data": self.batches.state_dict()}, self.cfg.train.keep_last)
+                               rank_state, self.cfg.train.keep_last)
         seconds = time.perf_counter() - started
         if dist.get_rank() == 0:  # the files of all ranks, on the shared run directory
             size_gb = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
@@ -154,6 +173,8 @@ class Trainer:
                           **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
         if self.cfg.train.z_loss > 0:
             result.metrics["z_loss"] = dp_mean(self.last_z_loss)
+        if self.spikes is not None:
+            result.metrics["skipped_steps"] = len(self.spikes.skipped_steps)
         self.logger.scalars(result.step, result.metrics, prefix="train/")
         self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics))
 
@@ -188,6 +209,11 @@ class Trainer:
             throughput.step()
             self._emit("on_optimizer_step", step)
             result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step
+            if self.spikes is not None:
+                skipped = self.spikes.end_step(step)
+                if skipped:
+                    self.logger.print(f"step {step}: update skipped as a spike ({skipped}); "
+                                      f"{len(self.spikes.skipped_steps)} skipped so far")
             if not math.isfinite(result.loss):
                 raise NonFiniteLossError(
                     f"loss became {result.loss} at step {step}; nothing was saved for this step. "

@@ -19,24 +19,31 @@ def full_tensor(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor
 
 def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int = 0,
                        activation_checkpointing: bool = False, compile_blocks: bool = False,
-                       z_loss: float = 0.0) -> None:
+                       z_loss: float = 0.0, eos_id: int | None = None) -> None:
     """Build a GPT with a fixed seed, run one forward/backward on a fixed batch and save the
     loss plus full (TP-gathered) gradients from rank 0 (and whether torch.compile made graphs)."""
     from models.config import ModelConfig
     from models.gpt import GPT
 
-    cfg = ModelConfig(**model_kwargs)
+    cfg = ModelConfig.from_dict(model_kwargs)
     torch.manual_seed(seed)
     model = GPT(cfg, activation_checkpointing=activation_checkpointing, z_loss=z_loss)
     if compile_blocks:
         model.compile_blocks()
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
-    loss = model(tokens[:, :-1], tokens[:, 1:])
+    documents = None
+    if eos_id is not None:  # packed documents: ends at different places in the two rows
+        tokens[tokens == eos_id] = eos_id + 1
+        tokens[0, [4, 11]] = tokens[1, [7]] = eos_id
+        from models.attention.masks import document_ids
+
+        documents = document_ids(tokens[:, :-1], eos_id)
+    loss = model(tokens[:, :-1], tokens[:, 1:], documents)
     loss.backward()
     grads = {name: full_tensor(p, p.grad) for name, p in model.named_parameters()}
     weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
     with torch.no_grad():  # every rank: the forward holds tensor-parallel collectives
-        logits = model.logits(tokens[:, :-1])
+        logits = model.logits(tokens[:, :-1], {"document_ids": documents})
     if rank == 0:
         from torch._dynamo.utils import counters
 

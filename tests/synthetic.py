@@ -25,9 +25,13 @@ def make_text(rng: random.Random, lines: int) -> str:
 
 
 def write_synthetic_shards(root: Path, vocab_size: int = 256, seq_len: int = 32, train: int = 256,
-                           val: int = 16, seed: int = 0) -> Path:
+                           val: int = 16, seed: int = 0, eos_id: int | None = None,
+                           garbage_every: int = 0) -> Path:
     """Distinct sequences that count upward with different starts and strides, so a model can
-    learn them and tests can tell samples apart."""
+    learn them and tests can tell samples apart. With ``eos_id``, every sample also holds two document
+    ends (at positions that move with the sample) and the manifest records the id. With
+    ``garbage_every``, every such train sample is one token repeated: a loss spike once the patterns
+    are learnt."""
     root = Path(root)
     span = vocab_size - 4
     for split, count, offset in (("train", train, 0), ("val", val, train)):
@@ -36,9 +40,13 @@ def write_synthetic_shards(root: Path, vocab_size: int = 256, seq_len: int = 32,
             for i in range(offset + seed, offset + seed + count):
                 start, stride = i % span, 1 + (i // span) % 7
                 tokens = (start + stride * np.arange(seq_len + 1)) % span + 4
+                if eos_id is not None:
+                    tokens[[3 + i % 7, seq_len // 2 + i % 5]] = eos_id
+                if garbage_every and split == "train" and i % garbage_every == garbage_every - 1:
+                    tokens[:] = 4 + i % span
                 writer.write({"tokens": tokens.astype(np.uint16)})
     manifest = {"seq_len": seq_len, "vocab_size": vocab_size, "tokenizer_sha256": FAKE_TOKENIZER_SHA,
-                "samples": {"train": train, "val": val}}
+                "samples": {"train": train, "val": val}, **({"eos_id": eos_id} if eos_id is not None else {})}
     (root / "shards" / "manifest.json").write_text(json.dumps(manifest))
     (root / "tokenizer").mkdir(exist_ok=True)
     (root / "tokenizer" / "tokenizer.json").write_text(json.dumps({"vocab_size": vocab_size,

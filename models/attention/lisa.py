@@ -177,10 +177,11 @@ class LISAAttention(nn.Module):
 
     def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Attention weights from the scores, applied to the values: [batch, heads, seq, head_dim]."""
+        documents = ctx.get("document_ids")
         if self.family == "relu":
-            weights, normalised = relu_weights(scores, self.normalizer), False
+            weights, normalised = relu_weights(scores, self.normalizer, documents), False
         else:
-            weights, normalised = causal_softmax(scores), True
+            weights, normalised = causal_softmax(scores, documents), True
         self.capture(ctx, weights, normalised=normalised)
         return weights.to(v.dtype) @ expand_kv(v, scores.shape[1])
 

@@ -2,7 +2,8 @@
 
     o_i = sum_{j <= i} ReLU(q_i . k_j / sqrt(d)) v_j / n_i,   n_i in {1, i (visible keys), seq_len}
 
-(model.relu_attention.normalizer = none | prefix | seqlen). Rows of the weights need not sum to
+(model.relu_attention.normalizer = none | prefix | seqlen; within documents, n_i counts the keys of
+query i's own document, and seqlen is that document's length). Rows of the weights need not sum to
 one, so a head can output ~0 without parking weight on a sink token. Queries are processed in
 blocks of model.relu_attention.block_size in forward and backward (the backward recomputes the
 block's scores), so memory is O(block x seq) per head rather than O(seq^2).
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
-from models.attention.softmax import causal_mask, scaled_scores
+from models.attention.masks import document_length, keys_seen, visible
+from models.attention.softmax import scaled_scores
 from models.config import ConfigError, ModelConfig
 from models.registry import AttentionKind, ParallelSizes, register_attention, register_section
 
@@ -32,39 +34,45 @@ class ReLUAttentionConfig:
 register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size",))
 
 
-def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0) -> torch.Tensor:
-    """n_i for queries offset..offset+q_len-1 as a [q_len, 1] float tensor."""
+def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0,
+                    documents: torch.Tensor | None = None) -> torch.Tensor:
+    """n_i for queries offset..offset+q_len-1: [q_len, 1] float, or [batch, 1, q_len, 1] within
+    documents, where prefix counts the keys of the query's own document and seqlen is its length."""
     if normalizer == "none":
         return torch.ones(q_len, 1, device=device)
     if normalizer == "prefix":  # number of keys query i sees (1-based position)
+        if documents is not None:
+            return keys_seen(documents, q_len, offset)
         return torch.arange(offset + 1, offset + q_len + 1, device=device, dtype=torch.float32).unsqueeze(1)
     if normalizer == "seqlen":
+        if documents is not None:
+            return document_length(documents, q_len, offset)
         return torch.full((q_len, 1), float(seq_len), device=device)
     raise ValueError(f"model.relu_attention.normalizer={normalizer!r}: choose one of {NORMALIZERS}")
 
 
-def relu_weights(scores: torch.Tensor, normalizer: str) -> torch.Tensor:
+def relu_weights(scores: torch.Tensor, normalizer: str, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute weights ReLU(s_ij) / n_i on visible keys from unmasked scores [.., q, k]."""
     sq, sk = scores.shape[-2:]
-    mask = causal_mask(sq, sk, scores.device)
-    n = relu_normaliser(normalizer, sq, sk, scores.device).to(scores.dtype)
+    mask = visible(sq, sk, scores.device, documents)
+    n = relu_normaliser(normalizer, sq, sk, scores.device, documents=documents).to(scores.dtype)
     return scores.relu().masked_fill(~mask, 0.0) / n
 
 
 class _BlockedReLUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, normalizer: str, block: int):
+    def forward(ctx, q, k, v, normalizer: str, block: int, documents):
         seq, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
         for start in range(0, seq, block):
             end = min(start + block, seq)
             scores = (q[..., start:end, :] @ k[..., :end, :].transpose(-2, -1)) * scale
-            mask = causal_mask(end - start, end, q.device, offset=start)
-            n = relu_normaliser(normalizer, end - start, seq, q.device, offset=start).to(scores.dtype)
+            mask = visible(end - start, end, q.device, documents, offset=start)
+            n = relu_normaliser(normalizer, end - start, seq, q.device, start, documents).to(scores.dtype)
             weights = scores.relu().masked_fill(~mask, 0.0) / n
             out[..., start:end, :] = weights.to(v.dtype) @ v[..., :end, :]
         ctx.save_for_backward(q, k, v)
-        ctx.normalizer, ctx.block = normalizer, block
+        ctx.normalizer, ctx.block, ctx.documents = normalizer, block, documents
         return out
 
     @staticmethod
@@ -81,8 +89,8 @@ class _BlockedReLUAttention(torch.autograd.Function):
             q_blk, g = q[..., start:end, :], grad_out[..., start:end, :]
             k_pre, v_pre = k[..., :end, :], v[..., :end, :]
             scores = (q_blk @ k_pre.transpose(-2, -1)) * scale
-            mask = causal_mask(end - start, end, q.device, offset=start)
-            n = relu_normaliser(ctx.normalizer, end - start, seq, q.device, offset=start).to(scores.dtype)
+            mask = visible(end - start, end, q.device, ctx.documents, offset=start)
+            n = relu_normaliser(ctx.normalizer, end - start, seq, q.device, start, ctx.documents).to(scores.dtype)
             active = (scores > 0) & mask
             weights = scores.masked_fill(~active, 0.0) / n
             dv[..., :end, :] += (weights.transpose(-2, -1) @ g.to(weights.dtype)).to(acc)
@@ -90,13 +98,13 @@ class _BlockedReLUAttention(torch.autograd.Function):
             d_scores = d_weights.masked_fill(~active, 0.0).to(scores.dtype) / n * scale
             dq[..., start:end, :] = (d_scores @ k_pre).to(acc)
             dk[..., :end, :] += (d_scores.transpose(-2, -1) @ q_blk).to(acc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str = "prefix",
-                   block: int = 256) -> torch.Tensor:
-    """Blocked causal ReLU attention on [batch, heads, seq, head_dim]."""
-    return _BlockedReLUAttention.apply(q, k, v, normalizer, max(1, int(block)))
+                   block: int = 256, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Blocked causal ReLU attention on [batch, heads, seq, head_dim] (within documents when given)."""
+    return _BlockedReLUAttention.apply(q, k, v, normalizer, max(1, int(block)), documents)
 
 
 class ReLUAttention(ProjectedAttention):
@@ -107,11 +115,12 @@ class ReLUAttention(ProjectedAttention):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        documents = ctx.get("document_ids")
         if not (self.publish_scores or ctx.get("capture_attention")):
-            return relu_attention(q, k, v, self.normalizer, self.block_size)
+            return relu_attention(q, k, v, self.normalizer, self.block_size, documents)
         scores = scaled_scores(q, k)
         self.publish(ctx, scores)  # pre-activation scores
-        weights = relu_weights(scores, self.normalizer)
+        weights = relu_weights(scores, self.normalizer, documents)
         self.capture(ctx, weights, normalised=False)
         return weights.to(v.dtype) @ v
 

@@ -15,23 +15,25 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 
 from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
-from models.attention.softmax import causal_mask, scaled_scores
+from models.attention.masks import visible
+from models.attention.softmax import scaled_scores
 from models.config import ModelConfig
 from models.registry import AttentionKind, register_attention
 
 
-def sink_softmax_weights(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+def sink_softmax_weights(scores: torch.Tensor, sink: torch.Tensor, documents: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Weights on the real keys [batch, heads, q, k] from unmasked scores and sink logits [heads];
     each row sums to 1 - (weight on the sink)."""
     b, h, sq, sk = scores.shape
-    mask = causal_mask(sq, sk, scores.device)
+    mask = visible(sq, sk, scores.device, documents)
     sink_col = sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
     logits = torch.cat([sink_col, scores.masked_fill(~mask, float("-inf"))], dim=-1)
     return logits.softmax(-1)[..., 1:]
 
 
 def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           sink: torch.Tensor) -> torch.Tensor:
+                           sink: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention with sink logits [heads], via SDPA and extra zero key/value columns: the
     first carries the sink logit as its bias, the rest (padding the key length to a multiple of 8
     for fused kernels' mask alignment) are masked out. k/v may hold fewer (grouped-query) heads."""
@@ -40,11 +42,13 @@ def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     zeros = q.new_zeros(b, k.shape[1], extra, d)
     k = torch.cat([zeros, k], dim=2)
     v = torch.cat([zeros.to(v.dtype), v], dim=2)
-    causal = torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(
-        ~causal_mask(s, s, q.device), float("-inf"))
-    pad = torch.full((h, s, extra - 1), float("-inf"), dtype=q.dtype, device=q.device)
-    bias = torch.cat([sink.to(q.dtype).view(h, 1, 1).expand(h, s, 1), pad, causal.expand(h, s, s)], dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0), enable_gqa=k.shape[1] != h)
+    mask = visible(s, s, q.device, documents)  # [s, s], or [b, 1, s, s] within documents
+    rows = mask.shape[0] if mask.dim() == 4 else 1
+    causal = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    pad = torch.full((rows, h, s, extra - 1), float("-inf"), dtype=q.dtype, device=q.device)
+    bias = torch.cat([sink.to(q.dtype).view(1, h, 1, 1).expand(rows, h, s, 1), pad,
+                      causal.expand(rows, h, s, s)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=k.shape[1] != h)
 
 
 class SinkSoftmaxAttention(ProjectedAttention):
@@ -57,12 +61,13 @@ class SinkSoftmaxAttention(ProjectedAttention):
         set_tensor_model_parallel_attributes(self.sink, True, 0, 1)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        documents = ctx.get("document_ids")
         if not (self.publish_scores or ctx.get("capture_attention")):
-            return sink_softmax_attention(q, k, v, self.sink)
+            return sink_softmax_attention(q, k, v, self.sink, documents)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)
         self.publish(ctx, scores)
-        weights = sink_softmax_weights(scores, self.sink)
+        weights = sink_softmax_weights(scores, self.sink, documents)
         self.capture(ctx, weights, normalised=False)
         return weights.to(v.dtype) @ v
 

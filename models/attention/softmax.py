@@ -1,4 +1,5 @@
-"""Causal softmax attention through scaled_dot_product_attention (flash kernels on GPU).
+"""Causal softmax attention through scaled_dot_product_attention (flash kernels on GPU; with
+document masking a boolean block-causal mask, which the memory-efficient kernels take).
 
 When a later LISA layer needs this layer's scores, or attention is captured for metrics, the
 scores are materialised ([batch, heads, seq, seq]) and the output comes from the explicit weights.
@@ -12,14 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.attention.masks import visible
 from models.config import ModelConfig
 from models.registry import AttentionKind, LlamaMapping, register_attention
-
-
-def causal_mask(q_len: int, k_len: int, device: torch.device, offset: int = 0) -> torch.Tensor:
-    """Boolean [q_len, k_len]: query i (at absolute position offset + i) sees keys j <= offset + i."""
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + offset
-    return torch.arange(k_len, device=device).unsqueeze(0) <= rows
 
 
 def scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -27,24 +23,31 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
 
 
-def causal_softmax(scores: torch.Tensor) -> torch.Tensor:
-    mask = causal_mask(scores.shape[-2], scores.shape[-1], scores.device)
+def causal_softmax(scores: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    mask = visible(scores.shape[-2], scores.shape[-1], scores.device, documents)
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
-def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA; k/v may hold fewer (grouped-query) heads than q."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal SDPA (within documents when given: a boolean mask, which the memory-efficient kernels
+    take); k/v may hold fewer (grouped-query) heads than q."""
+    gqa = k.shape[1] != q.shape[1]
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    mask = visible(q.shape[-2], k.shape[-2], q.device, documents)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class SoftmaxAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        documents = ctx.get("document_ids")
         if not (self.publish_scores or ctx.get("capture_attention")):
-            return softmax_attention(q, k, v)
+            return softmax_attention(q, k, v, documents)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)
         self.publish(ctx, scores)
-        weights = causal_softmax(scores)
+        weights = causal_softmax(scores, documents)
         self.capture(ctx, weights, normalised=True)
         return weights.to(v.dtype) @ v
 

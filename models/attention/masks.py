@@ -1,0 +1,50 @@
+"""Which keys a query sees: causal, and optionally only within its own document.
+
+A packed sample holds several documents, each ending with EOS. ``documents`` ([batch, seq] ints,
+from :func:`document_ids`) numbers them; with it a query attends only to earlier keys of its own
+document, so a packed sample gives each document the outputs it would get alone (RoPE scores depend
+on relative positions only). Every attention kind takes ``documents=None`` for plain causal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[batch, seq] -> document index per position; an EOS belongs to the document it ends."""
+    is_eos = (tokens == eos_id).long()
+    return torch.cumsum(is_eos, dim=1) - is_eos
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    """Boolean [q_len, k_len]: query i (at absolute position offset + i) sees keys j <= offset + i."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + offset
+    return torch.arange(k_len, device=device).unsqueeze(0) <= rows
+
+
+def visible(q_len: int, k_len: int, device: torch.device, documents: torch.Tensor | None = None,
+            offset: int = 0) -> torch.Tensor:
+    """Boolean mask of the keys each query sees: [q_len, k_len] causal, or [batch, 1, q_len, k_len]
+    causal within documents (queries offset..offset+q_len-1, keys 0..k_len-1)."""
+    causal = causal_mask(q_len, k_len, device, offset)
+    if documents is None:
+        return causal
+    same = documents[:, offset:offset + q_len, None] == documents[:, None, :k_len]
+    return (causal & same).unsqueeze(1)
+
+
+def keys_seen(documents: torch.Tensor, q_len: int, offset: int = 0) -> torch.Tensor:
+    """[batch, 1, q_len, 1] float: how many keys of its own document each query sees (itself included)."""
+    seq = documents.shape[1]
+    pos = torch.arange(seq, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values  # start of each position's document
+    return (pos - first + 1)[:, offset:offset + q_len].float()[:, None, :, None]
+
+
+def document_length(documents: torch.Tensor, q_len: int, offset: int = 0) -> torch.Tensor:
+    """[batch, 1, q_len, 1] float: the length (in this sample) of each query's document."""
+    lengths = torch.zeros_like(documents).scatter_add_(1, documents, torch.ones_like(documents))
+    return lengths.gather(1, documents)[:, offset:offset + q_len].float()[:, None, :, None]

@@ -1,0 +1,85 @@
+"""Loss-spike protection (train.skip_spikes): an optimizer step whose loss or gradient norm is more
+than train.spike_sigmas standard deviations above the mean of the last train.spike_window accepted
+steps is skipped: no parameter or optimizer-state update, while the batch is consumed and the
+learning-rate schedule moves on as for any step.
+
+The loss is the data-parallel mean and the gradient norm the global one, so every rank decides
+the same. The decision is taken inside DeepSpeed's optimizer step, after it has computed the global
+gradient norm and before it calls the torch optimizer, which is a SkipStepAdamW: it returns without
+touching parameters or moments when the guard says so. The window is part of each rank's checkpoint
+state, so a resumed run skips exactly the steps the uninterrupted one skips.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Callable
+
+import torch
+
+MIN_STEPS = 20  # accepted steps in the window before anything is judged a spike
+
+
+class SpikeGuard:
+    def __init__(self, window: int, sigmas: float):
+        self.window, self.sigmas = window, sigmas
+        self.losses: deque[float] = deque(maxlen=window)
+        self.grad_norms: deque[float] = deque(maxlen=window)
+        self.skipped_steps: list[int] = []
+        self._loss: float | None = None
+        self.decision: tuple[bool, str] | None = None  # of the step in progress, once taken
+
+    def _limit(self, values: deque[float]) -> float:
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        return mean + self.sigmas * std
+
+    def begin_step(self, loss: float) -> None:
+        """Before the optimizer step: this step's (data-parallel mean) loss."""
+        self._loss, self.decision = loss, None
+
+    def skip(self, grad_norm: float) -> bool:
+        """Called by the optimizer, possibly once per parameter group: the first call decides."""
+        if self.decision is None:
+            reason = ""
+            if self._loss is not None and len(self.losses) >= MIN_STEPS:
+                if self._loss > (limit := self._limit(self.losses)):
+                    reason = f"loss {self._loss:.4f} > {limit:.4f}"
+                elif grad_norm > (limit := self._limit(self.grad_norms)):
+                    reason = f"grad norm {grad_norm:.4f} > {limit:.4f}"
+            self.decision = (bool(reason), reason)
+            self._grad_norm = grad_norm
+        return self.decision[0]
+
+    def end_step(self, step: int) -> str:
+        """After the optimizer step: the reason the step was skipped ('' when it was applied)."""
+        skipped, reason = self.decision if self.decision is not None else (False, "")
+        if skipped:
+            self.skipped_steps.append(step)
+        elif self.decision is not None and self._loss is not None and math.isfinite(self._loss):
+            self.losses.append(self._loss)
+            self.grad_norms.append(self._grad_norm)
+        self._loss, self.decision = None, None
+        return reason
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
+                "skipped_steps": list(self.skipped_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses = deque(state["losses"], maxlen=self.window)
+        self.grad_norms = deque(state["grad_norms"], maxlen=self.window)
+        self.skipped_steps = list(state["skipped_steps"])
+
+
+class SkipStepAdamW(torch.optim.AdamW):
+    """torch's AdamW whose step does nothing while ``should_skip()`` says so."""
+
+    should_skip: Callable[[], bool] = staticmethod(lambda: False)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.should_skip():
+            return None
+        return super().step(closure)
