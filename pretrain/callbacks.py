@@ -1,5 +1,5 @@
 """The callbacks a run trains with: routing telemetry when the model has routed layers,
-attention-sink metrics, profiling when asked for."""
+attention-sink metrics, downstream accuracy and profiling when asked for."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ def build_callbacks(cfg: Config, model: nn.Module) -> list[Callback]:
     # Attention-sink metrics (alpha_1, Sink_1^0.3) on the fixed validation batch at every evaluation.
     per_head = cfg.model.num_heads * cfg.model.num_layers <= 256  # per-head scalars only for small models
     callbacks.append(SinkMetricsCallback(per_head=per_head))
+    if cfg.eval.downstream_interval:
+        from pretrain.downstream_metrics import DownstreamEval
+
+        callbacks.append(DownstreamEval(cfg))  # downstream/ accuracies
     if cfg.profile.start_step:
         from pretrain.profiling import ProfilerCallback
 

@@ -158,6 +158,25 @@ class ProfileConfig:
     memory: bool = False  # record allocations too (memory timeline in the trace)
 
 
+def parse_paths(value, key: str) -> list[str]:
+    """A list of paths: a YAML list, or one comma-separated string."""
+    if value in (None, ""):
+        return []
+    if isinstance(value, str):
+        return [p.strip() for p in value.split(",") if p.strip()]
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        return list(value)
+    raise ConfigError(f"{key}={value!r}: give a list of file paths (or one comma-separated string)")
+
+
+@dataclass
+class EvalConfig:
+    """Downstream multiple-choice tasks scored in the loop (pretrain.downstream)."""
+    downstream_tasks: list[str] = field(default_factory=list, metadata={"parse": parse_paths})  # JSONL files
+    downstream_interval: int = 0  # every this many steps, and at the last step; 0 = off
+    downstream_limit: int = 0  # examples per task (the first ones); 0 = all
+
+
 @dataclass
 class RunConfig:
     name: str = "demo"
@@ -172,6 +191,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -203,7 +223,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"config file {path} does not exist")
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile)")
+            raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile, eval)")
     tree = parse_overrides(overrides or [])
     cfg = Config()
     for layer in (values, tree):  # the overrides' plug-ins win, as their other keys do
@@ -268,6 +288,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
     validate_schedule(t)
+    _validate_eval(cfg.eval)
     _validate_profile(cfg.profile, t.steps, world_size)
 
 
@@ -299,6 +320,17 @@ def _validate_profile(prof: ProfileConfig, steps: int, world_size: int) -> None:
     if ranks is not None and max(ranks) >= world_size:
         raise ConfigError(f"profile.ranks={prof.ranks!r} names rank {max(ranks)}, but the world has "
                           f"{world_size} ranks (0-{world_size - 1})")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    if e.downstream_interval < 0 or e.downstream_limit < 0:
+        raise ConfigError("eval.downstream_interval and eval.downstream_limit must be >= 0 (0 = off / all)")
+    if e.downstream_interval and not e.downstream_tasks:
+        raise ConfigError(f"eval.downstream_interval={e.downstream_interval} but eval.downstream_tasks is empty: "
+                          "list task files (JSONL), e.g. eval.downstream_tasks=[tasks/hellaswag.jsonl]")
+    missing = [p for p in e.downstream_tasks if not Path(p).is_file()]
+    if e.downstream_interval and missing:
+        raise ConfigError(f"eval.downstream_tasks: no such file {', '.join(missing)}")
 
 
 def validate_data(cfg: Config) -> dict:

@@ -1,7 +1,10 @@
-"""Validation loss and perplexity of a checkpoint on any shard set, in one process.
+"""Validation loss and perplexity of a checkpoint on any shard set, and its accuracy on multiple-choice
+downstream tasks, in one process.
 
     python -m tools.evaluate --checkpoint RUN_DIR[/checkpoints/TAG] --shards DIR \\
         [--split val] [--batches 8] [--batch-size 4]
+    python -m tools.evaluate --checkpoint RUN_DIR --tasks hellaswag.jsonl arc_easy.jsonl [--limit N] \\
+        [--tokenizer DIR]
 
 --shards is a shard directory holding the split (DIR/val/index.json) or a split directory itself
 (DIR/index.json). Samples are read in order, batch b holding samples [b*B, (b+1)*B) (wrapping
@@ -9,6 +12,11 @@ around a small split), so `--batches N --batch-size B` covers the same N*B sampl
 validation covers with train.eval_batches * data-parallel size = N and micro_batch = B; the loss is
 the trainer's (mean next-token cross-entropy over the padded vocabulary, no auxiliary losses).
 Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
+
+--tasks scores JSON Lines multiple-choice tasks (HellaSwag, ARC, PIQA shapes or {"context", "choices",
+"gold"}; pretrain.downstream) as the trainer does with eval.downstream_tasks: acc (summed
+log-likelihood) and acc_norm (per byte), with the run's tokenizer (data.tokenizer in its
+config.yaml, or --tokenizer).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from megatron.core import tensor_parallel
 
 from pretrain.consolidate import load_model
 from pretrain.data import read_samples
+from pretrain.downstream import evaluate_tasks, load_task, task_name
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
@@ -56,7 +65,10 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--shards", required=True, help="shard directory (with SPLIT/) or a split directory")
+    parser.add_argument("--shards", help="shard directory (with SPLIT/) or a split directory")
+    parser.add_argument("--tasks", nargs="+", default=[], metavar="JSONL", help="multiple-choice task files")
+    parser.add_argument("--limit", type=int, default=0, help="examples per task (the first ones); 0 = all")
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir for --tasks (default: the run's)")
     parser.add_argument("--split", default="val")
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -64,17 +76,50 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batches < 1 or args.batch_size < 1:
         raise ToolError("--batches and --batch-size must be >= 1")
-    location = split_dir(args.shards, args.split)
+    if not args.shards and not args.tasks:
+        raise ToolError("give --shards (validation loss) and/or --tasks (downstream accuracy)")
+    location = split_dir(args.shards, args.split) if args.shards else None
+    tasks, sp = load_tasks(args) if args.tasks else ({}, None)
     model, cfg, meta = load_model(args.checkpoint)
-    rows = read_samples(location, args.batches * args.batch_size)
-    result = evaluate_rows(model, rows, args.batch_size)
-    result.update(checkpoint=meta["checkpoint"], step=meta.get("step"), shards=str(location))
+    result = {"checkpoint": meta["checkpoint"], "step": meta.get("step")}
+    if location is not None:
+        result.update(evaluate_rows(model, read_samples(location, args.batches * args.batch_size), args.batch_size),
+                      shards=str(location))
+    if tasks:
+        result["downstream"] = evaluate_tasks(model, tasks, sp, args.batch_size, torch.device("cpu"))
     if args.json:
         print(json.dumps(result))
-    else:
+        return 0
+    if location is not None:
         print(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | tokens {result['tokens']} "
               f"| step {result['step']} | {location}")
+    for name, r in result.get("downstream", {}).items():
+        print(f"{name}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | {r['examples']} examples "
+              f"| step {result['step']}")
     return 0
+
+
+def load_tasks(args) -> tuple[dict, object]:
+    """The task files (bad records counted, reported on stderr) and the run's tokenizer."""
+    import sys
+
+    from data_prep.sources import BadInputReport
+    from data_prep.tokenizer import load_tokenizer
+    from pretrain.checkpoint_format import read_meta, resolve_checkpoint
+    from tools.export import find_tokenizer
+
+    tag_dir = resolve_checkpoint(args.checkpoint)
+    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
+    if tokenizer_dir is None:
+        raise ToolError("--tasks needs the run's SentencePiece tokenizer: pass --tokenizer DIR")
+    report = BadInputReport()
+    missing = [p for p in args.tasks if not Path(p).is_file()]
+    if missing:
+        raise ToolError(f"--tasks: no such file {', '.join(missing)}")
+    tasks = {task_name(p): load_task(p, args.limit, report) for p in args.tasks}
+    if report.count:
+        print(report.summary(), file=sys.stderr)
+    return tasks, load_tokenizer(tokenizer_dir)[0]
 
 
 if __name__ == "__main__":

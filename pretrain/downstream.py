@@ -1,0 +1,160 @@
+"""Multiple-choice downstream tasks scored by log-likelihood, as lm-evaluation-harness scores them.
+
+A task is a local JSON Lines file; each record is one question in any of these shapes:
+
+    ours        {"context": ..., "choices": [...], "gold": i}   ("query"/"question" for context, "label"/"answer" for gold)
+    HellaSwag   {"ctx": ..., "endings": [...], "label": i}
+    ARC         {"question": ..., "choices": {"text": [...], "label": ["A", ...]}, "answerKey": "A"}
+    PIQA        {"goal": ..., "sol1": ..., "sol2": ..., "label": i}
+
+Each choice is scored by the summed log-probability of its tokens (" " + choice) after the context;
+``acc`` picks the highest sum, ``acc_norm`` the highest sum per byte of the choice (lm-eval's
+acc_norm). Requests are spread over the data-parallel ranks, every rank doing the same number of
+forwards (tensor- and expert-parallel collectives); the log-probabilities come from the
+vocab-parallel cross-entropy, so tensor-parallel logits are never gathered.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+
+from data_prep.sources import BadInputReport
+
+CONTEXT_KEYS = ("context", "query", "question", "ctx", "goal")
+
+
+@dataclass(frozen=True)
+class Example:
+    context: str
+    choices: tuple[str, ...]
+    gold: int
+
+
+def parse_example(rec: dict) -> Example:
+    """One record in any of the shapes above; ValueError names what is wrong."""
+    context = next((rec[k] for k in CONTEXT_KEYS if isinstance(rec.get(k), str)), None)
+    if context is None:
+        raise ValueError(f"no context ({' / '.join(CONTEXT_KEYS)})")
+    choices = rec.get("choices", rec.get("endings"))
+    labels = None
+    if isinstance(choices, dict):  # ARC: {"text": [...], "label": [...]}
+        choices, labels = choices.get("text"), choices.get("label")
+    if choices is None and "sol1" in rec:  # PIQA
+        choices = [rec["sol1"], rec.get("sol2")]
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
+        raise ValueError("needs a list of at least two string choices")
+    gold = next((rec[k] for k in ("gold", "label", "answer", "answerKey") if k in rec), None)
+    if isinstance(gold, str) and labels is not None and gold in labels:
+        gold = labels.index(gold)
+    elif isinstance(gold, str) and gold.strip().isdigit():
+        gold = int(gold)
+    if not isinstance(gold, int) or not 0 <= gold < len(choices):
+        raise ValueError(f"gold answer {gold!r} is not an index into the {len(choices)} choices")
+    return Example(context, tuple(choices), gold)
+
+
+def load_task(path: str | Path, limit: int = 0, report: BadInputReport | None = None) -> list[Example]:
+    """The examples of a task file (the first ``limit``, 0 = all); bad records are counted and skipped."""
+    report = report if report is not None else BadInputReport()
+    examples = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                examples.append(parse_example(json.loads(raw)))
+            except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+                report.add(f"{path}:{lineno}", str(e).split("\n")[0])
+                continue
+            if limit and len(examples) >= limit:
+                break
+    return examples
+
+
+def task_name(path: str | Path) -> str:
+    name = Path(path).name
+    for suffix in (".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def requests(examples: list[Example], sp, max_len: int) -> list[tuple[list[int], int]]:
+    """(tokens, continuation length) per choice of every example, the context cut from the left so
+    that at most ``max_len`` + 1 tokens remain."""
+    out = []
+    for ex in examples:
+        context = sp.encode(ex.context) or [sp.eos_id()]  # the first choice token needs something before it
+        for choice in ex.choices:
+            cont = sp.encode(" " + choice)[-max_len:]
+            tokens = (context + cont)[-(max_len + 1):]
+            out.append((tokens, len(cont)))
+    return out
+
+
+@torch.no_grad()
+def choice_logprobs(model, reqs: list[tuple[list[int], int]], batch_size: int, device, pad_id: int = 0,
+                    group=None) -> torch.Tensor:
+    """Summed log-probability of each request's continuation, [len(reqs)] float64 on every rank.
+
+    Request i is scored on data-parallel rank i % size of ``group`` (None: this process alone); every
+    rank runs the same number of batches, padded where it has fewer requests."""
+    size = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    mine = list(range(rank, len(reqs), size))
+    batches = -(-len(mine) // batch_size)
+    if group is not None:
+        count = torch.tensor([batches], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        batches = int(count)
+    width = max((len(t) for t, _ in reqs), default=2) - 1
+    scores = torch.zeros(len(reqs), dtype=torch.float64, device=device)
+    for b in range(batches):
+        chunk = mine[b * batch_size:(b + 1) * batch_size]
+        rows = [reqs[i][0] for i in chunk] or [[pad_id, pad_id]]  # a padding forward keeps collectives in step
+        tokens = torch.full((len(rows), width + 1), pad_id, dtype=torch.long)
+        for r, row in enumerate(rows):
+            tokens[r, :len(row)] = torch.tensor(row)
+        tokens = tokens.to(device)
+        logits = model.logits(tokens[:, :-1])
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), tokens[:, 1:])  # [rows, width]
+        for r, i in enumerate(chunk):
+            n, cont = len(reqs[i][0]), reqs[i][1]
+            scores[i] = -nll[r, n - 1 - cont:n - 1].double().sum()
+    if group is not None:
+        dist.all_reduce(scores, group=group)
+    return scores
+
+
+def accuracy(examples: list[Example], logprobs: torch.Tensor) -> dict[str, float]:
+    """acc (highest summed log-probability) and acc_norm (highest per byte of the choice)."""
+    correct = correct_norm = 0
+    offset = 0
+    for ex in examples:
+        lp = logprobs[offset:offset + len(ex.choices)].tolist()
+        offset += len(ex.choices)
+        per_byte = [v / max(len(c.encode("utf-8")), 1) for v, c in zip(lp, ex.choices)]
+        correct += max(range(len(lp)), key=lp.__getitem__) == ex.gold
+        correct_norm += max(range(len(lp)), key=per_byte.__getitem__) == ex.gold
+    n = max(len(examples), 1)
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": len(examples)}
+
+
+def evaluate_tasks(model, tasks: dict[str, list[Example]], sp, batch_size: int, device, group=None) -> dict:
+    """{task: {acc, acc_norm, examples}} for every task; the same on every rank."""
+    was_training = model.training
+    model.eval()
+    try:
+        out = {}
+        for name, examples in tasks.items():
+            reqs = requests(examples, sp, model.cfg.max_seq_len)
+            pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
+            out[name] = accuracy(examples, choice_logprobs(model, reqs, batch_size, device, pad, group))
+        return out
+    finally:
+        model.train(was_training)

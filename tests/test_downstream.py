@@ -1,0 +1,99 @@
+"""Downstream multiple-choice evaluation: the task shapes, the scores against a plain reference
+scorer, and the in-loop accuracy at TP=2 and DP=2 equal to one process and to tools.evaluate."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pretrain.downstream import Example, accuracy, choice_logprobs, load_task, parse_example, requests
+from tests.dist_utils import REPO, child_env, single_process_group, train
+from tests.synthetic import make_text, tiny_overrides, write_synthetic_shards
+
+
+def test_task_shapes_and_bad_records():
+    assert parse_example({"ctx": "a", "endings": ["b", "c"], "label": "1"}) == Example("a", ("b", "c"), 1)
+    assert parse_example({"question": "q", "choices": {"text": ["x", "y", "z"], "label": ["A", "B", "C"]},
+                          "answerKey": "C"}) == Example("q", ("x", "y", "z"), 2)
+    assert parse_example({"goal": "g", "sol1": "s", "sol2": "t", "label": 0}) == Example("g", ("s", "t"), 0)
+    assert parse_example({"context": "c", "choices": ["1", "2"], "gold": 1}).gold == 1
+    for bad, why in (({"choices": ["a", "b"], "gold": 0}, "no context"),
+                     ({"context": "c", "choices": ["a"], "gold": 0}, "at least two"),
+                     ({"context": "c", "choices": ["a", "b"], "gold": 2}, "not an index")):
+        with pytest.raises(ValueError, match=why):
+            parse_example(bad)
+
+
+def write_task(path, n: int, seed: int = 0) -> list[Example]:
+    rng = random.Random(seed)
+    examples = [Example(make_text(rng, 2), tuple(make_text(rng, 1).strip() for _ in range(3)), rng.randrange(3))
+                for _ in range(n)]
+    lines = [json.dumps({"context": e.context, "choices": list(e.choices), "gold": e.gold}) for e in examples]
+    path.write_text("\n".join(lines[:2] + ["{broken"] + lines[2:]) + "\n")
+    return examples
+
+
+def test_scores_equal_a_plain_reference_scorer(tmp_path, tok_dir):
+    from data_prep.sources import BadInputReport
+    from data_prep.tokenizer import load_tokenizer
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    sp, meta = load_tokenizer(tok_dir)
+    examples = write_task(tmp_path / "task.jsonl", 5)
+    report = BadInputReport()
+    assert load_task(tmp_path / "task.jsonl", report=report) == examples and report.count == 1
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(vocab_size=meta["vocab_size"], hidden_size=32, num_heads=2, num_layers=2,
+                                ffn_hidden_size=64, max_seq_len=64)).eval()
+        reqs = requests(examples, sp, model.cfg.max_seq_len)
+        got = choice_logprobs(model, reqs, batch_size=4, device=torch.device("cpu"))
+        want = []
+        with torch.no_grad():
+            for ex in examples:
+                for choice in ex.choices:
+                    ctx, cont = sp.encode(ex.context), sp.encode(" " + choice)
+                    tokens = torch.tensor(ctx + cont)
+                    logp = model.logits(tokens[None, :-1])[0].float().log_softmax(-1)
+                    want.append(sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)))
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    acc = accuracy(examples, got)
+    plain = [max(range(3), key=lambda c: want[3 * i + c]) == ex.gold for i, ex in enumerate(examples)]
+    assert acc["acc"] == sum(plain) / len(examples) and acc["examples"] == 5
+
+
+@pytest.mark.slow
+def test_in_loop_accuracy_at_tp2_and_dp2_equals_one_process_and_the_command(tmp_path, tok_dir):
+    from data_prep.tokenizer import load_tokenizer
+
+    _, meta = load_tokenizer(tok_dir)
+    data = write_synthetic_shards(tmp_path / "data", vocab_size=meta["vocab_size"])
+    manifest = json.loads((data / "shards" / "manifest.json").read_text())
+    (data / "shards" / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": meta["sha256"]}))
+    write_task(tmp_path / "mc.jsonl", 12, seed=1)
+    common = {"data.tokenizer": tok_dir, "model.vocab_size": meta["vocab_size"], "train.steps": 6,
+              "eval.downstream_tasks": str(tmp_path / "mc.jsonl"), "eval.downstream_interval": 3}
+    layouts = {"one": (1, {"train.micro_batch": 8}), "dp2": (2, {}),
+               "tp2": (2, {"train.micro_batch": 8, "parallel.tensor": 2})}
+    acc = {}
+    for name, (nproc, extra) in layouts.items():
+        run = tmp_path / name
+        out = train(nproc, tiny_overrides(data, run, **common, **extra))
+        assert "downstream tasks: mc 12 examples" in out.stdout and "step 6 | downstream mc acc" in out.stdout
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        acc[name] = {r["step"]: (r["downstream/mc/acc"], r["downstream/mc/acc_norm"])
+                     for r in records if "downstream/mc/acc" in r}
+    assert sorted(acc["one"]) == [3, 6] and acc["dp2"] == acc["one"] and acc["tp2"] == acc["one"]
+
+    res = subprocess.run([sys.executable, "-m", "tools.evaluate", "--checkpoint", str(tmp_path / "one"),
+                          "--tasks", str(tmp_path / "mc.jsonl"), "--json"], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])["downstream"]["mc"]
+    assert (got["acc"], got["acc_norm"]) == acc["one"][6] and got["examples"] == 12
