@@ -9,13 +9,21 @@ The config is validated for the requested world size before any process starts.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import subprocess
 import sys
+import warnings
 
-from launch.layouts import single_gpu_overrides
-from pretrain.config import ConfigError, load_config, validate, validate_data
+if __name__ == "__main__":
+    # Reading the config imports torch and megatron-core, whose import-time warnings rank 0 of the
+    # run prints anyway: the launcher does not print them a second time.
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+from launch.layouts import single_gpu_overrides  # noqa: E402
+from pretrain.config import ConfigError, load_config, validate, validate_data  # noqa: E402
 
 
 def torchrun_command(nproc: int, config: str | None, overrides: list[str], port: int) -> list[str]:

@@ -7,18 +7,23 @@ Run under torchrun or srun (one process per device); a single process runs witho
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import sys
-from pathlib import Path
+from pretrain import rank_logs
 
-import torch
+if __name__ == "__main__":  # before the imports below, which print their warnings on every rank
+    rank_logs.quiet_other_ranks()
 
-from pretrain import checkpoint, checkpoint_format, signals
-from pretrain.config import Config, ConfigError, load_config, save_config, validate, validate_data
-from pretrain.distributed import destroy_distributed, device, init_distributed, read_env
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from pretrain import checkpoint, checkpoint_format, signals  # noqa: E402
+from pretrain.config import Config, ConfigError, load_config, save_config, validate, validate_data  # noqa: E402
+from pretrain.distributed import destroy_distributed, device, init_distributed, read_env  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        rank_logs.settle(cfg.run.dir)
         code = run(cfg)
     except (ConfigError, checkpoint_format.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
+        rank_logs.discard_unsettled()
         return 2
     finally:
         destroy_distributed()

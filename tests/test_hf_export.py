@@ -147,19 +147,27 @@ def test_export_bf16_and_sharded(runs, data, dist_env, tmp_path):
     assert 0 < diff < 0.05  # bf16 weights: close, not identical
 
 
-def test_exported_tokenizer_encodes_like_sentencepiece(data, tmp_path):
-    from transformers import AutoTokenizer, LlamaTokenizer
+def test_exported_tokenizer_encodes_like_sentencepiece(data, tmp_path, monkeypatch):
+    import transformers.tokenization_utils_fast as fast_module
+    from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
 
     from data_prep.tokenizer import load_tokenizer
-    from tools.export import hf_tokenizer
+    from tools.export import save_tokenizer
 
     root, _ = data
     sp, _ = load_tokenizer(root / "tokenizer")
     out = tmp_path / "tok"
-    hf_tokenizer(root / "tokenizer").save_pretrained(out)
+    save_tokenizer(root / "tokenizer", out)
     want = sp.encode(SAMPLE)
     assert 3 not in want and len(want) > 20
-    fast = AutoTokenizer.from_pretrained(out)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("AutoTokenizer rebuilt the fast tokenizer from the SentencePiece model (needs protobuf)")
+
+    with monkeypatch.context() as m:  # lm-eval loads with AutoTokenizer: tokenizer.json as it is
+        m.setattr(fast_module, "convert_slow_tokenizer", no_conversion)
+        fast = AutoTokenizer.from_pretrained(out)
+    assert isinstance(fast, PreTrainedTokenizerFast)
     slow = LlamaTokenizer.from_pretrained(out)
     for tok in (fast, slow):
         assert tok(SAMPLE)["input_ids"] == want, type(tok).__name__

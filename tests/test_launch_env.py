@@ -62,3 +62,27 @@ def test_reading_a_config_prints_nothing():
     out = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout == "300\n"
+
+
+def test_the_console_shows_each_warning_once_and_other_ranks_write_their_own_log(tmp_path):
+    import re
+    from collections import Counter
+
+    from tests.dist_utils import child_env, free_port
+    from tests.synthetic import tiny_overrides, write_synthetic_shards
+
+    data = write_synthetic_shards(tmp_path / "data")
+    run = tmp_path / "run"
+    overrides = tiny_overrides(data, run, **{"train.steps": 2, "train.eval_interval": 2, "train.warmup_steps": 1})
+    res = subprocess.run([sys.executable, "-m", "launch.local", "configs/tiny_dense.yaml", "--nproc", "2",
+                          "--port", str(free_port()), *overrides],
+                         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    console = (res.stdout + res.stderr).splitlines()
+    # A torch log line carries its time and pid; the message is what repeats.
+    messages = [re.sub(r"^[WIE]\d{4} [\d:.]+ \d+ ", "", line) for line in console
+                if "Warning" in line or re.match(r"^[WIE]\d{4} ", line)]
+    assert messages and max(Counter(messages).values()) == 1, Counter(messages).most_common(3)
+    assert sum("step 2/2" in line for line in console) == 1
+    rank1 = (run / "logs" / "rank1.log").read_text()
+    assert "Transformer Engine and Apex are not installed" in rank1 and "step 2/2" not in rank1

@@ -249,6 +249,17 @@ def hf_tokenizer(tokenizer_dir: Path):
     )
 
 
+def save_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+    """hf_tokenizer's files in ``out``, loading with AutoTokenizer as PreTrainedTokenizerFast straight
+    from tokenizer.json: LlamaTokenizerFast rebuilds itself from the SentencePiece model (which needs
+    protobuf) whenever add_prefix_space is set, and the slow LlamaTokenizer needs that key."""
+    hf_tokenizer(tokenizer_dir).save_pretrained(out)
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir: Path | None,
                  max_shard_size: str, extra_meta: dict) -> None:
     from transformers import GenerationConfig, LlamaForCausalLM
@@ -276,7 +287,7 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
     if extra_meta["format"] == "remote":
         shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)
     if tokenizer_dir is not None:
-        hf_tokenizer(tokenizer_dir).save_pretrained(out)
+        save_tokenizer(tokenizer_dir, out)
     (out / "export_info.json").write_text(json.dumps(extra_meta, indent=1, default=str))
 
 
