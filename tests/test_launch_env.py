@@ -86,3 +86,14 @@ def test_the_console_shows_each_warning_once_and_other_ranks_write_their_own_log
     assert sum("step 2/2" in line for line in console) == 1
     rank1 = (run / "logs" / "rank1.log").read_text()
     assert "Transformer Engine and Apex are not installed" in rank1 and "step 2/2" not in rank1
+
+
+def test_another_ranks_crash_still_reaches_the_terminal(tmp_path):
+    code = ("from pretrain import rank_logs; rank_logs.quiet_other_ranks(); print('chatter'); "
+            f"rank_logs.settle({str(tmp_path)!r}); raise RuntimeError('boom')")
+    res = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                                                            "RANK": "1"}, capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 1 and "chatter" not in res.stdout + res.stderr
+    assert "[rank 1] Traceback" in res.stderr and "RuntimeError: boom" in res.stderr
+    log = (tmp_path / "logs" / "rank1.log").read_text()
+    assert "chatter" in log and "RuntimeError: boom" in log and str(tmp_path / "logs" / "rank1.log") in res.stderr
