@@ -50,7 +50,12 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     tag = tag_for(step)
     rank = dist.get_rank()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    from pretrain.universal import checkpoint_info
+
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
+                           client_state={"step": step, UNIVERSAL_CHECKPOINT_INFO: checkpoint_info(engine.module)})
     path = ckpt_dir / tag
     buffer = _torch_bytes({"rng": rng_state(), **rank_state})
     _atomic_write(path / f"rank_{rank:05d}.pt", buffer)
@@ -78,6 +83,7 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
     for name in complete[:-keep_last]:
         if name != keep:
             shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+            shutil.rmtree(ckpt_dir / "universal" / name, ignore_errors=True)  # its cached conversion
     # Partial checkpoints older than the newest complete one are leftovers of crashed saves.
     for d in ckpt_dir.iterdir():
         if TAG_PATTERN.match(d.name) and not (d / COMPLETE).exists() and d.name < keep:
@@ -116,17 +122,22 @@ def _expert_parallel_size() -> int:
     return ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
-def load(engine, path: Path) -> dict:
+def load(engine, path: Path, universal: Path | None = None) -> dict:
     """Restore model, optimizer and schedule; return this rank's saved state (loader, RNG).
 
     Experts are stored one file per global expert id, so their weights load at any expert-parallel
     size; ZeRO optimizer shards are laid out per EP size, so after an EP change the optimizer
-    restarts from the loaded weights (moments reset) while the LR schedule is restored."""
+    restarts from the loaded weights (moments reset) while the LR schedule is restored.
+    ``universal``: the universal form of ``path`` (pretrain.universal), for another DP / TP size."""
     meta = read_meta(path)
-    same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
-    # optimizer_state false: written without training (tools.import_hf), the moments are fresh anyway
-    engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
-                           load_optimizer_states=same_ep and meta.get("optimizer_state", True))
+    if universal is not None:
+        engine.load_checkpoint(str(universal.parent), tag=universal.name, load_module_strict=True,
+                               load_optimizer_states=True)
+    else:
+        same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
+        # optimizer_state false: written without training (tools.import_hf), the moments are fresh anyway
+        engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
+                               load_optimizer_states=same_ep and meta.get("optimizer_state", True))
     engine.lr_scheduler.follow_config()  # after the optimizer state, which carries the saved rate
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if not rank_file.is_file():  # another world size: fall back to rank 0's data state

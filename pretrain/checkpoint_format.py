@@ -86,21 +86,34 @@ def resolve_resume(resume: str, run_dir: str) -> Path | None:
     return path
 
 
-def check_layout(meta: dict, world_size: int, tensor: int, path: Path) -> None:
-    """Refuse, before anything is built, a resume at another world or tensor-parallel size: the
-    ZeRO optimizer shards, the tensor-parallel weight slices and the per-rank data order of a
-    checkpoint are laid out for the processes that saved it. (Another expert-parallel size at the
-    same world size loads: experts are stored per global id, and the moments restart.)"""
+def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, routed: bool, path: Path) -> bool:
+    """Before anything is built: True when the checkpoint was saved at another data- or
+    tensor-parallel size and resumes through a universal checkpoint (pretrain.universal); False
+    when the layout is the saved one. Refused with the reason and the fix: a changed layout for a
+    model with routed experts (DeepSpeed's universal checkpoints do not take them; another
+    expert-parallel size at the same world size loads, with fresh moments), a changed global batch
+    (the schedule and the sample order are counted in steps of it), and a checkpoint whose marker
+    predates layout records."""
     saved_world, saved_tp = meta.get("world_size"), meta.get("tensor_parallel")
     if saved_world is None or (saved_world == world_size and saved_tp in (None, tensor)):
-        return
+        return False
     saved = f"world {saved_world}" + (f" = tensor {saved_tp} x data {saved_world // saved_tp}" if saved_tp else "")
-    raise CheckpointError(
-        f"checkpoint {path} was saved at {saved} (expert {meta.get('expert_parallel', 1)}), but this run asks "
-        f"for world {world_size} = tensor {tensor} x data {world_size // tensor}; resuming on another "
-        "layout is not supported. Resume it with the saved number of processes and parallel.tensor, or "
-        f"start a new run.dir from its weights with train.init_from={path} (optimizer, schedule and data "
-        "order start over)")
+    asked = f"world {world_size} = tensor {tensor} x data {world_size // tensor}"
+    keep = (f"resume it with the saved number of processes and parallel.tensor, or start a new run.dir from "
+            f"its weights with train.init_from={path} (optimizer, schedule and data order start over)")
+    if saved_tp is None or meta.get("global_batch") is None:
+        raise CheckpointError(f"checkpoint {path} was saved at {saved} and records no layout for a conversion; "
+                              f"this run asks for {asked}: {keep}")
+    if routed:
+        raise CheckpointError(f"checkpoint {path} was saved at {saved}, this run asks for {asked}: a model with "
+                              f"routed experts resumes only at the saved world size (the expert-parallel size may "
+                              f"change); {keep}")
+    if meta["global_batch"] != global_batch:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with a global batch of {meta['global_batch']} samples (at {saved}); "
+            f"this run's is {global_batch} (train.micro_batch x train.grad_accum x data-parallel size at {asked}): "
+            f"set them so that the product is {meta['global_batch']}, e.g. train.grad_accum, or {keep}")
+    return True
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

@@ -57,10 +57,13 @@ def param_groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def build_engine(cfg: Config, model: nn.Module):
+def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False):
+    """``load_universal``: the checkpoint to resume is a universal one (pretrain.universal)."""
     import deepspeed
 
     config = deepspeed_config(cfg)
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     optimizer = None
     if cfg.train.skip_spikes:
         # The same torch AdamW, built here so that pretrain.spikes can veto a step.

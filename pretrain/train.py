@@ -21,6 +21,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from models import registry  # noqa: E402
 from pretrain import checkpoint, checkpoint_format, signals  # noqa: E402
 from pretrain.config import Config, ConfigError, load_config, save_config, validate, validate_data  # noqa: E402
 from pretrain.distributed import destroy_distributed, device, init_distributed, read_env  # noqa: E402
@@ -33,23 +34,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None, Path | None]:
+def global_batch(cfg: Config, world_size: int) -> int:
+    return cfg.train.micro_batch * cfg.train.grad_accum * (world_size // cfg.parallel.tensor)
+
+
+def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None, Path | None, bool]:
     """Every check that needs no process group: config, shards, tokenizer, checkpoints.
-    Returns (manifest, checkpoint to resume, checkpoint whose weights to start from)."""
+    Returns (manifest, checkpoint to resume, checkpoint whose weights to start from, whether the
+    resume goes through a universal checkpoint because the layout changed)."""
     validate(cfg, world_size)
     manifest = validate_data(cfg)
     resume_path = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
         meta = checkpoint_format.read_meta(resume_path)
         checkpoint.check_compatible(meta, cfg.to_dict()["model"], manifest.get("tokenizer_sha256"), resume_path)
-        checkpoint_format.check_layout(meta, world_size, cfg.parallel.tensor, resume_path)
-        return manifest, resume_path, None
+        routed = registry.mlp_kind(cfg.model.mlp).routed
+        universal = checkpoint_format.check_layout(meta, world_size, cfg.parallel.tensor, global_batch(cfg, world_size),
+                                                   routed, resume_path)
+        return manifest, resume_path, None, universal
     if cfg.train.init_from:
         from pretrain.init_from import check_source
 
         return manifest, None, check_source(cfg.train.init_from, cfg.to_dict()["model"],
-                                            manifest.get("tokenizer_sha256"))
-    return manifest, None, None
+                                            manifest.get("tokenizer_sha256")), False
+    return manifest, None, None, False
 
 
 def run(cfg: Config) -> int:
@@ -61,10 +69,18 @@ def run(cfg: Config) -> int:
     from pretrain.engine import build_engine, describe_optimizer
     from pretrain.telemetry import Logger
     from pretrain.trainer import Trainer
+    from pretrain.universal import omit_empty_extra_state
 
     env = read_env()
-    manifest, resume_path, init_path = prepare(cfg, env.world_size)
+    manifest, resume_path, init_path, universal = prepare(cfg, env.world_size)
     init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
+    if universal:  # another layout: the checkpoint in DeepSpeed's layout-free form, converted once
+        from pretrain.universal import convert, universal_path
+
+        if env.rank == 0:
+            convert(resume_path)
+        torch.distributed.barrier()
+        universal = universal_path(resume_path)
     signals.install()
     run_dir = Path(cfg.run.dir)
     if env.rank == 0:
@@ -73,17 +89,19 @@ def run(cfg: Config) -> int:
         checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing, z_loss=cfg.train.z_loss)
+    omit_empty_extra_state(model)
     if init_path is not None:
         from pretrain.init_from import load_weights
 
         load_weights(model, init_path)
     if cfg.train.compile:
         model.compile_blocks()
-    engine = build_engine(cfg, model)
+    engine = build_engine(cfg, model, load_universal=bool(universal))
     batches = Batches(build_loader(cfg, "train", shuffle=True))
     counts = param_counts(cfg.model)
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
-            "eos_id": manifest.get("eos_id"), "flops_per_token": flops_per_token(cfg.model), "params": counts}
+            "eos_id": manifest.get("eos_id"), "flops_per_token": flops_per_token(cfg.model), "params": counts,
+            "global_batch": global_batch(cfg, env.world_size)}
     logger = Logger(run_dir, env.rank)
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
@@ -98,10 +116,11 @@ def run(cfg: Config) -> int:
     if init_path is not None:
         logger.print(f"started from the weights of {init_path}")
     if resume_path is not None:
-        state = checkpoint.load(engine, resume_path)
+        state = checkpoint.load(engine, resume_path, universal or None)
         batches.load_state_dict(state["data"])
         start_step = checkpoint_format.read_meta(resume_path)["step"]
-        logger.print(f"resumed from {resume_path} at step {start_step}")
+        logger.print(f"resumed from {resume_path} at step {start_step}"
+                     + (f" on another layout, through {universal}" if universal else ""))
     trainer = Trainer(cfg, engine, batches, load_val_sets(cfg), logger, device(), meta,
                       build_callbacks(cfg, model))
     if resume_path is not None and trainer.spikes is not None and "spikes" in state:
@@ -122,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         rank_logs.settle(cfg.run.dir)
         code = run(cfg)
     except (ConfigError, checkpoint_format.CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        # On the terminal from every rank: torchrun may stop rank 0 before it prints, once another
+        # rank has exited with the same error.
+        rank_logs.to_console(f"error: {err}")
         rank_logs.discard_unsettled()
         return 2
     finally:

@@ -22,10 +22,12 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
                        z_loss: float = 0.0, eos_id: int | None = None) -> None:
     """Build a GPT with a fixed seed, run one forward/backward on a fixed batch and save the
     loss plus full (TP-gathered) gradients from rank 0 (and whether torch.compile made graphs)."""
-    from models.config import ModelConfig
+    from models.config import ModelConfig, apply_values
     from models.gpt import GPT
 
-    cfg = ModelConfig.from_dict(model_kwargs)
+    # Sections as config objects (moe=MoEConfig(...)) or as plain dicts (lisa={"align_group": 2}).
+    cfg = ModelConfig(**{k: v for k, v in model_kwargs.items() if not isinstance(v, dict)})
+    apply_values(cfg, {k: v for k, v in model_kwargs.items() if isinstance(v, dict)}, "model.")
     torch.manual_seed(seed)
     model = GPT(cfg, activation_checkpointing=activation_checkpointing, z_loss=z_loss)
     if compile_blocks:

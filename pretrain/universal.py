@@ -1,0 +1,82 @@
+"""Resume at another data- or tensor-parallel size through DeepSpeed's universal checkpoints.
+
+A checkpoint holds ZeRO optimizer shards per data-parallel rank and weight slices per tensor-parallel
+rank. To continue it on another layout, DeepSpeed's ``ds_to_universal`` rewrites it into one file per
+parameter (weights, Adam moments), which any layout loads with ``checkpoint.load_universal``. The
+conversion runs once, on rank 0, into ``checkpoints/universal/<tag>`` (marked complete last, so an
+interrupted conversion is redone); the original checkpoint is never changed. Every save records
+which parameters tensor parallelism splits along dim 1 (row-parallel) and which it replicates, the
+metadata the converter needs to merge the slices (the rest are split along dim 0).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from torch import nn
+
+UNIVERSAL_DIR = "universal"
+DONE = "CONVERTED"
+
+
+def checkpoint_info(model: nn.Module) -> dict:
+    """client_state[UNIVERSAL_CHECKPOINT_INFO] for a save of ``model``."""
+    from deepspeed.checkpoint.constants import (
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        TP_REPLICATED_PARAMETER_PATTERNS,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    )
+
+    row, replicated = [], []
+    for name, param in model.named_parameters():
+        if not getattr(param, "tensor_model_parallel", False):
+            replicated.append(rf"^{re.escape(name)}$")
+        elif getattr(param, "partition_dim", 0) == 1:
+            row.append(rf"^{re.escape(name)}$")
+    return {UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.2, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row,
+            TP_REPLICATED_PARAMETER_PATTERNS: replicated}
+
+
+def omit_empty_extra_state(model: nn.Module) -> None:
+    """Leave megatron-core's empty per-layer ``_extra_state`` (None) out of saved state dicts and put
+    it back before loading: ds_to_universal fails on None tensors."""
+    layers = [name for name, sub in model.named_modules()
+              if type(sub).get_extra_state is not nn.Module.get_extra_state]
+
+    def drop(module, state, prefix, local_metadata):
+        for key in [k for k, v in state.items() if k.endswith("_extra_state") and v is None]:
+            del state[key]
+
+    def readd(state, prefix, *args):
+        for name in layers:
+            state.setdefault(f"{prefix}{name + '.' if name else ''}_extra_state", None)
+
+    model._register_state_dict_hook(drop)
+    model._register_load_state_dict_pre_hook(readd)
+
+
+def universal_path(tag_dir: Path) -> Path:
+    return Path(tag_dir).parent / UNIVERSAL_DIR / Path(tag_dir).name
+
+
+def convert(tag_dir: Path, log=print) -> Path:
+    """The universal form of ``tag_dir`` (converted now unless already cached); call on one rank."""
+    out = universal_path(tag_dir)
+    if (out / DONE).is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log(f"converting {tag_dir} to a universal checkpoint in {out} (once: later resumes reuse it)")
+    res = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                          str(tag_dir), "--output_folder", str(out), "--num_extract_workers", "1",
+                          "--num_merge_workers", "1"], capture_output=True, text=True)
+    if res.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)
+        tail = "\n".join(res.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"ds_to_universal failed on {tag_dir} (exit {res.returncode}):\n{tail}")
+    (out / DONE).write_text("ok\n")
+    return out
