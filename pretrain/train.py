@@ -73,14 +73,11 @@ def run(cfg: Config) -> int:
 
     env = read_env()
     manifest, resume_path, init_path, universal = prepare(cfg, env.world_size)
-    init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
     if universal:  # another layout: the checkpoint in DeepSpeed's layout-free form, converted once
-        from pretrain.universal import convert, universal_path
+        from pretrain.universal import convert, wait_converted
 
-        if env.rank == 0:
-            convert(resume_path)
-        torch.distributed.barrier()
-        universal = universal_path(resume_path)
+        universal = convert(resume_path) if env.rank == 0 else wait_converted(resume_path)
+    init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
     signals.install()
     run_dir = Path(cfg.run.dir)
     if env.rank == 0:

@@ -3,8 +3,9 @@
 A checkpoint holds ZeRO optimizer shards per data-parallel rank and weight slices per tensor-parallel
 rank. To continue it on another layout, DeepSpeed's ``ds_to_universal`` rewrites it into one file per
 parameter (weights, Adam moments), which any layout loads with ``checkpoint.load_universal``. The
-conversion runs once, on rank 0, into ``checkpoints/universal/<tag>`` (marked complete last, so an
-interrupted conversion is redone); the original checkpoint is never changed. Every save records
+conversion runs once, on rank 0 before any process group exists (the other ranks wait for its
+marker), into ``checkpoints/universal/<tag>`` (marked complete last, so an interrupted conversion is
+redone); the original checkpoint is never changed. Every save records
 which parameters tensor parallelism splits along dim 1 (row-parallel) and which it replicates, the
 metadata the converter needs to merge the slices (the rest are split along dim 0).
 """
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from torch import nn
@@ -79,4 +81,13 @@ def convert(tag_dir: Path, log=print) -> Path:
         tail = "\n".join(res.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"ds_to_universal failed on {tag_dir} (exit {res.returncode}):\n{tail}")
     (out / DONE).write_text("ok\n")
+    return out
+
+
+def wait_converted(tag_dir: Path, poll_s: float = 2.0) -> Path:
+    """On the other ranks: wait for rank 0's conversion (no collective, whose timeout a large model's
+    conversion could exceed; if rank 0 fails, the launcher stops this rank)."""
+    out = universal_path(tag_dir)
+    while not (out / DONE).is_file():
+        time.sleep(poll_s)
     return out
