@@ -19,7 +19,8 @@ independently; a part that completed is never built again, so an interrupted bui
 it stopped. Each document is tokenized and followed by one EOS token (no BOS: the EOS of the
 previous document already marks where a new one starts). The token stream of each split of a part is
 cut into samples of ``seq_len + 1`` ids, so a sample gives ``seq_len`` inputs and their next-token
-targets; the last incomplete sample of each split of each part is dropped (counted in the manifest).
+targets; the tokens after the last complete sample of each part are packed together at the merge,
+so only the last incomplete sample of each split is dropped (counted in the manifest).
 Documents go to train or val by a seeded hash of their origin, so the split is reproducible and never
 cuts a document in two.
 """
@@ -48,6 +49,7 @@ from data_prep.sources import BadInputReport, as_sources, list_files, require_do
 from data_prep.tokenizer import load_tokenizer
 
 SPLITS = ("train", "val")
+TAIL_PART = "part-tails"  # samples packed from every part's leftover tokens, at the merge
 # Documents are encoded in batches of about this many characters: sentencepiece's batched encode
 # amortises its per-call cost, and the token arrays of a batch are built in one numpy call.
 BATCH_CHARS = 1 << 20
@@ -182,9 +184,16 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
 
 # --- building one part ------------------------------------------------------------
 
+def _tail_path(out_dir: Path, part: P.Part) -> Path:
+    return Path(out_dir) / P.MARKER_DIR / f"{part.name}.tail.npz"
+
+
 def _first_occurrences(docs, keep: np.ndarray, dropped: list[int]):
     """The documents the dedup index keeps (``keep`` is in reading order); counts the others."""
     for i, doc in enumerate(docs):
+        if i >= len(keep):
+            raise ValueError(f"the source files changed since they were hashed for --dedup exact (more documents "
+                             f"than the {len(keep)} hashed): rebuild with --overwrite")
         if keep[i]:
             yield doc
         else:
@@ -237,6 +246,12 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
         w.finish()
     for split in SPLITS:
         stats[split]["dropped_tokens"] = stats[split]["tokens"] - stats[split]["samples"] * sample_len
+    # The tokens after the last complete sample: the merge packs those of all parts together.
+    tail = _tail_path(out_dir, part)
+    tail.parent.mkdir(parents=True, exist_ok=True)
+    with open(tail.with_name(tail.name + ".tmp"), "wb") as f:
+        np.savez(f, **{split: packers[split].buf for split in SPLITS})
+    os.replace(tail.with_name(tail.name + ".tmp"), tail)
     marker = {"plan_id": plan["plan_id"], "part": part.index, "tokenizer_sha256": s["tokenizer_sha256"],
               "seq_len": s["seq_len"], "splits": stats, "bad_inputs": report.to_dict(),
               "duplicates": duplicates[0], "seconds": round(time.time() - start, 3)}
@@ -383,20 +398,35 @@ def merge_parts(out_dir) -> dict:
             raise ValueError(f"part {m['part']} of {out_dir} was built with another tokenizer or seq_len than "
                              "the plan: rebuild it (delete parts/part-*.json of it)")
 
+    from streaming import MDSWriter
+
     sample_len = s["seq_len"] + 1
+    dtype = token_dtype(s["vocab_size"])
     stats = {split: {key: sum(m["splits"][split][key] for m in markers)
-                     for key in ("documents", "tokens", "samples", "dropped_tokens")} for split in SPLITS}
+                     for key in ("documents", "tokens", "samples")} for split in SPLITS}
+    # What each part left after its last complete sample, packed together in part order.
+    tails = [np.load(_tail_path(out_dir, p)) for p in parts]
+    for split in SPLITS:
+        packer = SamplePacker(sample_len, dtype)
+        rows = packer.add(np.concatenate([t[split] for t in tails]).astype(dtype))
+        shutil.rmtree(out_dir / split / TAIL_PART, ignore_errors=True)
+        with MDSWriter(out=str(out_dir / split / TAIL_PART), columns={"tokens": f"ndarray:{dtype.name}"},
+                       compression=s["compression"], size_limit=s["shard_size_limit"]) as writer:
+            for row in rows:
+                writer.write({"tokens": row})
+        stats[split]["samples"] += len(rows)
+        stats[split]["dropped_tokens"] = len(packer.buf)
     empty = [x for x in SPLITS if stats[x]["samples"] == 0 and (x == "train" or s["val_fraction"] > 0)]
     if empty:
-        _clear(out_dir)
         counts = ", ".join(f"{x}: {stats[x]['documents']} documents / {stats[x]['tokens']} tokens" for x in SPLITS)
         raise ValueError(f"split {' and '.join(empty)} got no complete sample of {sample_len} tokens ({counts}): "
-                         "use a smaller --seq-len, a larger corpus, or a larger --val-fraction "
-                         "(or --val-fraction 0 for no validation split); nothing was written")
+                         "use a smaller --seq-len, a larger corpus, or a larger --val-fraction (or --val-fraction 0 "
+                         "for no validation split), with --overwrite; no manifest was written")
     for split in SPLITS:
         (out_dir / split / "index.json").unlink(missing_ok=True)
         with _quiet_root_logger():
-            merge_index([str(out_dir / split / p.name / "index.json") for p in parts], str(out_dir / split))
+            merge_index([str(out_dir / split / name / "index.json") for name in [p.name for p in parts] + [TAIL_PART]],
+                        str(out_dir / split))
 
     report = BadInputReport()
     for m in markers:

@@ -82,4 +82,5 @@ def build_index(out_dir: Path, plan: dict) -> dict:
 
 def keep_mask(out_dir: Path, part: P.Part) -> np.ndarray:
     """Step 3: True for the documents of ``part`` to keep, in reading order."""
-    return np.unpackbits(np.load(_path(out_dir, part, "keep"))).astype(bool)
+    count = len(np.load(_path(out_dir, part, "hashes")))
+    return np.unpackbits(np.load(_path(out_dir, part, "keep")), count=count).astype(bool)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -72,7 +73,7 @@ class _ZstdReader(io.RawIOBase):
     """A zstd file as a raw stream, frame after frame; a file that ends inside a frame raises EOFError
     (zstandard's own stream_reader ends quietly there, which would lose the rest of a file unnoticed)."""
 
-    CHUNK = 1 << 20
+    CHUNK = 1 << 16  # compressed bytes per step: what one step decompresses stays small
 
     def __init__(self, path: Path):
         import zstandard
@@ -80,7 +81,7 @@ class _ZstdReader(io.RawIOBase):
         self._dctx = zstandard.ZstdDecompressor()
         self._file = open(path, "rb")
         self._dobj = self._dctx.decompressobj()
-        self._pending = b""
+        self._pending = memoryview(b"")
         self._in_frame = False
 
     def readable(self) -> bool:
@@ -93,18 +94,20 @@ class _ZstdReader(io.RawIOBase):
                 if self._in_frame:
                     raise EOFError("compressed file ended before the end of its zstd frame (truncated?)")
                 return 0
+            out = []
             while chunk:
                 self._in_frame = True
-                self._pending += self._dobj.decompress(chunk)
+                out.append(self._dobj.decompress(chunk))
                 if not self._dobj.eof:
                     break
                 # A frame ended inside this chunk; what follows it starts the next frame.
                 chunk = self._dobj.unused_data
                 self._dobj = self._dctx.decompressobj()
                 self._in_frame = False
+            self._pending = memoryview(b"".join(out))
         n = min(len(buf), len(self._pending))
         buf[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
+        self._pending = self._pending[n:]  # a view: no copy of the rest
         return n
 
     def close(self) -> None:
@@ -125,7 +128,7 @@ def _opener(path: Path) -> Callable:
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
-    errors: tuple[type[BaseException], ...] = (OSError, EOFError)
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)  # zlib: corrupt gzip data
     try:
         import zstandard
         errors += (zstandard.ZstdError,)

@@ -9,6 +9,10 @@ import argparse
 import re
 import subprocess
 
+# Slurm job states of a job that is still queued or running.
+ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
+                 "COMPLETING", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
+
 
 class SubmitError(ValueError):
     pass

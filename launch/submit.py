@@ -24,13 +24,11 @@ from pathlib import Path
 import yaml
 
 from launch import slurm_job
-from launch.sbatch import SubmitError, parse_time, sbatch_lines, submit
+from launch.sbatch import ACTIVE_STATES, SubmitError, parse_time, sbatch_lines, submit
 from pretrain.config import Config, ConfigError, load_config, validate, validate_data
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "train.sbatch"
-ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
-                 "COMPLETING", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -30,13 +30,12 @@ from pathlib import Path
 from data_prep import dedup
 from data_prep import parts as P
 from data_prep.build_shards import plan_build
-from launch.sbatch import SubmitError, parse_time, sbatch_lines, submit
+from launch.sbatch import ACTIVE_STATES, SubmitError, parse_time, sbatch_lines, submit
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "prep.sbatch"
 SLURM_DIR = "slurm"
 JOBS_FILE = "jobs.json"
-ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,13 +107,28 @@ def submit_build(args: argparse.Namespace) -> int:
         raise SubmitError("--out and --tokenizer are required (or --status OUT)")
     parse_time(args.time)  # a malformed limit fails here, not in sbatch
     out = Path(_absolute(args.out))
+    if (out / "manifest.json").is_file() and not args.overwrite:
+        print(f"{out} is complete already (manifest.json): nothing to submit (--overwrite builds it again)")
+        return 0
+    previous = _jobs(out)
+    if not args.dry_run:
+        # Before anything on disk changes (--overwrite clears the build).
+        if shutil.which("sbatch") is None:
+            raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
+        if previous:
+            active = [f"{task} {state}" for job in previous[-1]["jobs"].values()
+                      for task, state in job_states(job).items() if state in ACTIVE_STATES]
+            if active:
+                raise SubmitError(f"jobs of this build are still queued or running ({', '.join(active)}): wait "
+                                  "for them, or scancel them first")
     sources = [_absolute(s) for s in args.sources] if args.sources else None
     plan = plan_build(sources, _absolute(args.tokenizer), out, args.seq_len, args.val_fraction,
                       compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                       text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
                       overwrite=args.overwrite, dry_run=args.dry_run)
+    if args.overwrite and not args.dry_run:
+        previous = []  # a new build: its task count is free again
     n_parts = len(plan["parts"])
-    previous = _jobs(out)
     tasks = args.tasks or (previous[-1]["tasks"] if previous else min(n_parts, 1000))
     if tasks < 1:
         raise SubmitError(f"--tasks {tasks} must be >= 1")
@@ -161,17 +175,6 @@ def submit_build(args: argparse.Namespace) -> int:
             print(f"##### {logs / (name + '.sbatch')}")
             print(scripts[name], end="")
         return 0
-    if shutil.which("sbatch") is None:
-        raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
-    if (out / "manifest.json").is_file():
-        print(f"{out} is complete already (manifest.json): nothing to submit")
-        return 0
-    if previous:
-        active = [f"{task} {state}" for job in previous[-1]["jobs"].values()
-                  for task, state in job_states(job).items() if state in ACTIVE_STATES]
-        if active:
-            raise SubmitError(f"jobs of this build are still queued or running ({', '.join(active)}): wait for "
-                              "them, or scancel them first")
     logs.mkdir(parents=True, exist_ok=True)
     for name, text in scripts.items():
         (logs / f"{name}.sbatch").write_text(text)

@@ -79,6 +79,24 @@ class GPT(nn.Module):
         self.head = column_linear(
             cfg, cfg.hidden_size, cfg.padded_vocab_size, skip_weight_param_allocation=cfg.tie_embeddings
         )
+        self._tensors_only_state_dict()
+
+    def _tensors_only_state_dict(self) -> None:
+        """megatron-core's layers report an empty (None) ``_extra_state``: state dicts leave it out
+        (checkpoint converters expect tensors) and loading puts it back, so both forms load."""
+        layers = [name for name, sub in self.named_modules()
+                  if type(sub).get_extra_state is not nn.Module.get_extra_state]
+
+        def drop(module, state, prefix, local_metadata):
+            for key in [k for k, v in state.items() if k.endswith("_extra_state") and v is None]:
+                del state[key]
+
+        def readd(state, prefix, *args):
+            for name in layers:
+                state.setdefault(f"{prefix}{name + '.' if name else ''}_extra_state", None)
+
+        self._register_state_dict_hook(drop)
+        self._register_load_state_dict_pre_hook(readd)
 
     def compile_targets(self) -> list[nn.Module]:
         """What train.compile compiles: whole blocks, but only the attention of blocks with a routed

@@ -61,6 +61,7 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     _atomic_write(path / f"rank_{rank:05d}.pt", buffer)
     dist.barrier()
     if rank == 0:
+        shutil.rmtree(ckpt_dir / "universal" / tag, ignore_errors=True)  # a conversion of an older save of this tag
         marker = {**meta, "step": step, "world_size": dist.get_world_size(), "time": time.time(),
                   "expert_parallel": _expert_parallel_size(), "tensor_parallel": _tensor_parallel_size()}
         _atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())

@@ -97,6 +97,8 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
     saved_world, saved_tp = meta.get("world_size"), meta.get("tensor_parallel")
     if saved_world is None or (saved_world == world_size and saved_tp in (None, tensor)):
         return False
+    if meta.get("optimizer_state") is False and saved_tp in (None, tensor):
+        return False  # weights only (tools.import_hf): they load at any data-parallel size, moments fresh
     saved = f"world {saved_world}" + (f" = tensor {saved_tp} x data {saved_world // saved_tp}" if saved_tp else "")
     asked = f"world {world_size} = tensor {tensor} x data {world_size // tensor}"
     keep = (f"resume it with the saved number of processes and parallel.tensor, or start a new run.dir from "
@@ -104,6 +106,9 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
     if saved_tp is None or meta.get("global_batch") is None:
         raise CheckpointError(f"checkpoint {path} was saved at {saved} and records no layout for a conversion; "
                               f"this run asks for {asked}: {keep}")
+    if not any(Path(path).glob("*optim_states.pt")):
+        raise CheckpointError(f"checkpoint {path} was saved at {saved} without ZeRO optimizer shards "
+                              f"(parallel.zero_stage=0), which a conversion to {asked} needs: {keep}")
     if routed:
         raise CheckpointError(f"checkpoint {path} was saved at {saved}, this run asks for {asked}: a model with "
                               f"routed experts resumes only at the saved world size (the expert-parallel size may "

@@ -7,7 +7,8 @@ A task is a local JSON Lines file; each record is one question in any of these s
     ARC         {"question": ..., "choices": {"text": [...], "label": ["A", ...]}, "answerKey": "A"}
     PIQA        {"goal": ..., "sol1": ..., "sol2": ..., "label": i}
 
-Each choice is scored by the summed log-probability of its tokens (" " + choice) after the context;
+Each choice is scored by the summed log-probability of its tokens (those of context + " " + choice
+after the context's, as lm-eval takes them) after the context;
 ``acc`` picks the highest sum, ``acc_norm`` the highest sum per byte of the choice (lm-eval's
 acc_norm). Requests are spread over the data-parallel ranks, every rank doing the same number of
 forwards (tensor- and expert-parallel collectives); the log-probabilities come from the
@@ -89,11 +90,14 @@ def requests(examples: list[Example], sp, max_len: int) -> list[tuple[list[int],
     that at most ``max_len`` + 1 tokens remain."""
     out = []
     for ex in examples:
-        context = sp.encode(ex.context) or [sp.eos_id()]  # the first choice token needs something before it
+        context = sp.encode(ex.context)
         for choice in ex.choices:
-            cont = sp.encode(" " + choice)[-max_len:]
-            tokens = (context + cont)[-(max_len + 1):]
-            out.append((tokens, len(cont)))
+            # As lm-eval: the choice's tokens are those of context + choice after the context's own, so a
+            # tokenizer's dummy prefix or a merge across the boundary cannot add a token of its own.
+            cont = sp.encode(ex.context + " " + choice)[len(context):] or sp.encode(" " + choice)
+            cont = cont[-max_len:]
+            before = context or [sp.eos_id()]  # the first choice token needs something before it
+            out.append(((before + cont)[-(max_len + 1):], len(cont)))
     return out
 
 

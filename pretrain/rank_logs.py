@@ -19,8 +19,9 @@ _state: dict = {}
 
 
 def _rank() -> int:
+    # RANK under torchrun; SLURM_PROCID under a plain srun launch (pretrain.distributed maps it later).
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     except ValueError:
         return 0
 

@@ -3,8 +3,9 @@ than train.spike_sigmas standard deviations above the mean of the last train.spi
 steps is skipped: no parameter or optimizer-state update, while the batch is consumed and the
 learning-rate schedule moves on as for any step.
 
-The loss is the data-parallel mean and the gradient norm the global one, so every rank decides
-the same. The decision is taken inside DeepSpeed's optimizer step, after it has computed the global
+A non-finite gradient norm is always skipped. After MAX_CONSECUTIVE_SKIPS skips in a row the level
+has moved for good and the window starts over. The loss is the data-parallel mean and the gradient
+norm the global one, so every rank decides the same. The decision is taken inside DeepSpeed's optimizer step, after it has computed the global
 gradient norm and before it calls the torch optimizer, which is a SkipStepAdamW: it returns without
 touching parameters or moments when the guard says so. The window is part of each rank's checkpoint
 state, so a resumed run skips exactly the steps the uninterrupted one skips.
@@ -19,6 +20,9 @@ from typing import Callable
 import torch
 
 MIN_STEPS = 20  # accepted steps in the window before anything is judged a spike
+# After this many skips in a row the loss has moved for good (a new data mix, a resume on other data):
+# the window starts over instead of skipping every step from now on.
+MAX_CONSECUTIVE_SKIPS = 10
 
 
 class SpikeGuard:
@@ -27,6 +31,8 @@ class SpikeGuard:
         self.losses: deque[float] = deque(maxlen=window)
         self.grad_norms: deque[float] = deque(maxlen=window)
         self.skipped_steps: list[int] = []
+        self.consecutive = 0  # skips in a row
+        self.restarted = False  # the step in progress restarted the window
         self._loss: float | None = None
         self.decision: tuple[bool, str] | None = None  # of the step in progress, once taken
 
@@ -43,11 +49,18 @@ class SpikeGuard:
         """Called by the optimizer, possibly once per parameter group: the first call decides."""
         if self.decision is None:
             reason = ""
-            if self._loss is not None and len(self.losses) >= MIN_STEPS:
+            if not math.isfinite(grad_norm):
+                reason = f"grad norm {grad_norm}"
+            elif self._loss is not None and len(self.losses) >= MIN_STEPS:
                 if self._loss > (limit := self._limit(self.losses)):
                     reason = f"loss {self._loss:.4f} > {limit:.4f}"
                 elif grad_norm > (limit := self._limit(self.grad_norms)):
                     reason = f"grad norm {grad_norm:.4f} > {limit:.4f}"
+            self.restarted = bool(reason) and self.consecutive >= MAX_CONSECUTIVE_SKIPS and math.isfinite(grad_norm)
+            if self.restarted:  # applied, and the window refills from here
+                self.losses.clear()
+                self.grad_norms.clear()
+                reason = ""
             self.decision = (bool(reason), reason)
             self._grad_norm = grad_norm
         return self.decision[0]
@@ -57,20 +70,24 @@ class SpikeGuard:
         skipped, reason = self.decision if self.decision is not None else (False, "")
         if skipped:
             self.skipped_steps.append(step)
-        elif self.decision is not None and self._loss is not None and math.isfinite(self._loss):
-            self.losses.append(self._loss)
-            self.grad_norms.append(self._grad_norm)
+            self.consecutive += 1
+        else:
+            self.consecutive = 0
+            if self.decision is not None and self._loss is not None and math.isfinite(self._loss):
+                self.losses.append(self._loss)
+                self.grad_norms.append(self._grad_norm)
         self._loss, self.decision = None, None
         return reason
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "skipped_steps": list(self.skipped_steps)}
+                "skipped_steps": list(self.skipped_steps), "consecutive": self.consecutive}
 
     def load_state_dict(self, state: dict) -> None:
         self.losses = deque(state["losses"], maxlen=self.window)
         self.grad_norms = deque(state["grad_norms"], maxlen=self.window)
         self.skipped_steps = list(state["skipped_steps"])
+        self.consecutive = state.get("consecutive", 0)
 
 
 class SkipStepAdamW(torch.optim.AdamW):

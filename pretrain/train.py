@@ -69,7 +69,6 @@ def run(cfg: Config) -> int:
     from pretrain.engine import build_engine, describe_optimizer
     from pretrain.telemetry import Logger
     from pretrain.trainer import Trainer
-    from pretrain.universal import omit_empty_extra_state
 
     env = read_env()
     manifest, resume_path, init_path, universal = prepare(cfg, env.world_size)
@@ -86,7 +85,6 @@ def run(cfg: Config) -> int:
         checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing, z_loss=cfg.train.z_loss)
-    omit_empty_extra_state(model)
     if init_path is not None:
         from pretrain.init_from import load_weights
 

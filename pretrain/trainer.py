@@ -210,6 +210,9 @@ class Trainer:
             self._emit("on_optimizer_step", step)
             result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step
             if self.spikes is not None:
+                if self.spikes.restarted:
+                    self.logger.print(f"step {step}: {self.spikes.consecutive} updates in a row were spikes; "
+                                      "applied, and the spike window starts over")
                 skipped = self.spikes.end_step(step)
                 if skipped:
                     self.logger.print(f"step {step}: update skipped as a spike ({skipped}); "

@@ -7,7 +7,8 @@ conversion runs once, on rank 0 before any process group exists (the other ranks
 marker), into ``checkpoints/universal/<tag>`` (marked complete last, so an interrupted conversion is
 redone); the original checkpoint is never changed. Every save records
 which parameters tensor parallelism splits along dim 1 (row-parallel) and which it replicates, the
-metadata the converter needs to merge the slices (the rest are split along dim 0).
+metadata the converter needs to merge the slices (the rest are split along dim 0). (The converter
+fails on None tensors; models.gpt leaves megatron-core's empty extra state out of state dicts.)
 """
 
 from __future__ import annotations
@@ -41,24 +42,6 @@ def checkpoint_info(model: nn.Module) -> dict:
             row.append(rf"^{re.escape(name)}$")
     return {UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.2, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: row,
             TP_REPLICATED_PARAMETER_PATTERNS: replicated}
-
-
-def omit_empty_extra_state(model: nn.Module) -> None:
-    """Leave megatron-core's empty per-layer ``_extra_state`` (None) out of saved state dicts and put
-    it back before loading: ds_to_universal fails on None tensors."""
-    layers = [name for name, sub in model.named_modules()
-              if type(sub).get_extra_state is not nn.Module.get_extra_state]
-
-    def drop(module, state, prefix, local_metadata):
-        for key in [k for k, v in state.items() if k.endswith("_extra_state") and v is None]:
-            del state[key]
-
-    def readd(state, prefix, *args):
-        for name in layers:
-            state.setdefault(f"{prefix}{name + '.' if name else ''}_extra_state", None)
-
-    model._register_state_dict_hook(drop)
-    model._register_load_state_dict_pre_hook(readd)
 
 
 def universal_path(tag_dir: Path) -> Path:

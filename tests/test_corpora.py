@@ -333,3 +333,20 @@ def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, to
     assert bs.main(["--out", str(out), "--merge"]) == 0
     assert samples_multiset(out) == samples_multiset(tmp_path / "local")
     assert json.loads((out / "manifest.json").read_text())["dedup"] == m["dedup"]
+
+
+def test_corrupt_gzip_data_is_counted_where_it_broke(tmp_path):
+    rng = random.Random(9)
+    texts = [make_text(rng, 3) for _ in range(4000)]
+    data = gzip.compress(("\n".join(json.dumps({"text": t}) for t in texts) + "\n").encode())
+    broken = bytearray(data)
+    broken[len(broken) // 2: len(broken) // 2 + 64] = bytes(64)  # zeroed deflate data: a zlib error mid-stream
+    (tmp_path / "bad.jsonl.gz").write_bytes(bytes(broken))
+    report = BadInputReport()
+    docs = list(iter_documents([tmp_path], report=report))
+    # Deflate has no per-block checksum: the lines just before the error may be garbled, not the rest.
+    keep = len(docs) - 20
+    assert 1000 < keep < len(texts) and [d.text for d in docs[:keep]] == texts[:keep]
+    unreadable = {r: n for r, n in report.by_reason.items() if r.startswith("unreadable")}
+    assert list(unreadable.values()) == [1], report.to_dict()  # once, where zlib gave up
+    assert set(report.by_reason) - set(unreadable) <= {"malformed JSON", "not UTF-8", "missing or non-string 'text' field"}

@@ -262,7 +262,11 @@ def test_too_few_tokens_for_a_sample(tmp_path, tok_dir):
     (tmp_path / "a.txt").write_text("fox jumps\n")
     with pytest.raises(ValueError, match="no complete sample.*--seq-len"):
         bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", seq_len=4096, val_fraction=0, workers=1)
-    assert not (tmp_path / "out" / "train").exists() and not (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    # The built parts are kept (a cluster's work is not thrown away); other settings need --overwrite.
+    assert (tmp_path / "out" / "plan.json").exists()
+    with pytest.raises(FileExistsError, match="planned differently.*--overwrite"):
+        bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", seq_len=4, val_fraction=0, workers=1)
 
 
 def test_existing_shards_need_overwrite(tmp_path, tok_dir):

@@ -1,6 +1,6 @@
 """Document masking: a packed sample gives each of its documents the logits it gets alone, for every
-attention kind, on the fast and on the score-materialising path, at TP=1 and TP=2; ReLU normalisers
-count same-document keys; a masked training run passes the document ids through."""
+attention kind, on the fast and on the score-materialising path, at TP=1 and TP=2; ReLU's prefix
+normaliser counts same-document keys; a masked training run passes the document ids through."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from models.attention.masks import document_ids, document_length, keys_seen, visible
+from models.attention.masks import document_ids, keys_seen, visible
 from models.attention.relu import relu_attention, relu_weights
 from tests.dist_utils import spawn, train
 from tests.parallel_checks import gpt_loss_and_grads
@@ -28,7 +28,6 @@ def test_document_ids_masks_and_counts():
         for i in range(8):
             assert mask[b, i].tolist() == [j <= i and docs[b, j] == docs[b, i] for j in range(8)]
     assert keys_seen(docs, 8)[:, 0, :, 0].tolist() == [[1, 2, 3, 1, 2, 1, 2, 3], [1, 1, 2, 3, 4, 5, 1, 2]]
-    assert document_length(docs, 4, offset=4)[:, 0, :, 0].tolist() == [[2, 3, 3, 3], [5, 5, 2, 2]]
 
 
 @pytest.mark.parametrize("normalizer", ["prefix", "seqlen", "none"])
@@ -41,7 +40,7 @@ def test_relu_weights_count_only_same_document_keys(normalizer):
     bounds = [(0, 3), (3, 7), (7, 9)]
     for start, end in bounds:
         for i in range(start, end):
-            n = {"prefix": i - start + 1, "seqlen": end - start, "none": 1}[normalizer]
+            n = {"prefix": i - start + 1, "seqlen": 9, "none": 1}[normalizer]  # seqlen: no look at the document's end
             want = torch.zeros(2, 9)
             want[:, start:i + 1] = scores[0, :, i, start:i + 1].relu() / n
             torch.testing.assert_close(weights[0, :, i], want)

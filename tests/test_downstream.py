@@ -58,7 +58,8 @@ def test_scores_equal_a_plain_reference_scorer(tmp_path, tok_dir):
         with torch.no_grad():
             for ex in examples:
                 for choice in ex.choices:
-                    ctx, cont = sp.encode(ex.context), sp.encode(" " + choice)
+                    ctx = sp.encode(ex.context)
+                    cont = sp.encode(ex.context + " " + choice)[len(ctx):]
                     tokens = torch.tensor(ctx + cont)
                     logp = model.logits(tokens[None, :-1])[0].float().log_softmax(-1)
                     want.append(sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pretrain.spikes import MIN_STEPS, SkipStepAdamW, SpikeGuard
+from pretrain.spikes import MAX_CONSECUTIVE_SKIPS, MIN_STEPS, SkipStepAdamW, SpikeGuard
 from tests.dist_utils import train
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
@@ -32,6 +32,13 @@ def test_guard_skips_what_is_sigmas_above_the_window_and_only_that():
     copy = SpikeGuard(window=30, sigmas=3.0)
     copy.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     assert run_guard(copy, 24, 2.5, 1.2) == run_guard(guard, 24, 2.5, 1.2) != ""
+    # A lasting jump is not skipped for ever: after MAX_CONSECUTIVE_SKIPS the window starts over.
+    shifted = SpikeGuard(window=30, sigmas=3.0)
+    shifted.load_state_dict({**guard.state_dict(), "consecutive": 0})
+    reasons = [run_guard(shifted, 100 + i, 9.0, 1.0) for i in range(MAX_CONSECUTIVE_SKIPS + 1)]
+    assert all(reasons[:-1]) and reasons[-1] == "" and len(shifted.losses) == 1
+    assert run_guard(shifted, 200, 5.0, float("nan")).startswith("grad norm nan")  # never applied, never kept
+    assert len(shifted.grad_norms) == 1
     # Nothing is judged before the window holds MIN_STEPS applied steps.
     fresh = SpikeGuard(window=30, sigmas=3.0)
     assert run_guard(fresh, 1, 2.0, 1.0) == run_guard(fresh, 2, 1e6, 1e6) == ""

@@ -10,8 +10,8 @@ downstream tasks, in one process.
 (DIR/index.json). Samples are read in order, batch b holding samples [b*B, (b+1)*B) (wrapping
 around a small split), so `--batches N --batch-size B` covers the same N*B samples the trainer's
 validation covers with train.eval_batches * data-parallel size = N and micro_batch = B; the loss is
-the trainer's (mean next-token cross-entropy over the padded vocabulary, no auxiliary losses).
-Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
+the trainer's (mean next-token cross-entropy over the padded vocabulary, no auxiliary losses; within
+documents when the run trained with data.document_mask). Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
 
 --tasks scores JSON Lines multiple-choice tasks (HellaSwag, ARC, PIQA shapes or {"context", "choices",
 "gold"}; pretrain.downstream) as the trainer does with eval.downstream_tasks: acc (summed
@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 from megatron.core import tensor_parallel
 
-from pretrain.consolidate import load_model
+from models.attention.masks import document_ids
+from pretrain.checkpoint_format import resolve_checkpoint
+from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples
 from pretrain.downstream import evaluate_tasks, load_task, task_name
 from tools.cli import ToolError, argument_parser, reports_errors, run
@@ -45,7 +47,9 @@ def split_dir(shards: str | Path, split: str) -> Path:
 
 
 @torch.no_grad()
-def evaluate_rows(model, rows: torch.Tensor, batch_size: int) -> dict:
+def evaluate_rows(model, rows: torch.Tensor, batch_size: int, eos_id: int | None = None) -> dict:
+    """The trainer's validation loss over ``rows``; ``eos_id``: attend within documents, as a run with
+    data.document_mask does."""
     seq = rows.shape[1] - 1
     if seq > model.cfg.max_seq_len:
         raise ValueError(f"samples hold {seq} tokens but model.max_seq_len={model.cfg.max_seq_len}")
@@ -54,7 +58,8 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int) -> dict:
                          "they were built with another tokenizer")
     losses = []
     for batch in rows.split(batch_size):
-        logits = model.logits(batch[:, :-1])
+        inputs = batch[:, :-1]
+        logits = model.logits(inputs, {"document_ids": document_ids(inputs, eos_id)} if eos_id is not None else None)
         losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch[:, 1:]).mean().item())
     loss = sum(losses) / len(losses)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "batches": len(losses),
@@ -83,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg, meta = load_model(args.checkpoint)
     result = {"checkpoint": meta["checkpoint"], "step": meta.get("step")}
     if location is not None:
-        result.update(evaluate_rows(model, read_samples(location, args.batches * args.batch_size), args.batch_size),
-                      shards=str(location))
+        run = run_config(resolve_checkpoint(args.checkpoint))
+        eos = meta.get("eos_id") if run is not None and run.data.document_mask else None
+        result.update(evaluate_rows(model, read_samples(location, args.batches * args.batch_size), args.batch_size,
+                                    eos), shards=str(location), document_mask=eos is not None)
     if tasks:
         result["downstream"] = evaluate_tasks(model, tasks, sp, args.batch_size, torch.device("cpu"))
     if args.json:
@@ -105,7 +112,7 @@ def load_tasks(args) -> tuple[dict, object]:
 
     from data_prep.sources import BadInputReport
     from data_prep.tokenizer import load_tokenizer
-    from pretrain.checkpoint_format import read_meta, resolve_checkpoint
+    from pretrain.checkpoint_format import read_meta
     from tools.export import find_tokenizer
 
     tag_dir = resolve_checkpoint(args.checkpoint)
@@ -116,7 +123,11 @@ def load_tasks(args) -> tuple[dict, object]:
     missing = [p for p in args.tasks if not Path(p).is_file()]
     if missing:
         raise ToolError(f"--tasks: no such file {', '.join(missing)}")
-    tasks = {task_name(p): load_task(p, args.limit, report) for p in args.tasks}
+    names = [task_name(p) for p in args.tasks]
+    if len(set(names)) < len(names):
+        raise ToolError(f"--tasks {' '.join(args.tasks)}: results are named by file, and two share a name; "
+                        "give the files distinct names")
+    tasks = {name: load_task(p, args.limit, report) for name, p in zip(names, args.tasks)}
     if report.count:
         print(report.summary(), file=sys.stderr)
     return tasks, load_tokenizer(tokenizer_dir)[0]

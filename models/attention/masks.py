@@ -42,9 +42,3 @@ def keys_seen(documents: torch.Tensor, q_len: int, offset: int = 0) -> torch.Ten
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values  # start of each position's document
     return (pos - first + 1)[:, offset:offset + q_len].float()[:, None, :, None]
-
-
-def document_length(documents: torch.Tensor, q_len: int, offset: int = 0) -> torch.Tensor:
-    """[batch, 1, q_len, 1] float: the length (in this sample) of each query's document."""
-    lengths = torch.zeros_like(documents).scatter_add_(1, documents, torch.ones_like(documents))
-    return lengths.gather(1, documents)[:, offset:offset + q_len].float()[:, None, :, None]

@@ -2,8 +2,8 @@
 
     o_i = sum_{j <= i} ReLU(q_i . k_j / sqrt(d)) v_j / n_i,   n_i in {1, i (visible keys), seq_len}
 
-(model.relu_attention.normalizer = none | prefix | seqlen; within documents, n_i counts the keys of
-query i's own document, and seqlen is that document's length). Rows of the weights need not sum to
+(model.relu_attention.normalizer = none | prefix | seqlen; within documents, prefix counts the keys
+of query i's own document). Rows of the weights need not sum to
 one, so a head can output ~0 without parking weight on a sink token. Queries are processed in
 blocks of model.relu_attention.block_size in forward and backward (the backward recomputes the
 block's scores), so memory is O(block x seq) per head rather than O(seq^2).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
-from models.attention.masks import document_length, keys_seen, visible
+from models.attention.masks import keys_seen, visible
 from models.attention.softmax import scaled_scores
 from models.config import ConfigError, ModelConfig
 from models.registry import AttentionKind, ParallelSizes, register_attention, register_section
@@ -36,8 +36,9 @@ register_section("relu_attention", ReLUAttentionConfig, training_only=("block_si
 
 def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0,
                     documents: torch.Tensor | None = None) -> torch.Tensor:
-    """n_i for queries offset..offset+q_len-1: [q_len, 1] float, or [batch, 1, q_len, 1] within
-    documents, where prefix counts the keys of the query's own document and seqlen is its length."""
+    """n_i for queries offset..offset+q_len-1: [q_len, 1] float, or [batch, 1, q_len, 1] for prefix
+    within documents, where it counts the keys of the query's own document. seqlen stays the sample
+    length: the length of a document would tell every position where its document ends."""
     if normalizer == "none":
         return torch.ones(q_len, 1, device=device)
     if normalizer == "prefix":  # number of keys query i sees (1-based position)
@@ -45,8 +46,6 @@ def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: i
             return keys_seen(documents, q_len, offset)
         return torch.arange(offset + 1, offset + q_len + 1, device=device, dtype=torch.float32).unsqueeze(1)
     if normalizer == "seqlen":
-        if documents is not None:
-            return document_length(documents, q_len, offset)
         return torch.full((q_len, 1), float(seq_len), device=device)
     raise ValueError(f"model.relu_attention.normalizer={normalizer!r}: choose one of {NORMALIZERS}")
 
