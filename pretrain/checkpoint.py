@@ -54,8 +54,10 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
 
     from pretrain.universal import checkpoint_info
 
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False,
-                           client_state={"step": step, UNIVERSAL_CHECKPOINT_INFO: checkpoint_info(engine.module)})
+    client_state = {"step": step}
+    if not engine.has_moe_layers:  # DeepSpeed's MoE save writes this key itself (and takes no conversion)
+        client_state[UNIVERSAL_CHECKPOINT_INFO] = checkpoint_info(engine.module)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False, client_state=client_state)
     path = ckpt_dir / tag
     buffer = _torch_bytes({"rng": rng_state(), **rank_state})
     _atomic_write(path / f"rank_{rank:05d}.pt", buffer)

@@ -67,11 +67,16 @@ def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False):
     optimizer = None
     if cfg.train.skip_spikes:
         # The same torch AdamW, built here so that pretrain.spikes can veto a step.
+        from deepspeed.moe.utils import configure_moe_param_groups, has_moe_layers
+
         from pretrain.spikes import SkipStepAdamW
 
         params = config.pop("optimizer")["params"]
         params.pop("torch_adam")
-        optimizer = SkipStepAdamW(param_groups(model), lr=params.pop("lr"), betas=tuple(params.pop("betas")), **params)
+        groups = param_groups(model)
+        if has_moe_layers(model)[0]:  # what DeepSpeed does for the optimizers it builds itself
+            groups = configure_moe_param_groups(groups)
+        optimizer = SkipStepAdamW(groups, lr=params.pop("lr"), betas=tuple(params.pop("betas")), **params)
         config["zero_allow_untested_optimizer"] = True  # ZeRO checks the exact type; this is torch's AdamW
     engine, _, _, _ = deepspeed.initialize(
         model=model,

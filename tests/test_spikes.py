@@ -96,3 +96,12 @@ def test_planted_spikes_are_skipped_on_every_rank_and_resume_exactly(tmp_path):
     assert losses[part] == losses[full]  # bitwise: the same steps skipped, the same updates applied
     assert [int(line.split()[1].rstrip(":")) for line in resumed.stdout.splitlines()
             if "skipped as a spike" in line] == [s for s in skipped if s > 35]
+
+
+def test_skip_spikes_builds_for_an_expert_model(tmp_path):
+    """DeepSpeed sorts expert parameters into their own groups only for optimizers it builds itself."""
+    data = write_synthetic_shards(tmp_path / "data")
+    run = tmp_path / "uoe"
+    out = train(1, tiny_overrides(data, run, **{"train.steps": 2, "train.warmup_steps": 1, "train.skip_spikes": "true", "model.mlp": "uoe",
+                                                "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 16}))
+    assert "AdamW (skips spikes)" in out.stdout and (run / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
