@@ -282,7 +282,8 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
 
     cfg = load_config(run / "config.yaml", [f"data.shards={root / 'shards'}", f"data.tokenizer={root / 'tokenizer'}",
                                             f"train.resume={tag}", "train.micro_batch=2", "train.steps=30"])
-    _, resume_path, _ = prepare(cfg, 1)
+    _, resume_path, _, universal = prepare(cfg, 1)
+    assert universal is False
     assert resume_path == tag
     torch.manual_seed(1)
     engine = build_engine(cfg, GPT(cfg.model))
