@@ -331,7 +331,9 @@ def _validate_eval(e: EvalConfig) -> None:
     missing = [p for p in e.downstream_tasks if not Path(p).is_file()]
     if e.downstream_interval and missing:
         raise ConfigError(f"eval.downstream_tasks: no such file {', '.join(missing)}")
-    names = [Path(p).name.removesuffix(".jsonl").removesuffix(".json") for p in e.downstream_tasks]
+    from pretrain.downstream import task_name
+
+    names = [task_name(p) for p in e.downstream_tasks]
     if len(set(names)) < len(names):
         raise ConfigError(f"eval.downstream_tasks={e.downstream_tasks}: tasks are logged by file name, and two "
                           "share one; give the files distinct names")

@@ -34,6 +34,7 @@ class SpikeGuard:
         self.consecutive = 0  # skips in a row
         self.restarted = False  # the step in progress restarted the window
         self._loss: float | None = None
+        self._grad_norm = 0.0
         self.decision: tuple[bool, str] | None = None  # of the step in progress, once taken
 
     def _limit(self, values: deque[float]) -> float:

@@ -98,3 +98,17 @@ def test_in_loop_accuracy_at_tp2_and_dp2_equals_one_process_and_the_command(tmp_
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout.strip().splitlines()[-1])["downstream"]["mc"]
     assert (got["acc"], got["acc_norm"]) == acc["one"][6] and got["examples"] == 12
+
+
+def test_task_files_must_exist_and_have_distinct_names(tmp_path):
+    from pretrain.config import ConfigError, load_config, validate
+
+    for d in ("arc", "hellaswag"):
+        (tmp_path / d).mkdir()
+        write_task(tmp_path / d / "test.jsonl", 2)
+    same = f"[{tmp_path / 'arc' / 'test.jsonl'}, {tmp_path / 'hellaswag' / 'test.jsonl'}]"
+    with pytest.raises(ConfigError, match="two share one"):
+        validate(load_config(None, [f"eval.downstream_tasks={same}", "eval.downstream_interval=10"]), 1)
+    with pytest.raises(ConfigError, match="no such file"):
+        validate(load_config(None, [f"eval.downstream_tasks=[{tmp_path / 'none.jsonl'}]",
+                                    "eval.downstream_interval=10"]), 1)
