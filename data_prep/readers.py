@@ -137,7 +137,8 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
-def read_jsonl_file(path: Path, text_field: str, report) -> Iterator[Document]:
+def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
+    """(parsed value, origin "path:line", raw line) of each non-blank line that is UTF-8 JSON."""
     lineno = 0
     try:
         # Binary lines so one bad line costs only that line, not the whole file.
@@ -147,26 +148,61 @@ def read_jsonl_file(path: Path, text_field: str, report) -> Iterator[Document]:
                 if not raw.strip():
                     continue  # blank lines are harmless padding, not errors
                 try:
-                    rec = json.loads(raw.decode("utf-8"))
+                    value = json.loads(raw.decode("utf-8"))
                 except UnicodeDecodeError:
                     report.add(where, "not UTF-8")
                     continue
                 except json.JSONDecodeError:
                     report.add(where, "malformed JSON")
                     continue
-                text = rec.get(text_field) if isinstance(rec, dict) else None
-                if not isinstance(text, str):
-                    report.add(where, f"missing or non-string {text_field!r} field")
-                    continue
-                if not _valid_unicode(text, raw):
-                    report.add(where, "invalid Unicode (lone surrogate)")
-                    continue
-                if text:
-                    yield Document(text, where)
+                yield value, where, raw
     except _stream_errors() as e:
         # Unopenable file, or a truncated/corrupt compressed stream partway through.
         where = f"{path}:{lineno + 1}" if lineno else str(path)
         report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
+
+
+def read_jsonl_file(path: Path, text_field: str, report) -> Iterator[Document]:
+    for rec, where, raw in _json_lines(path, report):
+        text = rec.get(text_field) if isinstance(rec, dict) else None
+        if not isinstance(text, str):
+            report.add(where, f"missing or non-string {text_field!r} field")
+            continue
+        if not _valid_unicode(text, raw):
+            report.add(where, "invalid Unicode (lone surrogate)")
+            continue
+        if text:
+            yield Document(text, where)
+
+
+def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
+    """(record, origin) of every row of a JSON Lines or Parquet file, all fields kept (for data
+    made of several fields, such as fine-tuning examples); rows that are not objects are counted."""
+    if has_suffix(path.name, PARQUET_SUFFIXES):
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except (OSError, ValueError) as e:
+            report.add(str(path), f"unreadable ({e})")
+            return
+        row = 0
+        try:
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+                for rec in batch.to_pylist():
+                    row += 1
+                    yield rec, f"{path}:{row}"
+        except (OSError, ValueError) as e:
+            report.add(f"{path}:{row + 1}", f"unreadable ({e})")
+        return
+    if not has_suffix(path.name, JSONL_SUFFIXES):
+        report.add(str(path), f"not a JSON Lines or Parquet file ({', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)})")
+        return
+    for rec, where, _ in _json_lines(path, report):
+        if isinstance(rec, dict):
+            yield rec, where
+        else:
+            report.add(where, "not a JSON object")
 
 
 def parquet_row_groups(path: Path) -> list[tuple[int, int]]:

@@ -2,6 +2,7 @@
 
     python -m launch.local configs/tiny_dense.yaml --nproc 2 train.steps=100
     python -m launch.local configs/1b_uoe.yaml --single-gpu     # the header's single-GPU layout
+    python -m launch.local CONFIG --post --nproc 2 post.method=dpo ...   # posttrain.train instead
 
 The config is validated for the requested world size before any process starts.
 """
@@ -22,16 +23,18 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
+from launch.entry_points import entry_point  # noqa: E402
 from launch.layouts import single_gpu_overrides  # noqa: E402
-from pretrain.config import ConfigError, load_config, validate, validate_data  # noqa: E402
+from pretrain.config import ConfigError, load_config  # noqa: E402
 
 
-def torchrun_command(nproc: int, config: str | None, overrides: list[str], port: int) -> list[str]:
+def torchrun_command(nproc: int, config: str | None, overrides: list[str], port: int,
+                     module: str = "pretrain.train") -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            # Forward the time-limit signal to the workers and give them time to save.
            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
-           "-m", "pretrain.train"]
+           "-m", module]
     if config:
         cmd += ["--config", config]
     return cmd + overrides
@@ -45,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=29500, help="rendezvous port")
     parser.add_argument("--single-gpu", action="store_true",
                         help="apply the config header's single-GPU layout (one process) before the overrides")
+    parser.add_argument("--post", action="store_true", help="post-training (posttrain.train): SFT, DPO, SGA")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the command, run nothing")
     args = parser.parse_intermixed_args(argv)
+    entry = entry_point(args.post)
     overrides = args.overrides
     try:
         if args.single_gpu:
@@ -55,13 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.nproc != 1:
                 raise ConfigError(f"--single-gpu runs one process, not --nproc {args.nproc}")
             overrides = single_gpu_overrides(args.config) + overrides
-        cfg = load_config(args.config, overrides)
-        validate(cfg, args.nproc)
-        validate_data(cfg)
+        entry.check(load_config(args.config, overrides, entry.config_class), args.nproc)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    command = torchrun_command(args.nproc, args.config, overrides, args.port)
+    command = torchrun_command(args.nproc, args.config, overrides, args.port, entry.module)
     if args.dry_run:
         print(shlex.join(command))
         return 0

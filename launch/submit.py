@@ -4,6 +4,7 @@ slurm/train.sbatch into the run directory, sbatch it.
     python -m launch.submit configs/1b_uoe.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 \\
         --partition gpu --account proj train.lr=3e-4
     python -m launch.submit configs/tiny_dense.yaml --nodes 2 --cpu-procs-per-node 1 --time 00:10:00 --dry-run
+    python -m launch.submit CONFIG --post --nodes 1 --gpus-per-node 8 --time 04:00:00 post.method=sga ...
 
 The world size is nodes x processes per node (GPUs per node, or --cpu-procs-per-node for a CPU/gloo
 run); tensor/expert parallel sizes must divide it. Paths in the config are made absolute, the result
@@ -24,8 +25,9 @@ from pathlib import Path
 import yaml
 
 from launch import slurm_job
+from launch.entry_points import entry_point
 from launch.sbatch import ACTIVE_STATES, SubmitError, parse_time, sbatch_lines, submit
-from pretrain.config import Config, ConfigError, load_config, validate, validate_data
+from pretrain.config import Config, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "train.sbatch"
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help='command that each node\'s torchrun runs under, e.g. "apptainer exec --nv image.sif" '
                         "(shell words, rendered as given)")
     p.add_argument("--force", action="store_true", help="submit even if a job of this run dir is still queued")
+    p.add_argument("--post", action="store_true", help="post-training (posttrain.train): SFT, DPO, SGA")
     p.add_argument("--dry-run", action="store_true", help="print the script and resolved config; submit nothing")
     return p.parse_intermixed_args(argv)
 
@@ -72,19 +75,25 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, int]:
     procs = args.gpus_per_node or args.cpu_procs_per_node
     if procs < 1:
         raise SubmitError("--gpus-per-node / --cpu-procs-per-node must be >= 1")
-    cfg = load_config(args.config, args.overrides)
-    for section, key in (("run", "dir"), ("data", "shards"), ("data", "tokenizer"), ("data", "cache")):
+    entry = entry_point(args.post)
+    cfg = load_config(args.config, args.overrides, entry.config_class)
+
+    def absolute(path: str) -> str:
+        return path if "://" in path else str(Path(path).expanduser().resolve())
+
+    for section, key in entry.paths:
         obj = getattr(cfg, section)
         value = getattr(obj, key)
-        if value and "://" not in value:
-            setattr(obj, key, str(Path(value).expanduser().resolve()))
+        if isinstance(value, list):
+            setattr(obj, key, [absolute(v) for v in value])
+        elif value:
+            setattr(obj, key, absolute(value))
     cfg.train.resume = "auto"
     world = args.nodes * procs
     try:
-        validate(cfg, world)
+        entry.check(cfg, world)
     except ConfigError as err:
         raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})") from None
-    validate_data(cfg)
     if re.search(r"[\s%]", cfg.run.dir):
         raise SubmitError(f"run.dir={cfg.run.dir!r}: Slurm's --output cannot take a path with spaces or '%'")
     return cfg, procs
@@ -126,6 +135,7 @@ def render(cfg: Config, args: argparse.Namespace, procs: int, time_s: int) -> st
         "SHUTDOWN_TIMEOUT": str(shutdown),
         "ENV_EXPORTS": "\n".join(env_lines(args)),
         "TASK_WRAPPER": args.task_wrapper.strip(),
+        "MODULE": entry_point(args.post).module,
     }
     if "\n" in values["TASK_WRAPPER"]:
         raise SubmitError("--task-wrapper must be one line")

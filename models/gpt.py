@@ -68,7 +68,8 @@ class GPT(nn.Module):
         self.activation_checkpointing = checkpoint_mode(activation_checkpointing)
         # z-loss: z_loss x mean(logsumexp(logits)^2), keeps the softmax normaliser near 1 (bf16 stability).
         self.z_loss = z_loss
-        self.last_z_loss: torch.Tensor | None = None  # detached, of the last training forward
+        # Detached scalars of the last training forward that the loop logs beside the loss.
+        self.last_metrics: dict[str, torch.Tensor] = {}
         self.embed = tensor_parallel.VocabParallelEmbedding(
             cfg.padded_vocab_size, cfg.hidden_size, init_method=normal_init(cfg.init_std), config=parallel_config()
         )
@@ -110,8 +111,8 @@ class GPT(nn.Module):
         for module in self.compile_targets():
             module.compile()
 
-    def logits(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
-        """Logits for this rank's vocabulary shard: [batch, seq, padded_vocab / tp]."""
+    def hidden_states(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
+        """The final (normed) hidden states [batch, seq, hidden], whole on every tensor-parallel rank."""
         ctx = {} if ctx is None else ctx
         ctx["rotary"] = self.rotary
         ctx["recompute_attention"] = self.training and self.activation_checkpointing == "selective"
@@ -121,10 +122,17 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, ctx, use_reentrant=False)
             else:
                 x = block(x, ctx)
-        x = self.norm(x)
+        return self.norm(x)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden_states -> logits for this rank's vocabulary shard: [batch, seq, padded_vocab / tp]."""
         weight = self.embed.weight if self.cfg.tie_embeddings else None
-        logits, _ = self.head(x, weight=weight)
+        logits, _ = self.head(hidden, weight=weight)
         return logits
+
+    def logits(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
+        """Logits for this rank's vocabulary shard: [batch, seq, padded_vocab / tp]."""
+        return self.output_logits(self.hidden_states(tokens, ctx))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,7 +143,7 @@ class GPT(nn.Module):
         if self.training and self.z_loss > 0:
             # Before the cross-entropy: megatron's overwrites the logits in place.
             z = self.z_loss * vocab_parallel_logsumexp(logits).square().mean()
-            self.last_z_loss = z.detach()
+            self.last_metrics = {"z_loss": z.detach()}
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels).mean()
         if not self.training:
             return loss

@@ -213,9 +213,11 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                config_class: type[Config] = Config) -> Config:
     """Defaults, then the YAML file, then the overrides; model.plugins are imported first, so that
-    the kinds and sections they register can be named."""
+    the kinds and sections they register can be named. `config_class`: Config or a subclass with
+    sections of its own (posttrain.config)."""
     values = {}
     if path:
         path = Path(path)
@@ -225,7 +227,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile, eval)")
     tree = parse_overrides(overrides or [])
-    cfg = Config()
+    cfg = config_class()
     for layer in (values, tree):  # the overrides' plug-ins win, as their other keys do
         model = layer.get("model")
         if isinstance(model, dict) and "plugins" in model:

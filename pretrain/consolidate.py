@@ -57,11 +57,25 @@ class ConsolidateError(CheckpointError):
 
 
 def run_config(tag_dir: Path):
-    """The resolved run config saved next to the checkpoints (RUN_DIR/config.yaml), or None."""
-    from pretrain.config import load_config
+    """The resolved run config saved next to the checkpoints (RUN_DIR/config.yaml), or None.
+    Sections another entry point adds to its config (posttrain's `post`) are left out."""
+    import dataclasses
+
+    import yaml
+
+    from pretrain.config import Config, apply_values
 
     path = tag_dir.parent.parent / "config.yaml"
-    return load_config(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    values = yaml.safe_load(path.read_text()) or {}
+    sections = {f.name for f in dataclasses.fields(Config)}
+    cfg = Config()
+    from models import registry
+
+    registry.load_plugins((values.get("model") or {}).get("plugins", []))
+    apply_values(cfg, {k: v for k, v in values.items() if k in sections})
+    return cfg
 
 
 def describe_layout(tag_dir: Path, meta: dict) -> dict:
@@ -222,7 +236,8 @@ def full_state_dict(checkpoint: str | os.PathLike, model: torch.nn.Module | None
 
 
 def load_model(checkpoint: str | os.PathLike):
-    """(GPT at TP=1 in fp32 with the checkpoint's weights, eval mode; ModelConfig; meta)."""
+    """(GPT at TP=1 in fp32 with the checkpoint's weights, eval mode; ModelConfig; meta).
+    meta["head_states"]: {head name: its state dict} for the heads meta["heads"] names."""
     from models.gpt import GPT
 
     tag_dir = resolve_checkpoint(checkpoint)
@@ -234,6 +249,10 @@ def load_model(checkpoint: str | os.PathLike):
     for key in own:  # megatron-core's per-layer extra state (None); ZeRO-3 reconstruction omits it
         if key.endswith("_extra_state"):
             state.setdefault(key, own[key])
+    # Heads a post-training run adds beside the LM (meta["heads"], e.g. SGA's value_head) go to meta.
+    heads = tuple(f"{name}." for name in meta.get("heads", []))
+    meta["head_states"] = {name[:-1]: {k[len(name):]: state.pop(k) for k in list(state) if k.startswith(name)}
+                           for name in heads}
     unexpected = sorted(set(state) - set(own))
     missing = sorted(set(own) - set(state))
     if unexpected or missing:

@@ -60,8 +60,10 @@ def _full_shape(param: torch.Tensor, tp: int) -> torch.Size:
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, tag: Path) -> None:
-    """Copy the source's weights into this rank's (tensor- and expert-parallel) part of `model`."""
+def load_weights(model: torch.nn.Module, tag: Path, optional: tuple[str, ...] = ()) -> None:
+    """Copy the source's weights into this rank's (tensor- and expert-parallel) part of `model`.
+    `optional`: key prefixes (heads a post-training run adds) loaded when the source has them and
+    otherwise left as initialised."""
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     own = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     params = dict(model.named_parameters())
@@ -74,10 +76,12 @@ def load_weights(model: torch.nn.Module, tag: Path) -> None:
     else:
         layout = describe_layout(tag, read_meta(tag))
         full = merge_tensor_parallel(tensor_parallel_shards(tag, layout), dims, full_shapes)
-    missing = sorted(n for n in full_shapes if n not in full)
+    missing = sorted(n for n in full_shapes if n not in full and not n.startswith(optional or (" ",)))
     if missing:
         raise CheckpointError(f"train.init_from={tag}: the checkpoint lacks {missing[:6]}")
     for key, local in own.items():
+        if names[key] not in full:  # an optional head the source does not have
+            continue
         source = full[names[key]]
         want = full_shapes[names[key]]
         if tuple(source.shape) != tuple(want):

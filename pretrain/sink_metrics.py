@@ -8,7 +8,7 @@ from pretrain.trainer import Callback
 
 class SinkMetricsCallback(Callback):
     """After every evaluation measure alpha_1 / Sink_1^eps on the first `seq` tokens of the fixed
-    validation batch trainer.val_batches[0] and log them under sinks/. Every rank runs the forward
+    validation batch (trainer.probe_tokens) and log them under sinks/. Every rank runs the forward
     (tensor-parallel collectives); heads are gathered across the tensor-parallel group and only
     rank 0 writes."""
 
@@ -17,7 +17,7 @@ class SinkMetricsCallback(Callback):
 
     def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
         seq = min(self.seq, trainer.cfg.model.max_seq_len)
-        tokens = trainer.val_batches[0][:, :seq].to(trainer.device)
+        tokens = trainer.probe_tokens(seq)
         stats = measure(trainer.model, tokens)  # the same on every rank: all or none of them have maps
         if stats is not None:
             trainer.logger.scalars(step, scalars(gathered(stats), self.eps, self.per_head), prefix="sinks/")

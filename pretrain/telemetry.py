@@ -96,7 +96,8 @@ class Logger:
             self.metrics_file.close()
 
 
-def progress_line(step: int, total: int, values: dict[str, float]) -> str:
+def progress_line(step: int, total: int, values: dict[str, float], extra: tuple[str, ...] = ()) -> str:
+    """`extra`: names of further values to show (the model's own metrics)."""
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}", f"lr {values['lr']:.2e}",
              f"gnorm {values.get('grad_norm', float('nan')):.3f}", f"{values['tokens_per_s']:.0f} tok/s",
              f"{values['tflops_per_device']:.3f} TFLOP/s/dev"]
@@ -105,4 +106,5 @@ def progress_line(step: int, total: int, values: dict[str, float]) -> str:
     if "data_wait_frac" in values:
         parts.append(f"data {100 * values['data_wait_frac']:.0f}%")
     parts.append(f"mem {values['peak_memory_gb']:.2f} GB")
+    parts += [f"{name} {values[name]:.4g}" for name in extra]
     return " | ".join(parts)

@@ -38,12 +38,53 @@ def global_batch(cfg: Config, world_size: int) -> int:
     return cfg.train.micro_batch * cfg.train.grad_accum * (world_size // cfg.parallel.tensor)
 
 
-def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None, Path | None, bool]:
-    """Every check that needs no process group: config, shards, tokenizer, checkpoints.
+class Task:
+    """What a run trains: the model, its data and its loop. This one pretrains on streaming shards;
+    other entry points (posttrain.train) subclass it and share the rest of `run`: checks, process
+    groups, engine, checkpoints, resume, logging and callbacks."""
+
+    def check(self, cfg: Config, world_size: int) -> dict:
+        """Config and data checks before any process group; returns the data's manifest
+        (tokenizer_sha256, eos_id, ...)."""
+        validate(cfg, world_size)
+        return validate_data(cfg)
+
+    def build_model(self, cfg: Config) -> torch.nn.Module:
+        from models.gpt import GPT
+
+        return GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing, z_loss=cfg.train.z_loss)
+
+    def load_init(self, model: torch.nn.Module, path: Path) -> None:
+        """train.init_from: the weights a new run starts from."""
+        from pretrain.init_from import load_weights
+
+        load_weights(model, path)
+
+    def batches(self, cfg: Config):
+        from pretrain.data import Batches, build_loader
+
+        return Batches(build_loader(cfg, "train", shuffle=True))
+
+    def val_sets(self, cfg: Config) -> dict:
+        from pretrain.data import load_val_sets
+
+        return load_val_sets(cfg)
+
+    def meta(self, cfg: Config) -> dict:
+        """Entries of the checkpoint marker besides the model's, the tokenizer's and the layout's."""
+        return {}
+
+    def trainer(self, cfg: Config, engine, batches, val_sets: dict, logger, meta: dict, callbacks: list):
+        from pretrain.trainer import Trainer
+
+        return Trainer(cfg, engine, batches, val_sets, logger, device(), meta, callbacks)
+
+
+def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dict, Path | None, Path | None, bool]:
+    """Every check that needs no process group: config, data, tokenizer, checkpoints.
     Returns (manifest, checkpoint to resume, checkpoint whose weights to start from, whether the
     resume goes through a universal checkpoint because the layout changed)."""
-    validate(cfg, world_size)
-    manifest = validate_data(cfg)
+    manifest = (task or Task()).check(cfg, world_size)
     resume_path = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
         meta = checkpoint_format.read_meta(resume_path)
@@ -60,18 +101,16 @@ def prepare(cfg: Config, world_size: int) -> tuple[dict, Path | None, Path | Non
     return manifest, None, None, False
 
 
-def run(cfg: Config) -> int:
-    """Train per `cfg`; returns the process exit code."""
+def run(cfg: Config, task: Task | None = None) -> int:
+    """Train per `cfg` (pretraining unless `task` says otherwise); returns the process exit code."""
     from models.counting import flops_per_token, param_counts
-    from models.gpt import GPT
     from pretrain.callbacks import build_callbacks
-    from pretrain.data import Batches, build_loader, load_val_sets
     from pretrain.engine import build_engine, describe_optimizer
     from pretrain.telemetry import Logger
-    from pretrain.trainer import Trainer
 
+    task = task or Task()
     env = read_env()
-    manifest, resume_path, init_path, universal = prepare(cfg, env.world_size)
+    manifest, resume_path, init_path, universal = prepare(cfg, env.world_size, task)
     if universal:  # another layout: the checkpoint in DeepSpeed's layout-free form, converted once
         from pretrain.universal import convert, wait_converted
 
@@ -84,19 +123,17 @@ def run(cfg: Config) -> int:
         save_config(cfg, run_dir / "config.yaml")
         checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing, z_loss=cfg.train.z_loss)
+    model = task.build_model(cfg)
     if init_path is not None:
-        from pretrain.init_from import load_weights
-
-        load_weights(model, init_path)
+        task.load_init(model, init_path)
     if cfg.train.compile:
         model.compile_blocks()
     engine = build_engine(cfg, model, load_universal=bool(universal))
-    batches = Batches(build_loader(cfg, "train", shuffle=True))
+    batches = task.batches(cfg)
     counts = param_counts(cfg.model)
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
             "eos_id": manifest.get("eos_id"), "flops_per_token": flops_per_token(cfg.model), "params": counts,
-            "global_batch": global_batch(cfg, env.world_size)}
+            "global_batch": global_batch(cfg, env.world_size), **task.meta(cfg)}
     logger = Logger(run_dir, env.rank)
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
@@ -116,8 +153,7 @@ def run(cfg: Config) -> int:
         start_step = checkpoint_format.read_meta(resume_path)["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}"
                      + (f" on another layout, through {universal}" if universal else ""))
-    trainer = Trainer(cfg, engine, batches, load_val_sets(cfg), logger, device(), meta,
-                      build_callbacks(cfg, model))
+    trainer = task.trainer(cfg, engine, batches, task.val_sets(cfg), logger, meta, build_callbacks(cfg, model))
     if resume_path is not None and trainer.spikes is not None and "spikes" in state:
         trainer.spikes.load_state_dict(state["spikes"])
     trainer.fit(start_step)
@@ -129,12 +165,12 @@ def run(cfg: Config) -> int:
     return signals.EXIT_CODE_SAVED_ON_SIGNAL if trainer.stopped_by_signal else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, task: Task | None = None, config_class: type = Config) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, config_class)
         rank_logs.settle(cfg.run.dir)
-        code = run(cfg)
+        code = run(cfg, task)
     except (ConfigError, checkpoint_format.CheckpointError) as err:
         # On the terminal from every rank: torchrun may stop rank 0 before it prints, once another
         # rank has exited with the same error.

@@ -73,7 +73,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.losses: list[tuple[int, float]] = []
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
-        self.last_z_loss = torch.zeros(())
+        self.last_metrics: dict[str, torch.Tensor] = {}  # the model's own metrics of the last step
         # data.document_mask: the EOS id that ends each document of a sample (from the manifest).
         self.document_eos: int | None = meta.get("eos_id") if cfg.data.document_mask else None
         self.spikes: SpikeGuard | None = None
@@ -90,6 +90,11 @@ class Trainer:
     def val_batches(self) -> list[torch.Tensor]:
         return all_batches(self.val_sets)
 
+    def probe_tokens(self, seq: int) -> torch.Tensor:
+        """The first `seq` input tokens of the first validation batch, on the device (for metrics
+        that look inside the model, such as attention sinks)."""
+        return self.val_batches[0][:, :seq].to(self.device)
+
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         """The engine's loss on one micro-batch (inputs and shifted labels, documents when masked)."""
         inputs, labels = split_batch(batch, self.device)
@@ -100,7 +105,7 @@ class Trainer:
     def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
         total = torch.zeros((), device=self.device)
-        z_total = torch.zeros((), device=self.device)
+        sums: dict[str, torch.Tensor] = {}
         for micro in range(self.cfg.train.grad_accum):
             waited = time.perf_counter()
             batch = next(self.batches)
@@ -112,9 +117,9 @@ class Trainer:
             if self.spikes is not None and micro == self.cfg.train.grad_accum - 1:
                 self.spikes.begin_step(dp_mean(total / self.cfg.train.grad_accum))  # before the update
             self.engine.step()
-            if self.model.last_z_loss is not None:
-                z_total += self.model.last_z_loss
-        self.last_z_loss = z_total / self.cfg.train.grad_accum  # part of the loss, logged on its own
+            for name, value in self.model.last_metrics.items():  # e.g. the z-loss, part of the loss
+                sums[name] = sums.get(name, 0.0) + value.float()
+        self.last_metrics = {name: value / self.cfg.train.grad_accum for name, value in sums.items()}
         # Part of the optimizer step: validation and the checkpoint of this step see its result.
         self.model.after_optimizer_step()
         return total / self.cfg.train.grad_accum
@@ -171,12 +176,12 @@ class Trainer:
     def _log(self, result: StepResult, lr: float, throughput: Throughput) -> None:
         result.metrics = {"loss": result.loss, "lr": lr, "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
                           **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
-        if self.cfg.train.z_loss > 0:
-            result.metrics["z_loss"] = dp_mean(self.last_z_loss)
+        if self.last_metrics:  # one collective for all; every rank has the same names
+            result.metrics.update(zip(self.last_metrics, dp_mean(torch.stack(list(self.last_metrics.values())))))
         if self.spikes is not None:
             result.metrics["skipped_steps"] = len(self.spikes.skipped_steps)
         self.logger.scalars(result.step, result.metrics, prefix="train/")
-        self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics))
+        self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics, tuple(self.last_metrics)))
 
     def _validate(self, step: int) -> None:
         val = self.evaluate()

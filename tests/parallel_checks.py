@@ -51,7 +51,7 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
 
         compiled = counters["stats"]["unique_graphs"] > 0
         torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "compiled": compiled,
-                    "z_loss": model.last_z_loss, "logits": logits}, out_path)
+                    "z_loss": model.last_metrics.get("z_loss"), "logits": logits}, out_path)
 
 
 def loader_batches(rank: int, shards_root: str, out_dir: str, batches: int = 3) -> None:

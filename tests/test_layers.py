@@ -6,13 +6,14 @@ import sys
 
 from tests.dist_utils import REPO, child_env
 
-PACKAGES = ("models", "data_prep", "pretrain", "launch", "tools", "bench")
+PACKAGES = ("models", "data_prep", "pretrain", "posttrain", "launch", "tools", "bench")
 # What each package must not import. Everything else is allowed (launch and tools may use the
 # library below them, bench may use anything).
 FORBIDDEN = {
-    "models": {"pretrain", "launch", "data_prep", "tools", "bench"},
-    "data_prep": {"models", "pretrain", "launch", "tools", "bench"},
-    "pretrain": {"launch", "tools", "bench"},
+    "models": {"pretrain", "posttrain", "launch", "data_prep", "tools", "bench"},
+    "data_prep": {"models", "pretrain", "posttrain", "launch", "tools", "bench"},
+    "pretrain": {"posttrain", "launch", "tools", "bench"},
+    "posttrain": {"launch", "tools", "bench"},
     "launch": {"tools", "bench"},
     "tools": {"bench"},
 }

@@ -7,6 +7,8 @@ and writes DIR/config.json, model.safetensors (sharded above --max-shard-size, w
 generation_config.json and the tokenizer (tokenizer.model + tokenizer.json + tokenizer_config.json,
 loadable as LlamaTokenizer and LlamaTokenizerFast; it encodes text to the same ids as the
 SentencePiece model used for training: no BOS/EOS added, no dummy prefix, byte fallback).
+Heads a post-training run added beside the LM (SGA's value head) are written next to it as
+NAME.safetensors and NAME.json (shape, objectives, chat and score formats).
 
 Dense softmax models become a standard `LlamaForCausalLM` (a kind with neither a Llama mapping nor
 support in the bundled modeling file is refused with an error):
@@ -291,6 +293,24 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
     (out / "export_info.json").write_text(json.dumps(extra_meta, indent=1, default=str))
 
 
+def split_heads(state: dict, heads: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Take the heads a post-training run added beside the LM (meta["heads"]) out of `state`."""
+    return {name: {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
+            for name in heads}
+
+
+def write_heads(out: Path, heads: dict, meta: dict, dtype: torch.dtype) -> None:
+    """Each head beside the model: NAME.safetensors and NAME.json (its shape and how prompts are
+    written for it, from the checkpoint's post-training record)."""
+    from safetensors.torch import save_file
+
+    for name, tensors in heads.items():
+        save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()}, str(out / f"{name}.safetensors"))
+        record = meta.get("posttrain", {})
+        info = {"head": name, **{k: record[k] for k in (name, "chat", "scores") if k in record}}
+        (out / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
 def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str | None = None,
            max_shard_size: str = "5GB", overwrite: bool = False) -> Path:
     out = Path(out)
@@ -303,6 +323,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     fmt = export_format(ModelConfig.from_dict(meta["model"]))
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta)
     state, cfg, meta = full_state_dict(tag_dir)
+    heads = split_heads(state, meta.get("heads", []))
     info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
             "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
             "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
@@ -314,6 +335,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
     try:
         write_folder(tmp, cfg, state, DTYPES[dtype], tokenizer_dir, max_shard_size, info)
+        write_heads(tmp, heads, meta, DTYPES[dtype])
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

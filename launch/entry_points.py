@@ -1,0 +1,41 @@
+"""The training entry points the launchers start: pretraining, or post-training (--post)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    module: str  # run as python -m MODULE --config CONFIG overrides...
+    config_class: type
+    check: Callable  # (config, world size) -> None; raises ConfigError before anything starts
+    paths: tuple[tuple[str, str], ...]  # (section, key) of the path settings made absolute for Slurm
+
+
+def _check_pretrain(cfg, world_size: int) -> None:
+    from pretrain.config import validate, validate_data
+
+    validate(cfg, world_size)
+    validate_data(cfg)
+
+
+def _check_posttrain(cfg, world_size: int) -> None:
+    from posttrain.config import validate_post
+    from pretrain.config import validate
+
+    validate(cfg, world_size)
+    validate_post(cfg)
+
+
+def entry_point(post: bool) -> EntryPoint:
+    from pretrain.config import Config
+
+    data = (("run", "dir"), ("data", "shards"), ("data", "tokenizer"), ("data", "cache"), ("train", "init_from"))
+    if not post:
+        return EntryPoint("pretrain.train", Config, _check_pretrain, data)
+    from posttrain.config import PostTrainConfig
+
+    return EntryPoint("posttrain.train", PostTrainConfig, _check_posttrain,
+                      data + (("post", "data"), ("post", "val_data")))

@@ -1,0 +1,84 @@
+"""Messages -> token ids with a mask of the tokens to train, and SGA's scores as prompt text.
+
+Each turn is encoded on its own and the pieces concatenated, so the mask falls exactly on token
+boundaries: prompt tokens are never trained, whatever the tokenizer would merge across a boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    system_prefix: str = "System: "
+    user_prefix: str = "User: "
+    assistant_prefix: str = "Assistant: "
+    turn_end: str = "\n"
+    add_bos: bool = False
+
+    @classmethod
+    def from_config(cls, post) -> ChatFormat:
+        return cls(post.system_prefix, post.user_prefix, post.assistant_prefix, post.turn_end, post.add_bos)
+
+
+@dataclass(frozen=True)
+class ScoreFormat:
+    prefix: str = "\nYour response must satisfy the following scores: "
+    item: str = "<{name}_score:{value}>"
+    joiner: str = " and "
+    decimals: int = 2
+
+    @classmethod
+    def from_config(cls, post) -> ScoreFormat:
+        return cls(post.score_prefix, post.score_item, post.score_joiner, post.score_decimals)
+
+    def text(self, scores: dict[str, float]) -> str:
+        return self.prefix + self.joiner.join(self.item.format(name=name, value=round(float(value), self.decimals))
+                                              for name, value in scores.items())
+
+
+def with_scores(messages: list[dict], scores: dict[str, float], fmt: ScoreFormat) -> list[dict]:
+    """The messages with the scores' text appended to the last user turn."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    out = [dict(m) for m in messages]
+    out[last]["content"] += fmt.text(scores)
+    return out
+
+
+class ChatEncoder:
+    """Encodes messages with a SentencePiece processor (no BOS/EOS added by the processor)."""
+
+    def __init__(self, sp, fmt: ChatFormat):
+        self.sp, self.fmt = sp, fmt
+        self.eos = sp.eos_id()
+        self.prefixes = {"system": fmt.system_prefix, "user": fmt.user_prefix, "assistant": fmt.assistant_prefix}
+
+    def _ids(self, text: str) -> list[int]:
+        return self.sp.encode(text) if text else []
+
+    def conversation(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, trained): every assistant turn's content and its EOS are trained, nothing else."""
+        ids: list[int] = [self.sp.bos_id()] if self.fmt.add_bos else []
+        trained: list[bool] = [False] * len(ids)
+        for message in messages:
+            role, content = message["role"], message["content"]
+            if role == "assistant":
+                head, body = self._ids(self.prefixes[role]), self._ids(content) + [self.eos]
+                ids += head + body
+                trained += [False] * len(head) + [True] * len(body)
+            else:
+                piece = self._ids(self.prefixes[role] + content + self.fmt.turn_end)
+                ids += piece
+                trained += [False] * len(piece)
+        return np.array(ids, dtype=np.int64), np.array(trained, dtype=bool)
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The ids before a response: the turns, then the assistant prefix."""
+        ids, _ = self.conversation(messages)
+        return ids.tolist() + self._ids(self.prefixes["assistant"])
+
+    def response(self, text: str) -> list[int]:
+        return self._ids(text) + [self.eos]

@@ -1,0 +1,86 @@
+"""The post-training config: pretraining's sections plus `post` (method, data, chat format,
+DPO and SGA settings), validated before any process group is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from models.config import ConfigError
+from pretrain.config import Config, parse_paths
+
+METHODS = ("sft", "dpo", "sga")
+
+
+@dataclass
+class PostConfig:
+    method: str = "sft"  # sft | dpo | sga
+    # Training files (JSON Lines, .gz / .zst, or Parquet). sft: {"prompt", "response"} or {"messages"};
+    # dpo / sga: {"prompt", "chosen", "rejected", "scores"} (posttrain.records).
+    data: list[str] = field(default_factory=list, metadata={"parse": parse_paths})
+    val_data: list[str] = field(default_factory=list, metadata={"parse": parse_paths})  # validation files
+    max_len: int = 0  # tokens per example (prompt + response); 0 = model.max_seq_len; longer ones are dropped
+    packing: bool = False  # sft: several examples per row, each attending only to itself
+    # Chat rendering: each turn is prefix + content + turn_end; an assistant turn is assistant_prefix +
+    # content + EOS, and only its content and EOS are trained.
+    system_prefix: str = "System: "
+    user_prefix: str = "User: "
+    assistant_prefix: str = "Assistant: "
+    turn_end: str = "\n"
+    add_bos: bool = False  # start every example with BOS (for tokenizers that expect one, e.g. Llama's)
+    beta: float = 0.1  # DPO temperature
+    # SGA: loss = dpo_weight x DPO(score-conditioned prompt) + mse_weight x MSE(value head on the raw prompt)
+    dpo_weight: float = 1.0
+    mse_weight: float = 1000.0
+    value_head_layers: int = 3  # hidden layers of the value head MLP (ReLU), each value_head_width wide
+    value_head_width: int = 1024
+    value_head_dropout: float = 0.1  # on the hidden state the head reads
+    # Scores as text, appended to the last user turn: prefix + joiner.join(item per objective)
+    score_prefix: str = "\nYour response must satisfy the following scores: "
+    score_item: str = "<{name}_score:{value}>"
+    score_joiner: str = " and "
+    score_decimals: int = 2  # scores are rounded to this many decimals, in the text and as targets
+
+
+@dataclass
+class PostTrainConfig(Config):
+    post: PostConfig = field(default_factory=PostConfig)
+
+
+def validate_post(cfg: PostTrainConfig) -> None:
+    """The `post` keys, and the pretraining keys post-training reads differently."""
+    p = cfg.post
+    if p.method not in METHODS:
+        raise ConfigError(f"post.method={p.method!r}: choose one of {', '.join(METHODS)}")
+    if not p.data:
+        raise ConfigError("post.data is empty: list the training files, e.g. post.data=[data/sft.jsonl]")
+    missing = [f for f in p.data + p.val_data if not Path(f).is_file()]
+    if missing:
+        raise ConfigError(f"post.data / post.val_data: no such file {', '.join(missing)}")
+    if not cfg.train.init_from:
+        raise ConfigError("post-training starts from a trained model (and DPO / SGA keep it as the reference): "
+                          "set train.init_from to a checkpoint (RUN_DIR or RUN_DIR/checkpoints/TAG)")
+    if p.max_len < 0 or p.max_len > cfg.model.max_seq_len:
+        raise ConfigError(f"post.max_len={p.max_len} must be between 0 (= model.max_seq_len) and "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
+    if p.packing and p.method != "sft":
+        raise ConfigError(f"post.packing=true is for post.method=sft; {p.method} pairs each prompt with two "
+                          "responses, padded: set post.packing=false")
+    if p.beta <= 0:
+        raise ConfigError(f"post.beta={p.beta} must be > 0 (0.1 is usual)")
+    if p.dpo_weight < 0 or p.mse_weight < 0 or p.dpo_weight + p.mse_weight == 0:
+        raise ConfigError(f"post.dpo_weight={p.dpo_weight} and post.mse_weight={p.mse_weight} must be >= 0 "
+                          "and not both 0")
+    if p.value_head_layers < 0 or p.value_head_width < 1 or not 0 <= p.value_head_dropout < 1:
+        raise ConfigError("post.value_head_layers must be >= 0, post.value_head_width >= 1 and "
+                          "post.value_head_dropout in [0, 1)")
+    try:
+        p.score_item.format(name="x", value=0.5)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(f"post.score_item={p.score_item!r} does not format with {{name}} and {{value}} "
+                          f"({err}); e.g. post.score_item='<{{name}}_score:{{value}}>'") from None
+
+
+def example_length(cfg: PostTrainConfig) -> int:
+    """Tokens an example may have: inputs of up to max_len tokens plus the last label."""
+    return (cfg.post.max_len or cfg.model.max_seq_len) + 1

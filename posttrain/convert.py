@@ -1,0 +1,195 @@
+"""Rating files as published -> preference JSONL for post.method=dpo / sga (posttrain.records).
+
+    python -m posttrain.convert helpsteer2 --input helpsteer2/train.jsonl.gz --out data/prefs/helpsteer2.jsonl
+    python -m posttrain.convert ultrafeedback --input ultrafeedback/*.parquet --out data/prefs/uf.jsonl
+
+Responses are grouped by their exact prompt; for a prompt with at least two rated responses the
+chosen one has the highest mean rating and the rejected one the lowest (the first in file order
+among equal means); a prompt whose highest and lowest means are equal is dropped as a tie. The
+chosen response's ratings, normalised to [0, 1] and rounded to 2 decimals, are its `scores`:
+
+    helpsteer2     rows {prompt, response, helpfulness, correctness, coherence, complexity, verbosity}
+                   with ratings 0-4 -> rating / 4; a multi-turn prompt ("...<extra_id_1>Assistant\\n...
+                   <extra_id_1>User\\n...") becomes messages
+    ultrafeedback  rows {instruction, completions: [{response, annotations: {aspect: {Rating}}}]} (the
+                   published form) or one completion per row {prompt, completion | response,
+                   annotations}; aspects helpfulness, honesty, instruction_following, truthfulness
+                   rated 1-5 -> (rating - 1) / 4
+
+A row or completion with a missing, non-numeric ("N/A") or out-of-range rating is counted and
+skipped. Input: JSON Lines (.jsonl, .gz, .zst) or Parquet files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from data_prep.readers import read_records
+from data_prep.sources import BadInputReport
+
+HELPSTEER2 = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
+ULTRAFEEDBACK = ("helpfulness", "honesty", "instruction_following", "truthfulness")
+TURN_MARK = "<extra_id_1>"
+
+
+class BadRow(ValueError):
+    pass
+
+
+def _rating(value, low: int, high: int, name: str) -> float:
+    try:
+        rating = float(value)
+    except (TypeError, ValueError):
+        raise BadRow(f"{name} rating {value!r} is not a number") from None
+    if not low <= rating <= high:
+        raise BadRow(f"{name} rating {rating:g} is outside {low}-{high}")
+    return rating
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise BadRow(f"missing or empty {name!r}")
+    return value
+
+
+def helpsteer2_prompt(text: str) -> str | list[dict]:
+    """HelpSteer2's multi-turn prompts mark turns with <extra_id_1>Assistant / <extra_id_1>User lines."""
+    if TURN_MARK not in text:
+        return text
+    first, *turns = text.split(TURN_MARK)
+    messages = [{"role": "user", "content": first.strip()}]
+    for turn in turns:
+        role, _, content = turn.partition("\n")
+        role = role.strip().lower()
+        if role not in ("user", "assistant"):
+            raise BadRow(f"a multi-turn prompt has a turn {role!r}; expected User or Assistant")
+        messages.append({"role": role, "content": content.strip()})
+    if messages[-1]["role"] != "user" or any(not m["content"] for m in messages):
+        raise BadRow("a multi-turn prompt must end with a non-empty user turn")
+    return messages
+
+
+def helpsteer2_rows(rec: dict):
+    prompt = _text(rec.get("prompt"), "prompt")
+    ratings = {a: _rating(rec.get(a), 0, 4, a) for a in HELPSTEER2}
+    yield prompt, _text(rec.get("response"), "response"), {a: r / 4 for a, r in ratings.items()}
+
+
+def _ultrafeedback_completion(completion, report, where) -> tuple[str, dict] | None:
+    try:
+        if not isinstance(completion, dict):
+            raise BadRow("a completion is not an object")
+        text = _text(completion.get("response", completion.get("completion")), "response")
+        annotations = completion.get("annotations")
+        if not isinstance(annotations, dict):
+            raise BadRow("missing 'annotations'")
+        ratings = {}
+        for aspect in ULTRAFEEDBACK:
+            entry = annotations.get(aspect)
+            value = entry.get("Rating") if isinstance(entry, dict) else entry
+            ratings[aspect] = (_rating(value, 1, 5, aspect) - 1) / 4
+        return text, ratings
+    except BadRow as err:
+        report.add(where, str(err))
+        return None
+
+
+def ultrafeedback_rows(rec: dict, report: BadInputReport, where: str):
+    if "completions" in rec:  # the published form: every completion of a prompt in one row
+        prompt = _text(rec.get("instruction", rec.get("prompt")), "instruction")
+        completions = rec["completions"] if isinstance(rec["completions"], list) else []
+        for i, completion in enumerate(completions):
+            done = _ultrafeedback_completion(completion, report, f"{where} completion {i}")
+            if done:
+                yield prompt, *done
+        return
+    prompt = _text(rec.get("prompt", rec.get("instruction")), "prompt")
+    done = _ultrafeedback_completion(rec, report, where)
+    if done:
+        yield prompt, *done
+
+
+def pairs(responses: dict[str, list[tuple[str, dict]]], counts: dict) -> list[dict]:
+    """{prompt: [(response, scores)]} -> preference records (see the module docstring)."""
+    out = []
+    for prompt, rated in responses.items():
+        if len(rated) < 2:
+            counts["single_response"] += 1
+            continue
+        means = [sum(s.values()) / len(s) for _, s in rated]
+        best = max(range(len(rated)), key=lambda i: (means[i], -i))
+        worst = min(range(len(rated)), key=lambda i: (means[i], i))
+        if means[best] == means[worst]:
+            counts["ties"] += 1
+            continue
+        key = json.loads(prompt)
+        out.append({"prompt": key, "chosen": rated[best][0], "rejected": rated[worst][0],
+                    "scores": {k: round(v, 2) for k, v in rated[best][1].items()}})
+    return out
+
+
+def convert(kind: str, inputs: list[str], out: Path, overwrite: bool = False) -> dict:
+    if kind not in ("helpsteer2", "ultrafeedback"):
+        raise ValueError(f"unknown format {kind!r}: choose helpsteer2 or ultrafeedback")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} exists; choose another file or pass --overwrite")
+    missing = [p for p in inputs if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--input: no such file {', '.join(missing)}")
+    report = BadInputReport()
+    responses: dict[str, list] = {}
+    rows = 0
+    for path in inputs:
+        for rec, where in read_records(Path(path), report):
+            rows += 1
+            try:
+                if kind == "helpsteer2":
+                    found = list(helpsteer2_rows(rec))
+                    found = [(helpsteer2_prompt(p), r, s) for p, r, s in found]
+                else:
+                    found = list(ultrafeedback_rows(rec, report, where))
+            except BadRow as err:
+                report.add(where, str(err))
+                continue
+            for prompt, response, scores in found:
+                responses.setdefault(json.dumps(prompt), []).append((response, scores))
+    counts = {"single_response": 0, "ties": 0}
+    records = pairs(responses, counts)
+    if not records:
+        raise ValueError(f"no preference pair in {', '.join(inputs)} ({rows} rows, {len(responses)} prompts, "
+                         f"{counts['ties']} ties, {counts['single_response']} with one response; {report.summary()})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    return {"rows": rows, "prompts": len(responses), "pairs": len(records), **counts, "bad": report.to_dict(),
+            "summary": report.summary()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m posttrain.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("format", choices=["helpsteer2", "ultrafeedback"])
+    parser.add_argument("--input", nargs="+", required=True, help="JSON Lines or Parquet files")
+    parser.add_argument("--out", required=True, help="the preference JSONL to write")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        result = convert(args.format, args.input, Path(args.out), args.overwrite)
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {result['pairs']} pairs to {args.out} ({result['rows']} rows, {result['prompts']} prompts; "
+          f"dropped {result['ties']} ties and {result['single_response']} prompts with one response; "
+          f"{result['summary']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

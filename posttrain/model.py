@@ -1,0 +1,67 @@
+"""The policy being post-trained: the GPT itself (state dict keys unchanged, so every tool reads its
+checkpoints) computing its method's loss from a batch dict (posttrain.batches), plus SGA's value head.
+
+The frozen reference of DPO / SGA is a second GPT held outside the module tree: DeepSpeed neither
+optimises, partitions nor saves it. Its log-probs are computed in the same step, under no_grad:
+no pass over the data before training, no cache that a change of data or post.max_len would make
+stale, and in bf16 its weights cost 2 bytes per parameter against the policy's ~16 (weights,
+gradients, AdamW states); it is split over tensor/expert-parallel ranks like the policy (it is
+not partitioned by ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+from models.gpt import GPT
+from posttrain import losses
+from posttrain.value_head import ValueHead, last_token_states
+
+
+class PostTrainModel(GPT):
+    def __init__(self, cfg: ModelConfig, method: str, beta: float = 0.1, dpo_weight: float = 1.0,
+                 mse_weight: float = 0.0, value_head: dict | None = None, activation_checkpointing="none"):
+        super().__init__(cfg, activation_checkpointing=activation_checkpointing)
+        self.method, self.beta, self.dpo_weight, self.mse_weight = method, beta, dpo_weight, mse_weight
+        if value_head is not None:
+            self.value_head = ValueHead.from_spec(value_head)
+        self._reference: list[GPT] = []  # a list: not a submodule
+
+    def set_reference(self, reference: GPT) -> None:
+        reference.eval().requires_grad_(False)
+        self._reference[:] = [reference]
+
+    def _logprobs(self, model: GPT, batch: dict) -> torch.Tensor:
+        tokens = batch["tokens"]
+        ctx = {"document_ids": batch["documents"]} if "documents" in batch else None
+        return losses.token_logprobs(model.logits(tokens[:, :-1], ctx), tokens[:, 1:])
+
+    def predict_scores(self, prompt_tokens: torch.Tensor, prompt_last: torch.Tensor) -> torch.Tensor:
+        """The value head on the raw prompts: [batch, objectives] in [0, 1]."""
+        return self.value_head(last_token_states(self.hidden_states(prompt_tokens), prompt_last))
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        metrics: dict[str, torch.Tensor] = {}
+        trained = batch["trained"][:, 1:]
+        if self.method == "sft":
+            loss = losses.sft_loss(self._logprobs(self, batch), trained)
+        else:
+            loss = torch.zeros((), device=trained.device)
+            if self.method == "sga" and self.mse_weight > 0:  # first: the raw prompts alone
+                mse = losses.value_loss(self.predict_scores(batch["prompt_tokens"], batch["prompt_last"]),
+                                        batch["scores"])
+                loss = loss + self.mse_weight * mse
+                metrics["value_mse"] = mse.detach()
+            policy = losses.sequence_logprobs(self._logprobs(self, batch), trained)
+            with torch.no_grad():
+                reference = losses.sequence_logprobs(self._logprobs(self._reference[0], batch), trained)
+            pairs = policy.shape[0] // 2
+            dpo, dpo_metrics = losses.dpo_loss(policy[:pairs], policy[pairs:], reference[:pairs], reference[pairs:],
+                                               self.beta)
+            loss = loss + (self.dpo_weight if self.method == "sga" else 1.0) * dpo
+            metrics.update(dpo_loss=dpo.detach(), **dpo_metrics)
+        if self.training:
+            self.last_metrics = metrics
+            return loss + self.aux_loss()
+        return loss

@@ -1,0 +1,104 @@
+"""Post-training records as users have them on disk, checked field by field.
+
+    sft         {"prompt": str, "response": str}
+                {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
+                (ends with an assistant turn; every assistant turn is trained)
+    preference  {"prompt": str | [messages ending with a user turn], "chosen": str, "rejected": str,
+                 "scores": {objective: number in [0, 1]}}   (scores: the chosen response's; SGA needs them)
+
+A record that breaks a rule raises BadRecord with the reason; readers count it and go on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from data_prep.readers import read_records
+from data_prep.sources import BadInputReport
+
+ROLES = ("system", "user", "assistant")
+
+
+class BadRecord(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Pair:
+    prompt: list[dict]  # messages, the last one the user's
+    chosen: str
+    rejected: str
+    scores: dict[str, float]  # objective -> the chosen response's score in [0, 1]; {} without scores
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise BadRecord(f"{name!r} must be a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRecord(f"{name!r} is not valid Unicode (lone surrogate)") from None
+    return value
+
+
+def _messages(value, name: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadRecord(f"{name!r} must be a non-empty list of {{role, content}} messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise BadRecord(f"{name}[{i}] must be {{'role': one of {'/'.join(ROLES)}, 'content': str}}")
+        out.append({"role": message["role"], "content": _text(message.get("content"), f"{name}[{i}].content")})
+    return out
+
+
+def sft_messages(rec: dict) -> list[dict]:
+    if "messages" in rec:
+        messages = _messages(rec["messages"], "messages")
+        if messages[-1]["role"] != "assistant":
+            raise BadRecord("'messages' must end with an assistant turn (the response to train)")
+        return messages
+    if "prompt" in rec or "response" in rec:
+        return [{"role": "user", "content": _text(rec.get("prompt"), "prompt")},
+                {"role": "assistant", "content": _text(rec.get("response"), "response")}]
+    raise BadRecord("expected 'prompt' and 'response', or 'messages'")
+
+
+def prompt_messages(value) -> list[dict]:
+    """A prompt given as text or as messages, as messages ending with the user's turn."""
+    if isinstance(value, list):
+        messages = _messages(value, "prompt")
+        if messages[-1]["role"] != "user":
+            raise BadRecord("a 'prompt' given as messages must end with a user turn")
+        return messages
+    return [{"role": "user", "content": _text(value, "prompt")}]
+
+
+def preference(rec: dict) -> Pair:
+    pair = Pair(prompt_messages(rec.get("prompt")), _text(rec.get("chosen"), "chosen"),
+                _text(rec.get("rejected"), "rejected"), {})
+    scores = rec.get("scores")
+    if scores is None:
+        return pair
+    if not isinstance(scores, dict) or not scores:
+        raise BadRecord("'scores' must map each objective to a number in [0, 1]")
+    checked = {}
+    for name, value in scores.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not 0 <= value <= 1:
+            raise BadRecord(f"scores[{name!r}]={value!r} is not a number in [0, 1]")
+        checked[str(name)] = float(value)
+    return Pair(pair.prompt, pair.chosen, pair.rejected, checked)
+
+
+def read(files: list[str], parse: Callable[[dict], object], report: BadInputReport) -> Iterator[tuple[object, str]]:
+    """(parsed record, origin) of every good record of `files`, in order; bad ones are counted."""
+    for path in files:
+        for rec, where in read_records(Path(path), report):
+            try:
+                yield parse(rec), where
+            except BadRecord as err:
+                report.add(where, str(err))

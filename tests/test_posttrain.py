@@ -1,0 +1,421 @@
+"""Post-training: SFT masks, DPO and SGA losses against plain formulas, data converters, and real
+gloo runs (TP=2 and ZeRO-2 DPO against one process, SFT / DPO resume, SGA inference and export)."""
+
+import gzip
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.config import ConfigError
+from posttrain.batches import (
+    ExampleBatches,
+    PairExample,
+    Row,
+    collate_pairs,
+    collate_rows,
+    pack,
+    response_row,
+)
+from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat, with_scores
+from posttrain.convert import convert
+from tests.dist_utils import REPO, child_env, single_process_group, torchrun
+
+WORDS = "red green blue fast slow big small tree river stone light dark".split()
+MODEL = {"model.vocab_size": 400, "model.max_seq_len": 96, "model.hidden_size": 64, "model.num_heads": 4,
+         "model.num_layers": 2, "model.ffn_hidden_size": 128}
+
+
+def model_config():
+    from pretrain.config import load_config
+
+    return load_config(None, [f"{k}={v}" for k, v in MODEL.items()]).model
+
+
+@pytest.fixture(scope="module")
+def encoder(tok_dir):
+    from data_prep.tokenizer import load_tokenizer
+
+    return ChatEncoder(load_tokenizer(tok_dir)[0], ChatFormat())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tok_dir):
+    """Starting weights (a consolidated-format file), SFT and preference JSONL with scores."""
+    from models.gpt import GPT
+
+    root = tmp_path_factory.mktemp("posttrain")
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(model_config())
+        torch.save({"model": model.cfg.to_dict(), "state_dict": model.state_dict()}, root / "init.pt")
+    rng = random.Random(0)
+    with open(root / "sft.jsonl", "w") as f:
+        for _ in range(24):
+            f.write(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=5)),
+                                "response": " ".join(rng.choices(WORDS, k=rng.randint(1, 6)))}) + "\n")
+        f.write("{broken\n")
+    with open(root / "pref.jsonl", "w") as f:
+        for _ in range(24):
+            n = rng.randint(1, 4)
+            f.write(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=4)), "chosen": " ".join(["tree"] * n),
+                                "rejected": " ".join(rng.choices(WORDS, k=3)),
+                                "scores": {"length": n / 4, "keyword": 1.0}}) + "\n")
+        f.write(json.dumps({"prompt": "x", "chosen": "y", "rejected": "z", "scores": {"length": 2}}) + "\n")
+    return root
+
+
+# ---- chat encoding and SFT masks
+
+
+def test_conversation_trains_exactly_the_assistant_turns(encoder):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "red tree"},
+                {"role": "assistant", "content": "green river"}, {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "blue stone"}]
+    ids, trained = encoder.conversation(messages)
+    sp, eos = encoder.sp, encoder.eos
+    expected_ids, expected_mask = [], []
+    for text, is_target in [("System: be brief\n", False), ("User: red tree\n", False), ("Assistant: ", False),
+                            ("green river", True), (None, True), ("User: more\n", False), ("Assistant: ", False),
+                            ("blue stone", True), (None, True)]:
+        piece = [eos] if text is None else sp.encode(text)
+        expected_ids += piece
+        expected_mask += [is_target] * len(piece)
+    assert ids.tolist() == expected_ids and trained.tolist() == expected_mask
+    # A preference prompt plus its response is the same sequence as the conversation.
+    assert encoder.prompt(messages[:-1]) + encoder.response("blue stone") == expected_ids
+
+
+def _reference_nll(model, tokens, trained):
+    logits = model.logits(tokens[:, :-1]).float()
+    nll = -torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    mask = trained[:, 1:].float()
+    return (nll * mask).sum(), mask.sum()
+
+
+def test_sft_loss_is_the_mean_over_response_tokens_padded_or_packed(encoder):
+    from posttrain.model import PostTrainModel
+
+    a = Row(*encoder.conversation([{"role": "user", "content": "red tree big"},
+                                   {"role": "assistant", "content": "green"}]))
+    b = Row(*encoder.conversation([{"role": "user", "content": "slow"},
+                                   {"role": "assistant", "content": "dark stone light river"}]))
+    with single_process_group():
+        torch.manual_seed(1)
+        model = PostTrainModel(model_config(), "sft").eval()
+        padded = collate_rows([a, b], pad_id=3)
+        sums = [_reference_nll(model, torch.from_numpy(r.ids)[None], torch.from_numpy(r.trained)[None]) for r in (a, b)]
+        expected = sum(s for s, _ in sums) / sum(c for _, c in sums)
+        torch.testing.assert_close(model(padded), expected, rtol=1e-5, atol=1e-6)
+        # Packed into one row, each example attends only to itself: the same tokens, the same loss.
+        packed = collate_rows(pack([a, b], length=97), pad_id=3)
+        assert packed["tokens"].shape[0] == 1 and packed["documents"][0, len(a.ids)].item() == 1
+        torch.testing.assert_close(model(packed), expected, rtol=1e-5, atol=1e-6)
+        # Without the document mask the second example would see the first: the check can fail.
+        del packed["documents"]
+        assert not torch.allclose(model(packed), expected, rtol=1e-4)
+
+
+# ---- DPO and SGA losses
+
+
+def _pair(rng, prompt_len, chosen_len, rejected_len, scores=()):
+    draw = lambda n: [rng.randrange(4, 400) for _ in range(n)]  # noqa: E731
+    prompt = draw(prompt_len)
+    return PairExample(response_row(prompt, draw(chosen_len)), response_row(prompt, draw(rejected_len)), prompt,
+                       np.array(scores, dtype=np.float32))
+
+
+def test_dpo_loss_and_gradients_equal_the_plain_formula():
+    from models.gpt import GPT
+    from posttrain.model import PostTrainModel
+
+    rng = random.Random(0)
+    batch = collate_pairs([_pair(rng, 5, 3, 6), _pair(rng, 7, 4, 2), _pair(rng, 3, 8, 5)], pad_id=3)
+    beta = 0.3
+    with single_process_group():
+        torch.manual_seed(2)
+        policy = PostTrainModel(model_config(), "dpo", beta=beta)
+        torch.manual_seed(3)
+        policy.set_reference(GPT(model_config()))
+        loss = policy(batch)
+        grads = torch.autograd.grad(loss, list(policy.parameters()))
+
+        def summed(model):
+            logp = torch.log_softmax(model.logits(batch["tokens"][:, :-1]).float(), -1)
+            picked = logp.gather(-1, batch["tokens"][:, 1:, None])[..., 0]
+            return (picked * batch["trained"][:, 1:]).sum(-1)
+
+        pi = summed(policy)
+        with torch.no_grad():
+            ref = summed(policy._reference[0])
+        expected = -F.logsigmoid(beta * ((pi[:3] - ref[:3]) - (pi[3:] - ref[3:]))).mean()
+        expected_grads = torch.autograd.grad(expected, list(policy.parameters()))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert expected.item() != pytest.approx(math.log(2), abs=1e-3)  # policy and reference differ
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    margin = beta * ((pi[:3] - ref[:3]) - (pi[3:] - ref[3:]))
+    metrics = policy.last_metrics
+    torch.testing.assert_close(metrics["reward_margin"], margin.mean().detach())
+    assert metrics["reward_accuracy"].item() == pytest.approx((margin > 0).float().mean().item())
+
+
+def test_sga_value_head_loss_and_conditioning_text():
+    from models.gpt import GPT
+    from posttrain.model import PostTrainModel
+    from posttrain.value_head import last_token_states
+
+    fmt = ScoreFormat()
+    messages = [{"role": "user", "content": "write about trees"}]
+    conditioned = with_scores(messages, {"length": 0.5, "keyword": 1.0}, fmt)
+    assert conditioned[0]["content"] == ("write about trees\nYour response must satisfy the following scores: "
+                                         "<length_score:0.5> and <keyword_score:1.0>")
+    assert messages[0]["content"] == "write about trees"  # the raw prompt is left as it was
+    assert ScoreFormat(item="[{name}={value}]", joiner=", ", decimals=1, prefix=" | ").text(
+        {"a": 0.26, "b": 0.94}) == " | [a=0.3], [b=0.9]"
+
+    rng = random.Random(1)
+    pairs = [_pair(rng, 4, 3, 2, (0.25, 0.5)), _pair(rng, 6, 2, 5, (1.0, 0.0))]
+    batch = collate_pairs(pairs, pad_id=3)
+    assert batch["prompt_tokens"].shape == (2, 8) and batch["prompt_last"].tolist() == [3, 5]
+    head = {"hidden_size": 64, "objectives": ["length", "keyword"], "layers": 2, "width": 32, "dropout": 0.0}
+    with single_process_group():
+        torch.manual_seed(4)
+        model = PostTrainModel(model_config(), "sga", beta=0.1, dpo_weight=0.5, mse_weight=10.0, value_head=head)
+        model.set_reference(GPT(model_config()))
+        loss = model(batch)
+        hidden = model.hidden_states(batch["prompt_tokens"])
+        predicted = model.value_head(last_token_states(hidden, batch["prompt_last"]))
+        # The last real token of each (right-padded) prompt, not the padding after it.
+        alone = model.value_head(model.hidden_states(torch.tensor([pairs[0].raw_prompt]))[:, -1])
+    assert predicted.shape == (2, 2) and bool(((predicted > 0) & (predicted < 1)).all())
+    torch.testing.assert_close(predicted[:1], alone, rtol=1e-5, atol=1e-6)
+    mse = ((predicted - batch["scores"]) ** 2).mean()
+    torch.testing.assert_close(model.last_metrics["value_mse"], mse.detach())
+    torch.testing.assert_close(loss, 0.5 * model.last_metrics["dpo_loss"] + 10.0 * mse, rtol=1e-5, atol=1e-6)
+    # A reference other than the policy: the DPO term is not at its starting value log 2.
+    assert model.last_metrics["dpo_loss"].item() != pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_batches_resume_at_the_next_micro_batch():
+    units = list(range(23))
+    collate = lambda xs: torch.tensor(xs)  # noqa: E731
+    run = ExampleBatches(units, collate, micro_batch=3, dp_rank=1, dp_size=2, seed=5)
+    first = [next(run) for _ in range(7)]  # 3 per epoch: crosses into the third epoch
+    state = run.state_dict()
+    later = [next(run) for _ in range(4)]
+    resumed = ExampleBatches(units, collate, micro_batch=3, dp_rank=1, dp_size=2, seed=5)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(later, [next(resumed) for _ in range(4)]))
+    # The two ranks of a round take distinct examples, and an epoch visits 18 of the 23 once.
+    other = ExampleBatches(units, collate, micro_batch=3, dp_rank=0, dp_size=2, seed=5)
+    epoch = torch.cat([next(other) for _ in range(3)] + first[:3])
+    assert len(set(epoch.tolist())) == 18
+    assert not torch.equal(first[0], first[3])  # a new order each epoch
+
+
+def test_config_errors_name_the_key(files):
+    from posttrain.config import PostTrainConfig, validate_post
+    from pretrain.config import load_config
+
+    def check(*overrides):
+        cfg = load_config(None, [f"post.data={files / 'pref.jsonl'}", *overrides], PostTrainConfig)
+        with pytest.raises(ConfigError) as err:
+            validate_post(cfg)
+        return str(err.value)
+
+    assert "train.init_from" in check()
+    assert "post.packing" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.packing=true")
+    assert "post.method" in check(f"train.init_from={files / 'init.pt'}", "post.method=ppo")
+    assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{score}>")
+
+
+# ---- converters
+
+
+def test_helpsteer2_pairs_ties_and_bad_rows(tmp_path):
+    rows = [
+        {"prompt": "A", "response": "a-mid", "helpfulness": 2, "correctness": 2, "coherence": 2, "complexity": 2,
+         "verbosity": 2},
+        {"prompt": "A", "response": "a-best", "helpfulness": 4, "correctness": 4, "coherence": 4, "complexity": 1,
+         "verbosity": 3},
+        {"prompt": "A", "response": "a-worst", "helpfulness": 0, "correctness": 1, "coherence": 2, "complexity": 1,
+         "verbosity": 1},
+        {"prompt": "B", "response": "b1", "helpfulness": 3, "correctness": 3, "coherence": 3, "complexity": 3,
+         "verbosity": 3},
+        {"prompt": "B", "response": "b2", "helpfulness": 3, "correctness": 3, "coherence": 3, "complexity": 3,
+         "verbosity": 3},
+        {"prompt": "C", "response": "only", "helpfulness": 3, "correctness": 3, "coherence": 3, "complexity": 3,
+         "verbosity": 3},
+        {"prompt": "A", "response": "bad", "helpfulness": "x", "correctness": 3, "coherence": 3, "complexity": 3,
+         "verbosity": 3},
+        {"prompt": "A", "response": "too high", "helpfulness": 5, "correctness": 3, "coherence": 3,
+         "complexity": 3, "verbosity": 3},
+        {"prompt": "Hi<extra_id_1>Assistant\nHello!<extra_id_1>User\nTell me more", "response": "m1",
+         "helpfulness": 4, "correctness": 4, "coherence": 4, "complexity": 2, "verbosity": 2},
+        {"prompt": "Hi<extra_id_1>Assistant\nHello!<extra_id_1>User\nTell me more", "response": "m2",
+         "helpfulness": 1, "correctness": 1, "coherence": 4, "complexity": 2, "verbosity": 2},
+    ]
+    src = tmp_path / "hs2.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    result = convert("helpsteer2", [str(src)], tmp_path / "out.jsonl")
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert result["pairs"] == 2 and result["ties"] == 1 and result["single_response"] == 1
+    assert result["bad"]["count"] == 3  # non-numeric, out of range, malformed JSON
+    first = out[0]
+    assert (first["prompt"], first["chosen"], first["rejected"]) == ("A", "a-best", "a-worst")
+    assert first["scores"] == {"helpfulness": 1.0, "correctness": 1.0, "coherence": 1.0, "complexity": 0.25,
+                               "verbosity": 0.75}
+    assert out[1]["prompt"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                                {"role": "user", "content": "Tell me more"}]
+    with pytest.raises(FileExistsError):
+        convert("helpsteer2", [str(src)], tmp_path / "out.jsonl")
+
+
+def test_ultrafeedback_both_shapes_and_na_ratings(tmp_path):
+    def completion(text, *ratings):
+        aspects = ["helpfulness", "honesty", "instruction_following", "truthfulness"]
+        return {"response": text, "annotations": {a: {"Rating": str(r)} for a, r in zip(aspects, ratings)}}
+
+    nested = {"instruction": "Q1", "completions": [completion("good", 5, 5, 4, 5), completion("na", "N/A", 5, 5, 5),
+                                                   completion("poor", 2, 1, 1, 2), completion("ok", 3, 3, 3, 3)]}
+    flat = [dict(prompt="Q2", **completion("f-good", 4, 4, 4, 4)), dict(prompt="Q2", **completion("f-bad", 1, 1, 2, 1)),
+            dict(prompt="Q3", **completion("tie1", 3, 3, 3, 3)), dict(prompt="Q3", **completion("tie2", 3, 3, 3, 3))]
+    src = tmp_path / "uf.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in [nested, *flat]) + "\n")
+    result = convert("ultrafeedback", [str(src)], tmp_path / "uf_out.jsonl")
+    out = [json.loads(line) for line in (tmp_path / "uf_out.jsonl").read_text().splitlines()]
+    assert result["pairs"] == 2 and result["ties"] == 1 and result["bad"]["count"] == 1
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in out] == [("Q1", "good", "poor"), ("Q2", "f-good", "f-bad")]
+    assert out[0]["scores"] == {"helpfulness": 1.0, "honesty": 1.0, "instruction_following": 0.75, "truthfulness": 1.0}
+
+
+# ---- real runs on gloo
+
+
+def post_train(nproc, files, tok_dir, run_dir, method, *extra, check=True):
+    values = {**MODEL, "data.tokenizer": tok_dir, "train.init_from": files / "init.pt", "run.dir": run_dir,
+              "post.method": method, "post.data": files / ("sft.jsonl" if method == "sft" else "pref.jsonl"),
+              "post.val_data": files / ("sft.jsonl" if method == "sft" else "pref.jsonl"),
+              "train.micro_batch": 4, "train.steps": 4, "train.warmup_steps": 1, "train.log_interval": 1,
+              "train.eval_interval": 2, "train.eval_batches": 1, "train.save_interval": 2, "train.lr": 3e-3,
+              "post.value_head_width": 32, "post.value_head_layers": 2}
+    for item in extra:
+        key, value = item.split("=", 1)
+        values[key] = value
+    return torchrun(nproc, ["-m", "posttrain.train", *[f"{k}={v}" for k, v in values.items()]], check=check)
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "losses.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_dpo_tensor_parallel_and_zero2_match_one_process_and_resume(tmp_path, files, tok_dir):
+    single = post_train(1, files, tok_dir, tmp_path / "single", "dpo")
+    assert "dpo: 24 training pairs" in single.stdout and "1 skipped" in single.stdout
+    assert "reward_accuracy" in single.stdout
+    reference = losses(tmp_path / "single")
+    assert reference[0] == pytest.approx(math.log(2), abs=1e-5)  # policy starts as the reference
+    assert reference[-1] < reference[0] - 0.05
+    post_train(2, files, tok_dir, tmp_path / "tp2", "dpo", "parallel.tensor=2")
+    post_train(2, files, tok_dir, tmp_path / "zero2", "dpo", "parallel.zero_stage=2", "train.micro_batch=2")
+    assert losses(tmp_path / "tp2") == pytest.approx(reference, rel=1e-4, abs=1e-5)
+    assert losses(tmp_path / "zero2") == pytest.approx(reference, rel=1e-4, abs=1e-5)
+    post_train(1, files, tok_dir, tmp_path / "resumed", "dpo", "train.stop_at_step=2")
+    post_train(1, files, tok_dir, tmp_path / "resumed", "dpo")
+    assert losses(tmp_path / "resumed") == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok_dir):
+    whole = post_train(1, files, tok_dir, tmp_path / "whole", "sft", "post.packing=true", "train.micro_batch=2")
+    assert "sft:" in whole.stdout and "1 skipped (1 malformed JSON)" in whole.stdout
+    post_train(1, files, tok_dir, tmp_path / "parts", "sft", "post.packing=true", "train.micro_batch=2",
+               "train.stop_at_step=2")
+    post_train(1, files, tok_dir, tmp_path / "parts", "sft", "post.packing=true", "train.micro_batch=2")
+    assert losses(tmp_path / "parts") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def sga_run(tmp_path_factory, files, tok_dir):
+    run_dir = tmp_path_factory.mktemp("sga") / "run"
+    # A short score prefix: the tiny tokenizer spends ~35 tokens on the default one.
+    proc = post_train(1, files, tok_dir, run_dir, "sga", "post.mse_weight=100", "post.score_prefix=\nscores: ")
+    return run_dir, proc
+
+
+@pytest.mark.slow
+def test_sga_trains_and_two_stage_inference_prints_scores_then_text(sga_run, tok_dir):
+    import subprocess
+    import sys
+
+    run_dir, proc = sga_run
+    assert "objectives length, keyword" in proc.stdout and "value_mse" in proc.stdout
+    assert "1 skipped" in proc.stdout  # the record whose score is outside [0, 1]
+
+    def generate(*args):
+        cmd = [sys.executable, "-m", "tools.sga_generate", "--checkpoint", str(run_dir), "--prompt", "red tree",
+               "--max-new-tokens", "5", "--greedy", *args]
+        done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    text = generate()
+    assert text.splitlines()[0].startswith("predicted scores: length ") and ", keyword " in text.splitlines()[0]
+    result = json.loads(generate("--json", "--scores", "keyword=0.25"))
+    assert sorted(result["predicted_scores"]) == ["keyword", "length"]
+    assert all(0 < v < 1 for v in result["predicted_scores"].values())
+    length = round(result["predicted_scores"]["length"], 2)
+    assert result["conditioning"] == f"\nscores: <length_score:{length}> and <keyword_score:0.25>"
+    assert 1 <= len(result["ids"]) <= 5
+
+
+@pytest.mark.slow
+def test_sga_export_writes_the_value_head_beside_the_model(sga_run, tmp_path, tok_dir):
+    from safetensors.torch import load_file
+
+    from data_prep.tokenizer import load_tokenizer
+    from posttrain.inference import SGAModel
+    from posttrain.value_head import ValueHead
+    from tools.export import export
+
+    run_dir, _ = sga_run
+    out = export(str(run_dir), tmp_path / "hf")
+    info = json.loads((out / "value_head.json").read_text())
+    assert info["value_head"]["objectives"] == ["length", "keyword"] and info["scores"]["decimals"] == 2
+    head = ValueHead.from_spec(info["value_head"])
+    head.load_state_dict(load_file(str(out / "value_head.safetensors")))
+    with single_process_group():
+        sga = SGAModel.load(run_dir, load_tokenizer(tok_dir)[0])
+    for a, b in zip(head.state_dict().values(), sga.value_head.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+def test_launchers_start_post_training(files, tok_dir, capsys, monkeypatch, tmp_path):
+    import yaml
+
+    from launch import local, submit
+
+    monkeypatch.chdir(tmp_path)  # relative paths are resolved against the submitting directory
+    (tmp_path / "pref.jsonl").write_text((files / "pref.jsonl").read_text())
+    config = tmp_path / "dpo.yaml"
+    config.write_text(yaml.safe_dump({"model": {k.split(".")[1]: v for k, v in MODEL.items()},
+                                      "post": {"method": "dpo", "data": ["pref.jsonl"]}}))
+    overrides = [f"data.tokenizer={tok_dir}", f"train.init_from={files / 'init.pt'}", "run.dir=runs/dpo"]
+    assert local.main([str(config), "--post", "--nproc", "2", "--dry-run", *overrides]) == 0
+    assert "-m posttrain.train --config" in capsys.readouterr().out
+    assert submit.main([str(config), "--post", "--nodes", "1", "--cpu-procs-per-node", "2", "--time", "00:10:00",
+                        "--dry-run", *overrides]) == 0
+    script, job_config = capsys.readouterr().out.split("slurm_config.yaml\n")[-2:]
+    assert '-m posttrain.train --config "$CONFIG"' in script
+    assert yaml.safe_load(job_config)["post"]["data"] == [str(tmp_path / "pref.jsonl")]
+    # Without --post the launcher checks a pretraining config, which has no `post` section.
+    assert local.main([str(config), "--dry-run", *overrides]) == 2
+    assert "unknown config key 'post'" in capsys.readouterr().err
