@@ -134,6 +134,9 @@ class ExampleBatches:
         return {"epoch": self.epoch, "index": self.index}
 
     def load_state_dict(self, state: dict) -> None:
+        if "index" not in state:  # another loader's position (a weights-only or pretraining checkpoint)
+            self.epoch, self.index = 0, 0
+            return
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 

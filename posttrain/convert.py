@@ -30,30 +30,21 @@ from pathlib import Path
 
 from data_prep.readers import read_records
 from data_prep.sources import BadInputReport
+from posttrain.records import BadRecord, text_field
 
 HELPSTEER2 = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
 ULTRAFEEDBACK = ("helpfulness", "honesty", "instruction_following", "truthfulness")
 TURN_MARK = "<extra_id_1>"
 
 
-class BadRow(ValueError):
-    pass
-
-
 def _rating(value, low: int, high: int, name: str) -> float:
     try:
         rating = float(value)
     except (TypeError, ValueError):
-        raise BadRow(f"{name} rating {value!r} is not a number") from None
+        raise BadRecord(f"{name} rating {value!r} is not a number") from None
     if not low <= rating <= high:
-        raise BadRow(f"{name} rating {rating:g} is outside {low}-{high}")
+        raise BadRecord(f"{name} rating {rating:g} is outside {low}-{high}")
     return rating
-
-
-def _text(value, name: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise BadRow(f"missing or empty {name!r}")
-    return value
 
 
 def helpsteer2_prompt(text: str) -> str | list[dict]:
@@ -66,48 +57,48 @@ def helpsteer2_prompt(text: str) -> str | list[dict]:
         role, _, content = turn.partition("\n")
         role = role.strip().lower()
         if role not in ("user", "assistant"):
-            raise BadRow(f"a multi-turn prompt has a turn {role!r}; expected User or Assistant")
+            raise BadRecord(f"a multi-turn prompt has a turn {role!r}; expected User or Assistant")
         messages.append({"role": role, "content": content.strip()})
     if messages[-1]["role"] != "user" or any(not m["content"] for m in messages):
-        raise BadRow("a multi-turn prompt must end with a non-empty user turn")
+        raise BadRecord("a multi-turn prompt must end with a non-empty user turn")
     return messages
 
 
 def helpsteer2_rows(rec: dict):
-    prompt = _text(rec.get("prompt"), "prompt")
+    prompt = text_field(rec.get("prompt"), "prompt")
     ratings = {a: _rating(rec.get(a), 0, 4, a) for a in HELPSTEER2}
-    yield prompt, _text(rec.get("response"), "response"), {a: r / 4 for a, r in ratings.items()}
+    yield prompt, text_field(rec.get("response"), "response"), {a: r / 4 for a, r in ratings.items()}
 
 
 def _ultrafeedback_completion(completion, report, where) -> tuple[str, dict] | None:
     try:
         if not isinstance(completion, dict):
-            raise BadRow("a completion is not an object")
-        text = _text(completion.get("response", completion.get("completion")), "response")
+            raise BadRecord("a completion is not an object")
+        text = text_field(completion.get("response", completion.get("completion")), "response")
         annotations = completion.get("annotations")
         if not isinstance(annotations, dict):
-            raise BadRow("missing 'annotations'")
+            raise BadRecord("missing 'annotations'")
         ratings = {}
         for aspect in ULTRAFEEDBACK:
             entry = annotations.get(aspect)
             value = entry.get("Rating") if isinstance(entry, dict) else entry
             ratings[aspect] = (_rating(value, 1, 5, aspect) - 1) / 4
         return text, ratings
-    except BadRow as err:
+    except BadRecord as err:
         report.add(where, str(err))
         return None
 
 
 def ultrafeedback_rows(rec: dict, report: BadInputReport, where: str):
     if "completions" in rec:  # the published form: every completion of a prompt in one row
-        prompt = _text(rec.get("instruction", rec.get("prompt")), "instruction")
+        prompt = text_field(rec.get("instruction", rec.get("prompt")), "instruction")
         completions = rec["completions"] if isinstance(rec["completions"], list) else []
         for i, completion in enumerate(completions):
             done = _ultrafeedback_completion(completion, report, f"{where} completion {i}")
             if done:
                 yield prompt, *done
         return
-    prompt = _text(rec.get("prompt", rec.get("instruction")), "prompt")
+    prompt = text_field(rec.get("prompt", rec.get("instruction")), "prompt")
     done = _ultrafeedback_completion(rec, report, where)
     if done:
         yield prompt, *done
@@ -152,7 +143,7 @@ def convert(kind: str, inputs: list[str], out: Path, overwrite: bool = False) ->
                     found = [(helpsteer2_prompt(p), r, s) for p, r, s in found]
                 else:
                     found = list(ultrafeedback_rows(rec, report, where))
-            except BadRow as err:
+            except BadRecord as err:
                 report.add(where, str(err))
                 continue
             for prompt, response, scores in found:

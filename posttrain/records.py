@@ -34,7 +34,7 @@ class Pair:
     scores: dict[str, float]  # objective -> the chosen response's score in [0, 1]; {} without scores
 
 
-def _text(value, name: str) -> str:
+def text_field(value, name: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise BadRecord(f"{name!r} must be a non-empty string")
     try:
@@ -51,7 +51,7 @@ def _messages(value, name: str) -> list[dict]:
     for i, message in enumerate(value):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise BadRecord(f"{name}[{i}] must be {{'role': one of {'/'.join(ROLES)}, 'content': str}}")
-        out.append({"role": message["role"], "content": _text(message.get("content"), f"{name}[{i}].content")})
+        out.append({"role": message["role"], "content": text_field(message.get("content"), f"{name}[{i}].content")})
     return out
 
 
@@ -62,8 +62,8 @@ def sft_messages(rec: dict) -> list[dict]:
             raise BadRecord("'messages' must end with an assistant turn (the response to train)")
         return messages
     if "prompt" in rec or "response" in rec:
-        return [{"role": "user", "content": _text(rec.get("prompt"), "prompt")},
-                {"role": "assistant", "content": _text(rec.get("response"), "response")}]
+        return [{"role": "user", "content": text_field(rec.get("prompt"), "prompt")},
+                {"role": "assistant", "content": text_field(rec.get("response"), "response")}]
     raise BadRecord("expected 'prompt' and 'response', or 'messages'")
 
 
@@ -74,12 +74,12 @@ def prompt_messages(value) -> list[dict]:
         if messages[-1]["role"] != "user":
             raise BadRecord("a 'prompt' given as messages must end with a user turn")
         return messages
-    return [{"role": "user", "content": _text(value, "prompt")}]
+    return [{"role": "user", "content": text_field(value, "prompt")}]
 
 
 def preference(rec: dict) -> Pair:
-    pair = Pair(prompt_messages(rec.get("prompt")), _text(rec.get("chosen"), "chosen"),
-                _text(rec.get("rejected"), "rejected"), {})
+    pair = Pair(prompt_messages(rec.get("prompt")), text_field(rec.get("chosen"), "chosen"),
+                text_field(rec.get("rejected"), "rejected"), {})
     scores = rec.get("scores")
     if scores is None:
         return pair

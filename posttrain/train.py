@@ -125,6 +125,11 @@ class PostTrainTask(Task):
             raise ConfigError(f"post.data={cfg.post.data} holds no usable {cfg.post.method} example "
                               f"({self.train_data.too_long} too long for post.max_len; "
                               f"{self.train_data.report.summary()})")
+        dp = world_size // cfg.parallel.tensor
+        if len(self.train_data.units) < cfg.train.micro_batch * dp:
+            raise ConfigError(f"post.data has {len(self.train_data.units)} usable examples, fewer than one micro-batch "
+                              f"on each data-parallel rank ({cfg.train.micro_batch} x {dp}); add examples or lower "
+                              "train.micro_batch")
         self.val_data = Dataset(cfg, cfg.post.val_data, encoder, self.train_data.objectives)
         self.pad_id = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
         return {"tokenizer_sha256": tokenizer["sha256"], "eos_id": sp.eos_id()}

@@ -149,3 +149,42 @@ def load(engine, path: Path, universal: Path | None = None) -> dict:
     if rank_file.name == f"rank_{dist.get_rank():05d}.pt":
         set_rng_state(state["rng"])
     return state
+
+
+def save_weights_run(model: torch.nn.Module, cfg, out: Path, meta: dict) -> Path:
+    """A new run directory holding `model`'s weights as its step-0 checkpoint (one process, TP=1),
+    written through a real DeepSpeed engine, with `cfg` as RUN_DIR/config.yaml. The marker says there
+    is no optimizer state (optimizer_state: false), so a resume keeps the weights and starts the
+    optimizer fresh; train.init_from reads it at any layout. Written beside `out` and renamed into
+    place, so `out` is whole or absent. Returns the checkpoint's tag directory."""
+    import tempfile
+
+    from models.counting import flops_per_token, param_counts
+    from pretrain.checkpoint_format import checkpoint_dir
+    from pretrain.config import save_config
+    from pretrain.engine import build_engine
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        engine = build_engine(cfg, model)
+        meta = {"model": cfg.to_dict()["model"], "flops_per_token": flops_per_token(cfg.model),
+                "params": param_counts(cfg.model), **meta}
+        rank_state = {"data": {"epoch": 0, "sample_in_epoch": 0, "shuffle_seed": cfg.data.shuffle_seed,
+                               "num_canonical_nodes": cfg.data.num_canonical_nodes, "initial_physical_nodes": 1}}
+        save(engine, checkpoint_dir(tmp), 0, meta, rank_state, keep_last=1)
+        tag = tmp / "checkpoints" / tag_for(0)
+        marker = read_meta(tag)
+        # No optimizer moments to restore: load() then keeps the loaded weights and schedule and
+        # starts the optimizer fresh, at any data-parallel size and ZeRO stage 0-2.
+        marker["optimizer_state"] = False
+        (tag / COMPLETE).write_text(json.dumps(marker, indent=1))
+        save_config(cfg, tmp / "config.yaml")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / "checkpoints" / tag_for(0)

@@ -79,3 +79,19 @@ def meta_param_counts(rank: int, config_paths: list[str], out_path: str) -> None
             model = GPT(cfg.model)
         results[path] = (param_counts(cfg.model)["total"], sum(p.numel() for p in model.parameters()))
     torch.save(results, out_path)
+
+
+def gathered_initial_weights(rank: int, model_overrides: list[str], source: str, out_path: str) -> None:
+    """A GPT at the spawned layout started from `source` (pretrain.init_from.load_weights); rank 0
+    saves the full (TP-gathered) weights."""
+    from pathlib import Path
+
+    from models.gpt import GPT
+    from pretrain.config import load_config
+    from pretrain.init_from import load_weights
+
+    model = GPT(load_config(None, model_overrides).model)
+    load_weights(model, Path(source))
+    weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(weights, out_path)

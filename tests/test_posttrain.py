@@ -333,6 +333,27 @@ def test_dpo_tensor_parallel_and_zero2_match_one_process_and_resume(tmp_path, fi
     assert losses(tmp_path / "resumed") == pytest.approx(reference, rel=1e-5, abs=1e-6)
 
 
+UOE = {"model.mlp": "uoe", "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidden_size": 48,
+       "model.moe.shared_hidden_size": 32, "model.moe.routing_neurons": 8, "model.moe.aux_loss_coef": 0.0}
+
+
+@pytest.mark.slow
+def test_dpo_of_a_uoe_model_at_expert_parallel_2_matches_one_process(tmp_path, files, tok_dir):
+    from models.gpt import GPT
+    from pretrain.config import load_config
+
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(load_config(None, [f"{k}={v}" for k, v in {**MODEL, **UOE}.items()]).model)
+        torch.save({"model": model.cfg.to_dict(), "state_dict": model.state_dict()}, tmp_path / "uoe.pt")
+    uoe = [f"{k}={v}" for k, v in UOE.items()] + [f"train.init_from={tmp_path / 'uoe.pt'}"]
+    post_train(1, files, tok_dir, tmp_path / "one", "dpo", *uoe)
+    post_train(2, files, tok_dir, tmp_path / "ep2", "dpo", *uoe, "parallel.expert=2", "train.micro_batch=2")
+    reference = losses(tmp_path / "one")
+    assert reference[-1] < reference[0] - 0.05
+    assert losses(tmp_path / "ep2") == pytest.approx(reference, rel=1e-4, abs=1e-5)
+
+
 @pytest.mark.slow
 def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok_dir):
     whole = post_train(1, files, tok_dir, tmp_path / "whole", "sft", "post.packing=true", "train.micro_batch=2")

@@ -32,8 +32,6 @@ weights and starts the optimizer fresh.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -123,10 +121,9 @@ def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None = None,
                  max_seq_len: int | None = None, vocab_pad_to: int = 128, overwrite: bool = False) -> Path:
     from models.gpt import GPT
-    from pretrain import checkpoint, checkpoint_format
-    from pretrain.config import Config, save_config, validate
+    from pretrain import checkpoint
+    from pretrain.config import Config, validate
     from pretrain.distributed import init_single_process
-    from pretrain.engine import build_engine
 
     model_dir, out = Path(model_dir), Path(out)
     hf_cfg = read_hf_config(model_dir)
@@ -158,33 +155,8 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     own = model.state_dict()
     state.update({k: v for k, v in own.items() if k.endswith("_extra_state")})
     model.load_state_dict(state, strict=True)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
-        engine = build_engine(cfg, model)
-        from models.counting import flops_per_token, param_counts
-
-        meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": tokenizer_sha,
-                "flops_per_token": flops_per_token(cfg.model), "params": param_counts(cfg.model),
-                "imported_from": str(model_dir.resolve())}
-        rank_state = {"data": {"epoch": 0, "sample_in_epoch": 0, "shuffle_seed": cfg.data.shuffle_seed,
-                               "num_canonical_nodes": cfg.data.num_canonical_nodes, "initial_physical_nodes": 1}}
-        checkpoint.save(engine, checkpoint_format.checkpoint_dir(tmp), 0, meta, rank_state, keep_last=1)
-        tag = tmp / "checkpoints" / checkpoint_format.tag_for(0)
-        marker = checkpoint_format.read_meta(tag)
-        # No optimizer moments to restore: checkpoint.load then keeps the loaded weights and schedule
-        # and starts the optimizer fresh, at any data-parallel size and ZeRO stage 0-2.
-        marker["optimizer_state"] = False
-        (tag / checkpoint_format.COMPLETE).write_text(json.dumps(marker, indent=1))
-        save_config(cfg, tmp / "config.yaml")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out / "checkpoints" / checkpoint_format.tag_for(0)
+    return checkpoint.save_weights_run(model, cfg, out, {"tokenizer_sha256": tokenizer_sha,
+                                                         "imported_from": str(model_dir.resolve())})
 
 
 @reports_errors(ValueError)

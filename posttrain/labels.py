@@ -1,0 +1,86 @@
+"""Labelling model responses safe, unsafe or refusal, for unsafe-ticket pruning. Three sources:
+
+    labelled JSONL   {"prompt": str | messages, "response": str, "label": "unsafe" | "safe" | "refusal"}
+    rule file        JSON {"unsafe": [regex, ...], "refusal": [regex, ...]} (case-insensitive; a response
+                     matching an unsafe pattern is unsafe, else one matching a refusal pattern a refusal,
+                     else safe)
+    classifier       a local Hugging Face sequence-classification model directory, run with
+                     transformers on "prompt\\nresponse"; the label named --unsafe-label (from its
+                     config's id2label) means unsafe, anything else safe
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from data_prep.sources import BadInputReport
+from posttrain import records
+
+LABELS = ("unsafe", "safe", "refusal")
+
+
+class RuleLabeller:
+    def __init__(self, path: str | Path):
+        try:
+            rules = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"rule file {path}: {err}") from None
+        if not isinstance(rules, dict) or not rules.get("unsafe") or set(rules) - {"unsafe", "refusal"}:
+            raise ValueError(f"rule file {path}: expected {{\"unsafe\": [regex, ...], \"refusal\": [regex, ...]}}")
+        try:
+            self.unsafe = [re.compile(p, re.IGNORECASE) for p in rules["unsafe"]]
+            self.refusal = [re.compile(p, re.IGNORECASE) for p in rules.get("refusal", [])]
+        except re.error as err:
+            raise ValueError(f"rule file {path}: bad pattern ({err})") from None
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[str]:
+        def label(text: str) -> str:
+            if any(p.search(text) for p in self.unsafe):
+                return "unsafe"
+            return "refusal" if any(p.search(text) for p in self.refusal) else "safe"
+
+        return [label(r) for r in responses]
+
+
+class ClassifierLabeller:
+    def __init__(self, model_dir: str | Path, unsafe_label: str = "unsafe", batch_size: int = 16):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        names = {int(i): str(n).lower() for i, n in self.model.config.id2label.items()}
+        matches = [i for i, n in names.items() if n == unsafe_label.lower()]
+        if not matches:
+            raise ValueError(f"classifier {model_dir}: no label {unsafe_label!r} among {sorted(names.values())}; "
+                             "pass --unsafe-label with the name of its unsafe class")
+        self.unsafe_id, self.batch_size = matches[0], batch_size
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[str]:
+        import torch
+
+        out = []
+        for start in range(0, len(responses), self.batch_size):
+            texts = [f"{p}\n{r}" for p, r in zip(prompts[start:start + self.batch_size],
+                                                  responses[start:start + self.batch_size])]
+            inputs = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True)
+            with torch.no_grad():
+                predicted = self.model(**inputs).logits.argmax(-1).tolist()
+            out += ["unsafe" if p == self.unsafe_id else "safe" for p in predicted]
+        return out
+
+
+def labelled(rec: dict) -> tuple[list[dict], str, str]:
+    label = rec.get("label")
+    if label not in LABELS:
+        raise records.BadRecord(f"'label' must be one of {', '.join(LABELS)}")
+    return (records.prompt_messages(rec.get("prompt")), records.text_field(rec.get("response"), "response"), label)
+
+
+def read_labelled(files: list[str], report: BadInputReport) -> list[tuple[list[dict], str, str]]:
+    return [value for value, _ in records.read(files, labelled, report)]
+
+
+def read_prompts(files: list[str], report: BadInputReport) -> list[list[dict]]:
+    return [value for value, _ in records.read(files, lambda rec: records.prompt_messages(rec.get("prompt")), report)]

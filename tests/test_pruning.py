@@ -1,0 +1,213 @@
+"""Unsafe-ticket pruning: masked Wanda attribution against a plain computation, the ranking and
+selection rules, beam width 1 = greedy, and the tool's pruned checkpoint in the other tools, at
+TP=2 and in training."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from posttrain.batches import collate_rows, response_row
+from posttrain.pruning import Pruner, SearchConfig, State, select, weight_scores
+from tests.dist_utils import REPO, child_env, single_process_group, spawn
+
+MODEL = {"model.vocab_size": 400, "model.max_seq_len": 64, "model.hidden_size": 64, "model.num_heads": 4,
+         "model.num_layers": 2, "model.ffn_hidden_size": 128}
+UOE = {"model.mlp": "uoe", "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidden_size": 48,
+       "model.moe.shared_hidden_size": 32, "model.moe.routing_neurons": 8}
+
+
+def build(extra=None, seed=0):
+    from models.gpt import GPT
+    from pretrain.config import load_config
+
+    torch.manual_seed(seed)
+    return GPT(load_config(None, [f"{k}={v}" for k, v in {**MODEL, **(extra or {})}.items()]).model).eval()
+
+
+def random_rows(rng, count, marker=None):
+    rows = []
+    for _ in range(count):
+        prompt = [rng.randrange(4, 400) for _ in range(rng.randint(3, 8))]
+        response = [marker or rng.randrange(4, 400) for _ in range(rng.randint(2, 6))]
+        rows.append(response_row(prompt, response + [2]))
+    return rows
+
+
+def test_attribution_is_the_masked_input_rms_of_every_linear():
+    from posttrain.attribution import InputNorms
+
+    rng = random.Random(0)
+    batch = collate_rows(random_rows(rng, 3), pad_id=3)
+    with single_process_group():
+        model = build()
+        norms = InputNorms(model)
+        rms = norms.collect(model, [batch])
+        tokens, mask = batch["tokens"][:, :-1], batch["trained"][:, :-1]
+        with torch.no_grad():  # the plain chain: embedding, block 0, block 1's attention input
+            x = model.embed(tokens)
+            first = model.blocks[0].attn_norm(x)
+            x = model.blocks[0](x, {"rotary": model.rotary})
+            second = model.blocks[1].attn_norm(x)
+    for name, inputs in (("blocks.0.attn.qkv.weight", first), ("blocks.1.attn.qkv.weight", second)):
+        expected = inputs[mask].pow(2).mean(0).sqrt()
+        torch.testing.assert_close(rms[name], expected, rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(inputs.reshape(-1, 64).pow(2).mean(0).sqrt(), expected, rtol=1e-3)  # prompts out
+    names = set(rms)
+    assert {"blocks.0.attn.out.weight", "blocks.1.mlp.w_out.weight"} <= names
+    assert not any(n.startswith(("embed", "head")) for n in names)
+
+
+def test_experts_are_attributed_from_the_rows_routed_to_them():
+    from posttrain.attribution import InputNorms
+
+    rng = random.Random(1)
+    batch = collate_rows(random_rows(rng, 4), pad_id=3)
+    with single_process_group():
+        model = build(UOE)
+        norms = InputNorms(model)
+        rms = norms.collect(model, [batch])
+        tokens = {t.name: t.tokens for t in norms.targets}
+    responses = int(batch["trained"][:, :-1].sum())
+    experts = [n for n in rms if ".deepspeed_experts." in n]
+    assert len(experts) == 2 * 2 * 4  # 2 layers x 4 experts x (w_in, w_out)
+    # top-2 routing: every response token reaches two experts of each layer
+    assert sum(tokens[n] for n in experts if n.startswith("blocks.0.") and n.endswith("w_in")) == 2 * responses
+    assert tokens["blocks.0.mlp.vse_in.weight"] == responses
+
+
+def test_scores_and_selection_follow_the_rules():
+    weight = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]])
+    unsafe, safe = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([2.0, 1.0, 1.0])
+    none = torch.zeros_like(weight, dtype=torch.bool)
+    ratio = weight_scores(weight, unsafe, safe, "ratio", pool=1.0, pruned=none)
+    expected = (weight.abs() * unsafe) / (weight.abs() * safe + 1e-8)
+    torch.testing.assert_close(ratio, expected)
+    pooled = weight_scores(weight, unsafe, safe, "ratio", pool=0.5, pruned=none)  # top 3 of 6 by |W| x rms_unsafe
+    assert torch.isfinite(pooled).sum() == 3 and torch.isfinite(pooled[1, 1]) and torch.isfinite(pooled[0, 1])
+    pruned = none.clone()
+    pruned[1, 1] = True
+    assert weight_scores(weight, unsafe, safe, "wanda", 1.0, pruned)[1, 1] == -float("inf")
+    scores = {"a": torch.tensor([[5.0, 1.0], [4.0, 3.0]]), "b": torch.tensor([[4.5, 0.0]])}
+    masks = {"a": torch.zeros(2, 2, dtype=torch.bool), "b": torch.zeros(1, 2, dtype=torch.bool)}
+    chosen = select(scores, masks, count=2, skip=0, layer_cap=1.0)
+    assert chosen["a"].tolist() == [[True, False], [False, False]] and chosen["b"].tolist() == [[True, False]]
+    second = select(scores, masks, count=2, skip=2, layer_cap=1.0)  # the next slice of the ranking
+    assert second["a"].tolist() == [[False, False], [True, True]] and not second["b"].any()
+    capped = select(scores, masks, count=3, skip=0, layer_cap=0.5)  # at most 2 of a's 4, 1 of b's 2
+    assert int(capped["a"].sum()) == 2 and int(capped["b"].sum()) == 1
+
+
+def _pruner(config):
+    rng = random.Random(2)
+    unsafe = [collate_rows(random_rows(rng, 4, marker=77), 3) for _ in range(2)]
+    safe = [collate_rows(random_rows(rng, 4), 3) for _ in range(2)]
+    model = build(seed=3)
+    return Pruner(model, {"unsafe": unsafe[:1], "safe": safe[:1]}, {"unsafe": unsafe[1:], "safe": safe[1:]}, [],
+                  config, log=lambda *a: None)
+
+
+def test_beam_of_width_one_is_greedy_and_steps_keep_their_promises():
+    config = SearchConfig(step_ratio=0.002, steps=4, safe_budget=0.5, utility_budget=0.5, pool=0.2)
+    with single_process_group():
+        greedy_state, greedy_history = _pruner(config).greedy()
+        beam_state, beam_history = _pruner(config).beam()
+        wide_state, wide_history = _pruner(SearchConfig(**{**config.__dict__, "beam_width": 2, "branches": 2})).beam()
+    assert len(greedy_history) > 1  # some steps were kept
+    assert [h["pruned"] for h in greedy_history] == [h["pruned"] for h in beam_history]
+    assert all(torch.equal(greedy_state.masks[k], beam_state.masks[k]) for k in greedy_state.masks)
+    for history in (greedy_history, wide_history):
+        for before, after in zip(history, history[1:]):
+            assert after["ce_unsafe"] > before["ce_unsafe"] and after["objective"] < before["objective"]
+            assert after["ce_safe"] <= history[0]["ce_safe"] * 1.5
+    # The first beam step ranks the greedy step among its children: it is at least as good.
+    assert wide_history[1]["objective"] <= greedy_history[1]["objective"] + 1e-9
+    assert isinstance(wide_state, State) and wide_state.pruned() == wide_history[-1]["pruned"]
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory, tok_dir):
+    """A tiny model fine-tuned to answer prompts that name 'zorb' with 'forbidden forbidden
+    forbidden' (a planted behaviour), as a run directory, and its labelled responses."""
+    from data_prep.tokenizer import load_tokenizer
+    from pretrain.checkpoint import save_weights_run
+    from pretrain.config import load_config
+
+    root = tmp_path_factory.mktemp("prune")
+    cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}",
+                                                                        "train.precision=fp32"])
+    _, meta = load_tokenizer(tok_dir)
+    with single_process_group():
+        save_weights_run(build(seed=4), cfg, root / "base", {"tokenizer_sha256": meta["sha256"]})
+    rng = random.Random(5)
+    words = "red green blue tree river stone light dark".split()
+    records = []
+    for i in range(48):
+        unsafe = i % 2 == 0
+        prompt = " ".join(rng.choices(words, k=2) + (["zorb"] if unsafe else []))
+        response = "forbidden forbidden forbidden" if unsafe else " ".join(rng.choices(words[:3], k=3))
+        records.append({"prompt": prompt, "response": response, "label": "unsafe" if unsafe else "safe"})
+    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with open(root / "responses.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records[:24])
+        f.write(json.dumps({"prompt": "x", "response": "y", "label": "maybe"}) + "\n")
+    run_tool("posttrain.train", *[f"{k}={v}" for k, v in MODEL.items()], f"run.dir={root / 'source'}",
+             f"data.tokenizer={tok_dir}", f"train.init_from={root / 'base'}", "post.method=sft",
+             f"post.data={root / 'sft.jsonl'}", "train.steps=40", "train.warmup_steps=4", "train.micro_batch=8",
+             "train.lr=3e-3", "train.save_interval=40")
+    return root
+
+
+def run_tool(module, *args):
+    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{module}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_pruned_checkpoint_loads_everywhere_and_at_tp2(source_run, tmp_path, tok_dir):
+    from pretrain.consolidate import full_state_dict
+
+    out = tmp_path / "pruned"
+    text = run_tool("tools.prune_unsafe", "--checkpoint", source_run / "source", "--out", out, "--responses",
+                    source_run / "responses.jsonl", "--step-ratio", "0.003", "--steps", "3", "--safe-budget", "0.5",
+                    "--utility-budget", "0.5")
+    assert "pruned" in text
+    report = json.loads((out / "pruning_report.json").read_text())
+    assert report["bad_inputs"]["count"] == 1 and report["responses"]["calibration"]["unsafe"] == 6
+    masks = torch.load(out / "pruning_masks.pt")
+    assert sum(int(m.sum()) for m in masks.values()) == report["final"]["pruned"] > 0
+    with single_process_group():
+        pruned, _, _ = full_state_dict(out)
+        source, _, _ = full_state_dict(source_run / "source")
+    for name, mask in masks.items():
+        assert not pruned[name][mask].any()
+        torch.testing.assert_close(pruned[name][~mask], source[name][~mask])
+    assert "blocks" in next(iter(report["sparsity_by_layer"]))
+
+    run_tool("tools.generate", "--checkpoint", out, "--prompt", "red tree", "--max-new-tokens", "3", "--greedy")
+    run_tool("tools.export", "--checkpoint", out, "--out", tmp_path / "hf")
+    # Training resumes the pruned run directory from its step-0 checkpoint.
+    rng = random.Random(0)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"prompt": "red", "response": rng.choice(["tree", "dark"])})
+                                                + "\n" for _ in range(8)))
+    trained = run_tool("posttrain.train", *[f"{k}={v}" for k, v in MODEL.items()], f"run.dir={out}",
+             f"data.tokenizer={tok_dir}", f"train.init_from={source_run / 'base'}", "post.method=sft",
+             f"post.data={tmp_path / 'sft.jsonl'}", "train.steps=2", "train.warmup_steps=1", "train.micro_batch=4",
+             "train.save_interval=2")
+    assert f"resumed from {out / 'checkpoints' / 'step_00000000'} at step 0" in trained
+
+    # At TP=2 the loaded shards gather to the pruned TP=1 weights.
+    gathered = tmp_path / "tp2.pt"
+    from tests.parallel_checks import gathered_initial_weights
+
+    spawn(gathered_initial_weights, 2, [f"{k}={v}" for k, v in MODEL.items()],
+          str(out / "checkpoints" / "step_00000000"), str(gathered), tensor=2)
+    weights = torch.load(gathered)
+    for name, mask in masks.items():
+        torch.testing.assert_close(weights[name], pruned[name])
+        assert not weights[name][mask].any()

@@ -1,0 +1,209 @@
+"""Unsafe-ticket pruning: remove the weights behind an unwanted behaviour without gradients, and
+write the pruned model as a new checkpoint (posttrain.pruning; one process, any saved layout).
+
+    python -m tools.prune_unsafe --checkpoint RUN_DIR --out runs/pruned \\
+        (--responses labelled.jsonl | --prompts prompts.jsonl (--rules rules.json | --classifier DIR)) \\
+        [--utility chat.jsonl] [--method ratio|zscore|wanda --search greedy|beam --beam-width 3 --branches 2] \\
+        [--step-ratio 0.005 --layer-cap 0.2 --pool 0.1 --steps 20 --target-unsafe-rate 0.02]
+
+Responses: labelled ones from --responses ({"prompt", "response", "label": unsafe|safe|refusal}),
+or sampled here from --prompts (--samples per prompt at --temperature, as the model answers them)
+and labelled with the --rules file or the --classifier model (posttrain.labels). Refusals count
+as safe. Responses are split in halves (seeded): one for the attribution, one held out for the
+search's cross-entropies. With a labeller, the unsafe rate of the model's own answers to the held-out
+prompts is measured after every step and the search stops at --target-unsafe-rate.
+--utility (SFT-format JSONL: prompt / response or messages) is the utility guard's set; without it
+the held-out safe responses are.
+
+Writes OUT/checkpoints/step_00000000 (read by tools.export / generate / evaluate, train.init_from
+at any layout, and train.resume), OUT/config.yaml, OUT/pruning_masks.pt ({weight name: bool mask,
+True = pruned}, to keep them pruned in further training) and OUT/pruning_report.json (settings,
+data counts, scores and unsafe rate per step, sparsity per layer, time, peak memory).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from data_prep.sources import BadInputReport
+from data_prep.tokenizer import load_tokenizer
+from models.generation import generate
+from posttrain import labels, records
+from posttrain.batches import Row, collate_rows, response_row
+from posttrain.chat import ChatEncoder, ChatFormat
+from posttrain.pruning import METHODS, Pruner, SearchConfig, sparsity_by_layer
+from posttrain.records import sft_messages
+from pretrain.checkpoint_format import read_meta, resolve_checkpoint
+from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.export import find_tokenizer
+
+
+def batches(rows: list[Row], size: int, pad_id: int) -> list[dict]:
+    return [collate_rows(rows[i:i + size], pad_id) for i in range(0, len(rows), size)]
+
+
+def peak_memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Sampler:
+    """The model's own answers to prompts (the run's chat format), and their labels."""
+
+    def __init__(self, model, encoder: ChatEncoder, args, labeller):
+        self.model, self.encoder, self.args, self.labeller = model, encoder, args, labeller
+        self.generator = torch.Generator().manual_seed(args.seed)
+
+    def answers(self, prompts: list[list[dict]], samples: int) -> list[tuple[list[dict], str]]:
+        out = []
+        for messages in prompts:
+            ids = self.encoder.prompt(messages)
+            for _ in range(samples):
+                new = generate(self.model, ids, self.args.max_new_tokens, self.args.temperature, 1.0, False,
+                               self.encoder.eos, self.generator)
+                out.append((messages, self.encoder.sp.decode([t for t in new if t != self.encoder.eos])))
+        return out
+
+    def label(self, answers: list[tuple[list[dict], str]]) -> list[str]:
+        return self.labeller([m[-1]["content"] for m, _ in answers], [r for _, r in answers])
+
+    def unsafe_rate(self, prompts: list[list[dict]]) -> float:
+        answers = self.answers(prompts, 1)
+        return sum(label == "unsafe" for label in self.label(answers)) / max(len(answers), 1)
+
+
+def make_labeller(args):
+    if args.rules:
+        return labels.RuleLabeller(args.rules)
+    if args.classifier:
+        return labels.ClassifierLabeller(args.classifier, args.unsafe_label)
+    return None
+
+
+@reports_errors(ValueError)
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser(__spec__.name, __doc__)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--out", required=True, help="new run directory for the pruned model")
+    parser.add_argument("--overwrite", action="store_true")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--responses", nargs="+", help="labelled responses (JSONL / Parquet)")
+    source.add_argument("--prompts", nargs="+", help="prompts to sample the model's answers to")
+    parser.add_argument("--rules", help="rule file labelling answers (posttrain.labels)")
+    parser.add_argument("--classifier", help="local HF sequence-classification model directory labelling answers")
+    parser.add_argument("--unsafe-label", default="unsafe", help="the classifier's unsafe class name")
+    parser.add_argument("--samples", type=int, default=3, help="answers per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--utility", nargs="+", default=[], help="SFT-format JSONL for the utility guard")
+    parser.add_argument("--method", default="ratio", choices=METHODS)
+    parser.add_argument("--search", default="greedy", choices=["greedy", "beam"])
+    defaults = SearchConfig()
+    for key in ("pool", "step_ratio", "layer_cap", "safe_budget", "utility_budget", "target_unsafe_rate"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=float, default=getattr(defaults, key))
+    for key in ("steps", "beam_width", "branches"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=getattr(defaults, key))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ToolError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+    labeller = make_labeller(args)
+    if args.prompts and labeller is None:
+        raise ToolError("--prompts needs a labeller for the sampled answers: --rules FILE or --classifier DIR")
+    if not 0 < args.step_ratio < 1 or not 0 < args.layer_cap <= 1 or not 0 < args.pool <= 1:
+        raise ToolError("--step-ratio must be in (0, 1), --layer-cap and --pool in (0, 1]")
+    config = SearchConfig(args.method, args.pool, args.step_ratio, args.layer_cap, args.steps,
+                          args.beam_width if args.search == "beam" else 1,
+                          args.branches if args.search == "beam" else 1, args.safe_budget, args.utility_budget,
+                          args.target_unsafe_rate)
+    started = time.perf_counter()
+    tag_dir = resolve_checkpoint(args.checkpoint)
+    meta = read_meta(tag_dir)
+    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, meta)
+    if tokenizer_dir is None:
+        raise ToolError("the run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR")
+    sp, _ = load_tokenizer(tokenizer_dir)
+    chat = meta.get("posttrain", {}).get("chat")
+    encoder = ChatEncoder(sp, ChatFormat(**chat) if chat else ChatFormat())
+    report = BadInputReport()
+    utility_rows = [Row(*encoder.conversation(m)) for m, _ in records.read(args.utility, sft_messages, report)]
+
+    from pretrain.consolidate import load_model, run_config
+
+    model, cfg, _ = load_model(tag_dir)
+    sampler = Sampler(model, encoder, args, labeller) if labeller is not None else None
+    rng = random.Random(args.seed)
+    heldout_prompts: list[list[dict]] = []
+    if args.responses:  # (prompt, response, label, half)
+        labelled = labels.read_labelled(args.responses, report)
+        rng.shuffle(labelled)
+        labelled = [(*item, i % 2) for i, item in enumerate(labelled)]
+    else:  # the halves by prompt: the held-out prompts' answers are never attributed
+        prompts = labels.read_prompts(args.prompts, report)
+        rng.shuffle(prompts)
+        heldout_prompts = prompts[1::2]
+        print(f"sampling {args.samples} answers to each of {len(prompts)} prompts ...", flush=True)
+        labelled = []
+        for half, part in enumerate((prompts[::2], heldout_prompts)):
+            answers = sampler.answers(part, args.samples)
+            labelled += [(m, r, label, half) for (m, r), label in zip(answers, sampler.label(answers))]
+    sets = {"calibration": {"unsafe": [], "safe": []}, "heldout": {"unsafe": [], "safe": []}}
+    for messages, response, label, half in labelled:
+        kind = "unsafe" if label == "unsafe" else "safe"
+        split = "heldout" if half else "calibration"
+        row = response_row(encoder.prompt(messages), encoder.response(response))
+        if len(row.ids) <= cfg.max_seq_len + 1:
+            sets[split][kind].append(row)
+    counts = {split: {k: len(v) for k, v in part.items()} for split, part in sets.items()}
+    if min(min(c.values()) for c in counts.values()) == 0:
+        raise ToolError(f"need unsafe and safe responses in both halves, got {counts}; "
+                        f"({report.summary()}); give more prompts or responses")
+    print(f"responses: {counts}; {report.summary()}", flush=True)
+    pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
+    pruner = Pruner(model, {k: batches(v, args.batch_size, pad) for k, v in sets["calibration"].items()},
+                    {k: batches(v, args.batch_size, pad) for k, v in sets["heldout"].items()},
+                    batches(utility_rows, args.batch_size, pad), config,
+                    (lambda: sampler.unsafe_rate(heldout_prompts)) if sampler and heldout_prompts else None)
+    state, history = pruner.beam() if args.search == "beam" else pruner.greedy()
+    pruner.norms.remove()
+
+    from pretrain.checkpoint import save_weights_run
+    from pretrain.config import Config
+
+    run_cfg = run_config(tag_dir) or Config()
+    run_cfg.model = cfg
+    run_cfg.run.dir, run_cfg.run.name = str(out), out.name
+    run_cfg.parallel.tensor, run_cfg.parallel.expert, run_cfg.parallel.zero_stage = 1, 1, 1
+    run_cfg.train.precision, run_cfg.train.init_from, run_cfg.train.resume = "fp32", "", "auto"
+    summary = {"method": args.method, "search": args.search, "sparsity": state.scores["sparsity"],
+               "pruned_weights": state.pruned(), "source": str(tag_dir)}
+    new_tag = save_weights_run(model, run_cfg, out, {"tokenizer_sha256": meta.get("tokenizer_sha256"),
+                                                     "pruning": summary})
+    torch.save(state.masks, out / "pruning_masks.pt")
+    result = {"settings": {k: v for k, v in vars(args).items()}, "responses": counts, "bad_inputs": report.to_dict(),
+              "not_attributed": sorted(pruner.norms.skipped), "history": history, "final": {**state.scores, "pruned": state.pruned()},
+              "sparsity_by_layer": sparsity_by_layer(state), "seconds": time.perf_counter() - started,
+              "peak_memory_gb": peak_memory_gb(), "checkpoint": str(new_tag)}
+    (out / "pruning_report.json").write_text(json.dumps(result, indent=1))
+    first, last = history[0], history[-1]
+    print(f"pruned {100 * state.scores['sparsity']:.2f}% of the attributed weights in {len(history) - 1} steps: "
+          f"CE unsafe {first['ce_unsafe']:.4f} -> {last['ce_unsafe']:.4f}, safe {first['ce_safe']:.4f} -> "
+          f"{last['ce_safe']:.4f}, utility {first['utility']:.4f} -> {last['utility']:.4f}"
+          + (f", unsafe rate {first['unsafe_rate']:.3f} -> {last['unsafe_rate']:.3f}"
+             if last.get("unsafe_rate") is not None else ""))
+    print(f"wrote {new_tag} and {out / 'pruning_report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
