@@ -3,19 +3,23 @@ are exact functions, through the real post-training commands.
 
     python -m bench.sga_synthetic [--seeds 0 1 --sft-steps 300 --align-steps 150 --eval-prompts 200]
 
-The task. A prompt names a topic and carries 2-7 filler words. Two objectives score a response:
+The task. A prompt names a topic, may carry a style word and has 2-7 filler words. Two
+objectives score a response:
   length   the prompt implies a target of (fillers + 2) words without stating it:
            max(0, 1 - |words - target| / target)
   keyword  each topic has a hidden keyword: min(1, occurrences / 2)
-For every prompt 4 random candidates (1-12 words, 0-2 keywords) are scored; the pair is the best
-and the worst by mean score (posttrain.convert.pairs, ties dropped) with the best one's scores.
-A small model is trained from scratch with SFT on the best candidates, then DPO and SGA start
-from that checkpoint. On held-out prompts each variant samples one response (T=0.6, top-p 0.9)
-and is scored against the held-out best candidate (the reference): per objective the share of
-prompts where it scores higher (win), equal (tie) or lower. SGA is decoded three ways: with the
-value head's predicted scores, with the reference's true scores (oracle) and with the training
-set's mean scores (fixed). The claim under test: SGA-predicted beats DPO and SGA-fixed and comes
-close to the oracle. Also reported: the value head's MSE on the held-out prompts.
+The style word says, without naming them, how the annotators weigh the objectives: "precisely"
+only length counts, "topically" only the keyword, no style word both equally. For every prompt 4
+random candidates (1-12 words, 0-2 keywords) are scored; the pair is the best and the worst by the
+weighted score (ties dropped) and carries the best one's scores, so what a good answer scores
+depends on the prompt: what the value head has to predict. A small model is trained from scratch
+with SFT on the best candidates, then DPO and SGA start from that checkpoint. On held-out prompts
+each variant samples one response (T=0.6, top-p 0.9), scored against the held-out best candidate
+(the reference): per objective the share of prompts where it scores higher (win) or equal (tie).
+SGA is decoded three ways: with the value head's predicted scores, with the reference's true
+scores (oracle) and with the training set's mean scores (fixed). The claim under test:
+SGA-predicted beats DPO and SGA-fixed and comes close to the oracle. Also reported: the value
+head's MSE on the held-out prompts next to the MSE of always predicting the training mean.
 Writes bench/results/sga_synthetic.json.
 """
 
@@ -36,14 +40,19 @@ TOPICS = {"river": "water", "forest": "leaf", "city": "street", "ocean": "wave",
 FILLERS = "please kindly now then just also maybe quite really very".split()
 WORDS = "the a of and to in is it that was on for with as by at from this an be".split()
 OBJECTIVES = ("length", "keyword")
-MODEL = ["model.vocab_size=256", "model.max_seq_len=96", "model.hidden_size=128", "model.num_heads=4",
+MODEL = ["model.vocab_size=512", "model.max_seq_len=96", "model.hidden_size=128", "model.num_heads=4",
          "model.num_layers=3", "model.ffn_hidden_size=352"]
 
 
-def make_prompt(rng: random.Random) -> tuple[str, str, int]:
-    topic = rng.choice(list(TOPICS))
+STYLES = {"precisely": {"length": 1.0, "keyword": 0.0}, "topically": {"length": 0.0, "keyword": 1.0},
+          "": {"length": 0.5, "keyword": 0.5}}
+
+
+def make_prompt(rng: random.Random) -> tuple[str, str, int, dict]:
+    topic, style = rng.choice(list(TOPICS)), rng.choice(list(STYLES))
     fillers = rng.randint(2, 7)
-    return f"tell me about {topic} " + " ".join(rng.choices(FILLERS, k=fillers)), TOPICS[topic], fillers + 2
+    words = ["tell", "me", "about", topic] + ([style] if style else []) + rng.choices(FILLERS, k=fillers)
+    return " ".join(words), TOPICS[topic], fillers + 2, STYLES[style]
 
 
 def score(response: str, keyword: str, target: int) -> dict[str, float]:
@@ -60,26 +69,28 @@ def candidate(rng: random.Random, keyword: str) -> str:
 
 
 def build_data(root: Path, seed: int, train_prompts: int, eval_prompts: int) -> dict:
-    from posttrain.convert import pairs
-
     rng = random.Random(seed)
-    out = {}
+    out, seen = {}, set()
     for split, count in (("train", train_prompts), ("eval", eval_prompts)):
-        rated, meta = {}, {}
-        while len(meta) < count:
-            prompt, keyword, target = make_prompt(rng)
-            key = json.dumps(prompt)
-            if key in rated:
+        rows = []
+        while len(rows) < count:
+            prompt, keyword, target, weights = make_prompt(rng)
+            if prompt in seen:
                 continue
-            rated[key] = [(c, score(c, keyword, target)) for c in (candidate(rng, keyword) for _ in range(4))]
-            meta[prompt] = (keyword, target)
-        counts = {"single_response": 0, "ties": 0}
-        records = [r for r in pairs(rated, counts)]
+            seen.add(prompt)
+            rated = [(c, score(c, keyword, target)) for c in (candidate(rng, keyword) for _ in range(4))]
+            weighted = [sum(weights[k] * s[k] for k in OBJECTIVES) for _, s in rated]
+            best, worst = weighted.index(max(weighted)), weighted.index(min(weighted))
+            if weighted[best] == weighted[worst]:
+                continue  # a tie: no preference
+            record = {"prompt": prompt, "chosen": rated[best][0], "rejected": rated[worst][0],
+                      "scores": {k: round(v, 2) for k, v in rated[best][1].items()}}
+            rows.append((record, keyword, target))
         with open(root / f"{split}_pref.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(json.dumps(r) + "\n" for r, _, _ in rows)
         with open(root / f"{split}_sft.jsonl", "w") as f:
-            f.writelines(json.dumps({"prompt": r["prompt"], "response": r["chosen"]}) + "\n" for r in records)
-        out[split] = [(r, *meta[r["prompt"]]) for r in records]
+            f.writelines(json.dumps({"prompt": r["prompt"], "response": r["chosen"]}) + "\n" for r, _, _ in rows)
+        out[split] = rows
     return out
 
 
@@ -92,7 +103,7 @@ def train_tokenizer(root: Path, data: dict) -> Path:
     text += "\nUser: Assistant: scores: <length_score:0.25> <keyword_score:1.0> and 0123456789.\n"
     (corpus / "text.txt").write_text(text * 3)
     out = root / "tokenizer"
-    train([corpus], out, vocab_size=256, model_type="bpe", overwrite=True, num_threads=1)
+    train([corpus], out, vocab_size=512, model_type="bpe", overwrite=True, num_threads=1)
     return out
 
 
@@ -170,6 +181,8 @@ def evaluate(run_dir: Path, tokenizer: Path, data: list, mean_scores: dict, sga:
         table[name] = entry
     if sga:
         table["sga-predicted"]["value_mse"] = statistics.mean(errors)
+        table["sga-predicted"]["mean_prediction_mse"] = statistics.mean(
+            statistics.mean((mean_scores[k] - record["scores"][k]) ** 2 for k in OBJECTIVES) for record, _, _ in data)
     return table
 
 
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {seed}: {len(data['train'])} train / {len(data['eval'])} eval pairs, mean scores {mean_scores}")
     names = list(next(iter(results["seeds"].values()))["table"])
     print(f"{'variant':<15}" + "".join(f"{c:>22}" for c in ("length win (tie)", "keyword win (tie)",
-                                                              "length/keyword mean", "value MSE")))
+                                                              "length/keyword mean", "value MSE (predict mean)")))
     summary = {}
     for name in names:
         rows = [s["table"][name] for s in results["seeds"].values()]
@@ -224,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             (win, dw), (tie, _) = summary[name][f"{k}_win"], summary[name][f"{k}_tie"]
             cells.append(f"{win:.3f}±{dw:.3f} ({tie:.2f})")
         cells.append(f"{summary[name]['length_mean'][0]:.3f}/{summary[name]['keyword_mean'][0]:.3f}")
-        cells.append(f"{summary[name]['value_mse'][0]:.4f}" if "value_mse" in summary[name] else "-")
+        cells.append(f"{summary[name]['value_mse'][0]:.4f} (mean {summary[name]['mean_prediction_mse'][0]:.4f})"
+                     if "value_mse" in summary[name] else "-")
         print(f"{name:<15}" + "".join(f"{c:>22}" for c in cells))
     results["summary"] = {n: {k: {"mean": m, "half_range": h} for k, (m, h) in v.items()} for n, v in summary.items()}
     out = REPO / args.out

@@ -15,18 +15,16 @@ class EntryPoint:
 
 
 def _check_pretrain(cfg, world_size: int) -> None:
-    from pretrain.config import validate, validate_data
+    from pretrain.train import Task
 
-    validate(cfg, world_size)
-    validate_data(cfg)
+    Task().check(cfg, world_size)
 
 
 def _check_posttrain(cfg, world_size: int) -> None:
-    from posttrain.config import validate_post
-    from pretrain.config import validate
+    """Everything the job checks before it starts, data and tokenizer included."""
+    from posttrain.train import PostTrainTask
 
-    validate(cfg, world_size)
-    validate_post(cfg)
+    PostTrainTask().check(cfg, world_size)
 
 
 def entry_point(post: bool) -> EntryPoint:

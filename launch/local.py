@@ -25,6 +25,7 @@ if __name__ == "__main__":
 
 from launch.entry_points import entry_point  # noqa: E402
 from launch.layouts import single_gpu_overrides  # noqa: E402
+from pretrain.checkpoint_format import CheckpointError  # noqa: E402
 from pretrain.config import ConfigError, load_config  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--single-gpu runs one process, not --nproc {args.nproc}")
             overrides = single_gpu_overrides(args.config) + overrides
         entry.check(load_config(args.config, overrides, entry.config_class), args.nproc)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = torchrun_command(args.nproc, args.config, overrides, args.port, entry.module)

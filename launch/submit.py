@@ -27,6 +27,7 @@ import yaml
 from launch import slurm_job
 from launch.entry_points import entry_point
 from launch.sbatch import ACTIVE_STATES, SubmitError, parse_time, sbatch_lines, submit
+from pretrain.checkpoint_format import CheckpointError
 from pretrain.config import Config, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         time_s = parse_time(args.time)
         cfg, procs = resolve_config(args)
         script = render(cfg, args, procs, time_s)
-    except (ConfigError, SubmitError) as err:
+    except (ConfigError, CheckpointError, SubmitError) as err:
         print(f"error: {err}\nnothing was submitted", file=sys.stderr)
         return 2
     config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -102,11 +102,12 @@ class InputNorms:
 
     @torch.no_grad()
     def collect(self, model: nn.Module, batches: list[dict]) -> dict[str, torch.Tensor]:
-        """{target name: per-feature input RMS} over the response tokens of `batches` (posttrain.batches
-        rows: tokens [B, L + 1], trained [B, L + 1]); the tokens of the response are the inputs."""
+        """{target name: per-feature input RMS} over the response positions of `batches` (posttrain.batches
+        rows: tokens [B, L + 1], trained [B, L + 1]): the positions whose next token is a response token
+        (the ones the response's cross-entropy is computed at)."""
         self.reset()
         for batch in batches:
-            self.mask = batch["trained"][:, :-1].reshape(-1)
+            self.mask = batch["trained"][:, 1:].reshape(-1)
             try:
                 model.logits(batch["tokens"][:, :-1])
             finally:

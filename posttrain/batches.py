@@ -131,13 +131,18 @@ class ExampleBatches:
         return self.collate([self.units[i] for i in picked])
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        """The epoch and the examples of it consumed by all ranks: a resume at another data-parallel
+        size or micro-batch (the same global batch) continues at the same example."""
+        return {"epoch": self.epoch, "consumed": self.index * self.micro * self.dp_size, "units": len(self.units)}
 
     def load_state_dict(self, state: dict) -> None:
-        if "index" not in state:  # another loader's position (a weights-only or pretraining checkpoint)
+        if "consumed" not in state:  # another loader's position (a weights-only or pretraining checkpoint)
             self.epoch, self.index = 0, 0
             return
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        if state["units"] != len(self.units):
+            raise ValueError(f"the checkpoint's data position is in {state['units']} examples, the data now has "
+                             f"{len(self.units)}; resume with the run's post.data, or start a new run.dir")
+        self.epoch, self.index = int(state["epoch"]), int(state["consumed"]) // (self.micro * self.dp_size)
 
 
 def fixed_batches(units: list, collate, micro_batch: int, dp_rank: int, dp_size: int, count: int) -> list:

@@ -75,10 +75,23 @@ def validate_post(cfg: PostTrainConfig) -> None:
         raise ConfigError("post.value_head_layers must be >= 0, post.value_head_width >= 1 and "
                           "post.value_head_dropout in [0, 1)")
     try:
-        p.score_item.format(name="x", value=0.5)
+        probe = p.score_item.format(name="NAME", value=0.123)
     except (KeyError, IndexError, ValueError) as err:
-        raise ConfigError(f"post.score_item={p.score_item!r} does not format with {{name}} and {{value}} "
-                          f"({err}); e.g. post.score_item='<{{name}}_score:{{value}}>'") from None
+        probe = f"error: {err}"
+    if "NAME" not in probe or "0.123" not in probe:
+        raise ConfigError(f"post.score_item={p.score_item!r} must hold {{name}} and {{value}} (and nothing else in "
+                          "braces), e.g. post.score_item='<{name}_score:{value}>'")
+    if p.score_decimals < 0:
+        raise ConfigError(f"post.score_decimals={p.score_decimals} must be >= 0")
+    if p.method == "sga" and p.mse_weight == 0:
+        raise ConfigError("post.method=sga with post.mse_weight=0 would leave the value head untrained; give it a "
+                          "weight (1000 in the reference runs) or use post.method=dpo")
+    # Pretraining keys the post-training loss does not apply: refused rather than ignored.
+    if cfg.train.z_loss:
+        raise ConfigError(f"train.z_loss={cfg.train.z_loss} is not applied in post-training; set train.z_loss=0")
+    if cfg.data.document_mask:
+        raise ConfigError("data.document_mask=true is for pretraining shards; post-training masks each example "
+                          "itself (post.packing): set data.document_mask=false")
 
 
 def example_length(cfg: PostTrainConfig) -> int:

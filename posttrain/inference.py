@@ -1,4 +1,5 @@
-"""SGA's two-stage inference on a consolidated checkpoint: predict the objectives' scores from the
+"""SGA's two-stage inference on a training checkpoint of post.method=sga (any layout, consolidated
+in this process; tools.consolidate's weight files leave the value head out): predict the objectives' scores from the
 raw prompt with the value head, write them into the prompt as text, generate.
 
     sga = SGAModel.load("runs/sga")

@@ -6,6 +6,7 @@ weights of every target:
     ratio   S_unsafe / (S_safe + eps)                       S_D = |W_ij| x rms_j over the set D
     zscore  z(S_unsafe) - z(S_safe), z over the layer's weights
     wanda   S_unsafe alone (no safe contrast; a baseline)
+    random  (one-shot only) weights drawn uniformly (a baseline)
 among the `pool` fraction of each layer's weights with the highest S_unsafe. The next
 `step_ratio` of all prunable weights, best first, is pruned (no layer beyond `layer_cap` of its
 weights). A step is kept when it raises the cross-entropy of held-out unsafe responses and lowers
@@ -27,6 +28,7 @@ from posttrain import losses
 from posttrain.attribution import InputNorms
 
 METHODS = ("ratio", "zscore", "wanda")
+ONE_SHOT_METHODS = METHODS + ("random",)
 EPS = 1e-8
 
 
@@ -67,9 +69,11 @@ def weight_scores(weight: torch.Tensor, rms_unsafe: torch.Tensor, rms_safe: torc
         score = unsafe.clone()
     else:
         raise ValueError(f"unknown pruning method {method!r}: choose one of {', '.join(METHODS)}")
-    keep = max(1, int(pool * unsafe.numel()))
-    threshold = unsafe.flatten().kthvalue(unsafe.numel() - keep + 1).values
-    score[(unsafe < threshold) | pruned] = -math.inf
+    # The pool: the highest-unsafe share of the weights not yet pruned.
+    open_scores = unsafe.masked_fill(pruned, -math.inf).flatten()
+    keep = max(1, int(pool * int((~pruned).sum())))
+    threshold = open_scores.topk(keep).values[-1]
+    score[(open_scores.view_as(unsafe) < threshold) | pruned] = -math.inf
     return score
 
 
@@ -97,6 +101,18 @@ def select(scores: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], coun
     return new
 
 
+@torch.no_grad()
+def response_cross_entropy(model, batches: list) -> float:
+    """Mean NLL per response token over `batches` (posttrain.batches rows)."""
+    total, count = 0.0, 0.0
+    for batch in batches:
+        logp = losses.token_logprobs(model.logits(batch["tokens"][:, :-1]), batch["tokens"][:, 1:])
+        trained = batch["trained"][:, 1:].float()
+        total += float(-(logp * trained).sum())
+        count += float(trained.sum())
+    return total / max(count, 1.0)
+
+
 class Pruner:
     """The model under pruning with its data: calibration and held-out batches of unsafe and safe
     responses and utility batches (posttrain.batches rows), all lists of batch dicts."""
@@ -116,16 +132,8 @@ class Pruner:
         for name, weight in self.weights.items():
             weight.copy_(self.originals[name].masked_fill(state.masks[name], 0.0))
 
-    @torch.no_grad()
     def cross_entropy(self, batches: list) -> float:
-        """Mean NLL per response token over `batches`."""
-        total, count = 0.0, 0.0
-        for batch in batches:
-            logp = losses.token_logprobs(self.model.logits(batch["tokens"][:, :-1]), batch["tokens"][:, 1:])
-            trained = batch["trained"][:, 1:].float()
-            total += float(-(logp * trained).sum())
-            count += float(trained.sum())
-        return total / max(count, 1.0)
+        return response_cross_entropy(self.model, batches)
 
     def score_state(self, state: State) -> State:
         self.apply(state)
@@ -217,6 +225,22 @@ class Pruner:
                 break
         self.apply(best)
         return best, history
+
+
+    def one_shot(self, fraction: float, seed: int = 0) -> tuple[State, list[dict]]:
+        """No search: `fraction` of all prunable weights at once, the best-ranked (layer_cap holds),
+        or chosen at random with method "random" (baselines)."""
+        started = time.perf_counter()
+        base = self.score_state(self.empty())
+        history: list[dict] = []
+        self._record(history, 0, base, started)
+        count = int(fraction * self.total)
+        if self.config.method == "random":
+            state = random_state(self, count, seed)
+        else:
+            state = State(select(self.ranking(base), base.masks, count, 0, self.config.layer_cap))
+        self._record(history, 1, self.score_state(state), started)
+        return state, history
 
 
 def sparsity_by_layer(state: State) -> dict[str, float]:

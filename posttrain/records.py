@@ -78,11 +78,17 @@ def prompt_messages(value) -> list[dict]:
 
 
 def preference(rec: dict) -> Pair:
-    pair = Pair(prompt_messages(rec.get("prompt")), text_field(rec.get("chosen"), "chosen"),
+    """A preference record without its scores (DPO)."""
+    return Pair(prompt_messages(rec.get("prompt")), text_field(rec.get("chosen"), "chosen"),
                 text_field(rec.get("rejected"), "rejected"), {})
+
+
+def scored_preference(rec: dict) -> Pair:
+    """A preference record with the chosen response's scores (SGA)."""
+    pair = preference(rec)
     scores = rec.get("scores")
     if scores is None:
-        return pair
+        raise BadRecord("no 'scores' (post.method=sga trains on them)")
     if not isinstance(scores, dict) or not scores:
         raise BadRecord("'scores' must map each objective to a number in [0, 1]")
     checked = {}

@@ -1,6 +1,7 @@
 """Post-training entry point: supervised fine-tuning, DPO or SGA of a checkpoint of this framework.
 
-    python -m posttrain.train --config configs/sft_tiny.yaml [key=value ...]
+    python -m posttrain.train --config RUN_DIR/config.yaml train.init_from=RUN_DIR post.method=sft \
+        post.data=chat.jsonl run.dir=runs/sft [key=value ...]
     torchrun --nproc-per-node N -m posttrain.train --config CONFIG [key=value ...]
 
 Everything but the model's loss and the data is pretraining's (pretrain.train.run): config checks,
@@ -18,24 +19,15 @@ import gc  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from data_prep.sources import BadInputReport  # noqa: E402
 from models.config import ConfigError  # noqa: E402
-from posttrain import records  # noqa: E402
-from posttrain.batches import (  # noqa: E402
-    ExampleBatches,
-    PairExample,
-    Row,
-    collate_pairs,
-    collate_rows,
-    fixed_batches,
-    pack,
-    response_row,
-)
-from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat, with_scores  # noqa: E402
+from posttrain.batches import ExampleBatches, collate_pairs, collate_rows, fixed_batches  # noqa: E402
+from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat  # noqa: E402
 from posttrain.config import PostTrainConfig, example_length, validate_post  # noqa: E402
+from posttrain.examples import Examples  # noqa: E402
+from pretrain import checkpoint_format  # noqa: E402
+from pretrain.init_from import check_source  # noqa: E402
 from pretrain.train import Task, main  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
@@ -50,61 +42,10 @@ class PostTrainer(Trainer):
         return self.val_batches[0]["tokens"][:, :seq].to(self.device)
 
 
-class Dataset:
-    """The files of post.data or post.val_data, read, checked and tokenized once."""
-
-    def __init__(self, cfg: PostTrainConfig, files: list[str], encoder: ChatEncoder, objectives: list[str] | None):
-        self.report = BadInputReport()
-        self.too_long = 0
-        self.units: list = []
-        self.objectives = objectives
-        limit = example_length(cfg)
-        post = cfg.post
-        if post.method == "sft":
-            rows = []
-            for messages, _ in records.read(files, records.sft_messages, self.report):
-                ids, trained = encoder.conversation(messages)
-                if len(ids) > limit:
-                    self.too_long += 1
-                    continue
-                rows.append(Row(ids, trained))
-            if post.packing:  # the packing order is seeded, so the rows are the same at every start
-                order = np.random.default_rng(cfg.train.seed).permutation(len(rows))
-                rows = pack([rows[i] for i in order], limit)
-            self.units = rows
-            return
-        scores_fmt = ScoreFormat.from_config(post)
-        for pair, where in records.read(files, records.preference, self.report):
-            if post.method == "sga":
-                if not pair.scores:
-                    self.report.add(where, "no 'scores' (post.method=sga trains on them)")
-                    continue
-                if self.objectives is None:  # the first record's objectives, in its order
-                    self.objectives = list(pair.scores)
-                if sorted(pair.scores) != sorted(self.objectives):
-                    self.report.add(where, f"scores {sorted(pair.scores)} are not the objectives of the data "
-                                           f"{sorted(self.objectives)}")
-                    continue
-                scores = {name: round(pair.scores[name], post.score_decimals) for name in self.objectives}
-                prompt = encoder.prompt(with_scores(pair.prompt, scores, scores_fmt))
-                raw_prompt = encoder.prompt(pair.prompt)
-                target = np.array([scores[n] for n in self.objectives], dtype=np.float32)
-            else:
-                prompt = raw_prompt = encoder.prompt(pair.prompt)
-                target = np.zeros(0, dtype=np.float32)
-            chosen = response_row(prompt, encoder.response(pair.chosen))
-            rejected = response_row(prompt, encoder.response(pair.rejected))
-            if max(len(chosen.ids), len(rejected.ids)) > limit:
-                self.too_long += 1
-                continue
-            self.units.append(PairExample(chosen, rejected, raw_prompt, target))
-
-
 class PostTrainTask(Task):
     def __init__(self):
-        self.train_data: Dataset | None = None
-        self.val_data: Dataset | None = None
-        self.meta_tokenizer: dict = {}
+        self.train_data: Examples | None = None
+        self.val_data: Examples | None = None
 
     def check(self, cfg: PostTrainConfig, world_size: int) -> dict:
         from data_prep.tokenizer import load_tokenizer
@@ -119,8 +60,18 @@ class PostTrainTask(Task):
         if tokenizer["vocab_size"] != cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} but the tokenizer {cfg.data.tokenizer} has "
                               f"{tokenizer['vocab_size']} tokens; set data.tokenizer to the model's tokenizer")
+        if cfg.post.add_bos and sp.bos_id() < 0:
+            raise ConfigError(f"post.add_bos=true but the tokenizer {cfg.data.tokenizer} has no BOS; set post.add_bos=false")
+        # What the run started from: on a resume the reference and objectives the run began with.
+        resume = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
+        resumed = checkpoint_format.read_meta(resume).get("posttrain", {}) if resume is not None else {}
+        start = Path(resumed["reference"]) if resumed.get("reference") else \
+            check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
+        self.reference = start
+        started = resumed or (checkpoint_format.read_meta(start).get("posttrain", {}) if start.is_dir() else {})
+        objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
         encoder = ChatEncoder(sp, ChatFormat.from_config(cfg.post))
-        self.train_data = Dataset(cfg, cfg.post.data, encoder, None)
+        self.train_data = Examples(cfg, cfg.post.data, encoder, objectives)
         if not self.train_data.units:
             raise ConfigError(f"post.data={cfg.post.data} holds no usable {cfg.post.method} example "
                               f"({self.train_data.too_long} too long for post.max_len; "
@@ -130,7 +81,11 @@ class PostTrainTask(Task):
             raise ConfigError(f"post.data has {len(self.train_data.units)} usable examples, fewer than one micro-batch "
                               f"on each data-parallel rank ({cfg.train.micro_batch} x {dp}); add examples or lower "
                               "train.micro_batch")
-        self.val_data = Dataset(cfg, cfg.post.val_data, encoder, self.train_data.objectives)
+        if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
+            raise ConfigError(f"post.data (or post.max_len, post.packing, the chat or score format) differs from what the "
+                              f"run in {cfg.run.dir} was training on, so it cannot resume its position; restore them, "
+                              "or start a new run.dir")
+        self.val_data = Examples(cfg, cfg.post.val_data, encoder, self.train_data.objectives)
         self.pad_id = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
         return {"tokenizer_sha256": tokenizer["sha256"], "eos_id": sp.eos_id()}
 
@@ -139,7 +94,7 @@ class PostTrainTask(Task):
         from posttrain.value_head import spec
         from pretrain.distributed import device
         from pretrain.engine import use_bf16
-        from pretrain.init_from import check_source, load_weights
+        from pretrain.init_from import load_weights
 
         post = cfg.post
         head = spec(cfg.model.hidden_size, self.train_data.objectives, post) if post.method == "sga" else None
@@ -149,7 +104,7 @@ class PostTrainTask(Task):
             from models.gpt import GPT
 
             reference = GPT(cfg.model)
-            load_weights(reference, check_source(cfg.train.init_from, cfg.to_dict()["model"], None))
+            load_weights(reference, self.reference)
             model.set_reference(reference.to(device(), torch.bfloat16 if use_bf16(cfg) else torch.float32))
         return model
 
@@ -182,6 +137,7 @@ class PostTrainTask(Task):
 
         post = cfg.post
         info = {"method": post.method, "chat": ChatFormat.from_config(post).__dict__, "init_from": cfg.train.init_from,
+                "reference": str(self.reference), "data_sha256": self.train_data.fingerprint(),
                 "examples": len(self.train_data.units), "too_long": self.train_data.too_long,
                 "bad_records": self.train_data.report.to_dict()}
         meta = {"posttrain": info}

@@ -6,10 +6,12 @@ A crash at any point leaves `latest` at the previous complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -157,17 +159,12 @@ def save_weights_run(model: torch.nn.Module, cfg, out: Path, meta: dict) -> Path
     is no optimizer state (optimizer_state: false), so a resume keeps the weights and starts the
     optimizer fresh; train.init_from reads it at any layout. Written beside `out` and renamed into
     place, so `out` is whole or absent. Returns the checkpoint's tag directory."""
-    import tempfile
-
     from models.counting import flops_per_token, param_counts
     from pretrain.checkpoint_format import checkpoint_dir
     from pretrain.config import save_config
     from pretrain.engine import build_engine
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
+    with directory_in_place(Path(out)) as tmp:
         engine = build_engine(cfg, model)
         meta = {"model": cfg.to_dict()["model"], "flops_per_token": flops_per_token(cfg.model),
                 "params": param_counts(cfg.model), **meta}
@@ -181,10 +178,20 @@ def save_weights_run(model: torch.nn.Module, cfg, out: Path, meta: dict) -> Path
         marker["optimizer_state"] = False
         (tag / COMPLETE).write_text(json.dumps(marker, indent=1))
         save_config(cfg, tmp / "config.yaml")
+    return Path(out) / "checkpoints" / tag_for(0)
+
+
+@contextlib.contextmanager
+def directory_in_place(out: Path):
+    """A new directory beside `out` to write into; it replaces `out` when the block ends without an
+    error and is removed otherwise, so `out` is never left half written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out / "checkpoints" / tag_for(0)

@@ -235,6 +235,13 @@ def full_state_dict(checkpoint: str | os.PathLike, model: torch.nn.Module | None
     return state, cfg, meta
 
 
+def split_heads(state: dict, heads: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Take the heads a post-training run added beside the LM (meta["heads"], e.g. SGA's
+    value_head) out of a full state dict: {head: its own state dict}."""
+    return {name: {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
+            for name in heads}
+
+
 def load_model(checkpoint: str | os.PathLike):
     """(GPT at TP=1 in fp32 with the checkpoint's weights, eval mode; ModelConfig; meta).
     meta["head_states"]: {head name: its state dict} for the heads meta["heads"] names."""
@@ -249,10 +256,7 @@ def load_model(checkpoint: str | os.PathLike):
     for key in own:  # megatron-core's per-layer extra state (None); ZeRO-3 reconstruction omits it
         if key.endswith("_extra_state"):
             state.setdefault(key, own[key])
-    # Heads a post-training run adds beside the LM (meta["heads"], e.g. SGA's value_head) go to meta.
-    heads = tuple(f"{name}." for name in meta.get("heads", []))
-    meta["head_states"] = {name[:-1]: {k[len(name):]: state.pop(k) for k in list(state) if k.startswith(name)}
-                           for name in heads}
+    meta["head_states"] = split_heads(state, meta.get("heads", []))
     unexpected = sorted(set(state) - set(own))
     missing = sorted(set(own) - set(state))
     if unexpected or missing:

@@ -202,6 +202,12 @@ def test_sga_value_head_loss_and_conditioning_text():
     assert model.last_metrics["dpo_loss"].item() != pytest.approx(math.log(2), abs=1e-4)
 
 
+def other_rank_next(units, collate, state):
+    rank0 = ExampleBatches(units, collate, micro_batch=3, dp_rank=0, dp_size=2, seed=5)
+    rank0.load_state_dict(state)
+    return next(rank0)
+
+
 def test_batches_resume_at_the_next_micro_batch():
     units = list(range(23))
     collate = lambda xs: torch.tensor(xs)  # noqa: E731
@@ -213,6 +219,12 @@ def test_batches_resume_at_the_next_micro_batch():
     resumed.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(later, [next(resumed) for _ in range(4)]))
     # The two ranks of a round take distinct examples, and an epoch visits 18 of the 23 once.
+    # Another layout with the same global batch (6 x 1 rank) continues with the same examples.
+    single = ExampleBatches(units, collate, micro_batch=6, dp_rank=0, dp_size=1, seed=5)
+    single.load_state_dict(state)
+    assert torch.equal(next(single), torch.cat([other_rank_next(units, collate, state), later[0]]))
+    with pytest.raises(ValueError, match="examples"):
+        ExampleBatches(units[:-1], collate, 3, 1, 2, 5).load_state_dict(state)
     other = ExampleBatches(units, collate, micro_batch=3, dp_rank=0, dp_size=2, seed=5)
     epoch = torch.cat([next(other) for _ in range(3)] + first[:3])
     assert len(set(epoch.tolist())) == 18
@@ -440,3 +452,24 @@ def test_launchers_start_post_training(files, tok_dir, capsys, monkeypatch, tmp_
     # Without --post the launcher checks a pretraining config, which has no `post` section.
     assert local.main([str(config), "--dry-run", *overrides]) == 2
     assert "unknown config key 'post'" in capsys.readouterr().err
+
+
+def test_sga_objectives_keep_the_starting_checkpoints_order(files, encoder, tmp_path):
+    from posttrain.config import PostTrainConfig
+    from posttrain.examples import Examples
+    from pretrain.config import load_config
+
+    data = tmp_path / "mixed.jsonl"
+    rows = [json.loads(line) for line in (files / "pref.jsonl").read_text().splitlines()[:4]]
+    rows[1]["scores"] = {"keyword": 0.5, "length": 0.25}  # the same objectives in another order
+    rows[2]["scores"] = {"length": 0.5}  # one missing
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + ["post.method=sga", "post.score_prefix=\nscores: "],
+                      PostTrainConfig)
+    ordered = Examples(cfg, [str(data)], encoder, ["keyword", "length"])
+    assert ordered.objectives == ["keyword", "length"] and len(ordered.units) == 3
+    assert ordered.units[1].scores.tolist() == [0.5, 0.25]
+    assert ordered.units[0].scores.tolist() == [rows[0]["scores"]["keyword"], rows[0]["scores"]["length"]]
+    assert ordered.report.count == 1 and "not the objectives" in ordered.report.examples[0]
+    first = Examples(cfg, [str(data)], encoder, None)  # without a checkpoint's: the first record's order
+    assert first.objectives == ["length", "keyword"] and first.fingerprint() != ordered.fingerprint()

@@ -46,7 +46,7 @@ def test_attribution_is_the_masked_input_rms_of_every_linear():
         model = build()
         norms = InputNorms(model)
         rms = norms.collect(model, [batch])
-        tokens, mask = batch["tokens"][:, :-1], batch["trained"][:, :-1]
+        tokens, mask = batch["tokens"][:, :-1], batch["trained"][:, 1:]  # positions predicting the response
         with torch.no_grad():  # the plain chain: embedding, block 0, block 1's attention input
             x = model.embed(tokens)
             first = model.blocks[0].attn_norm(x)

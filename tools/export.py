@@ -47,7 +47,6 @@ import functools
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -55,7 +54,7 @@ import torch
 from models import registry
 from models.config import ModelConfig
 from pretrain.checkpoint_format import EXPERT_KEY, read_meta, resolve_checkpoint
-from pretrain.consolidate import full_state_dict, run_config
+from pretrain.consolidate import full_state_dict, run_config, split_heads
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
@@ -293,12 +292,6 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
     (out / "export_info.json").write_text(json.dumps(extra_meta, indent=1, default=str))
 
 
-def split_heads(state: dict, heads: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Take the heads a post-training run added beside the LM (meta["heads"]) out of `state`."""
-    return {name: {k[len(name) + 1:]: state.pop(k) for k in list(state) if k.startswith(name + ".")}
-            for name in heads}
-
-
 def write_heads(out: Path, heads: dict, meta: dict, dtype: torch.dtype) -> None:
     """Each head beside the model: NAME.safetensors and NAME.json (its shape and how prompts are
     written for it, from the checkpoint's post-training record)."""
@@ -331,17 +324,11 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
         info["capacity_factor_dropped"] = cfg.moe.capacity_factor
         print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "
               "routes every token (dropless), as inference does", file=sys.stderr)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
+    from pretrain.checkpoint import directory_in_place
+
+    with directory_in_place(out) as tmp:
         write_folder(tmp, cfg, state, DTYPES[dtype], tokenizer_dir, max_shard_size, info)
         write_heads(tmp, heads, meta, DTYPES[dtype])
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if tokenizer_dir is None:
         print("warning: the run has no SentencePiece tokenizer.model (data.tokenizer); exported the model "
               "without a tokenizer (pass --tokenizer DIR to add one)", file=sys.stderr)

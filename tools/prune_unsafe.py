@@ -5,13 +5,15 @@ write the pruned model as a new checkpoint (posttrain.pruning; one process, any 
         (--responses labelled.jsonl | --prompts prompts.jsonl (--rules rules.json | --classifier DIR)) \\
         [--utility chat.jsonl] [--method ratio|zscore|wanda --search greedy|beam --beam-width 3 --branches 2] \\
         [--step-ratio 0.005 --layer-cap 0.2 --pool 0.1 --steps 20 --target-unsafe-rate 0.02]
+    python -m tools.prune_unsafe ... --one-shot 0.01 --method wanda|random|ratio   # baselines, no search
 
 Responses: labelled ones from --responses ({"prompt", "response", "label": unsafe|safe|refusal}),
 or sampled here from --prompts (--samples per prompt at --temperature, as the model answers them)
 and labelled with the --rules file or the --classifier model (posttrain.labels). Refusals count
 as safe. Responses are split in halves (seeded): one for the attribution, one held out for the
 search's cross-entropies. With a labeller, the unsafe rate of the model's own answers to the held-out
-prompts is measured after every step and the search stops at --target-unsafe-rate.
+prompts (or to --eval-prompts) is measured after every step and the search stops at
+--target-unsafe-rate.
 --utility (SFT-format JSONL: prompt / response or messages) is the utility guard's set; without it
 the held-out safe responses are.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 import random
-import resource
+import sys
 import time
 from pathlib import Path
 
@@ -37,21 +39,16 @@ from models.generation import generate
 from posttrain import labels, records
 from posttrain.batches import Row, collate_rows, response_row
 from posttrain.chat import ChatEncoder, ChatFormat
-from posttrain.pruning import METHODS, Pruner, SearchConfig, sparsity_by_layer
+from posttrain.pruning import METHODS, ONE_SHOT_METHODS, Pruner, SearchConfig, sparsity_by_layer
 from posttrain.records import sft_messages
 from pretrain.checkpoint_format import read_meta, resolve_checkpoint
+from pretrain.telemetry import peak_memory_gb
 from tools.cli import ToolError, argument_parser, reports_errors, run
 from tools.export import find_tokenizer
 
 
 def batches(rows: list[Row], size: int, pad_id: int) -> list[dict]:
     return [collate_rows(rows[i:i + size], pad_id) for i in range(0, len(rows), size)]
-
-
-def peak_memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 class Sampler:
@@ -75,6 +72,8 @@ class Sampler:
         return self.labeller([m[-1]["content"] for m, _ in answers], [r for _, r in answers])
 
     def unsafe_rate(self, prompts: list[list[dict]]) -> float:
+        """On the same random draws at every step, so that the steps compare."""
+        self.generator = torch.Generator().manual_seed(self.args.seed + 1)
         answers = self.answers(prompts, 1)
         return sum(label == "unsafe" for label in self.label(answers)) / max(len(answers), 1)
 
@@ -100,16 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--classifier", help="local HF sequence-classification model directory labelling answers")
     parser.add_argument("--unsafe-label", default="unsafe", help="the classifier's unsafe class name")
     parser.add_argument("--samples", type=int, default=3, help="answers per prompt")
+    parser.add_argument("--eval-prompts", nargs="+", default=[],
+                        help="prompts whose answers' unsafe rate is measured each step (default: the held-out half)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--utility", nargs="+", default=[], help="SFT-format JSONL for the utility guard")
-    parser.add_argument("--method", default="ratio", choices=METHODS)
+    parser.add_argument("--method", default="ratio", choices=ONE_SHOT_METHODS)
+    parser.add_argument("--one-shot", type=float, default=0.0, metavar="FRACTION",
+                        help="no search: prune this share of the weights at once (with --method random too)")
     parser.add_argument("--search", default="greedy", choices=["greedy", "beam"])
     defaults = SearchConfig()
     for key in ("pool", "step_ratio", "layer_cap", "safe_budget", "utility_budget", "target_unsafe_rate"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=float, default=getattr(defaults, key))
-    for key in ("steps", "beam_width", "branches"):
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=getattr(defaults, key))
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--beam-width", type=int, default=3, help="beam: states kept per step")
+    parser.add_argument("--branches", type=int, default=2, help="beam: candidates per state")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     labeller = make_labeller(args)
     if args.prompts and labeller is None:
         raise ToolError("--prompts needs a labeller for the sampled answers: --rules FILE or --classifier DIR")
+    if args.method not in METHODS and not args.one_shot:
+        raise ToolError(f"--method {args.method} is a baseline for --one-shot FRACTION; search with one of {METHODS}")
+    if not 0 <= args.one_shot < 1:
+        raise ToolError("--one-shot must be in [0, 1)")
     if not 0 < args.step_ratio < 1 or not 0 < args.layer_cap <= 1 or not 0 < args.pool <= 1:
         raise ToolError("--step-ratio must be in (0, 1), --layer-cap and --pool in (0, 1]")
     config = SearchConfig(args.method, args.pool, args.step_ratio, args.layer_cap, args.steps,
@@ -157,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         for half, part in enumerate((prompts[::2], heldout_prompts)):
             answers = sampler.answers(part, args.samples)
             labelled += [(m, r, label, half) for (m, r), label in zip(answers, sampler.label(answers))]
+    if args.eval_prompts:
+        if labeller is None:
+            raise ToolError("--eval-prompts needs a labeller for the answers: --rules FILE or --classifier DIR")
+        heldout_prompts = labels.read_prompts(args.eval_prompts, report)
     sets = {"calibration": {"unsafe": [], "safe": []}, "heldout": {"unsafe": [], "safe": []}}
     for messages, response, label, half in labelled:
         kind = "unsafe" if label == "unsafe" else "safe"
@@ -164,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         row = response_row(encoder.prompt(messages), encoder.response(response))
         if len(row.ids) <= cfg.max_seq_len + 1:
             sets[split][kind].append(row)
+    too_long = [r for r in utility_rows if len(r.ids) > cfg.max_seq_len + 1]
+    utility_rows = [r for r in utility_rows if len(r.ids) <= cfg.max_seq_len + 1]
+    if too_long:
+        print(f"--utility: {len(too_long)} examples longer than model.max_seq_len={cfg.max_seq_len} left out")
     counts = {split: {k: len(v) for k, v in part.items()} for split, part in sets.items()}
     if min(min(c.values()) for c in counts.values()) == 0:
         raise ToolError(f"need unsafe and safe responses in both halves, got {counts}; "
@@ -174,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                     {k: batches(v, args.batch_size, pad) for k, v in sets["heldout"].items()},
                     batches(utility_rows, args.batch_size, pad), config,
                     (lambda: sampler.unsafe_rate(heldout_prompts)) if sampler and heldout_prompts else None)
-    state, history = pruner.beam() if args.search == "beam" else pruner.greedy()
+    if args.one_shot:
+        state, history = pruner.one_shot(args.one_shot, args.seed)
+    else:
+        state, history = pruner.beam() if args.search == "beam" else pruner.greedy()
     pruner.norms.remove()
 
     from pretrain.checkpoint import save_weights_run
@@ -185,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     run_cfg.run.dir, run_cfg.run.name = str(out), out.name
     run_cfg.parallel.tensor, run_cfg.parallel.expert, run_cfg.parallel.zero_stage = 1, 1, 1
     run_cfg.train.precision, run_cfg.train.init_from, run_cfg.train.resume = "fp32", "", "auto"
-    summary = {"method": args.method, "search": args.search, "sparsity": state.scores["sparsity"],
+    summary = {"method": args.method, "search": "one-shot" if args.one_shot else args.search, "sparsity": state.scores["sparsity"],
                "pruned_weights": state.pruned(), "source": str(tag_dir)}
-    new_tag = save_weights_run(model, run_cfg, out, {"tokenizer_sha256": meta.get("tokenizer_sha256"),
+    carried = {k: meta[k] for k in ("eos_id", "posttrain") if k in meta}  # its chat format, for the next tools
+    if meta.get("heads"):
+        print(f"note: the pruned checkpoint holds the LM only, not the source's {', '.join(meta['heads'])}",
+              file=sys.stderr)
+    new_tag = save_weights_run(model, run_cfg, out, {"tokenizer_sha256": meta.get("tokenizer_sha256"), **carried,
                                                      "pruning": summary})
     torch.save(state.masks, out / "pruning_masks.pt")
     result = {"settings": {k: v for k, v in vars(args).items()}, "responses": counts, "bad_inputs": report.to_dict(),

@@ -1,0 +1,75 @@
+"""Post-training files -> tokenized training units: SFT rows (padded or packed) or preference
+pairs (with SGA's score-conditioned prompts), read, checked and tokenized once."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from data_prep.sources import BadInputReport
+from posttrain import records
+from posttrain.batches import PairExample, Row, pack, response_row
+from posttrain.chat import ChatEncoder, ScoreFormat, with_scores
+from posttrain.config import PostTrainConfig, example_length
+
+
+class Examples:
+    """The files of post.data or post.val_data, read, checked and tokenized once."""
+
+    def __init__(self, cfg: PostTrainConfig, files: list[str], encoder: ChatEncoder, objectives: list[str] | None):
+        self.report = BadInputReport()
+        self.too_long = 0
+        self.units: list = []
+        self.objectives = objectives
+        limit = example_length(cfg)
+        post = cfg.post
+        if post.method == "sft":
+            rows = []
+            for messages, _ in records.read(files, records.sft_messages, self.report):
+                ids, trained = encoder.conversation(messages)
+                if len(ids) > limit:
+                    self.too_long += 1
+                    continue
+                rows.append(Row(ids, trained))
+            if post.packing:  # the packing order is seeded, so the rows are the same at every start
+                order = np.random.default_rng(cfg.train.seed).permutation(len(rows))
+                rows = pack([rows[i] for i in order], limit)
+            self.units = rows
+            return
+        scores_fmt = ScoreFormat.from_config(post)
+        parse = records.scored_preference if post.method == "sga" else records.preference
+        for pair, where in records.read(files, parse, self.report):
+            if post.method == "sga":
+                if self.objectives is None:  # the first record's objectives, in its order
+                    self.objectives = list(pair.scores)
+                if sorted(pair.scores) != sorted(self.objectives):
+                    self.report.add(where, f"scores {sorted(pair.scores)} are not the objectives of the data "
+                                           f"{sorted(self.objectives)}")
+                    continue
+                scores = {name: round(pair.scores[name], post.score_decimals) for name in self.objectives}
+                prompt = encoder.prompt(with_scores(pair.prompt, scores, scores_fmt))
+                raw_prompt = encoder.prompt(pair.prompt)
+                target = np.array([scores[n] for n in self.objectives], dtype=np.float32)
+            else:
+                prompt = raw_prompt = encoder.prompt(pair.prompt)
+                target = np.zeros(0, dtype=np.float32)
+            chosen = response_row(prompt, encoder.response(pair.chosen))
+            rejected = response_row(prompt, encoder.response(pair.rejected))
+            if max(len(chosen.ids), len(rejected.ids)) > limit:
+                self.too_long += 1
+                continue
+            self.units.append(PairExample(chosen, rejected, raw_prompt, target))
+
+    def fingerprint(self) -> str:
+        """sha256 of the units' tokens, masks and targets in order: the same data, tokenized the same way."""
+        digest = hashlib.sha256()
+        rows = [(u.chosen, u.rejected) if isinstance(u, PairExample) else (u,) for u in self.units]
+        for unit, group in zip(self.units, rows):
+            for row in group:
+                digest.update(row.ids.tobytes())
+                digest.update(row.trained.tobytes())
+            if isinstance(unit, PairExample):
+                digest.update(np.asarray(unit.raw_prompt, dtype=np.int64).tobytes())
+                digest.update(unit.scores.tobytes())
+        return digest.hexdigest()
