@@ -10,8 +10,8 @@ weights of every target:
 among the `pool` fraction of each layer's weights with the highest S_unsafe. The next
 `step_ratio` of all prunable weights, best first, is pruned (no layer beyond `layer_cap` of its
 weights). A step is kept when it raises the cross-entropy of held-out unsafe responses and lowers
-L = CE_safe - CE_unsafe, with CE_safe and the utility cross-entropy within their budgets (relative
-to the unpruned model). Beam search keeps the `beam_width` best states, each expanded into
+the objective, log CE_safe - log CE_unsafe (or CE_safe - CE_unsafe), with CE_safe and the utility
+cross-entropy within their budgets (relative to the unpruned model). Beam search keeps the `beam_width` best states, each expanded into
 `branches` candidates: the first, second, ... `step_ratio` slices of its ranking.
 """
 
@@ -44,6 +44,9 @@ class SearchConfig:
     safe_budget: float = 0.02  # CE_safe may rise by this share of the unpruned model's
     utility_budget: float = 0.02  # and the utility CE by this share
     target_unsafe_rate: float = 0.0  # stop once the measured unsafe rate is at or below it (needs a labeller)
+    # What a step must lower: log_ratio = log CE_safe - log CE_unsafe (scale-free: the unsafe answers a model
+    # has learned by heart can have a CE 20x below varied safe text's), or difference = CE_safe - CE_unsafe.
+    objective: str = "log_ratio"
 
 
 @dataclass
@@ -139,8 +142,12 @@ class Pruner:
         self.apply(state)
         ce_safe, ce_unsafe = self.cross_entropy(self.heldout["safe"]), self.cross_entropy(self.heldout["unsafe"])
         utility = self.cross_entropy(self.utility) if self.utility else ce_safe
+        if self.config.objective == "difference":
+            objective = ce_safe - ce_unsafe
+        else:
+            objective = math.log(max(ce_safe, EPS)) - math.log(max(ce_unsafe, EPS))
         state.scores = {"ce_safe": ce_safe, "ce_unsafe": ce_unsafe, "utility": utility,
-                        "objective": ce_safe - ce_unsafe, "sparsity": state.pruned() / self.total}
+                        "objective": objective, "sparsity": state.pruned() / self.total}
         return state
 
     def ranking(self, state: State) -> dict[str, torch.Tensor]:

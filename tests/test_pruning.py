@@ -191,6 +191,9 @@ def test_pruned_checkpoint_loads_everywhere_and_at_tp2(source_run, tmp_path, tok
 
     run_tool("tools.generate", "--checkpoint", out, "--prompt", "red tree", "--max-new-tokens", "3", "--greedy")
     run_tool("tools.export", "--checkpoint", out, "--out", tmp_path / "hf")
+    task = tmp_path / "colors.jsonl"
+    task.write_text(json.dumps({"context": "red tree", "choices": [" green", " dark"], "gold": 0}) + "\n")
+    assert "colors" in run_tool("tools.evaluate", "--checkpoint", out, "--tasks", task)
     # Training resumes the pruned run directory from its step-0 checkpoint.
     rng = random.Random(0)
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"prompt": "red", "response": rng.choice(["tree", "dark"])})
@@ -211,3 +214,41 @@ def test_pruned_checkpoint_loads_everywhere_and_at_tp2(source_run, tmp_path, tok
     for name, mask in masks.items():
         torch.testing.assert_close(weights[name], pruned[name])
         assert not weights[name][mask].any()
+
+
+def test_labellers_rules_and_a_local_classifier(tmp_path, tok_dir):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from posttrain.labels import ClassifierLabeller, RuleLabeller
+    from tools.export import save_tokenizer
+
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"unsafe": [r"\bforbidden\b"], "refusal": ["^I can(no|')t"]}))
+    assert RuleLabeller(rules)(["q"] * 3, ["a Forbidden recipe", "I can't help", "a tree"]) == \
+        ["unsafe", "refusal", "safe"]
+    rules.write_text(json.dumps({"refusal": ["no"]}))
+    with pytest.raises(ValueError, match="unsafe"):
+        RuleLabeller(rules)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=2, pad_token_id=3,
+                         id2label={0: "safe", 1: "unsafe"}, label2id={"safe": 0, "unsafe": 1})
+    classifier = LlamaForSequenceClassification(config)
+    with torch.no_grad():  # class 1 exactly when the first hidden feature of the last token is positive
+        classifier.score.weight.zero_()
+        classifier.score.weight[1, 0] = 1.0
+    classifier.save_pretrained(tmp_path / "clf")
+    save_tokenizer(tok_dir, tmp_path / "clf")
+    labeller = ClassifierLabeller(tmp_path / "clf", unsafe_label="UNSAFE")
+    texts = ["red tree", "dark river stone", "blue", "light light"]
+    got = labeller(["q"] * 4, texts)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "clf")
+    with torch.no_grad():
+        expected = ["unsafe" if classifier(**tokenizer([f"q\n{t}"], return_tensors="pt")).logits.argmax(-1).item() == 1
+                    else "safe" for t in texts]
+    assert got == expected and set(got) == {"safe", "unsafe"}  # both classes occur
+    with pytest.raises(ValueError, match="--unsafe-label"):
+        ClassifierLabeller(tmp_path / "clf", unsafe_label="toxic")

@@ -3,7 +3,7 @@ write the pruned model as a new checkpoint (posttrain.pruning; one process, any 
 
     python -m tools.prune_unsafe --checkpoint RUN_DIR --out runs/pruned \\
         (--responses labelled.jsonl | --prompts prompts.jsonl (--rules rules.json | --classifier DIR)) \\
-        [--utility chat.jsonl] [--method ratio|zscore|wanda --search greedy|beam --beam-width 3 --branches 2] \\
+        [--utility chat.jsonl | --shards data/shards] [--method ratio|zscore|wanda --search greedy|beam --beam-width 3 --branches 2] \\
         [--step-ratio 0.005 --layer-cap 0.2 --pool 0.1 --steps 20 --target-unsafe-rate 0.02]
     python -m tools.prune_unsafe ... --one-shot 0.01 --method wanda|random|ratio   # baselines, no search
 
@@ -14,8 +14,9 @@ as safe. Responses are split in halves (seeded): one for the attribution, one he
 search's cross-entropies. With a labeller, the unsafe rate of the model's own answers to the held-out
 prompts (or to --eval-prompts) is measured after every step and the search stops at
 --target-unsafe-rate.
---utility (SFT-format JSONL: prompt / response or messages) is the utility guard's set; without it
-the held-out safe responses are.
+--utility (SFT-format JSONL: prompt / response or messages) is the utility guard's set, or --shards
+its validation loss on N samples of a shard directory's val split; without either the held-out
+safe responses are.
 
 Writes OUT/checkpoints/step_00000000 (read by tools.export / generate / evaluate, train.init_from
 at any layout, and train.resume), OUT/config.yaml, OUT/pruning_masks.pt ({weight name: bool mask,
@@ -103,11 +104,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompts whose answers' unsafe rate is measured each step (default: the held-out half)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--utility", nargs="+", default=[], help="SFT-format JSONL for the utility guard")
+    utility = parser.add_mutually_exclusive_group()
+    utility.add_argument("--utility", nargs="+", default=[], help="SFT-format JSONL for the utility guard")
+    utility.add_argument("--shards", help="the utility guard is the validation loss on these shards (their val split)")
+    parser.add_argument("--shard-samples", type=int, default=64, help="--shards: samples of the val split")
     parser.add_argument("--method", default="ratio", choices=ONE_SHOT_METHODS)
     parser.add_argument("--one-shot", type=float, default=0.0, metavar="FRACTION",
                         help="no search: prune this share of the weights at once (with --method random too)")
     parser.add_argument("--search", default="greedy", choices=["greedy", "beam"])
+    parser.add_argument("--objective", default="log_ratio", choices=["log_ratio", "difference"],
+                        help="what a step must lower: log CE_safe - log CE_unsafe, or CE_safe - CE_unsafe")
     defaults = SearchConfig()
     for key in ("pool", "step_ratio", "layer_cap", "safe_budget", "utility_budget", "target_unsafe_rate"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=float, default=getattr(defaults, key))
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     config = SearchConfig(args.method, args.pool, args.step_ratio, args.layer_cap, args.steps,
                           args.beam_width if args.search == "beam" else 1,
                           args.branches if args.search == "beam" else 1, args.safe_budget, args.utility_budget,
-                          args.target_unsafe_rate)
+                          args.target_unsafe_rate, args.objective)
     started = time.perf_counter()
     tag_dir = resolve_checkpoint(args.checkpoint)
     meta = read_meta(tag_dir)
@@ -186,9 +192,20 @@ def main(argv: list[str] | None = None) -> int:
                         f"({report.summary()}); give more prompts or responses")
     print(f"responses: {counts}; {report.summary()}", flush=True)
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
+    utility = batches(utility_rows, args.batch_size, pad)
+    if args.shards:  # every token of a sample counts: the cross-entropy is the validation loss
+        from pretrain.data import read_samples
+        from tools.evaluate import split_dir
+
+        samples = read_samples(split_dir(args.shards, "val"), args.shard_samples)
+        if samples.shape[1] - 1 > cfg.max_seq_len or int(samples.max()) >= cfg.vocab_size:
+            raise ToolError(f"--shards {args.shards}: samples of {samples.shape[1] - 1} tokens or ids beyond the "
+                            "vocabulary; give shards built for this model and tokenizer")
+        utility = [{"tokens": rows, "trained": torch.ones_like(rows, dtype=torch.bool)}
+                   for rows in samples.split(args.batch_size)]
     pruner = Pruner(model, {k: batches(v, args.batch_size, pad) for k, v in sets["calibration"].items()},
                     {k: batches(v, args.batch_size, pad) for k, v in sets["heldout"].items()},
-                    batches(utility_rows, args.batch_size, pad), config,
+                    utility, config,
                     (lambda: sampler.unsafe_rate(heldout_prompts)) if sampler and heldout_prompts else None)
     if args.one_shot:
         state, history = pruner.one_shot(args.one_shot, args.seed)
