@@ -103,7 +103,8 @@ def uoe_reference(x, w, n, k, ns, score, mode, coef, bias=None, capacity_factor=
     for t in range(T):
         y = torch.zeros_like(x[t])
         for i in range(n):
-            c = 1.0 + weights[t][choices[t].index(i)] if mode == "overlap" and i in choices[t] else 1.0
+            kept = i in choices[t] and keep[t][choices[t].index(i)]  # a dropped assignment: no scale
+            c = 1.0 + weights[t][choices[t].index(i)] if mode == "overlap" and kept else 1.0
             y = y + c * (O[:, i * ns:(i + 1) * ns] @ hs[t][i])
         for j, e in enumerate(choices[t]):
             if keep[t][j]:
@@ -219,7 +220,8 @@ def _reference_suite(rank: int) -> None:
     for mode in ("overlap", "disjoint"):
         for score in ("h", "silu", "z"):
             check_against_reference("uoe", score=score, vse_mode=mode)
-    assert check_against_reference("uoe", tokens=16, capacity_factor=1.0, aux_loss_coef=0.0) > 0  # drops, no aux
+    for mode in ("overlap", "disjoint"):  # drops, no aux
+        assert check_against_reference("uoe", tokens=16, capacity_factor=1.0, aux_loss_coef=0.0, vse_mode=mode) > 0
     check_against_reference("uoe", bias_update_rate=0.1, bias=torch.tensor([0.0, 0.5, -0.5, 0.05]))
     check_against_reference("uoe", routing_neurons=5, shared_hidden_size=0, top_k=3)
     check_against_reference("moe")

@@ -159,3 +159,58 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path):
                           env=dist_utils.child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) == 0.0
+
+
+def test_paper_trigger_task_data_follows_the_paper():
+    from bench.sink_paper import trigger_batch
+
+    x, y, j = trigger_batch(4000, generator=torch.Generator().manual_seed(0))
+    assert x.shape == (4000, 16, 16)
+    bos = torch.zeros(16)
+    bos[0] = 1.0
+    assert torch.equal(x[:, 0], bos.expand(4000, 16))  # BOS = e_0, no noise
+    rows = torch.arange(4000)
+    assert j.min() == 2 and j.max() == 15  # 0-indexed 2..L-1 = 1-indexed 3..L
+    counts = torch.bincount(j, minlength=16)[2:].float()
+    assert (counts - counts.mean()).abs().max() < 0.2 * counts.mean()  # uniform
+    noise = x[:, 1:, 2:15]
+    assert noise.abs().max() <= 1 and abs(float(noise.mean())) < 0.01 and abs(float(noise.var()) - 1 / 3) < 0.01
+    trigger = torch.zeros(4000, 16, dtype=torch.bool)
+    trigger[rows, j] = True
+    assert torch.equal(x[:, :, 1] == 1, trigger)  # the trigger flag marks exactly the trigger
+    assert torch.equal(x[:, 1:, 15], (~trigger[:, 1:]).float())  # content flag: every non-BOS token but it
+    assert x[rows, j, 2:15].abs().sum() > 0  # the trigger keeps its noise
+    expected = torch.zeros_like(y)
+    for b in range(0, 4000, 397):
+        expected_b = x[b, 1:j[b] + 1].mean(0)  # tokens 1..j: BOS out, the trigger in
+        torch.testing.assert_close(y[b, j[b]], expected_b)
+    assert torch.equal(y[~trigger], expected[~trigger])  # zero elsewhere
+    xr, yr, jr = trigger_batch(8, generator=torch.Generator().manual_seed(1), trigger=8, residual=True)
+    assert (jr == 7).all()
+    diff = yr - xr
+    assert torch.equal(diff[:, [p for p in range(16) if p != 7]], torch.zeros(8, 15, 16))
+    torch.testing.assert_close(diff[:, 7], xr[:, 1:8].mean(1))
+
+
+def test_paper_attention_normalisers_and_heatmaps(tmp_path):
+    from bench.sink_paper import PaperAttention, draw, train_one
+
+    torch.manual_seed(0)
+    layer = PaperAttention(16, 2, "relu")
+    x = torch.randn(3, 16, 16)
+    with torch.no_grad():  # scores q.k = 1 for every pair: ReLU row i is 1 / max(i, 1) on its keys
+        layer.q.weight.zero_()
+        layer.k.weight.zero_()
+        layer.q.weight[:, 0] = 0.25  # 16 dims of 0.25 x 0.25 per head
+        layer.k.weight[:, 0] = 0.25
+        x[:, :, 0] = 1.0
+        relu = layer.weights(x)
+    expected = torch.tril(torch.ones(16, 16)) / torch.arange(16).clamp(min=1)[:, None].float()
+    torch.testing.assert_close(relu, expected.expand(3, 2, 16, 16))
+    soft = PaperAttention(16, 1, "softmax").weights(torch.randn(2, 16, 16))
+    torch.testing.assert_close(soft.sum(-1), torch.ones(2, 1, 16))
+    assert soft.triu(1).abs().max() == 0
+    result = train_one(("softmax", 2, 2, 0, 2))
+    assert result["steps"] == 2 and not result["converged"] and len(result["bos_attention"]) == 2
+    path = draw(result, tmp_path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     run_cfg.train.precision, run_cfg.train.init_from, run_cfg.train.resume = "fp32", "", "auto"
     summary = {"method": args.method, "search": "one-shot" if args.one_shot else args.search, "sparsity": state.scores["sparsity"],
                "pruned_weights": state.pruned(), "source": str(tag_dir)}
-    carried = {k: meta[k] for k in ("eos_id", "posttrain") if k in meta}  # its chat format, for the next tools
+    carried = {k: meta[k] for k in ("eos_id",) if k in meta}
+    if "chat" in meta.get("posttrain", {}):  # its chat format, for the next tools (not the old run's data)
+        carried["posttrain"] = {"chat": meta["posttrain"]["chat"]}
     if meta.get("heads"):
         print(f"note: the pruned checkpoint holds the LM only, not the source's {', '.join(meta['heads'])}",
               file=sys.stderr)

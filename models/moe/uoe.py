@@ -5,7 +5,7 @@ Expert i = [N_s routing neurons | D_e rest neurons] (SwiGLU). For every token:
   z_i = x G_i, h_i = silu(z_i) * (x P_i)                      (all experts, one dense SwiGLU)
   s_i = ||a_i||_2 in fp32, a_i in {h_i, silu(z_i), z_i}        (model.moe.score = h | silu | z)
   I = top-k(s), w = softmax(s[I])
-  y_vse = sum_i c_i (h_i O_i), c_i = 1 (disjoint) or 1 + w_i [i in I] (overlap)
+  y_vse = sum_i c_i (h_i O_i), c_i = 1 (disjoint) or 1 + w_i [i in I, not dropped by capacity] (overlap)
   y_r   = sum_{i in I} w_i SwiGLU'_i(x)                         (the D_e rest neurons, expert parallel)
   y = y_vse + y_r
 
@@ -81,11 +81,12 @@ class UnionOfExperts(RoutedLayer):
         if tp_size() > 1:
             sq = reduce_from_tensor_model_parallel_region(sq)
         scores = scores_from_norms(sq)
-        expert_ids, selected, weights = self.route(scores)
+        expert_ids, _, weights = self.route(scores)
         if tp_size() > 1:
             weights = copy_to_tensor_model_parallel_region(weights)
-        if self.vse_mode == "overlap":
-            scale = torch.ones_like(scores).scatter_add(1, selected, weights)
+        if self.vse_mode == "overlap":  # kept assignments only: a capacity-dropped one adds no scale
+            kept = expert_ids >= 0
+            scale = torch.ones_like(scores).scatter_add(1, expert_ids.clamp(min=0), weights * kept)
             h = h * scale[:, self.neuron_expert].to(h.dtype)
         y_vse, _ = self.vse_out(h)
         routed_in = copy_to_tensor_model_parallel_region(x) if tp_size() > 1 else x
