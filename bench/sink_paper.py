@@ -3,6 +3,7 @@ in the paper's own setting: its data, its attention-only models and its training
 only converged runs read as evidence.
 
     python -m bench.sink_paper [--seeds 0 1 2] [--models 1x1 2x2 4x4] [--max-steps 50000] [--workers 2]
+    python -m bench.sink_paper --kinds ours-softmax ours-softmax_sink ours-relu-prefix ... --name sink_paper_ours
 
 Data (d = 16, L = 16): position 0 is BOS = e_0; every other token has coordinates 2..d-2 i.i.d.
 U(-1, 1) and its last coordinate 1, except the trigger, at a position uniform in 3..L (1-indexed),
@@ -22,6 +23,11 @@ that are not the trigger (per layer and head, mean over the test inputs), the pa
 this project's Sink_1^0.3 (models.sinks). Heatmaps as the paper draws them: the attention of the
 single layer averaged over the 1,000 test inputs, and one test input per head for multi-layer
 models (Blues, 0..1). Writes bench/results/sink_paper.json and bench/results/sink_paper/*.png.
+
+The "ours-*" kinds put this project's attention weight functions (models.attention: causal softmax,
+softmax with a learned sink logit, ReLU with each normaliser: prefix = i + 1 keys, none, seqlen)
+with their own 1/sqrt(d) scores into the same layers. For softmax_sink the attention on BOS is
+that on the real first key; the sink logit's share is not a key.
 """
 
 from __future__ import annotations
@@ -62,8 +68,14 @@ def trigger_batch(batch: int, seq: int = 16, dim: int = 16, generator: torch.Gen
     return x, y, j
 
 
+# This project's attention weight functions, each with its own scores (q.k / sqrt(d)), in the
+# paper's layers: "ours-<kind>[-<relu normaliser>]".
+PROJECT_KINDS = ("ours-softmax", "ours-softmax_sink", "ours-relu-prefix", "ours-relu-none", "ours-relu-seqlen")
+
+
 class PaperAttention(nn.Module):
-    """One attention-only layer: H full-width heads, concatenated, projected; no bias, no scaling."""
+    """One attention-only layer: H full-width heads, concatenated, projected; no bias, no scaling
+    (the paper's kinds softmax / relu), or one of PROJECT_KINDS."""
 
     def __init__(self, dim: int, heads: int, kind: str):
         super().__init__()
@@ -72,18 +84,34 @@ class PaperAttention(nn.Module):
         self.o = nn.Linear(heads * dim, dim, bias=False)
         for linear in (self.q, self.k, self.v, self.o):
             nn.init.normal_(linear.weight, std=0.02)
+        if kind == "ours-softmax_sink":
+            self.sink = nn.Parameter(torch.zeros(heads))  # as models.attention.sink initialises it
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, L, L] attention weights."""
         b, seq, dim = x.shape
         q = self.q(x).view(b, seq, self.heads, dim).transpose(1, 2)
         k = self.k(x).view(b, seq, self.heads, dim).transpose(1, 2)
+        if self.kind.startswith("ours-"):
+            return self.project_weights(q, k)
         scores = q @ k.transpose(-1, -2)
         future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
         if self.kind == "softmax":
             return scores.masked_fill(future, torch.finfo(scores.dtype).min).softmax(-1)
         keys = torch.arange(seq).clamp(min=1).to(scores.dtype)  # row i: its i non-BOS keys
         return torch.relu(scores.masked_fill(future, 0.0)) / keys[:, None]
+
+    def project_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        from models.attention.relu import relu_weights
+        from models.attention.sink import sink_softmax_weights
+        from models.attention.softmax import causal_softmax, scaled_scores
+
+        scores = scaled_scores(q, k)
+        if self.kind == "ours-softmax":
+            return causal_softmax(scores)
+        if self.kind == "ours-softmax_sink":
+            return sink_softmax_weights(scores, self.sink)
+        return relu_weights(scores, self.kind.removeprefix("ours-relu-"))
 
     def forward(self, x: torch.Tensor, keep: list | None = None) -> torch.Tensor:
         b, seq, dim = x.shape
@@ -181,15 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--models", nargs="+", default=["1x1", "2x2", "4x4"], help="LAYERSxHEADS")
-    parser.add_argument("--kinds", nargs="+", default=["softmax", "relu"])
+    parser.add_argument("--kinds", nargs="+", default=["softmax", "relu"],
+                        help=f"softmax, relu (the paper's) or this project's: {', '.join(PROJECT_KINDS)}")
     parser.add_argument("--max-steps", type=int, default=50_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default="sink_paper", help="results: OUT/NAME.json and OUT/NAME/*.png")
     args = parser.parse_args(argv)
     specs = [(kind, int(m.split("x")[0]), int(m.split("x")[1]), seed, args.max_steps)
              for m in args.models for kind in args.kinds for seed in args.seeds]
     out = REPO / args.out
-    pictures = out / "sink_paper"
+    pictures = out / args.name
     pictures.mkdir(parents=True, exist_ok=True)
     print(f"{'model':<8}{'kind':<9}{'seed':>5}{'converged':>11}{'steps':>8}{'test MSE':>11}{'test Linf':>10}"
           f"{'Sink_1^0.3':>11}  BOS attention of non-trigger queries (layer: heads)", flush=True)
@@ -212,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = write_results(out, args, specs, results)
     print("converged runs only are evidence; " + ", ".join(f"{k}: {v['converged']}/{v['runs']} converged"
                                                           for k, v in summary.items()))
-    print(f"wrote {out / 'sink_paper.json'} and {len(results)} heatmaps in {pictures}")
+    print(f"wrote {out / (args.name + '.json')} and {len(results)} heatmaps in {pictures}")
     return 0
 
 
@@ -227,7 +257,7 @@ def write_results(out: Path, args, specs: list, results: list[dict]) -> dict:
             entry["bos_attention_converged"].append(r["bos_attention"])
     done = {(r["kind"], r["layers"], r["heads"], r["seed"]) for r in results}
     missing = [list(s[:4]) for s in specs if tuple(s[:4]) not in done]
-    (out / "sink_paper.json").write_text(json.dumps({"settings": vars(args), "runs": results, "summary": summary,
+    (out / f"{args.name}.json").write_text(json.dumps({"settings": vars(args), "runs": results, "summary": summary,
                                                     "not_run": missing}, indent=1))
     return summary
 

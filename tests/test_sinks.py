@@ -214,3 +214,24 @@ def test_paper_attention_normalisers_and_heatmaps(tmp_path):
     assert result["steps"] == 2 and not result["converged"] and len(result["bos_attention"]) == 2
     path = draw(result, tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paper_layers_take_this_projects_attention_kinds():
+    from bench.sink_paper import PROJECT_KINDS, PaperAttention
+    from models.attention.relu import relu_weights
+    from models.attention.softmax import scaled_scores
+
+    x = torch.randn(2, 16, 16)
+    for kind in PROJECT_KINDS:
+        torch.manual_seed(0)
+        w = PaperAttention(16, 2, kind).weights(x)
+        assert w.shape == (2, 2, 16, 16) and w.triu(1).abs().max() == 0, kind
+    torch.manual_seed(0)
+    layer = PaperAttention(16, 2, "ours-relu-prefix")
+    q = layer.q(x).view(2, 16, 2, 16).transpose(1, 2)
+    k = layer.k(x).view(2, 16, 2, 16).transpose(1, 2)
+    torch.testing.assert_close(layer.weights(x), relu_weights(scaled_scores(q, k), "prefix"))
+    sink = PaperAttention(16, 1, "ours-softmax_sink")
+    with torch.no_grad():
+        sink.sink.fill_(5.0)  # a large sink logit takes most of every row
+    assert float(sink.weights(x).sum(-1).max()) < 0.5
