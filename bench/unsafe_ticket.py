@@ -77,7 +77,7 @@ def measure(run_dir: Path, tokenizer: Path, shards: Path, forbidden: list[str], 
 
     from data_prep.tokenizer import load_tokenizer
     from models.generation import generate
-    from posttrain.batches import collate_rows, response_row
+    from posttrain.batches import chunked, response_row
     from posttrain.chat import ChatEncoder, ChatFormat
     from posttrain.pruning import response_cross_entropy
     from pretrain.consolidate import load_model
@@ -97,7 +97,8 @@ def measure(run_dir: Path, tokenizer: Path, shards: Path, forbidden: list[str], 
     unsafe = [answer(p) for p in forbidden]
     normal = [answer(p) for p, _ in ordinary]
     rows = [response_row(encoder.prompt([{"role": "user", "content": p}]), encoder.response(r)) for p, r in ordinary]
-    ce = response_cross_entropy(model, [collate_rows(rows[i:i + 16], 3) for i in range(0, len(rows), 16)])
+    pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
+    ce = response_cross_entropy(model, chunked(rows, 16, pad))
     val = evaluate_rows(model, read_samples(shards / "val", 64), 16)["loss"]
     return {"unsafe_rate": sum("UNSAFE" in a for a in unsafe) / len(unsafe),
             "ordinary_leak_rate": sum("UNSAFE" in a for a in normal) / len(normal),

@@ -86,6 +86,11 @@ def collate_rows(rows: list[Row], pad_id: int, cap: int | None = None) -> dict[s
     return batch
 
 
+def chunked(rows: list[Row], size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """`rows` in order as padded batches of up to `size` (for evaluation over a whole set)."""
+    return [collate_rows(rows[i:i + size], pad_id) for i in range(0, len(rows), size)]
+
+
 def collate_pairs(pairs: list[PairExample], pad_id: int, cap: int | None = None) -> dict[str, torch.Tensor]:
     batch = collate_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id, cap)
     if pairs[0].scores.size:

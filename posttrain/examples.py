@@ -64,12 +64,12 @@ class Examples:
     def fingerprint(self) -> str:
         """sha256 of the units' tokens, masks and targets in order: the same data, tokenized the same way."""
         digest = hashlib.sha256()
-        rows = [(u.chosen, u.rejected) if isinstance(u, PairExample) else (u,) for u in self.units]
-        for unit, group in zip(self.units, rows):
-            for row in group:
+        for unit in self.units:
+            pair = isinstance(unit, PairExample)
+            for row in (unit.chosen, unit.rejected) if pair else (unit,):
                 digest.update(row.ids.tobytes())
                 digest.update(row.trained.tobytes())
-            if isinstance(unit, PairExample):
+            if pair:
                 digest.update(np.asarray(unit.raw_prompt, dtype=np.int64).tobytes())
                 digest.update(unit.scores.tobytes())
         return digest.hexdigest()

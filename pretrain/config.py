@@ -214,10 +214,11 @@ def parse_overrides(overrides: list[str]) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
-                config_class: type[Config] = Config) -> Config:
+                config_class: type[Config] = Config, known_sections_only: bool = False) -> Config:
     """Defaults, then the YAML file, then the overrides; model.plugins are imported first, so that
     the kinds and sections they register can be named. `config_class`: Config or a subclass with
-    sections of its own (posttrain.config)."""
+    sections of its own (posttrain.config); `known_sections_only`: the file's other sections (one
+    another entry point wrote) are left out instead of refused."""
     values = {}
     if path:
         path = Path(path)
@@ -226,6 +227,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         values = yaml.safe_load(path.read_text()) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile, eval)")
+        if known_sections_only:
+            sections = {f.name for f in dataclasses.fields(config_class)}
+            values = {k: v for k, v in values.items() if k in sections}
     tree = parse_overrides(overrides or [])
     cfg = config_class()
     for layer in (values, tree):  # the overrides' plug-ins win, as their other keys do

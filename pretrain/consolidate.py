@@ -59,23 +59,10 @@ class ConsolidateError(CheckpointError):
 def run_config(tag_dir: Path):
     """The resolved run config saved next to the checkpoints (RUN_DIR/config.yaml), or None.
     Sections another entry point adds to its config (posttrain's `post`) are left out."""
-    import dataclasses
-
-    import yaml
-
-    from pretrain.config import Config, apply_values
+    from pretrain.config import load_config
 
     path = tag_dir.parent.parent / "config.yaml"
-    if not path.is_file():
-        return None
-    values = yaml.safe_load(path.read_text()) or {}
-    sections = {f.name for f in dataclasses.fields(Config)}
-    cfg = Config()
-    from models import registry
-
-    registry.load_plugins((values.get("model") or {}).get("plugins", []))
-    apply_values(cfg, {k: v for k, v in values.items() if k in sections})
-    return cfg
+    return load_config(path, known_sections_only=True) if path.is_file() else None
 
 
 def describe_layout(tag_dir: Path, meta: dict) -> dict:

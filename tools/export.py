@@ -221,6 +221,16 @@ def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict) -> Path | No
     return path
 
 
+def run_tokenizer(tag_dir: Path, explicit: str | None, meta: dict):
+    """The SentencePiece processor of find_tokenizer, for tools that cannot run without one."""
+    from data_prep.tokenizer import load_tokenizer
+
+    tokenizer_dir = find_tokenizer(tag_dir, explicit, meta)
+    if tokenizer_dir is None:
+        raise ExportError("the run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR")
+    return load_tokenizer(tokenizer_dir)[0]
+
+
 def special_ids(tokenizer_dir: Path | None) -> dict:
     from data_prep.tokenizer import SPECIAL_IDS, load_tokenizer
 

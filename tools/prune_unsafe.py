@@ -35,21 +35,16 @@ from pathlib import Path
 import torch
 
 from data_prep.sources import BadInputReport
-from data_prep.tokenizer import load_tokenizer
 from models.generation import generate
 from posttrain import labels, records
-from posttrain.batches import Row, collate_rows, response_row
+from posttrain.batches import Row, chunked, response_row
 from posttrain.chat import ChatEncoder, ChatFormat
 from posttrain.pruning import METHODS, ONE_SHOT_METHODS, Pruner, SearchConfig, sparsity_by_layer
 from posttrain.records import sft_messages
 from pretrain.checkpoint_format import read_meta, resolve_checkpoint
 from pretrain.telemetry import peak_memory_gb
 from tools.cli import ToolError, argument_parser, reports_errors, run
-from tools.export import find_tokenizer
-
-
-def batches(rows: list[Row], size: int, pad_id: int) -> list[dict]:
-    return [collate_rows(rows[i:i + size], pad_id) for i in range(0, len(rows), size)]
+from tools.export import run_tokenizer
 
 
 class Sampler:
@@ -143,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     tag_dir = resolve_checkpoint(args.checkpoint)
     meta = read_meta(tag_dir)
-    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, meta)
-    if tokenizer_dir is None:
-        raise ToolError("the run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR")
-    sp, _ = load_tokenizer(tokenizer_dir)
+    sp = run_tokenizer(tag_dir, args.tokenizer, meta)
     chat = meta.get("posttrain", {}).get("chat")
     encoder = ChatEncoder(sp, ChatFormat(**chat) if chat else ChatFormat())
     report = BadInputReport()
@@ -192,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"({report.summary()}); give more prompts or responses")
     print(f"responses: {counts}; {report.summary()}", flush=True)
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
-    utility = batches(utility_rows, args.batch_size, pad)
+    utility = chunked(utility_rows, args.batch_size, pad)
     if args.shards:  # every token of a sample counts: the cross-entropy is the validation loss
         from pretrain.data import read_samples
         from tools.evaluate import split_dir
@@ -203,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                             "vocabulary; give shards built for this model and tokenizer")
         utility = [{"tokens": rows, "trained": torch.ones_like(rows, dtype=torch.bool)}
                    for rows in samples.split(args.batch_size)]
-    pruner = Pruner(model, {k: batches(v, args.batch_size, pad) for k, v in sets["calibration"].items()},
-                    {k: batches(v, args.batch_size, pad) for k, v in sets["heldout"].items()},
+    pruner = Pruner(model, {k: chunked(v, args.batch_size, pad) for k, v in sets["calibration"].items()},
+                    {k: chunked(v, args.batch_size, pad) for k, v in sets["heldout"].items()},
                     utility, config,
                     (lambda: sampler.unsafe_rate(heldout_prompts)) if sampler and heldout_prompts else None)
     if args.one_shot:

@@ -15,11 +15,10 @@ import json
 
 import torch
 
-from data_prep.tokenizer import load_tokenizer
 from posttrain.inference import SGAModel
 from pretrain.checkpoint_format import read_meta, resolve_checkpoint
 from tools.cli import ToolError, argument_parser, reports_errors, run
-from tools.export import find_tokenizer
+from tools.export import run_tokenizer
 
 
 def parse_scores(text: str) -> dict[str, float]:
@@ -52,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     given = parse_scores(args.scores)
     tag_dir = resolve_checkpoint(args.checkpoint)
-    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
-    if tokenizer_dir is None:
-        raise ToolError("the run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR")
-    sp, _ = load_tokenizer(tokenizer_dir)
+    sp = run_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
     sga = SGAModel.load(tag_dir, sp)
     unknown = sorted(set(given) - set(sga.objectives))
     if unknown:
