@@ -95,6 +95,10 @@ class DataConfig:
     # Attention within documents: each sample's documents (split after every EOS, the id in the
     # shards' manifest) attend only to themselves, in training and validation.
     document_mask: bool = False
+    # Every sample begins with BOS (the id in the shards' manifest): prepended at load time, the
+    # sample's last token dropping off, unless the sample already begins with it. Attention-sink
+    # metrics read the weight on the first token, which is then always the same token.
+    start_with_bos: bool = False
 
     @property
     def sources(self) -> list[DataSource]:
@@ -388,7 +392,15 @@ def validate_data(cfg: Config) -> dict:
             raise ConfigError(f"data.document_mask=true needs the EOS id, which the manifest of {key} does not "
                               "record: rebuild the shards with python -m data_prep.build_shards, or set "
                               "data.document_mask=false")
+        if cfg.data.start_with_bos and manifest.get("bos_id", -1) in (None, -1):
+            raise ConfigError(f"data.start_with_bos=true needs the BOS id, which the manifest of {key} does "
+                              "not record (or the tokenizer has none): rebuild the shards with python -m "
+                              "data_prep.build_shards and a tokenizer with BOS, or set "
+                              "data.start_with_bos=false")
         manifests.append(manifest)
+    if cfg.data.start_with_bos and not manifests:
+        raise ConfigError("data.start_with_bos=true needs the BOS id from a local manifest.json, but every "
+                          "data source is remote: set data.start_with_bos=false")
     if cfg.data.document_mask and not manifests:
         raise ConfigError("data.document_mask=true needs the EOS id from a local manifest.json, but every data "
                           "source is remote: set data.document_mask=false")

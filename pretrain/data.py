@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
 
@@ -24,8 +26,33 @@ def clean_shared_memory_once() -> None:
         _cleaned = True
 
 
-def _collate(samples: list[dict]) -> torch.Tensor:
-    return torch.from_numpy(np.stack([s["tokens"].astype(np.int64) for s in samples]))
+def _collate(samples: list[dict], bos: int | None = None) -> torch.Tensor:
+    batch = torch.from_numpy(np.stack([s["tokens"].astype(np.int64) for s in samples]))
+    return batch if bos is None else starting_with(batch, bos)
+
+
+def starting_with(batch: torch.Tensor, bos: int) -> torch.Tensor:
+    """Samples [B, L] that each begin with `bos`: prepended (the last token drops off, the length
+    stays) unless a sample already begins with it."""
+    prepended = torch.cat([torch.full_like(batch[:, :1], bos), batch[:, :-1]], dim=1)
+    return torch.where(batch[:, :1] == bos, batch, prepended)
+
+
+def sample_bos(cfg: Config) -> int | None:
+    """data.start_with_bos: the BOS id of the shards (first local manifest; validate_data checks
+    that it is there), else None."""
+    if not cfg.data.start_with_bos:
+        return None
+    for source in cfg.data.sources:
+        manifest = Path(source.shards) / "manifest.json"
+        if "://" not in source.shards and manifest.is_file():
+            return int(json.loads(manifest.read_text())["bos_id"])
+    raise ValueError("data.start_with_bos=true needs a local manifest.json with bos_id (validate_data)")
+
+
+def collate_fn(cfg: Config):
+    """Samples -> one [B, seq_len + 1] batch, as data.* asks (picklable for loader workers)."""
+    return functools.partial(_collate, bos=sample_bos(cfg))
 
 
 def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
@@ -57,7 +84,7 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         dataset,
         batch_size=cfg.train.micro_batch,
         num_workers=cfg.data.num_workers,
-        collate_fn=_collate,
+        collate_fn=collate_fn(cfg),
         drop_last=True,
         persistent_workers=False,
         pin_memory=torch.cuda.is_available(),  # page-locked batches: the copy to the GPU runs asynchronously
@@ -69,6 +96,7 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
     evaluation, split by data-parallel rank): {source name: batches}; "" names data.shards."""
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = cfg.train.micro_batch
+    collate = collate_fn(cfg)
     sets = {}
     for source in cfg.data.sources:
         location = _split_location(cfg, source, "val")
@@ -80,7 +108,7 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
         for b in range(cfg.train.eval_batches):
             # len(dataset) counts this rank's share; indexing is over all samples.
             indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
-            batches.append(_collate([dataset[i] for i in indices]))
+            batches.append(collate([dataset[i] for i in indices]))
         sets[source.name] = batches
     return sets
 

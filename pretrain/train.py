@@ -132,7 +132,8 @@ def run(cfg: Config, task: Task | None = None) -> int:
     batches = task.batches(cfg)
     counts = param_counts(cfg.model)
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
-            "eos_id": manifest.get("eos_id"), "flops_per_token": flops_per_token(cfg.model), "params": counts,
+            "eos_id": manifest.get("eos_id"), "bos_id": manifest.get("bos_id"),
+            "flops_per_token": flops_per_token(cfg.model), "params": counts,
             "global_batch": global_batch(cfg, env.world_size), **task.meta(cfg)}
     logger = Logger(run_dir, env.rank)
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "

@@ -78,14 +78,14 @@ def naive_relu(q, k, v, normalizer):
     b, h, s, d = q.shape
     out = torch.zeros_like(v)
     for i in range(s):
-        n = {"none": 1.0, "prefix": float(i + 1), "seqlen": float(s)}[normalizer]
+        n = {"none": 1.0, "prefix": float(i + 1), "content": float(max(i, 1)), "seqlen": float(s)}[normalizer]
         for j in range(i + 1):
             w = torch.relu((q[:, :, i] * k[:, :, j]).sum(-1) / math.sqrt(d)) / n
             out[:, :, i] += w.unsqueeze(-1) * v[:, :, j]
     return out
 
 
-@pytest.mark.parametrize("normalizer", ["none", "prefix", "seqlen"])
+@pytest.mark.parametrize("normalizer", ["none", "prefix", "content", "seqlen"])
 def test_relu_matches_naive_reference_with_grads(normalizer):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 11, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -37,3 +37,30 @@ def test_mixture_draws_each_source_by_weight(tmp_path):
     rows = {name: [tuple(s.tolist()) for s, src in zip(samples, sources) if src == name] for name in ("web", "code")}
     assert len(set(rows["web"])) == 256  # 384 draws cover all 256 samples, some twice
     assert len(set(rows["code"])) == 128  # 128 draws, none repeated
+
+
+def test_start_with_bos_prepends_bos_to_every_sample(tmp_path):
+    import json
+
+    import pytest
+
+    from pretrain.config import ConfigError, load_config, validate_data
+    from pretrain.data import build_loader, load_val_sets
+    from tests.dist_utils import single_process_group
+
+    root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
+    base = [f"data.shards={root}/shards", f"data.tokenizer={root}/tokenizer", "train.micro_batch=4",
+            "model.max_seq_len=32", "model.vocab_size=256", "train.eval_batches=2"]
+    plain, bos = load_config(None, base), load_config(None, base + ["data.start_with_bos=true"])
+    validate_data(bos)
+    with single_process_group():
+        a, b = (torch.cat(list(build_loader(c, "train", shuffle=False))) for c in (plain, bos))
+        va, vb = (torch.cat(load_val_sets(c)[""]) for c in (plain, bos))
+    assert a.shape == b.shape == (16, 33) and (a[:, 0] != 1).all()
+    for raw, started in ((a, b), (va, vb)):  # training and validation alike
+        assert (started[:, 0] == 1).all() and torch.equal(started[:, 1:], raw[:, :-1])
+    manifest = root / "shards" / "manifest.json"
+    kept = {k: v for k, v in json.loads(manifest.read_text()).items() if k != "bos_id"}
+    manifest.write_text(json.dumps(kept))
+    with pytest.raises(ConfigError, match="start_with_bos=true needs the BOS id"):
+        validate_data(bos)

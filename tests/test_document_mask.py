@@ -30,7 +30,7 @@ def test_document_ids_masks_and_counts():
     assert keys_seen(docs, 8)[:, 0, :, 0].tolist() == [[1, 2, 3, 1, 2, 1, 2, 3], [1, 1, 2, 3, 4, 5, 1, 2]]
 
 
-@pytest.mark.parametrize("normalizer", ["prefix", "seqlen", "none"])
+@pytest.mark.parametrize("normalizer", ["prefix", "content", "seqlen", "none"])
 def test_relu_weights_count_only_same_document_keys(normalizer):
     torch.manual_seed(0)
     tokens = torch.tensor([[5, 6, EOS, 7, 8, 9, EOS, 5, 6]])
@@ -40,7 +40,8 @@ def test_relu_weights_count_only_same_document_keys(normalizer):
     bounds = [(0, 3), (3, 7), (7, 9)]
     for start, end in bounds:
         for i in range(start, end):
-            n = {"prefix": i - start + 1, "seqlen": 9, "none": 1}[normalizer]  # seqlen: no look at the document's end
+            # seqlen: no look at the document's end
+            n = {"prefix": i - start + 1, "content": max(i - start, 1), "seqlen": 9, "none": 1}[normalizer]
             want = torch.zeros(2, 9)
             want[:, start:i + 1] = scores[0, :, i, start:i + 1].relu() / n
             torch.testing.assert_close(weights[0, :, i], want)

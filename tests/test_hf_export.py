@@ -378,10 +378,11 @@ def test_export_formats_and_unsupported_imports(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def remote_runs(data, tmp_path_factory):
     """Models exported with the bundled modeling file, one after the other:
-    * uoe_ep2: Union-of-Experts at EP=2 x DP=2, ZeRO-1 (experts in per-rank DeepSpeed files);
-    * hybrid_moe_tp2: softmax / softmax_sink / lisa / relu / lisa attention with grouped-query
-      attention (2 K/V heads, one per TP rank) and a top-k router MoE (shared expert, on layers 1
-      and 3) at TP=2, ZeRO-2; the experts split over TP."""
+    * uoe_ep2: Union-of-Experts (carved sizing: 8 of each expert's 32 neurons route) at EP=2 x DP=2,
+      ZeRO-1 (experts in per-rank DeepSpeed files);
+    * hybrid_moe_tp2: softmax / softmax_sink / lisa / relu (content normaliser) / lisa attention with
+      grouped-query attention (2 K/V heads, one per TP rank) and a top-k router MoE (shared expert,
+      on layers 1 and 3) at TP=2, ZeRO-2; the experts split over TP."""
     root, vocab = data
     base = tmp_path_factory.mktemp("remote_runs")
     common = {"model.vocab_size": vocab, "train.steps": STEPS, "train.warmup_steps": 1, "train.eval_interval": STEPS,
@@ -389,10 +390,11 @@ def remote_runs(data, tmp_path_factory):
               "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 32}
     layouts = {
         "uoe_ep2": {"model.mlp": "uoe", "model.moe.top_k": 2, "model.moe.bias_update_rate": 0.001,
+                    "model.moe.sizing": "carved",
                     "parallel.expert": 2, "parallel.zero_stage": 1},
         "hybrid_moe_tp2": {"model.mlp": "moe", "model.moe.top_k": 1, "model.moe.moe_layers": "1,3",
                            "model.num_layers": 5, "model.attention": "sklrl", "model.lisa.keep_full_layers": 2,
-                           "model.num_kv_heads": 2,
+                           "model.num_kv_heads": 2, "model.relu_attention.normalizer": "content",
                            "model.lisa.align_group": 2,
                            "model.tie_embeddings": True, "parallel.tensor": 2, "parallel.zero_stage": 2},
     }
@@ -428,6 +430,7 @@ def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["UoEPretrainForCausalLM"] and config["vocab_size"] == vocab
     assert config["num_key_value_heads"] == (2 if layout == "hybrid_moe_tp2" else 4)
+    assert config["expert_hidden_size"] == (24 if layout == "uoe_ep2" else 32)  # carved: 32 - 8 routing
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_uoe_pretrain.UoEPretrainForCausalLM"
     assert (out / "modeling_uoe_pretrain.py").is_file() and (out / "tokenizer.model").is_file()
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()

@@ -113,6 +113,30 @@ def uoe_reference(x, w, n, k, ns, score, mode, coef, bias=None, capacity_factor=
     return torch.stack(rows), switch_aux(probs, choices, n, k, coef), sum(not v for r in keep for v in r)
 
 
+def carved_reference(x, w, n, k, ns, mode, coef):
+    """UoE from whole experts (model.moe.sizing=carved): expert i is one SwiGLU of width D_e whose
+    first ns neurons route. y = sum over all experts of their routing neurons' output + sum over the
+    selected of w_i x (the whole expert: overlap, or its other neurons: disjoint). Score h, dropless."""
+    G, P, O = w["vse_in"][0::2], w["vse_in"][1::2], w["vse_out"]
+    whole = [(torch.cat([G[i * ns:(i + 1) * ns], w["expert_in"][i][0::2]]),
+              torch.cat([P[i * ns:(i + 1) * ns], w["expert_in"][i][1::2]]),
+              torch.cat([O[:, i * ns:(i + 1) * ns], w["expert_out"][i]], dim=1)) for i in range(n)]
+    probs, choices, rows = [], [], []
+    for t in range(x.shape[0]):
+        h = [F.silu(g @ x[t]) * (p @ x[t]) for g, p, _ in whole]
+        s = torch.stack([torch.sqrt((hi[:ns] ** 2).sum() + EPS) for hi in h])
+        chosen = topk_plain(s.tolist(), k)
+        weights = torch.softmax(s[chosen], 0)
+        y = sum(whole[i][2][:, :ns] @ h[i][:ns] for i in range(n))
+        for j, e in enumerate(chosen):
+            part = slice(0, None) if mode == "overlap" else slice(ns, None)
+            y = y + weights[j] * (whole[e][2][:, part] @ h[e][part])
+        probs.append(torch.softmax(s, 0))
+        choices.append(chosen)
+        rows.append(y)
+    return torch.stack(rows), switch_aux(probs, choices, n, k, coef), 0
+
+
 def moe_reference(x, w, n, k, coef, capacity_factor=0.0):
     T = x.shape[0]
     probs, choices, weights = [], [], []
@@ -171,7 +195,11 @@ def check_against_reference(kind: str, tokens: int = 10, bias=None, **moe) -> in
     w = full_weights(layer)
     xr = x.detach().reshape(-1, D).clone().requires_grad_()
     m = cfg.moe
-    if kind == "uoe":
+    if kind == "uoe" and m.sizing == "carved":
+        assert layer.routing_neurons + layer.experts.width == m.expert_hidden_size
+        yr, auxr, dropped = carved_reference(xr, w, N, m.top_k, layer.routing_neurons, m.vse_mode,
+                                             m.aux_loss_coef)
+    elif kind == "uoe":
         yr, auxr, dropped = uoe_reference(xr, w, N, m.top_k, layer.routing_neurons, m.score, m.vse_mode, m.aux_loss_coef, bias,
                                           m.capacity_factor)
     else:
@@ -224,6 +252,8 @@ def _reference_suite(rank: int) -> None:
         assert check_against_reference("uoe", tokens=16, capacity_factor=1.0, aux_loss_coef=0.0, vse_mode=mode) > 0
     check_against_reference("uoe", bias_update_rate=0.1, bias=torch.tensor([0.0, 0.5, -0.5, 0.05]))
     check_against_reference("uoe", routing_neurons=5, shared_hidden_size=0, top_k=3)
+    for mode in ("overlap", "disjoint"):
+        check_against_reference("uoe", sizing="carved", vse_mode=mode)
     check_against_reference("moe")
     check_against_reference("moe", shared_hidden_size=0, top_k=1)
     assert check_against_reference("moe", tokens=16, capacity_factor=0.75) > 0
@@ -382,11 +412,15 @@ def _param_counts_exact(rank: int) -> None:
     """models.counting matches the modules: dense params once, experts summed over EP ranks."""
     from deepspeed.moe.utils import is_moe_param
 
-    from models.counting import param_counts
+    from models.counting import mlp_params, param_counts
     from models.gpt import GPT
 
-    for kind in ("uoe", "moe"):
-        cfg = make_cfg(kind)
+    # Carved: each expert is D_e neurons in all, N_s of them routing; active = all routing + top-k rest.
+    carved = make_cfg("uoe", sizing="carved")
+    assert mlp_params(carved, 0) == (N * 3 * D * DE, 3 * D * (N * NS + K * (DE - NS)))
+    assert mlp_params(make_cfg("uoe"), 0) == (N * 3 * D * (DE + NS), 3 * D * (N * NS + K * DE))
+    for kind, moe in (("uoe", {}), ("moe", {}), ("uoe", {"sizing": "carved"})):
+        cfg = make_cfg(kind, **moe)
         cfg.vocab_size, cfg.num_heads = 256, 2
         model = GPT(cfg)
         dense = sum(p.numel() for p in model.parameters() if not is_moe_param(p))

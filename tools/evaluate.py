@@ -31,7 +31,7 @@ from megatron.core import tensor_parallel
 from models.attention.masks import document_ids
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import read_samples
+from pretrain.data import read_samples, starting_with
 from pretrain.downstream import evaluate_tasks, load_task, task_name
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
@@ -90,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if location is not None:
         run = run_config(resolve_checkpoint(args.checkpoint))
         eos = meta.get("eos_id") if run is not None and run.data.document_mask else None
-        result.update(evaluate_rows(model, read_samples(location, args.batches * args.batch_size), args.batch_size,
-                                    eos), shards=str(location), document_mask=eos is not None)
+        bos = meta.get("bos_id") if run is not None and run.data.start_with_bos else None
+        rows = read_samples(location, args.batches * args.batch_size)
+        rows = rows if bos is None else starting_with(rows, bos)  # as the run's loader gave them
+        result.update(evaluate_rows(model, rows, args.batch_size, eos), shards=str(location),
+                      document_mask=eos is not None, start_with_bos=bos is not None)
     if tasks:
         result["downstream"] = evaluate_tasks(model, tasks, sp, args.batch_size, torch.device("cpu"))
     if args.json:

@@ -153,7 +153,8 @@ def remote_config(cfg, dtype: torch.dtype, special: dict):
                       for i, k in enumerate(kinds)],
         relu_normalizer=cfg.relu_attention.normalizer, lisa_rank=rank, lisa_align_group=group,
         lisa_align_hidden=hidden, mlp_kinds=[cfg.mlp_kind(i) for i in range(cfg.num_layers)],
-        num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, expert_hidden_size=moe.expert_hidden_size,
+        num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+        expert_hidden_size=moe.rest_neurons() if cfg.mlp == "uoe" else moe.expert_hidden_size,  # rest neurons
         shared_hidden_size=moe.shared_hidden_size,
         routing_neurons=moe.resolved_routing_neurons() if cfg.mlp == "uoe" else 0,
         uoe_score=moe.score, vse_mode=moe.vse_mode, tie_word_embeddings=bool(cfg.tie_embeddings),

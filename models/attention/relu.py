@@ -1,9 +1,11 @@
 """Causal ReLU attention without row normalisation:
 
-    o_i = sum_{j <= i} ReLU(q_i . k_j / sqrt(d)) v_j / n_i,   n_i in {1, i (visible keys), seq_len}
+    o_i = sum_{j <= i} ReLU(q_i . k_j / sqrt(d)) v_j / n_i,
+    n_i in {1, i + 1 (visible keys), max(i, 1) (visible keys after the first), seq_len}  (i from 0)
 
-(model.relu_attention.normalizer = none | prefix | seqlen; within documents, prefix counts the keys
-of query i's own document). Rows of the weights need not sum to
+(model.relu_attention.normalizer = none | prefix | content | seqlen; content leaves out the
+first key, the BOS of a sample that starts with one; within documents, prefix and content count
+the keys of query i's own document). Rows of the weights need not sum to
 one, so a head can output ~0 without parking weight on a sink token. Queries are processed in
 blocks of model.relu_attention.block_size in forward and backward (the backward recomputes the
 block's scores), so memory is O(block x seq) per head rather than O(seq^2).
@@ -22,12 +24,12 @@ from models.attention.softmax import scaled_scores
 from models.config import ConfigError, ModelConfig
 from models.registry import AttentionKind, ParallelSizes, register_attention, register_section
 
-NORMALIZERS = ("none", "prefix", "seqlen")
+NORMALIZERS = ("none", "prefix", "content", "seqlen")
 
 
 @dataclass
 class ReLUAttentionConfig:
-    normalizer: str = "prefix"  # none | prefix | seqlen
+    normalizer: str = "prefix"  # none | prefix | content | seqlen
     block_size: int = 256  # query block for O(block x seq) memory
 
 
@@ -41,10 +43,12 @@ def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: i
     length: the length of a document would tell every position where its document ends."""
     if normalizer == "none":
         return torch.ones(q_len, 1, device=device)
-    if normalizer == "prefix":  # number of keys query i sees (1-based position)
+    if normalizer in ("prefix", "content"):  # number of keys query i sees (1-based position)
         if documents is not None:
-            return keys_seen(documents, q_len, offset)
-        return torch.arange(offset + 1, offset + q_len + 1, device=device, dtype=torch.float32).unsqueeze(1)
+            seen = keys_seen(documents, q_len, offset)
+        else:
+            seen = torch.arange(offset + 1, offset + q_len + 1, device=device, dtype=torch.float32)[:, None]
+        return seen if normalizer == "prefix" else (seen - 1).clamp(min=1)
     if normalizer == "seqlen":
         return torch.full((q_len, 1), float(seq_len), device=device)
     raise ValueError(f"model.relu_attention.normalizer={normalizer!r}: choose one of {NORMALIZERS}")

@@ -62,7 +62,7 @@ class UoEPretrainConfig(PretrainedConfig):
         self.mlp_kinds = list(mlp_kinds or ["dense"] * num_hidden_layers)
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok  # top-k ("top_k" is a sampling setting in transformers)
-        self.expert_hidden_size = expert_hidden_size
+        self.expert_hidden_size = expert_hidden_size  # routed width per expert (UoE: besides routing neurons)
         self.shared_hidden_size = shared_hidden_size
         self.routing_neurons = routing_neurons
         self.uoe_score = uoe_score
@@ -108,17 +108,19 @@ def sink_softmax_weights(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tens
 
 
 def relu_weights(scores: torch.Tensor, normalizer: str) -> torch.Tensor:
-    """ReLU(s_ij) / n_i on visible keys; n_i = 1 (none), i + 1 (prefix: keys query i sees) or the
-    sequence length (seqlen)."""
+    """ReLU(s_ij) / n_i on visible keys; n_i = 1 (none), i + 1 (prefix: keys query i sees),
+    max(i, 1) (content: those keys but the first) or the sequence length (seqlen)."""
     q, k = scores.shape[-2:]
     if normalizer == "none":
         n = torch.ones(q, 1, device=scores.device)
-    elif normalizer == "prefix":
+    elif normalizer in ("prefix", "content"):
         n = torch.arange(k - q + 1, k + 1, device=scores.device, dtype=torch.float32).unsqueeze(1)
+        if normalizer == "content":
+            n = (n - 1).clamp(min=1)
     elif normalizer == "seqlen":
         n = torch.full((q, 1), float(k), device=scores.device)
     else:
-        raise ValueError(f"relu_normalizer={normalizer!r}: expected none, prefix or seqlen")
+        raise ValueError(f"relu_normalizer={normalizer!r}: expected none, prefix, content or seqlen")
     return scores.relu().masked_fill(~causal_mask(scores), 0.0) / n.to(scores.dtype)
 
 

@@ -39,6 +39,9 @@ class MoEConfig:
     expert_hidden_size: int = 128  # D_e: ordinary (routed) neurons per expert
     shared_hidden_size: int = 0  # MoE: width of the shared expert (0 = none)
     routing_neurons: int = 0  # UoE: N_s per expert; 0 = shared_hidden_size // num_experts
+    # UoE: additive = an expert is N_s routing + expert_hidden_size rest neurons; carved = the first
+    # N_s of its expert_hidden_size neurons are the routing ones.
+    sizing: str = "additive"
     score: str = "h"  # UoE routing-neuron activation scored: h | silu | z
     vse_mode: str = "overlap"  # UoE virtual shared expert: overlap | disjoint
     aux_loss_coef: float = 0.01
@@ -51,6 +54,12 @@ class MoEConfig:
     def resolved_routing_neurons(self) -> int:
         """UoE routing neurons per expert (N_s)."""
         return self.routing_neurons or self.shared_hidden_size // self.num_experts
+
+    def rest_neurons(self) -> int:
+        """UoE neurons per expert besides its routing neurons (the expert-parallel part)."""
+        if self.sizing == "carved":
+            return self.expert_hidden_size - self.resolved_routing_neurons()
+        return self.expert_hidden_size
 
     def listed_layers(self) -> set[int] | None:
         """The layers listed in moe_layers; None for "all"."""
@@ -69,14 +78,16 @@ def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
     return wanted is None or layer in wanted
 
 
-def expert_params(cfg: ModelConfig) -> int:
-    """The routed experts of one layer: N SwiGLUs of width D_e."""
-    return cfg.moe.num_experts * 3 * cfg.hidden_size * cfg.moe.expert_hidden_size
+def expert_params(cfg: ModelConfig, width: int | None = None) -> int:
+    """The routed experts of one layer: N SwiGLUs of width D_e (or `width`)."""
+    width = cfg.moe.expert_hidden_size if width is None else width
+    return cfg.moe.num_experts * 3 * cfg.hidden_size * width
 
 
-def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[str, int]) -> None:
+def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[str, int],
+                    expert_width: int | None = None) -> None:
     """What the router MoE and UoE layers both read; `split_widths` names the widths that
-    tensor parallelism splits."""
+    tensor parallelism splits, `expert_width` the width of each routed expert (default D_e)."""
     moe = cfg.moe
     if moe.num_experts % sizes.expert:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={sizes.expert}")
@@ -92,8 +103,9 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
     if moe.grouped_gemm:
         from models.moe.experts import check_grouped_gemm
 
+        width = moe.expert_hidden_size if expert_width is None else expert_width
         try:  # bf16 is the stricter case
-            check_grouped_gemm(cfg.hidden_size, moe.expert_hidden_size // sizes.tensor, torch.bfloat16)
+            check_grouped_gemm(cfg.hidden_size, width // sizes.tensor, torch.bfloat16)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if moe.capacity_factor < 0 or moe.bias_update_rate < 0:

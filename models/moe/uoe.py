@@ -1,7 +1,10 @@
 """Union-of-Experts (UoE): experts route themselves by the norm of their routing neurons, and the
 routing neurons of all experts together form a virtual shared expert (VSE).
 
-Expert i = [N_s routing neurons | D_e rest neurons] (SwiGLU). For every token:
+Expert i = [N_s routing neurons | D_e rest neurons] (SwiGLU). model.moe.sizing says what
+expert_hidden_size counts: the D_e rest neurons (additive: an expert holds N_s + D_e) or all of
+them (carved: N_s of the expert_hidden_size are routing neurons, D_e = expert_hidden_size - N_s).
+For every token:
   z_i = x G_i, h_i = silu(z_i) * (x P_i)                      (all experts, one dense SwiGLU)
   s_i = ||a_i||_2 in fp32, a_i in {h_i, silu(z_i), z_i}        (model.moe.score = h | silu | z)
   I = top-k(s), w = softmax(s[I])
@@ -47,6 +50,7 @@ from models.registry import MLPKind, ParallelSizes, register_mlp
 
 SCORES = ("h", "silu", "z")
 VSE_MODES = ("overlap", "disjoint")
+SIZINGS = ("additive", "carved")
 
 
 class UnionOfExperts(RoutedLayer):
@@ -61,7 +65,7 @@ class UnionOfExperts(RoutedLayer):
             f"UoE score={self.score} vse_mode={self.vse_mode} width={width} at TP={tp_size()} (validate_model)"
         self.vse_in = column_linear(cfg, cfg.hidden_size, 2 * width)
         self.vse_out = row_linear(cfg, width, cfg.hidden_size)
-        self.experts = ExpertContainer(cfg, self.num_experts, moe.expert_hidden_size, ep_size)
+        self.experts = ExpertContainer(cfg, self.num_experts, moe.rest_neurons(), ep_size)
         local = width // tp_size()
         start = ps.get_tensor_model_parallel_rank() * local
         self.register_buffer("neuron_expert", (torch.arange(start, start + local) // self.routing_neurons),
@@ -100,16 +104,29 @@ class UnionOfExperts(RoutedLayer):
         return (y_vse + y_r).view(shape)
 
 
+def rest_params(cfg: ModelConfig) -> int:
+    """The expert-parallel part of one layer: the rest neurons of all experts."""
+    return expert_params(cfg, cfg.moe.rest_neurons())
+
+
 def params(cfg: ModelConfig) -> tuple[int, int]:
     moe, d = cfg.moe, cfg.hidden_size
     vse = 3 * d * moe.num_experts * moe.resolved_routing_neurons()
-    return vse + expert_params(cfg), vse + moe.top_k * 3 * d * moe.expert_hidden_size
+    return vse + rest_params(cfg), vse + moe.top_k * 3 * d * moe.rest_neurons()
 
 
 def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
     moe = cfg.moe
-    validate_routed(cfg, sizes, {"expert_hidden_size": moe.expert_hidden_size})
-    routing = moe.resolved_routing_neurons()
+    if moe.sizing not in SIZINGS:
+        raise ConfigError(f"model.moe.sizing={moe.sizing!r}: choose {' or '.join(SIZINGS)}")
+    routing, rest = moe.resolved_routing_neurons(), moe.rest_neurons()
+    if rest < 1:
+        raise ConfigError(
+            f"model.moe.sizing=carved takes N_s={routing} routing neurons out of expert_hidden_size="
+            f"{moe.expert_hidden_size}, which leaves none: raise expert_hidden_size or lower routing_neurons"
+        )
+    width_key = "expert_hidden_size" if moe.sizing == "additive" else "expert_hidden_size - routing_neurons"
+    validate_routed(cfg, sizes, {width_key: rest}, expert_width=rest)
     if routing < 1:
         raise ConfigError(
             "model.mlp=uoe needs routing neurons: set model.moe.routing_neurons, or "
@@ -128,8 +145,8 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 
 
 register_mlp(MLPKind(
-    name="uoe", module=UnionOfExperts, params=params, expert_params=expert_params, routed=True,
-    activations=lambda cfg, tensor: 4 * (cfg.moe.top_k * cfg.moe.expert_hidden_size
+    name="uoe", module=UnionOfExperts, params=params, expert_params=rest_params, routed=True,
+    activations=lambda cfg, tensor: 4 * (cfg.moe.top_k * cfg.moe.rest_neurons()
                                          + cfg.moe.num_experts * cfg.moe.resolved_routing_neurons()) / tensor,
     applies_to=is_sparse_layer, validate=validate, hf_remote=True,
 ))
