@@ -1,136 +1,160 @@
-"""Dense vs MoE+shared expert vs Union-of-Experts (overlap and disjoint VSE) at matched active
-parameters, trained on the same shards, tokens and seed through the real trainer.
+"""Union-of-Experts against router MoE (with and without a shared expert) and a dense MLP at
+matched active parameters, trained on the same shards and tokens through the real trainer, over
+several seeds.
 
-    python -m bench.uoe_vs_moe [--steps 150 --nproc 2 --shards data/demo/shards]
+    python -m bench.uoe_vs_moe [--steps 400 --seeds 0 1 2 --only uoe moe]       # CPU, tiny models
+    python -m bench.uoe_vs_moe --gpu [--device cpu --steps 2]                    # 125M models, one GPU
 
-The models are the `tiny` set of tools.matching (configs/tiny_{uoe,moe}.yaml and
-configs/tiny_dense.yaml); sparse models run at expert-parallel size = nproc. Reports final
-validation loss, training tokens/s, routing load entropy and max load as a table, writes
-bench/results/uoe_vs_moe.json and bench/results/uoe_vs_moe.png (loss curves).
+Variants, from one size's matched set (configs/{size}_{uoe,moe}.yaml and its dense twin;
+N experts, top-k K, expert width D, shared width S, N_s = S / N):
+* dense: a SwiGLU of width K*D + S;
+* moe+shared: router MoE, experts of width D and a shared expert of width S;
+* moe: router MoE without a shared expert, experts of width D + S/K (the same active width);
+* uoe: UoE with the authors' carved sizing: experts of width D + N_s whose first N_s neurons route
+  (the same total and active parameters as moe+shared, less its router), Switch aux loss 0.01;
+* uoe-noaux: the same without any auxiliary loss (the authors report balance without one).
+Every run uses train.seed = the seed (initial weights and data order); a variant is "separated"
+from uoe when the ranges of their final validation losses over the seeds do not overlap.
+
+--gpu: the 125M set at sequence 2048 on one GPU (EP=1, micro-batch 16, 300 steps = 9.8M tokens,
+about 2 minutes per model at 80k tokens/s), on shards of sequence 2048 built from the Python
+standard library with the demo tokenizer (built first when missing: data/gpu_uoe/shards; carry
+it to a GPU machine to skip that). Writes bench/results/uoe_vs_moe[_gpu].json and .png (loss
+curves with bands from the lowest to the highest seed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.trainer_runs import REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
 
-VARIANTS = {
-    "dense": ("configs/tiny_dense.yaml", []),
-    "moe+shared": ("configs/tiny_moe.yaml", []),
-    "uoe-overlap": ("configs/tiny_uoe.yaml", ["model.moe.vse_mode=overlap"]),
-    "uoe-disjoint": ("configs/tiny_uoe.yaml", ["model.moe.vse_mode=disjoint"]),
-}
+SIZES = {"tiny": ("configs/tiny_uoe.yaml", "configs/tiny_moe.yaml", "configs/tiny_dense.yaml"),
+         "125m": ("configs/125m_uoe.yaml", "configs/125m_moe.yaml", "configs/125m_moe_dense.yaml")}
+REFERENCE = "uoe"
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+def variants(size: str) -> dict[str, tuple[str, list[str]]]:
+    """{name: (config, overrides)} for one size's matched set."""
+    from pretrain.config import load_config
 
-
-def run_variant(name: str, config: str, extra: list[str], args, run_dir: Path) -> dict:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    sparse = "dense" not in name
-    overrides = [
-        f"run.dir={run_dir}", f"run.name={name}", f"data.shards={args.shards}", f"data.tokenizer={args.tokenizer}",
-        f"train.steps={args.steps}", f"train.warmup_steps={max(1, args.steps // 10)}", "train.log_interval=10",
-        f"train.eval_interval={args.steps}", f"train.eval_batches={args.eval_batches}",
-        f"train.save_interval={10 * args.steps}", "train.resume=none", f"train.seed={args.seed}",
-        f"parallel.expert={args.nproc if sparse else 1}", *extra,
-    ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{29700 + hash(name) % 200}", "-m", "pretrain.train", "--config", config,
-           *overrides]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    train = [m for m in metrics if "train/loss" in m]
-    val = [m["val/loss"] for m in metrics if "val/loss" in m]
-    routing = [m for m in metrics if "routing/load_entropy" in m]
-    throughput = [m["train/tokens_per_s"] for m in train[1:]] or [m["train/tokens_per_s"] for m in train]
-    params = json.loads((run_dir / "checkpoints" / f"step_{args.steps:08d}" / "COMPLETE").read_text())["params"]
-    out = {
-        "config": config, "overrides": extra, "params_total": params["total"], "params_active": params["active"],
-        "val_loss": val[-1] if val else None, "final_train_loss": train[-1]["train/loss"],
-        "tokens_per_s": statistics.median(throughput), "tokens_per_s_best": max(throughput),
-        "wall_s": time.time() - start,
-        "loss_curve": [[r["step"], r["loss"]] for r in read_jsonl(run_dir / "losses.jsonl")],
+    uoe_cfg, moe_cfg, dense_cfg = SIZES[size]
+    moe = load_config(moe_cfg).model.moe
+    d, s, n, k = moe.expert_hidden_size, moe.shared_hidden_size, moe.num_experts, moe.top_k
+    if s % n or s % k:
+        raise ValueError(f"{moe_cfg}: shared width {s} must divide by {n} experts and top-k {k}")
+    carved = ["model.moe.sizing=carved", f"model.moe.expert_hidden_size={d + s // n}",
+              f"model.moe.routing_neurons={s // n}", "model.moe.shared_hidden_size=0"]
+    return {
+        "dense": (dense_cfg, []),
+        "moe+shared": (moe_cfg, []),
+        "moe": (moe_cfg, ["model.moe.shared_hidden_size=0", f"model.moe.expert_hidden_size={d + s // k}"]),
+        "uoe": (uoe_cfg, carved),
+        "uoe-noaux": (uoe_cfg, [*carved, "model.moe.aux_loss_coef=0"]),
     }
-    if routing:
-        last = routing[-3:]
-        out["load_entropy"] = statistics.mean(m["routing/load_entropy"] for m in last)
-        out["max_load"] = max(m["routing/max_load"] for m in last)
-        ratios = [v for m in last for k, v in m.items() if k.endswith("vse_over_routed")]
-        if ratios:
-            out["vse_over_routed"] = statistics.mean(ratios)
-    return out
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
+def gpu_shards(path: Path, tokenizer: str) -> None:
+    """Sequence-2048 shards from the standard library's .py files (the demo corpus), once."""
+    if (path / "manifest.json").is_file():
+        return
+    print(f"building {path} (sequence 2048, Python standard library) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "data_prep.build_shards", "--tokenizer", tokenizer, "--out", str(path),
+                    "--seq-len", "2048", "--val-fraction", "0.02", "--no-progress"], cwd=REPO, check=True)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in results.items():
-        steps, losses = zip(*r["loss_curve"])
-        window = 10
-        smooth = [statistics.mean(losses[max(0, i - window + 1): i + 1]) for i in range(len(losses))]
-        ax.plot(steps, smooth, label=f"{name} (val {r['val_loss']:.3f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"train loss ({window}-step mean)")
-    ax.set_title("matched active parameters, same tokens")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def summarise(results: dict[str, list[dict]]) -> dict[str, dict]:
+    table = {}
+    for name, runs in results.items():
+        row = {"val_loss": over_seeds([r["val_loss"] for r in runs]),
+               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+               "params_total": runs[0]["params_total"], "params_active": runs[0]["params_active"],
+               "tokens": runs[0]["tokens"], "seeds": [r["seed"] for r in runs]}
+        if "load_entropy" in runs[0]:
+            row["load_entropy"] = over_seeds([r["load_entropy"] for r in runs])
+            row["max_load"] = over_seeds([r["max_load"] for r in runs])
+        table[name] = row
+    if REFERENCE in table:
+        ref = table[REFERENCE]["val_loss"]
+        for name, row in table.items():
+            if name != REFERENCE:
+                row[f"minus_{REFERENCE}"] = row["val_loss"]["mean"] - ref["mean"]
+                row[f"separated_from_{REFERENCE}"] = separated(row["val_loss"], ref)
+    return table
+
+
+def print_table(table: dict[str, dict]) -> None:
+    print(f"{'model':<12}{'total':>8}{'active':>8}{'val loss mean ± sd':>21}{'range':>17}{'vs uoe':>9}"
+          f"{'apart':>7}{'tok/s':>8}{'entropy':>9}{'max load':>9}")
+    for name, r in table.items():
+        v = r["val_loss"]
+        diff = f"{r['minus_uoe']:+.4f}" if "minus_uoe" in r else "-"
+        apart = ("yes" if r["separated_from_uoe"] else "no") if "separated_from_uoe" in r else "-"
+        ent = f"{r['load_entropy']['mean']:.3f}" if "load_entropy" in r else "-"
+        mx = f"{r['max_load']['max']:.2f}" if "max_load" in r else "-"
+        print(f"{name:<12}{r['params_total'] / 1e6:7.2f}M{r['params_active'] / 1e6:7.2f}M"
+              f"{v['mean']:>12.4f} ± {v['sd']:.4f}{v['min']:>9.4f}-{v['max']:.4f}{diff:>9}{apart:>7}"
+              f"{r['tokens_per_s']:>8.0f}{ent:>9}{mx:>9}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--gpu", action="store_true", help="the 125M preset at sequence 2048 on one GPU")
+    parser.add_argument("--steps", type=int, help="default 400 (CPU) or 300 (--gpu)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--nproc", type=int, default=1, help="processes; sparse models run at EP = nproc")
+    parser.add_argument("--micro-batch", type=int, help="per process; default 16 / nproc (CPU), 16 (--gpu)")
     parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--shards", default="data/demo/shards")
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
+    parser.add_argument("--shards", help="default data/demo/shards (CPU) or data/gpu_uoe/shards (--gpu)")
     parser.add_argument("--tokenizer", default="data/demo/tokenizer")
     parser.add_argument("--runs", default="runs/bench_uoe_vs_moe")
-    parser.add_argument("--out", default="bench/results/uoe_vs_moe.json")
-    parser.add_argument("--only", nargs="*", choices=list(VARIANTS))
+    parser.add_argument("--out", help="default bench/results/uoe_vs_moe[_gpu].json")
+    parser.add_argument("--only", nargs="*", help="variants to run (default: all)")
     args = parser.parse_args()
 
-    results = {}
-    for name, (config, extra) in VARIANTS.items():
-        if args.only and name not in args.only:
-            continue
-        print(f"training {name} ...", flush=True)
-        results[name] = run_variant(name, config, extra, args, REPO / args.runs / name)
+    size = "125m" if args.gpu else "tiny"
+    shards = args.shards or ("data/gpu_uoe/shards" if args.gpu else "data/demo/shards")
+    if args.gpu:
+        gpu_shards(REPO / shards, args.tokenizer)
+    settings = RunSettings(steps=args.steps or (300 if args.gpu else 400), nproc=args.nproc,
+                           micro_batch=args.micro_batch or (16 if args.gpu else max(1, 16 // args.nproc)),
+                           eval_batches=args.eval_batches, shards=shards, tokenizer=args.tokenizer,
+                           device=args.device)
+    extra = []
+    if args.gpu:  # one GPU: no expert parallelism; the data's vocabulary
+        from pretrain.config import load_config
 
-    header = (f"{'model':<14}{'total':>9}{'active':>9}{'val loss':>10}{'tok/s':>9}{'best':>9}{'entropy':>9}"
-              f"{'max load':>9}")
-    print(header)
-    for name, r in results.items():
-        ent = f"{r['load_entropy']:.3f}" if "load_entropy" in r else "-"
-        mx = f"{r['max_load']:.2f}" if "max_load" in r else "-"
-        print(f"{name:<14}{r['params_total'] / 1e6:8.2f}M{r['params_active'] / 1e6:8.2f}M{r['val_loss']:>10.4f}"
-              f"{r['tokens_per_s']:>9.0f}{r['tokens_per_s_best']:>9.0f}{ent:>9}{mx:>9}")
-    out = Path(args.out)
+        vocab = json.loads((REPO / shards / "manifest.json").read_text())["vocab_size"]
+        extra = [f"model.vocab_size={vocab}", "parallel.zero_stage=1"]
+        assert load_config(SIZES[size][0]).model.max_seq_len == 2048
+    chosen = {k: v for k, v in variants(size).items() if not args.only or k in args.only}
+    out = Path(args.out or f"bench/results/uoe_vs_moe{'_gpu' if args.gpu else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"steps": args.steps, "nproc": args.nproc, "shards": args.shards, "seed": args.seed,
-            "note": "CPU gloo run; tokens/s counts all processes; median and best over log intervals "
-                    "(a shared machine makes the median noisy)"}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    plot(results, out.with_suffix(".png"))
+    results: dict[str, list[dict]] = {}
+    for seed in args.seeds:  # seed-major: an interrupted bench still has every variant at the first seeds
+        for name, (config, overrides) in chosen.items():
+            print(f"training {name} seed {seed} ...", flush=True)
+            run = run_variant(name, config, [*overrides, *extra], settings, seed,
+                              REPO / args.runs / f"{name}_seed{seed}", expert_parallel=name != "dense")
+            results.setdefault(name, []).append(run)
+            print(f"  val loss {run['val_loss']:.4f}, {run['tokens_per_s']:.0f} tokens/s, {run['wall_s']:.0f} s",
+                  flush=True)
+            table = summarise(results)
+            meta = {"size": size, "steps": settings.steps, "nproc": args.nproc, "micro_batch": settings.micro_batch,
+                    "shards": shards, "seeds": args.seeds, "device": args.device, "variants": chosen,
+                    "note": "train.seed sets initial weights and data order; tokens/s is the median over log "
+                            "intervals of all processes (noisy on a shared machine); 'apart' = the seed ranges "
+                            "of the final validation loss do not overlap with uoe's"}
+            out.write_text(json.dumps({"meta": meta, "summary": table, "runs": results}, indent=1))
+    print_table(summarise(results))
+    plot_bands({name: [r["loss_curve"] for r in runs] for name, runs in results.items()}, out.with_suffix(".png"),
+               f"{size} models, matched active parameters, {settings.steps} steps", "train loss (10-step mean)")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
