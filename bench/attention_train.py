@@ -1,50 +1,80 @@
-"""All-softmax vs all-ReLU vs hybrid attention: a short training comparison on the same shards,
-tokens and seed through the real trainer (dense MLP, configs/tiny_dense.yaml).
+"""All-softmax vs all-ReLU vs hybrid attention: a short training comparison on the same shards and
+tokens through the real trainer (dense MLP, configs/tiny_dense.yaml), over several seeds. Every
+sample begins with BOS (data.start_with_bos), so the attention-sink rate reads the weight on the
+same token in every sample.
 
-    python -m bench.attention_train [--steps 150 --shards data/demo/shards]
+    python -m bench.attention_train [--steps 300 --seeds 0 1 2 --shards data/demo/shards]
 
-Reports final validation loss, tokens/s and the attention-sink rate Sink_1^0.3 (share of heads
-whose mean weight on the first token exceeds 0.3) as a table; writes bench/results/attention_train.json.
+Reports the final validation loss (mean ± sd and range over seeds), tokens/s and the attention-sink
+rate Sink_1^0.3 (share of heads whose mean weight on the first token exceeds 0.3; ReLU heads have
+unnormalised weights, see pretrain/sink_metrics.py); writes bench/results/attention_train.json and
+.png (loss curves with bands from the lowest to the highest seed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
-from bench.uoe_vs_moe import read_jsonl, run_variant
+from bench.trainer_runs import REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
 
 VARIANTS = {
     "softmax": ["model.attention=softmax"],
-    "relu": ["model.attention=relu"],
-    "hybrid srsl": ["model.attention=srsl"],
+    "relu": ["model.attention=relu", "model.relu_attention.normalizer=content"],
+    "hybrid srsl": ["model.attention=srsl", "model.relu_attention.normalizer=content"],
 }
+REFERENCE = "softmax"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--shards", default="data/demo/shards")
     parser.add_argument("--tokenizer", default="data/demo/tokenizer")
     parser.add_argument("--runs", default="runs/bench_attention_train")
     parser.add_argument("--out", default="bench/results/attention_train.json")
     args = parser.parse_args()
-    args.nproc = 1
-    results = {}
-    for name, overrides in VARIANTS.items():
-        run_dir = Path(args.runs) / name.replace(" ", "_")
-        results[name] = run_variant(name, "configs/tiny_dense.yaml", overrides, args, run_dir)
-        sinks = [m["sinks/sink_rate"] for m in read_jsonl(run_dir / "metrics.jsonl") if "sinks/sink_rate" in m]
-        results[name]["sink_rate"] = sinks[-1] if sinks else None
-        del results[name]["loss_curve"]
-    print(f"{'attention':<14}{'val loss':>10}{'tokens/s':>10}{'sink rate':>11}")
-    for name, r in results.items():
-        print(f"{name:<14}{r['val_loss']:>10.4f}{r['tokens_per_s']:>10.0f}{r['sink_rate']:>11.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    settings = RunSettings(steps=args.steps, nproc=1, micro_batch=16, eval_batches=args.eval_batches,
+                           shards=args.shards, tokenizer=args.tokenizer, device="cpu")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    for seed in args.seeds:
+        for name, overrides in VARIANTS.items():
+            print(f"training {name} seed {seed} ...", flush=True)
+            run = run_variant(name, "configs/tiny_dense.yaml", [*overrides, "data.start_with_bos=true"], settings,
+                              seed, REPO / args.runs / f"{name.replace(' ', '_')}_seed{seed}")
+            results.setdefault(name, []).append(run)
+            summary = {}
+            for variant, runs in results.items():
+                summary[variant] = {"val_loss": over_seeds([r["val_loss"] for r in runs]),
+                                    "sink_rate": over_seeds([r.get("sink_rate", float("nan")) for r in runs]),
+                                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                                    "tokens": runs[0]["tokens"], "seeds": [r["seed"] for r in runs]}
+            for variant, row in summary.items():
+                if variant != REFERENCE and REFERENCE in summary:
+                    row["minus_softmax"] = row["val_loss"]["mean"] - summary[REFERENCE]["val_loss"]["mean"]
+                    row["separated_from_softmax"] = separated(row["val_loss"], summary[REFERENCE]["val_loss"])
+            meta = {"steps": args.steps, "seeds": args.seeds, "micro_batch": 16, "shards": args.shards,
+                    "variants": VARIANTS, "data": "data.start_with_bos=true",
+                    "note": "CPU, one process; 'apart' = the seed ranges of the final validation loss do not "
+                            "overlap with softmax's"}
+            out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
+    print(f"{'attention':<13}{'val loss mean ± sd':>21}{'range':>17}{'vs softmax':>12}{'apart':>7}{'tok/s':>8}"
+          f"{'sink rate':>11}")
+    for name, r in summary.items():
+        v, s = r["val_loss"], r["sink_rate"]
+        diff = f"{r['minus_softmax']:+.4f}" if "minus_softmax" in r else "-"
+        apart = ("yes" if r["separated_from_softmax"] else "no") if "separated_from_softmax" in r else "-"
+        print(f"{name:<13}{v['mean']:>12.4f} ± {v['sd']:.4f}{v['min']:>9.4f}-{v['max']:.4f}{diff:>12}{apart:>7}"
+              f"{r['tokens_per_s']:>8.0f}{s['mean']:>8.2f}±{s['sd']:.2f}")
+    plot_bands({name: [r["loss_curve"] for r in runs] for name, runs in results.items()}, out.with_suffix(".png"),
+               f"tiny dense models, samples begin with BOS, {args.steps} steps", "train loss (10-step mean)")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ single layer averaged over the 1,000 test inputs, and one test input per head fo
 models (Blues, 0..1). Writes bench/results/sink_paper.json and bench/results/sink_paper/*.png.
 
 The "ours-*" kinds put this project's attention weight functions (models.attention: causal softmax,
-softmax with a learned sink logit, ReLU with each normaliser: prefix = i + 1 keys, none, seqlen)
+softmax with a learned sink logit, ReLU with each normaliser: prefix = i + 1 keys, content =
+max(i, 1) keys as the paper's ReLU, none, seqlen)
 with their own 1/sqrt(d) scores into the same layers. For softmax_sink the attention on BOS is
 that on the real first key; the sink logit's share is not a key.
 """
@@ -70,7 +71,8 @@ def trigger_batch(batch: int, seq: int = 16, dim: int = 16, generator: torch.Gen
 
 # This project's attention weight functions, each with its own scores (q.k / sqrt(d)), in the
 # paper's layers: "ours-<kind>[-<relu normaliser>]".
-PROJECT_KINDS = ("ours-softmax", "ours-softmax_sink", "ours-relu-prefix", "ours-relu-none", "ours-relu-seqlen")
+PROJECT_KINDS = ("ours-softmax", "ours-softmax_sink", "ours-relu-prefix", "ours-relu-content", "ours-relu-none",
+                 "ours-relu-seqlen")
 
 
 class PaperAttention(nn.Module):

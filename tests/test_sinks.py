@@ -231,6 +231,11 @@ def test_paper_layers_take_this_projects_attention_kinds():
     q = layer.q(x).view(2, 16, 2, 16).transpose(1, 2)
     k = layer.k(x).view(2, 16, 2, 16).transpose(1, 2)
     torch.testing.assert_close(layer.weights(x), relu_weights(scaled_scores(q, k), "prefix"))
+    # content divides row i by max(i, 1) as the paper's ReLU does; only the 1/sqrt(d) = 1/4 differs.
+    torch.manual_seed(0)
+    content = PaperAttention(16, 2, "ours-relu-content").weights(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(4 * content, PaperAttention(16, 2, "relu").weights(x))
     sink = PaperAttention(16, 1, "ours-softmax_sink")
     with torch.no_grad():
         sink.sink.fill_(5.0)  # a large sink logit takes most of every row
