@@ -378,3 +378,74 @@ def test_tensor_parallel_2_equals_1(single_process, tmp_path, kv_heads):
         checked += bool(g.abs().sum() > 0)
     assert any("sink" in n for n in ref_grads) and any("align.w1" in n for n in ref_grads)
     assert checked >= len(ref_grads) - 1  # every parameter gets a gradient (all paths are live)
+
+
+# --- converting trained layers to LISA ------------------------------------------------------------------
+
+def permuted_source(cfg: ModelConfig, perm: list[int], pair_change: float = 0.0):
+    """A float64 model whose layer 2 Q/K heads are layer 1's, head h of layer 2 = head perm[h] of
+    layer 1 (distinct, well-separated heads), plus `pair_change` x random in one RoPE pair of
+    every layer-2 query head (a rank-1 complex change per pair). Block 1 adds nothing to the
+    residual stream, so both layers see the same input and their scores differ only by the weights."""
+    model = build(cfg).double()
+    h, hd, d = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        first = model.blocks[1].attn.qkv.weight.view(h, 3, hd, d)
+        first[:, :2] = torch.randn(h, 2, hd, d, generator=gen, dtype=torch.float64) * 0.4
+        second = model.blocks[2].attn.qkv.weight.view(h, 3, hd, d)
+        second[:, :2] = first[perm, :2]
+        model.blocks[1].attn.out.weight.zero_()
+        model.blocks[1].mlp.w_out.weight.zero_()
+        if pair_change:
+            for row in (3, 3 + hd // 2):  # pair 3 of the half-split layout
+                second[:, 0, row] += pair_change * torch.randn(h, d, generator=gen, dtype=torch.float64)
+    return model
+
+
+def converted(source, cfg, layers, qk_init, tokens):
+    from models.attention.lisa_conversion import build_lisa_model, layer_similarity, lisa_config
+
+    sim = layer_similarity(source, [tokens])
+    return build_lisa_model(source, cfg, lisa_config(cfg, layers), layers, sim, qk_init), sim
+
+
+def test_convert_lisa_matches_heads_within_alignment_groups(single_process):
+    """A source whose layer 2 is layer 1 with heads swapped inside each alignment group of 2:
+    the conversion finds the permutation, sets the alignment to it and, with the zero-started
+    correction, computes exactly the source."""
+    from models.attention.lisa_conversion import match_in_groups
+
+    cfg = small_cfg("ssss")
+    perm = [1, 0, 3, 2]
+    source = permuted_source(cfg, perm)
+    tokens = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(2))
+    model, sim = converted(source, cfg, [2], "zero", tokens)
+    assert match_in_groups(torch.tensor(sim[2]["heads"]), 2) == perm
+    assert torch.equal(model.blocks[2].attn.align.mix, torch.tensor([[[0.0, 1.0], [1.0, 0.0]]] * 2).double())
+    torch.testing.assert_close(model.logits(tokens), source.logits(tokens), rtol=0, atol=1e-10)
+
+
+def test_convert_lisa_trained_qk_inits_are_exact_at_full_rank(single_process):
+    """At rank = head_dim: "own" makes every converted layer the replaced one (grouped-query
+    attention, two layers in a row); "residual" adds to the matched previous heads exactly the
+    difference when it has one complex rank per RoPE pair. Below full rank both keep only the
+    pairs the low-rank rotary has, so the model is no longer exact."""
+    tokens = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(2))
+    gqa = small_cfg("ssss", num_kv_heads=2)
+    gqa.lisa.rank = gqa.head_dim
+    source = build(gqa).double()
+    model, _ = converted(source, gqa, [2, 3], "own", tokens)
+    assert not model.blocks[2].attn.align.mix.any()
+    torch.testing.assert_close(model.logits(tokens), source.logits(tokens), rtol=0, atol=1e-10)
+
+    cfg = small_cfg("ssss")
+    cfg.lisa.rank = cfg.head_dim
+    source = permuted_source(cfg, [1, 0, 3, 2], pair_change=0.3)
+    plain, _ = converted(source, cfg, [2], "zero", tokens)
+    assert (plain.logits(tokens) - source.logits(tokens)).abs().max() > 1e-3  # the change matters
+    model, _ = converted(source, cfg, [2], "residual", tokens)
+    torch.testing.assert_close(model.logits(tokens), source.logits(tokens), rtol=0, atol=1e-10)
+    cfg.lisa.rank = cfg.head_dim // 2
+    low, _ = converted(source, cfg, [2], "residual", tokens)
+    assert (low.logits(tokens) - source.logits(tokens)).abs().max() > 1e-6

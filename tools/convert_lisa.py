@@ -1,17 +1,20 @@
 """Convert a trained checkpoint to a LISA model: share attention scores in redundant layers.
 
-    python -m tools.convert_lisa --checkpoint RUN/checkpoints/step_X --layers auto|3,4,5 \\
-        --calib-shards DIR --out RUN_DIR [--steps N]
+    python -m tools.convert_lisa --checkpoint RUN/checkpoints/step_X --layers auto|sensitivity|3,4,5 \\
+        --calib-shards DIR --out RUN_DIR [--steps N] [--qk-init zero|own|residual] [--loss-budget 0.05]
 
 1. Loads the checkpoint into one process (any saved layout, see pretrain.consolidate).
 2. On calibration batches (DIR/train) measures, for each layer l, how similar its attention maps
    are to layer l-1's after matching heads (greedy one-to-one matching on the per-head cosine
    similarity of the maps, averaged over the batch).
-3. Proposes layers (auto: similarity >= --threshold, most similar first, at most --max-fraction
-   of the layers, never the first model.lisa.keep_full_layers), or takes the given list.
+3. Chooses layers, never the first model.lisa.keep_full_layers and at most --max-fraction of them:
+   auto = similarity >= --threshold, most similar first; sensitivity = each candidate converted
+   alone and its validation-loss increase measured, then least sensitive first while the measured
+   increase of the whole set stays within --loss-budget (relative, before training); or the list.
 4. Builds the LISA model: every weight copied; a LISA layer keeps V (from the fused QKV) and the
-   output projection, starts its head-alignment FFN as the matched head permutation (identity if
-   model.lisa.align_group is smaller than num_heads) and its low-rank Q/K correction at zero.
+   output projection, starts its head alignment as the head permutation matched within each
+   alignment group (model.lisa.align_group) and its low-rank Q/K as --qk-init says
+   (models.attention.lisa_conversion: zero, own or residual).
 5. Freezes everything but the new LISA parameters (alignment FFNs, low-rank Q/K), trains them
    --steps steps on DIR/train with the LM loss, and prints validation loss (DIR/val) of the
    original, the converted model before training and after, parameter counts, Q/K compression
@@ -34,11 +37,13 @@ import torch
 
 from models.attention.lisa import qk_compression
 from models.attention.lisa_conversion import (
+    QK_INITS,
     build_lisa_model,
     layer_similarity,
     lisa_config,
     new_parameters,
     propose_layers,
+    sensitive_layers,
 )
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
@@ -68,7 +73,7 @@ def forward_tokens_per_s(model, rows: torch.Tensor, repeats: int = 3) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--layers", default="auto", help="auto or comma-separated layer indices")
+    parser.add_argument("--layers", default="auto", help="auto, sensitivity or comma-separated layer indices")
     parser.add_argument("--calib-shards", required=True, help="shards directory with train/ (and val/)")
     parser.add_argument("--out", required=True, help="run directory for the converted model")
     parser.add_argument("--steps", type=int, default=50)
@@ -77,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-batches", type=int, default=4)
     parser.add_argument("--val-samples", type=int, default=16)
     parser.add_argument("--threshold", type=float, default=0.6, help="auto: minimum matched map similarity")
-    parser.add_argument("--max-fraction", type=float, default=0.75, help="auto: at most this share of layers")
+    parser.add_argument("--max-fraction", type=float, default=0.75,
+                        help="auto / sensitivity: at most this share of layers")
+    parser.add_argument("--loss-budget", type=float, default=0.05,
+                        help="sensitivity: largest relative validation-loss increase before training")
+    parser.add_argument("--qk-init", choices=QK_INITS, default="zero", help="the low-rank Q/K's start")
     parser.add_argument("--align-group", type=int, default=None, help="override model.lisa.align_group")
     args = parser.parse_args(argv)
 
@@ -97,16 +106,23 @@ def main(argv: list[str] | None = None) -> int:
                                                    if s else f"{'-':>20} {'-':>12}"))
     if args.align_group is not None:
         cfg.lisa.align_group = args.align_group
+    sensitivity = None
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction)
+    elif args.layers == "sensitivity":
+        layers, sensitivity = sensitive_layers(source, cfg, sim, lambda m: val_loss(m, val, args.micro_batch),
+                                               args.qk_init, args.loss_budget, args.max_fraction)
+        print("loss increase converting each layer alone: "
+              + ", ".join(f"{layer}: {100 * v:+.2f}%" for layer, v in sensitivity.items()))
     else:
         layers = sorted(int(x) for x in args.layers.split(",") if x.strip())
     if not layers:
         raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
-                        "existing LISA layers, softmax / ReLU families)")
+                        "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "
+                        "within --loss-budget)")
     new_cfg = lisa_config(cfg, layers)
     print(f"LISA layers: {layers}; attention {new_cfg.attention}")
-    model = build_lisa_model(source, cfg, new_cfg, layers, sim)
+    model = build_lisa_model(source, cfg, new_cfg, layers, sim, args.qk_init)
     for p in model.parameters():
         p.requires_grad_(False)
     trainable = new_parameters(model, layers)
@@ -132,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     n_source = sum(p.numel() for p in source.parameters())
     n_new = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in trainable)
-    qk_source = sum(2 * cfg.hidden_size ** 2 for _ in layers)
+    qk_source = len(layers) * cfg.hidden_size * (cfg.hidden_size + cfg.kv_width)  # Q and (grouped) K
     qk_new = sum(model.blocks[i].attn.qk.weight.numel() for i in layers)
     tps_source = forward_tokens_per_s(source, val[: args.micro_batch])
     tps_new = forward_tokens_per_s(model, val[: args.micro_batch])
     report = {
         "checkpoint": str(args.checkpoint), "layers": layers, "attention": new_cfg.attention,
+        "qk_init": args.qk_init, "sensitivity": sensitivity,
         "similarity": {str(k): v for k, v in sim.items()},
         "val_loss": {"source": loss_source, "converted_init": loss_init, "converted_trained": loss_after},
         "steps": args.steps, "train_seconds": train_s,

@@ -1,12 +1,27 @@
 """Turning layers of a trained model into LISA layers (models.attention.lisa): which layers'
 attention maps repeat the previous layer's, and the converted model that shares them.
 
+A converted layer starts from the trained weights:
+* head alignment: within each alignment group of g heads, new head n reads the previous layer's
+  head of that group whose maps are most like its own (a one-to-one greedy matching), M = that
+  permutation;
+* low-rank Q/K (qk_init): "zero" (key half zero: pure aligned sharing), "own" (no sharing at
+  first, M = 0: the replaced layer's own Q/K on the RoPE pairs the rank-r rotary has; at r =
+  head_dim the converted layer computes exactly the replaced layer's scores) or "residual" (M =
+  the permutation, and on those pairs the best rank-1 complex approximation of the replaced head's
+  bilinear form minus its matched previous head's; exact at r = head_dim whenever the two differ
+  by at most one complex rank per pair and both layers see the same input: it works in weight
+  space, while the previous block has already changed the residual stream).
+Rank-r RoPE pair m rotates at base^(-2m/r), which is pair m * head_dim / r of a full head (half-
+split layout, models.layers.Rotary), so those pairs carry over exactly; the others cannot.
+
 tools.convert_lisa runs it on a checkpoint and trains the new parameters.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -20,6 +35,9 @@ def head_similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     fa = torch.nn.functional.normalize(a.float().flatten(2), dim=-1)  # [batch, H, q*k]
     fb = torch.nn.functional.normalize(b.float().flatten(2), dim=-1)
     return torch.einsum("bhn,bgn->bhg", fa, fb).mean(0)
+
+
+QK_INITS = ("zero", "own", "residual")
 
 
 def greedy_match(sim: torch.Tensor) -> list[int]:
@@ -48,8 +66,19 @@ def layer_similarity(model, batches: list[torch.Tensor]) -> dict[int, dict]:
     for layer, s in sims.items():
         match = greedy_match(s)
         out[layer] = {"similarity": float(torch.stack([s[p, n] for n, p in enumerate(match)]).mean()),
-                      "unmatched": float(s.diagonal().mean()), "match": match}
+                      "unmatched": float(s.diagonal().mean()), "match": match,
+                      "heads": s.tolist()}  # [previous head, new head] cosine similarity
     return out
+
+
+def match_in_groups(sim: torch.Tensor, group: int) -> list[int]:
+    """match[h_new] = h_prev with both heads in the same alignment group of `group` heads (the
+    alignment mixes heads only within groups), one to one per group."""
+    match = []
+    for start in range(0, sim.shape[0], group):
+        block = sim[start:start + group, start:start + group]
+        match += [start + p for p in greedy_match(block)]
+    return match
 
 
 def family(kinds: list[str], layer: int) -> str | None:
@@ -93,6 +122,30 @@ def propose_layers(sim: dict[int, dict], kinds: list[str], keep_full: int, thres
     return sorted(chosen or ranked[:1])
 
 
+def sensitive_layers(source, cfg, sim: dict[int, dict], loss, qk_init: str, budget: float,
+                     max_fraction: float) -> tuple[list[int], dict[int, float]]:
+    """Layer choice by measured sensitivity. `loss(model)` is a validation loss. Every candidate
+    layer is converted alone (no training) and its relative loss increase over the source's
+    measured; then, least sensitive first, a layer joins when the measured increase of the whole
+    set stays within `budget`, up to `max_fraction` of the layers. Returns (layers, increase alone)."""
+    base = loss(source)
+    kinds, keep = cfg.attention_kinds(), cfg.lisa.keep_full_layers
+
+    def increase(layers: list[int]) -> float:
+        return loss(build_lisa_model(source, cfg, lisa_config(cfg, layers), layers, sim, qk_init)) / base - 1
+
+    alone = {layer: increase([layer]) for layer in range(len(kinds))
+             if conversion_problem(kinds, [layer], keep) is None}
+    limit = max(1, int(max_fraction * len(kinds)))
+    chosen: list[int] = []
+    for layer in sorted(alone, key=alone.get):
+        trial = sorted(chosen + [layer])
+        if len(chosen) < limit and alone[layer] <= budget and conversion_problem(kinds, trial, keep) is None \
+                and increase(trial) <= budget:
+            chosen = trial
+    return chosen, alone
+
+
 def lisa_config(cfg, layers: list[int]):
     problem = conversion_problem(cfg.attention_kinds(), layers, cfg.lisa.keep_full_layers)
     if problem:
@@ -106,12 +159,70 @@ def lisa_config(cfg, layers: list[int]):
     return new
 
 
+def head_qk(attn, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projected layer's Q rows [heads, head_dim, d] and, per query head, its K/V group's K rows."""
+    h, g, hd, d = cfg.num_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+    qkv = attn.qkv.weight.view(cfg.kv_heads, g + 2, hd, d)
+    return qkv[:, :g].reshape(h, hd, d), qkv[:, g].repeat_interleave(g, dim=0)
+
+
+def carried_pairs(head_dim: int, rank: int) -> list[int]:
+    """The RoPE pairs of a full head that a rank-`rank` rotary has: pair m * head_dim / rank for m < rank / 2."""
+    if head_dim % rank:
+        raise ValueError(f"qk_init own/residual needs model.lisa.rank ({rank}) to divide head_dim ({head_dim}), "
+                         "so that the low-rank RoPE frequencies are a subset of the head's; use qk_init=zero or "
+                         "another rank")
+    return [m * (head_dim // rank) for m in range(rank // 2)]
+
+
+def _pairs(w: torch.Tensor, pairs: list[int]) -> torch.Tensor:
+    """Rows [.., head_dim, d] -> complex [.., len(pairs), d]: half-split RoPE pair p is rows (p, p + head_dim/2)."""
+    half = w.shape[-2] // 2
+    idx = torch.tensor(pairs)
+    return torch.complex(w[..., idx, :].double(), w[..., idx + half, :].double())
+
+
+def _rows(c: torch.Tensor) -> torch.Tensor:
+    """Complex [.., pairs, d] -> half-split rows [.., 2 * pairs, d]."""
+    return torch.cat([c.real, c.imag], dim=-2)
+
+
+def rank1(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
+    """Best rank-1 (u, v) with outer(u, conj(v)) ~ outer(a0, conj(b0)) - outer(a1, conj(b1)) (complex [d] each):
+    through thin QRs of [a0 a1] and [b0 b1], then the SVD of the 2 x 2 core."""
+    qa, ra = torch.linalg.qr(torch.stack(a, dim=1))
+    qb, rb = torch.linalg.qr(torch.stack(b, dim=1))
+    core = ra @ torch.diag(torch.tensor([1.0, -1.0], dtype=ra.dtype)) @ rb.conj().T
+    u, sigma, vh = torch.linalg.svd(core)
+    scale = sigma[0].sqrt()
+    return scale * (qa @ u[:, 0]), scale * (qb @ vh[0].conj())
+
+
+def low_rank_qk(cfg, attn, prev, match: list[int], rank: int, qk_init: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LISA layer's low-rank Q and K rows [heads, rank, d] for the replaced layer `attn` and the
+    layer before it `prev` (residual), scaled so that their rank-r scores (divided by sqrt(r)) equal
+    the promised share of the full scores (divided by sqrt(head_dim))."""
+    pairs = carried_pairs(cfg.head_dim, rank)
+    q, k = (_pairs(w, pairs) for w in head_qk(attn, cfg))  # [heads, rank/2, d] complex
+    if qk_init == "residual":
+        pq, pk = (_pairs(w, pairs)[match] for w in head_qk(prev, cfg))  # the matched previous heads
+        for h in range(cfg.num_heads):
+            for m in range(len(pairs)):
+                q[h, m], k[h, m] = rank1((q[h, m], pq[h, m]), (k[h, m], pk[h, m]))
+    scale = math.sqrt(rank / cfg.head_dim)
+    return _rows(q) * scale, _rows(k)
+
+
 @torch.no_grad()
-def build_lisa_model(source, cfg, new_cfg, layers: list[int], sim: dict[int, dict]):
+def build_lisa_model(source, cfg, new_cfg, layers: list[int], sim: dict[int, dict], qk_init: str = "zero"):
+    """The converted model (see the module docstring); `sim` from layer_similarity (may be empty:
+    identity alignment)."""
     from models.gpt import GPT
 
+    if qk_init not in QK_INITS:
+        raise ValueError(f"qk_init={qk_init!r}: choose one of {', '.join(QK_INITS)}")
     torch.manual_seed(0)
-    model = GPT(new_cfg)
+    model = GPT(new_cfg).to(next(source.parameters()).dtype)  # the source's precision
     own = model.state_dict()
     replaced = tuple(f"blocks.{i}.attn." for i in layers)
     for name, value in source.state_dict().items():
@@ -120,18 +231,28 @@ def build_lisa_model(source, cfg, new_cfg, layers: list[int], sim: dict[int, dic
     for i in layers:
         src_attn = source.blocks[i].attn
         lisa: LISAAttention = model.blocks[i].attn
-        h, g, hd, d = cfg.num_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim, cfg.hidden_size
+        g, hd, d = cfg.num_heads // cfg.kv_heads, cfg.head_dim, cfg.hidden_size
         if not hasattr(src_attn, "qkv"):
             raise ValueError(f"layer {i} is already a LISA layer; choose other layers")
         qkv = src_attn.qkv.weight.view(cfg.kv_heads, g + 2, hd, d)  # grouped by K/V head
         lisa.v.weight.copy_(qkv[:, g + 1].reshape(cfg.kv_width, d))
         lisa.out.weight.copy_(src_attn.out.weight)
         group = lisa.align.group
-        if group == h and i in sim:  # the matched head permutation: new head n reads previous head match[n]
-            mix = torch.zeros(h, h)
-            for n, p in enumerate(sim[i]["match"]):
-                mix[n, p] = 1.0
-            lisa.align.mix.copy_(mix.unsqueeze(0))
+        match = (match_in_groups(torch.tensor(sim[i]["heads"]), group) if i in sim
+                 else list(range(cfg.num_heads)))
+        mix = torch.zeros(cfg.num_heads // group, group, group)
+        for n, p in enumerate(match):  # new head n reads previous head p (same group)
+            mix[n // group, n % group, p % group] = 1.0
+        if qk_init == "own":
+            mix.zero_()  # the layer starts as the replaced layer (on the carried RoPE pairs)
+        lisa.align.mix.copy_(mix)
+        if qk_init != "zero":
+            prev = source.blocks[i - 1].attn
+            if qk_init == "residual" and not hasattr(prev, "qkv"):
+                raise ValueError(f"qk_init=residual: layer {i - 1} of the source computes no Q/K of its own "
+                                 "(a LISA layer); use qk_init=own or zero")
+            q, k = low_rank_qk(cfg, src_attn, prev, match, lisa.rank, qk_init)
+            lisa.qk.weight.view(cfg.num_heads, 2, lisa.rank, d).copy_(torch.stack([q, k], dim=1))
     return model
 
 
