@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto / sensitivity: at most this share of layers")
     parser.add_argument("--loss-budget", type=float, default=0.05,
                         help="sensitivity: largest relative validation-loss increase before training")
-    parser.add_argument("--qk-init", choices=QK_INITS, default="zero", help="the low-rank Q/K's start")
+    parser.add_argument("--qk-init", choices=QK_INITS, default="own", help="the low-rank Q/K's start")
     parser.add_argument("--align-group", type=int, default=None, help="override model.lisa.align_group")
+    parser.add_argument("--rank", type=int, default=None, help="override model.lisa.rank (low-rank Q/K per head)")
     args = parser.parse_args(argv)
 
     source, cfg, meta = load_model(args.checkpoint)
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    if s else f"{'-':>20} {'-':>12}"))
     if args.align_group is not None:
         cfg.lisa.align_group = args.align_group
+    if args.rank is not None:
+        cfg.lisa.rank = args.rank
     sensitivity = None
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction)
