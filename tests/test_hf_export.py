@@ -305,6 +305,26 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     assert not torch.equal(engine.module.blocks[0].attn.qkv.weight.detach(), imported.blocks[0].attn.qkv.weight)
 
 
+def test_imported_llama_converts_to_lisa(data, imported, dist_env, tmp_path, capsys):
+    """An imported grouped-query Llama: layer 1 converted by measured sensitivity with its own
+    Q/K at full rank (head_dim 16) computes what the source computes, so the validation loss
+    before any training is the source's."""
+    from tools.convert_lisa import main as convert_main
+
+    root, _ = data
+    _, run = imported
+    assert convert_main(["--checkpoint", str(run), "--layers", "sensitivity", "--calib-shards",
+                         str(root / "shards"), "--out", str(tmp_path / "lisa"), "--steps", "1", "--rank", "16",
+                         "--keep-full-layers", "1", "--loss-budget", "1e-6", "--calib-batches", "1",
+                         "--val-samples", "8"]) == 0
+    report = json.loads((tmp_path / "lisa" / "conversion.json").read_text())
+    assert report["layers"] == [1] and report["qk_init"] == "own" and set(report["sensitivity"]) == {"1"}
+    assert report["val_loss"]["converted_init"] == pytest.approx(report["val_loss"]["source"], rel=1e-5)
+    # Q (64 x 64) and the grouped K (32 x 64) of the replaced layer against 4 heads x 2 x 16 x 64.
+    assert report["qk_params"]["replaced_layers_source"] == 64 * (64 + 32)
+    assert report["qk_params"]["replaced_layers_lisa"] == 4 * 2 * 16 * 64
+
+
 @pytest.mark.slow
 def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, capsys):
     from tools.export import main as export_main

@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qk-init", choices=QK_INITS, default="own", help="the low-rank Q/K's start")
     parser.add_argument("--align-group", type=int, default=None, help="override model.lisa.align_group")
     parser.add_argument("--rank", type=int, default=None, help="override model.lisa.rank (low-rank Q/K per head)")
+    parser.add_argument("--keep-full-layers", type=int, default=None,
+                        help="override model.lisa.keep_full_layers")
     args = parser.parse_args(argv)
 
     source, cfg, meta = load_model(args.checkpoint)
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.lisa.align_group = args.align_group
     if args.rank is not None:
         cfg.lisa.rank = args.rank
+    if args.keep_full_layers is not None:
+        cfg.lisa.keep_full_layers = args.keep_full_layers
     sensitivity = None
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction)
