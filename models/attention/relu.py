@@ -27,13 +27,30 @@ from models.registry import AttentionKind, ParallelSizes, register_attention, re
 NORMALIZERS = ("none", "prefix", "content", "seqlen")
 
 
+KERNELS = ("auto", "torch")
+
+
 @dataclass
 class ReLUAttentionConfig:
     normalizer: str = "prefix"  # none | prefix | content | seqlen
-    block_size: int = 256  # query block for O(block x seq) memory
+    block_size: int = 256  # query block for O(block x seq) memory (the PyTorch path)
+    # auto: the fused Triton kernels on a GPU where they apply (models.attention.kernels.relu_triton),
+    # else the PyTorch path; torch: always the PyTorch path.
+    kernel: str = "auto"
 
 
-register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size",))
+register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size", "kernel"))
+
+
+def fused_kernel(q: torch.Tensor, documents: torch.Tensor | None):
+    """The Triton ReLU attention function when it runs for these inputs, else None."""
+    if not q.is_cuda or documents is not None:
+        return None
+    try:
+        from models.attention.kernels.relu_triton import supports, triton_relu_attention
+    except ImportError:  # no Triton on this machine
+        return None
+    return triton_relu_attention if supports(q, documents) else None
 
 
 def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0,
@@ -115,11 +132,16 @@ class ReLUAttention(ProjectedAttention):
         super().__init__(cfg, layer)
         self.normalizer = cfg.relu_attention.normalizer
         self.block_size = cfg.relu_attention.block_size
+        self.kernel = cfg.relu_attention.kernel
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         documents = ctx.get("document_ids")
-        if not (self.publish_scores or ctx.get("capture_attention")):
+        explicit = self.publish_scores or ctx.get("capture_attention")
+        fused = fused_kernel(q, documents) if self.kernel == "auto" and not explicit else None
+        if fused is not None:  # grouped K/V heads go in as they are
+            return fused(q, k, v, self.normalizer)
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        if not explicit:
             return relu_attention(q, k, v, self.normalizer, self.block_size, documents)
         scores = scaled_scores(q, k)
         self.publish(ctx, scores)  # pre-activation scores
@@ -134,6 +156,8 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: ParallelSizes) -> None:
         raise ConfigError(f"model.relu_attention.normalizer={relu.normalizer!r}: choose one of {NORMALIZERS}")
     if relu.block_size < 1:
         raise ConfigError(f"model.relu_attention.block_size={relu.block_size} must be >= 1")
+    if relu.kernel not in KERNELS:
+        raise ConfigError(f"model.relu_attention.kernel={relu.kernel!r}: choose one of {KERNELS}")
 
 
 register_attention(AttentionKind(

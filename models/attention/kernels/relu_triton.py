@@ -1,0 +1,187 @@
+"""Causal ReLU attention as fused Triton kernels (GPU): the same function as
+models.attention.relu.relu_attention:
+
+    o_i = sum_{j <= i} ReLU(q_i . k_j / sqrt(d)) v_j / n_i     (n_i: model.relu_attention.normalizer)
+
+Blockwise like flash attention, but with no online softmax: a query block's output is a plain sum
+over key blocks, divided by n_i at the end. Forward keeps nothing but q, k, v; backward recomputes
+the scores, once per key block for dK/dV (over every query head of its K/V group: grouped-query
+attention is native, no K/V repeat) and once per query block for dQ. No document masking: with
+data.document_mask the PyTorch path runs. Under TRITON_INTERPRET=1 the kernels run on CPU tensors
+(how the tests check them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+NORMALIZER_CODES = {"none": 0, "prefix": 1, "content": 2, "seqlen": 3}
+
+
+def supports(q: torch.Tensor, documents: torch.Tensor | None) -> bool:
+    """Whether the kernels run for these inputs: on the GPU (or the interpreter), no documents, a
+    head width that is a power of two from 16 to 128."""
+    d = q.shape[-1]
+    on_device = q.is_cuda or triton_interpreted()
+    return on_device and documents is None and 16 <= d <= 128 and d & (d - 1) == 0
+
+
+def triton_interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _normaliser(rows, seq_len, NORM: tl.constexpr):
+    pos = rows.to(tl.float32)
+    if NORM == 0:
+        n = pos * 0.0 + 1.0
+    elif NORM == 1:
+        n = pos + 1.0
+    elif NORM == 2:
+        n = tl.maximum(pos, 1.0)
+    else:
+        n = pos * 0.0 + seq_len
+    return n
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, H, GROUP, S, scale, seq_len,
+             NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    rows = block * BM + tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :], mask=rows[:, None] < S,
+                other=0.0)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    for start in range(0, tl.minimum((block + 1) * BM, S), BN):
+        cols = start + tl.arange(0, BN)
+        kv = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + dims[None, :]
+        k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
+        v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S)
+        w = tl.where(keep, tl.maximum(s, 0.0), 0.0)
+        acc += _dot(w.to(v.dtype), v, IEEE)
+    acc = acc / _normaliser(rows, seq_len, NORM)[:, None]
+    tl.store(O + b * so_b + h * so_h + rows[:, None] * so_s + dims[None, :], acc.to(O.dtype.element_ty),
+             mask=rows[:, None] < S)
+
+
+@triton.jit
+def _backward_kv(Q, K, V, DO, DK, DV, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GROUP, S, scale, seq_len,
+                 NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """dK, dV of one key block of one K/V head, summed over the query heads of its group."""
+    block, bkv = tl.program_id(0), tl.program_id(1)
+    kv_heads = H // GROUP
+    b, kvh = bkv // kv_heads, bkv % kv_heads
+    cols = block * BN + tl.arange(0, BN)
+    dims = tl.arange(0, D)
+    kv = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + dims[None, :]
+    k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
+    v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
+    dk = tl.zeros([BN, D], dtype=tl.float32)
+    dv = tl.zeros([BN, D], dtype=tl.float32)
+    for g in range(0, GROUP):
+        h = kvh * GROUP + g
+        for start in range(block * BN, S, BM):  # only queries at or after the block's first key
+            rows = start + tl.arange(0, BM)
+            qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :]
+            q = tl.load(Q + qo, mask=rows[:, None] < S, other=0.0)
+            do = tl.load(DO + qo, mask=rows[:, None] < S, other=0.0)
+            n = _normaliser(rows, seq_len, NORM)[:, None]
+            s = _dot(q, tl.trans(k), IEEE) * scale
+            active = (cols[None, :] <= rows[:, None]) & (rows[:, None] < S) & (cols[None, :] < S) & (s > 0)
+            w = tl.where(active, s, 0.0) / n
+            dv += _dot(tl.trans(w).to(do.dtype), do, IEEE)
+            ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
+            dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
+    tl.store(DK + kv, dk.to(DK.dtype.element_ty), mask=cols[:, None] < S)
+    tl.store(DV + kv, dv.to(DV.dtype.element_ty), mask=cols[:, None] < S)
+
+
+@triton.jit
+def _backward_q(Q, K, V, DO, DQ, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GROUP, S, scale, seq_len,
+                NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    rows = block * BM + tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :]
+    q = tl.load(Q + qo, mask=rows[:, None] < S, other=0.0)
+    do = tl.load(DO + qo, mask=rows[:, None] < S, other=0.0)
+    n = _normaliser(rows, seq_len, NORM)[:, None]
+    dq = tl.zeros([BM, D], dtype=tl.float32)
+    for start in range(0, tl.minimum((block + 1) * BM, S), BN):
+        cols = start + tl.arange(0, BN)
+        kv = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + dims[None, :]
+        k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
+        v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        active = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (s > 0)
+        ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
+        dq += _dot(ds.to(k.dtype), k, IEEE)
+    tl.store(DQ + qo, dq.to(DQ.dtype.element_ty), mask=rows[:, None] < S)
+
+
+def _blocks(d: int) -> tuple[int, int]:
+    if triton_interpreted():
+        return 16, 16
+    return (64, 64) if d <= 64 else (64, 32)
+
+
+class _TritonReLUAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, normalizer: str):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        batch, heads, seq, d = q.shape
+        group = heads // k.shape[1]
+        bm, bn = _blocks(d)
+        norm, ieee = NORMALIZER_CODES[normalizer], q.dtype == torch.float32
+        out = torch.empty_like(q)
+        _forward[(triton.cdiv(seq, bm), batch * heads)](
+            q, k, v, out, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], heads, group, seq,
+            1.0 / math.sqrt(d), float(seq), NORM=norm, IEEE=ieee, BM=bm, BN=bn, D=d)
+        ctx.save_for_backward(q, k, v)
+        ctx.normalizer = normalizer
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        batch, heads, seq, d = q.shape
+        kv_heads = k.shape[1]
+        bm, bn = _blocks(d)
+        args = (heads, heads // kv_heads, seq, 1.0 / math.sqrt(d), float(seq))
+        meta = dict(NORM=NORMALIZER_CODES[ctx.normalizer], IEEE=q.dtype == torch.float32, BM=bm, BN=bn, D=d)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _backward_kv[(triton.cdiv(seq, bn), batch * kv_heads)](
+            q, k, v, grad_out, dk, dv, *q.stride()[:3], *k.stride()[:3], *args, **meta)
+        _backward_q[(triton.cdiv(seq, bm), batch * heads)](
+            q, k, v, grad_out, dq, *q.stride()[:3], *k.stride()[:3], *args, **meta)
+        return dq, dk, dv, None
+
+
+def triton_relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str) -> torch.Tensor:
+    """q [batch, heads, seq, d], k / v [batch, kv_heads, seq, d] (kv_heads dividing heads)."""
+    if normalizer not in NORMALIZER_CODES:
+        raise ValueError(f"normalizer={normalizer!r}: choose one of {', '.join(NORMALIZER_CODES)}")
+    return _TritonReLUAttention.apply(q, k, v, normalizer)
