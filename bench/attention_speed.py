@@ -4,10 +4,12 @@
 
 Times one attention module (projections + core + output projection) in one process (TP = 1) on
 whatever device is present. Kinds: softmax (SDPA), softmax_sink (SDPA with a sink column), relu
-(blocked ReLU attention), lisa (shared scores given, align FFN + low-rank Q/K), lisa_linear
-(the same with model.lisa.align_hidden = 0: linear head mixing only), and
-softmax+publish (a softmax layer that materialises its scores for a following LISA layer: the
-extra cost a LISA layer puts on its predecessor).
+(the fused Triton kernels on a GPU, else blocked PyTorch), relu_torch (always the PyTorch path),
+lisa (shared scores given, align FFN + low-rank Q/K), lisa_linear (the same with
+model.lisa.align_hidden = 0: linear head mixing only), and softmax+publish (a softmax layer that
+materialises its scores for a following LISA layer: the extra cost a LISA layer puts on its
+predecessor). `decode_ms_per_token` times decoding with the KV cache through the Hugging Face
+modeling file (models/hf), for bench.gpu_check.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ["softmax", "softmax_sink", "relu", "lisa", "lisa_linear", "softmax+publish"]
+KINDS = ["softmax", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear", "softmax+publish"]
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
@@ -35,22 +37,23 @@ def build(kind: str, hidden: int, heads: int, seq: int):
         cfg.attention = "softmax,lisa"
         cfg.lisa.align_hidden = 0 if kind == "lisa_linear" else cfg.lisa.align_hidden
         return build_attention(cfg, 1), cfg
-    cfg.attention = "softmax" if kind == "softmax+publish" else kind
+    cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu"}.get(kind, kind)
+    cfg.relu_attention.kernel = "torch" if kind == "relu_torch" else "auto"
     module = build_attention(cfg, 0)
     module.publish_scores = kind == "softmax+publish"
     return module, cfg
 
 
 def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
-              documents: torch.Tensor | None = None) -> float:
+              documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
     """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
     from models.layers import Rotary
 
     module, cfg = build(kind, hidden, heads, seq)
-    module = module.to(device)
+    module = module.to(device, dtype)
     rotary = Rotary(cfg.head_dim, seq, cfg.rope_base).to(device)
-    x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
-    scores = torch.randn(batch, heads, seq, seq, device=device, requires_grad=True)
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    scores = torch.randn(batch, heads, seq, seq, device=device, dtype=dtype, requires_grad=True)
     times = []
     for i in range(repeats + 1):
         ctx = {"rotary": rotary, "attention_scores": {0: scores}, "document_ids": documents}
@@ -65,6 +68,49 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
         x.grad = scores.grad = None
         module.zero_grad(set_to_none=True)
     return statistics.median(times)
+
+
+DECODE_LAYERS = {"softmax": ["softmax", "softmax"], "softmax_sink": ["softmax", "softmax_sink"],
+                 "relu": ["softmax", "relu"], "lisa": ["softmax", "lisa"]}
+
+
+@torch.no_grad()
+def decode_ms_per_token(kind: str, hidden: int, heads: int, prompt: int, new_tokens: int, device,
+                        dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A two-layer model (softmax, then `kind`) of the Hugging Face modeling file, random weights:
+    {"prefill_ms", "decode_ms_per_token"} for a `prompt`-token prefill, then `new_tokens` tokens one
+    at a time with the KV cache (the median step)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "models" / "hf" / "modeling_uoe_pretrain.py"
+    spec = importlib.util.spec_from_file_location("modeling_uoe_pretrain", path)
+    hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf)
+    kinds = DECODE_LAYERS[kind]
+    config = hf.UoEPretrainConfig(
+        vocab_size=512, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
+        intermediate_size=4 * hidden, max_position_embeddings=prompt + new_tokens, attention_kinds=kinds,
+        lisa_sources=[None, "softmax" if kind == "lisa" else None], lisa_rank=max(2, hidden // heads // 8),
+        mlp_kinds=["dense", "dense"])
+    model = hf.UoEPretrainForCausalLM(config).to(device, dtype).eval()
+    tokens = torch.randint(0, 512, (1, prompt + new_tokens), device=device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    t0 = time.perf_counter()
+    out = model(tokens[:, :prompt], use_cache=True)
+    sync()
+    prefill = time.perf_counter() - t0
+    cache, steps = out.past_key_values, []
+    for i in range(prompt, prompt + new_tokens):
+        t0 = time.perf_counter()
+        cache = model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True).past_key_values
+        sync()
+        steps.append(time.perf_counter() - t0)
+    return {"prefill_ms": 1000 * prefill, "decode_ms_per_token": 1000 * statistics.median(steps[1:] or steps)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@
 
 Each throughput row runs in its own process (a failure or leak in one row cannot spoil the next)
 with the micro-batch of its config's `# single-gpu` layout line, and sets the measured peak memory
-beside the planner's estimate. `--device cpu` runs the same script on tiny models in fp32: a smoke
+beside the planner's estimate. Then one attention layer per kind is timed at the 1B hybrid width,
+forward + backward and decoding with the KV cache, beside softmax (--no-attention skips it). `--device cpu` runs the same script on tiny models in fp32: a smoke
 test of the script itself, not a measurement. Without a CUDA device (and no `--device cpu`) it says
 so and exits 0. Writes bench/results/gpu_check-<date>.json and .md.
 """
@@ -38,6 +39,10 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
         "model.moe.expert_hidden_size=64", "model.moe.shared_hidden_size=64", "model.moe.num_experts=4",
         "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
+# One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
+ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "relu_torch", "lisa", "softmax+publish")
+ATTENTION_SEQS = (2048, 4096)
+ATTENTION_ROW = "attention"  # run_isolated's name for the attention rows
 RESULT = "RESULT "
 PROFILE = "PROFILE "
 
@@ -214,6 +219,34 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     print(PROFILE + json.dumps(profiled), flush=True)
 
 
+def attention_rows(device: str) -> dict:
+    """Forward + backward of one attention layer per kind (bf16 on the GPU) and decoding with the KV
+    cache (a softmax layer, then the kind), each beside softmax at the same sequence. --device cpu:
+    tiny sizes in fp32, a smoke test."""
+    from bench.attention_speed import DECODE_LAYERS, decode_ms_per_token, time_kind
+
+    cpu = device == "cpu"
+    dev, dtype = torch.device(device), torch.float32 if cpu else torch.bfloat16
+    hidden, heads = (128, 4) if cpu else (2048, 16)
+    rows = {}
+    for seq in (64,) if cpu else ATTENTION_SEQS:
+        for kind in ATTENTION_KINDS:
+            row = rows.setdefault(f"{kind} @ {seq}", {"kind": kind, "seq": seq})
+            try:
+                row["train_ms"] = 1000 * time_kind(kind, hidden, heads, seq, 1, 5, dev, dtype=dtype)
+                if kind in DECODE_LAYERS:
+                    row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
+            except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
+                row["error"] = f"{type(err).__name__}: {err}"
+            print(f"attention {kind} @ {seq}: {row}", flush=True)
+        base = rows[f"softmax @ {seq}"]
+        for row in (r for r in rows.values() if r["seq"] == seq and "error" not in r and "error" not in base):
+            row["train_x_softmax"] = row["train_ms"] / base["train_ms"]
+            if "decode_ms_per_token" in row:
+                row["decode_x_softmax"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
+    return rows
+
+
 def run_isolated(name: str, args: argparse.Namespace) -> dict:
     """One throughput row in a fresh process; a crash or timeout becomes the row's error."""
     from pretrain.distributed import environment_for_child
@@ -279,6 +312,20 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {count(r['params_total'])} ({count(r['params_active'])}) | "
                      f"{r['micro_batch']} x {r['seq']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | "
                      f"{r['peak_memory_gb']:.1f} | {r['planned_memory_gb']:.1f} ({r['plan_over_measured']:.2f}) |")
+    attention = report.get("attention", {})
+    if attention:
+        lines += ["", "One attention layer per kind (forward + backward; decode: a softmax layer, then the kind, "
+                  "with the KV cache):", "",
+                  "| kind @ seq | train ms | x softmax | prefill ms | decode ms/token | x softmax |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in attention.items():
+            if "error" in r:
+                lines.append(f"| {name} | ERROR: {r['error']} | | | | |")
+                continue
+            fmt = lambda key, spec: format(r[key], spec) if key in r else ""  # noqa: E731
+            lines.append(f"| {name} | {fmt('train_ms', '.2f')} | {fmt('train_x_softmax', '.2f')} | "
+                         f"{fmt('prefill_ms', '.1f')} | {fmt('decode_ms_per_token', '.2f')} | "
+                         f"{fmt('decode_x_softmax', '.2f')} |")
     profiled = {name: r for name, r in report["throughput"].items() if "top_ops" in r or "profile_error" in r}
     if profiled:
         lines += ["", "Where a step's time goes (one profiled step; self time per operator, share of all):", ""]
@@ -299,6 +346,8 @@ def main() -> int:
     parser.add_argument("--out-dir", default="bench/results")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="profile one more step after each row's timed steps (top operators in the report)")
+    parser.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True,
+                        help="time one attention layer per kind, training and decoding")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -306,6 +355,13 @@ def main() -> int:
         return 0
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.one == ATTENTION_ROW:
+        from pretrain.distributed import destroy_distributed, init_single_process
+
+        init_single_process()
+        print(RESULT + json.dumps({"rows": attention_rows(args.device)}), flush=True)
+        destroy_distributed()
+        return 0
     if args.one:
         from pretrain.distributed import destroy_distributed
 
@@ -347,6 +403,9 @@ def main() -> int:
         report["throughput"][name] = run_isolated(name, args)
         row = {k: v for k, v in report["throughput"][name].items() if k != "log_tail"}
         print(name, json.dumps(row), flush=True)
+    if args.attention:  # in a process of its own too: a kernel fault cannot take the report with it
+        attention = run_isolated(ATTENTION_ROW, args)
+        report["attention"] = attention.get("rows", {"all": attention})
     table = markdown(report)
     print(table)
     out = Path(args.out_dir)
@@ -357,6 +416,7 @@ def main() -> int:
     failed = [f"{n} (correctness)" for n, c in report["correctness"].items() if not c.get("match")]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
     failed += [] if report["grouped_gemm"].get("match") else ["grouped GEMM"]
+    failed += [f"attention {n}" for n, r in report.get("attention", {}).items() if "error" in r]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

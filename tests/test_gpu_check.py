@@ -37,7 +37,15 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert report["grouped_gemm"]["match"], report["grouped_gemm"]
     for name, c in report["correctness"].items():
         assert c["match"] and len(c["cpu"]) == 3, (name, c)
+    attention = report["attention"]
+    assert {r["kind"] for r in attention.values()} >= {"softmax", "softmax_sink", "relu", "lisa"}
+    for name, r in attention.items():
+        assert "error" not in r and r["train_ms"] > 0, (name, r)
+        if r["kind"] in ("softmax", "softmax_sink", "relu", "lisa"):
+            assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0, (name, r)
+    assert attention["softmax @ 64"]["train_x_softmax"] == 1.0
     table = (tmp_path / report_file.name.replace(".json", ".md")).read_text()
+    assert "| lisa @ 64 |" in table
     assert all(f"| {name} |" in table for name in names)
     assert all(f"- {name}: " in table for name in names)  # the profiled step's top operators
 
