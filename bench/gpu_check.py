@@ -5,8 +5,9 @@
 Each throughput row runs in its own process (a failure or leak in one row cannot spoil the next)
 with the micro-batch of its config's `# single-gpu` layout line, and sets the measured peak memory
 beside the planner's estimate. Then one attention layer per kind is timed at the 1B hybrid width,
-forward + backward and decoding with the KV cache, beside softmax (--no-attention skips it). `--device cpu` runs the same script on tiny models in fp32: a smoke
-test of the script itself, not a measurement. Without a CUDA device (and no `--device cpu`) it says
+forward + backward and decoding with the KV cache, beside softmax (--no-attention skips it).
+`--device cpu` runs the same script on tiny models in fp32: a smoke test of the script itself, not
+a measurement. Without a CUDA device (and no `--device cpu`) it says
 so and exits 0. Writes bench/results/gpu_check-<date>.json and .md.
 """
 
@@ -314,8 +315,8 @@ def markdown(report: dict) -> str:
                      f"{r['peak_memory_gb']:.1f} | {r['planned_memory_gb']:.1f} ({r['plan_over_measured']:.2f}) |")
     attention = report.get("attention", {})
     if attention:
-        lines += ["", "One attention layer per kind (forward + backward; decode: a softmax layer, then the kind, "
-                  "with the KV cache):", "",
+        lines += ["", "One attention layer per kind (forward + backward; decode: a softmax layer, then the "
+                  "kind, with the KV cache):", "",
                   "| kind @ seq | train ms | x softmax | prefill ms | decode ms/token | x softmax |",
                   "|---|---|---|---|---|---|"]
         for name, r in attention.items():
