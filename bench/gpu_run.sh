@@ -5,6 +5,11 @@
 # reports and log under OUT_DIR as it goes (a timeout keeps what was measured).
 #
 #   bash bench/gpu_run.sh OUT_DIR [bench.gpu_check arguments, e.g. --row-timeout 200]
+#   bash bench/gpu_run.sh OUT_DIR --uoe-bench [bench.uoe_vs_moe arguments, e.g. --seeds 0]
+#
+# --uoe-bench runs bench.uoe_vs_moe --gpu instead of the check (125M models, about 2 minutes each;
+# carry data/gpu_uoe, or it builds the sequence-2048 shards there first) and writes its JSON and
+# PNG under OUT_DIR.
 #
 # PRETRAIN_PYTHON (python3) and GPU_WHEELS (.whl) name another interpreter or wheel folder.
 # bash bench/gpu_dry_run.sh runs this script on a CPU machine, against a Python that holds only
@@ -24,4 +29,10 @@ trap 'rm -rf "$site"' EXIT
 mkdir -p "$out"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [[ ${1:-} == --uoe-bench ]]; then
+    shift
+    "$PY" -m bench.uoe_vs_moe --gpu --out "$out/uoe_vs_moe_gpu.json" --runs "$(mktemp -d /tmp/uoe-runs.XXXXXX)" \
+        "$@" 2>&1 | tee "$out/log"
+    exit "${PIPESTATUS[0]}"
+fi
 PRETRAIN_PYTHON=$PY bash bench/gpu_check.sh --out-dir "$out" "$@" 2>&1 | tee "$out/log"
