@@ -1,0 +1,179 @@
+"""A model trained here, converted to LISA at several sharing fractions, against its source: decode
+speed with the KV cache, prefill, training step time, held-out perplexity and Q/K parameters.
+
+    python -m bench.lisa_decode [--checkpoint RUN] [--fractions 0.25 0.5 0.75] [--steps 200]
+
+Without --checkpoint it first trains configs/tiny_dense.yaml at 8 layers (--train-steps, seed 0).
+Each fraction runs tools.convert_lisa with --layers sensitivity (the least sensitive layers, the
+first one kept; no loss budget), the head permutation matched within alignment groups, the
+default --qk-init, and --steps steps of training the new parameters. Measured on this device, one
+process: the held-out loss (shards' val split) after that training; decoding `--new` tokens after a
+`--prompt`-token prompt, batch 1, through the Hugging Face modeling file with the KV cache (the
+exported model, built in memory) and through the framework's generate (a full forward per token);
+the prefill time; one forward + backward of a training micro-batch. Times are medians of
+--repeats. Writes bench/results/lisa_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.trainer_runs import REPO, RunSettings, run_variant
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def hf_model(model, cfg):
+    """The model as tools.export writes it (the bundled modeling file), in memory."""
+    from tools.export import _remote_module, remote_config, to_remote_state
+
+    config = remote_config(cfg, torch.float32, {"bos": 1, "eos": 2, "pad": 3})
+    hf = _remote_module().UoEPretrainForCausalLM(config)
+    hf.load_state_dict(to_remote_state(cfg, model.state_dict()), strict=not cfg.tie_embeddings)
+    return hf.eval()
+
+
+@torch.no_grad()
+def decode_times(model, cfg, prompt: torch.Tensor, new: int, repeats: int) -> dict:
+    hf = hf_model(model, cfg)
+
+    def cached():
+        out = hf(prompt, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(new):
+            out = hf(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def recompute():
+        tokens = prompt
+        for _ in range(new):
+            tokens = torch.cat([tokens, model.logits(tokens)[:, -1:, :cfg.vocab_size].argmax(-1)], dim=1)
+
+    model.eval()
+    prefill = median_seconds(lambda: hf(prompt, use_cache=True), repeats)
+    with_cache = median_seconds(cached, repeats)
+    return {"prefill_ms": 1000 * prefill, "decode_tokens_per_s": new / max(with_cache - prefill, 1e-9),
+            "generate_tokens_per_s": new / median_seconds(recompute, repeats)}
+
+
+def train_step_ms(model, batch: torch.Tensor, repeats: int) -> float:
+    model.train()
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+
+    def step():
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        for p in params:
+            p.grad = None
+
+    return 1000 * median_seconds(step, repeats)
+
+
+def qk_params(model, cfg) -> int:
+    """Q/K parameters of every attention layer: Q and grouped K of full layers, the low-rank Q/K of LISA layers."""
+    total = 0
+    for block in model.blocks:
+        attn = block.attn
+        total += attn.qk.weight.numel() if hasattr(attn, "qk") else cfg.hidden_size * (cfg.hidden_size + cfg.kv_width)
+    return total
+
+
+def measure(name: str, model, cfg, val_loss: float, prompt, batch, args) -> dict:
+    row = {"model": name, "attention": cfg.attention, "val_loss": val_loss, "perplexity": math.exp(val_loss),
+           "qk_params": qk_params(model, cfg), **decode_times(model, cfg, prompt, args.new, args.repeats),
+           "train_step_ms": train_step_ms(model, batch, args.repeats)}
+    print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'model'})}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="a trained run (default: train one)")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    parser.add_argument("--steps", type=int, default=200, help="conversion training steps")
+    parser.add_argument("--train-steps", type=int, default=300, help="steps of the source model trained here")
+    parser.add_argument("--shards", default="data/demo/shards")
+    parser.add_argument("--tokenizer", default="data/demo/tokenizer")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new", type=int, default=63)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--runs", default="runs/bench_lisa_decode")
+    parser.add_argument("--out", default="bench/results/lisa_decode.json")
+    args = parser.parse_args()
+    from models.config import ModelConfig
+    from models.gpt import GPT
+    from pretrain.consolidate import load_model
+    from pretrain.data import read_samples
+    from tools.convert_lisa import main as convert
+
+    runs = REPO / args.runs
+    source_run = args.checkpoint
+    if source_run is None:
+        source_run = runs / "source"
+        print(f"training the source model ({args.train_steps} steps) ...", flush=True)
+        settings = RunSettings(steps=args.train_steps, nproc=1, micro_batch=16, eval_batches=8, shards=args.shards,
+                               tokenizer=args.tokenizer, device="cpu", evals=1)
+        run_variant("lisa-source", "configs/tiny_dense.yaml", ["model.num_layers=8"], settings, 0, source_run)
+    source, cfg, _ = load_model(str(source_run))
+    samples = read_samples(Path(args.shards) / "val", 9)
+    prompt, batch = samples[:1, :args.prompt], samples[1:9]
+    if args.prompt + args.new > cfg.max_seq_len:
+        raise SystemExit(f"--prompt {args.prompt} + --new {args.new} exceeds max_seq_len {cfg.max_seq_len}")
+    rows, source_loss = [], None
+    for fraction in args.fractions:
+        out = runs / f"lisa_{int(100 * fraction)}"
+        convert(["--checkpoint", str(source_run), "--layers", "sensitivity", "--loss-budget", "1e9",
+                 "--max-fraction", str(fraction), "--keep-full-layers", "1", "--calib-shards", args.shards,
+                 "--out", str(out), "--steps", str(args.steps), "--micro-batch", "8", "--val-samples", "64"])
+        report = json.loads((out / "conversion.json").read_text())
+        saved = torch.load(out / "lisa_model.pt", weights_only=False)
+        new_cfg = ModelConfig.from_dict(saved["model"])
+        model = GPT(new_cfg)
+        model.load_state_dict(saved["state_dict"])
+        if source_loss is None:
+            source_loss = report["val_loss"]["source"]
+            rows.append(measure("source", source, cfg, source_loss, prompt, batch, args))
+        row = measure(f"lisa {100 * fraction:.0f}%", model, new_cfg, report["val_loss"]["converted_trained"], prompt,
+                      batch, args)
+        row.update(layers=report["layers"], shared_fraction=len(report["layers"]) / cfg.num_layers,
+                   val_loss_before_training=report["val_loss"]["converted_init"], qk_init=report["qk_init"])
+        rows.append(row)
+    base = rows[0]
+    print(f"{'model':<10}{'layers shared':>15}{'ppl':>8}{'x src':>7}{'decode tok/s':>14}{'x src':>7}"
+          f"{'generate tok/s':>16}{'x src':>7}{'prefill ms':>12}{'train ms':>10}{'x src':>7}{'Q/K params':>12}")
+    for r in rows:
+        r["perplexity_x_source"] = r["perplexity"] / base["perplexity"]
+        r["decode_x_source"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        r["generate_x_source"] = r["generate_tokens_per_s"] / base["generate_tokens_per_s"]
+        r["train_step_x_source"] = r["train_step_ms"] / base["train_step_ms"]
+        shared = ",".join(map(str, r.get("layers", []))) or "-"
+        print(f"{r['model']:<10}{shared:>15}{r['perplexity']:>8.2f}{r['perplexity_x_source']:>7.3f}"
+              f"{r['decode_tokens_per_s']:>14.1f}{r['decode_x_source']:>7.2f}{r['generate_tokens_per_s']:>16.1f}"
+              f"{r['generate_x_source']:>7.2f}{r['prefill_ms']:>12.1f}{r['train_step_ms']:>10.1f}"
+              f"{r['train_step_x_source']:>7.2f}{r['qk_params']:>12,}")
+    meta = {"source": str(source_run), "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(), "steps": args.steps, "prompt": args.prompt, "new": args.new,
+            "repeats": args.repeats, "batch_for_train_step": list(batch.shape)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
