@@ -86,12 +86,10 @@ def train_step_ms(model, batch: torch.Tensor, repeats: int) -> float:
 
 
 def qk_params(model, cfg) -> int:
-    """Q/K parameters of every attention layer: Q and grouped K of full layers, the low-rank Q/K of LISA layers."""
-    total = 0
-    for block in model.blocks:
-        attn = block.attn
-        total += attn.qk.weight.numel() if hasattr(attn, "qk") else cfg.hidden_size * (cfg.hidden_size + cfg.kv_width)
-    return total
+    """Q/K parameters of every attention layer: Q and grouped K of full layers, the low-rank Q/K of
+    LISA layers."""
+    full = cfg.hidden_size * (cfg.hidden_size + cfg.kv_width)
+    return sum(block.attn.qk.weight.numel() if hasattr(block.attn, "qk") else full for block in model.blocks)
 
 
 def measure(name: str, model, cfg, val_loss: float, prompt, batch, args) -> dict:
@@ -127,8 +125,8 @@ def main() -> None:
     if source_run is None:
         source_run = runs / "source"
         print(f"training the source model ({args.train_steps} steps) ...", flush=True)
-        settings = RunSettings(steps=args.train_steps, nproc=1, micro_batch=16, eval_batches=8, shards=args.shards,
-                               tokenizer=args.tokenizer, device="cpu", evals=1)
+        settings = RunSettings(steps=args.train_steps, nproc=1, micro_batch=16, eval_batches=8,
+                               shards=args.shards, tokenizer=args.tokenizer, device="cpu", evals=1)
         run_variant("lisa-source", "configs/tiny_dense.yaml", ["model.num_layers=8"], settings, 0, source_run)
     source, cfg, _ = load_model(str(source_run))
     samples = read_samples(Path(args.shards) / "val", 9)
@@ -149,8 +147,8 @@ def main() -> None:
         if source_loss is None:
             source_loss = report["val_loss"]["source"]
             rows.append(measure("source", source, cfg, source_loss, prompt, batch, args))
-        row = measure(f"lisa {100 * fraction:.0f}%", model, new_cfg, report["val_loss"]["converted_trained"], prompt,
-                      batch, args)
+        row = measure(f"lisa {100 * fraction:.0f}%", model, new_cfg, report["val_loss"]["converted_trained"],
+                      prompt, batch, args)
         row.update(layers=report["layers"], shared_fraction=len(report["layers"]) / cfg.num_layers,
                    val_loss_before_training=report["val_loss"]["converted_init"], qk_init=report["qk_init"])
         rows.append(row)
