@@ -18,8 +18,9 @@ from uoe when the ranges of their final validation losses over the seeds do not 
 
 --gpu: the 125M set at sequence 2048 on one GPU (EP=1, micro-batch 16, 300 steps = 9.8M tokens,
 about 2 minutes per model at 80k tokens/s), on shards of sequence 2048 built from the Python
-standard library with the demo tokenizer (built first when missing: data/gpu_uoe/shards; carry
-it to a GPU machine to skip that). Writes bench/results/uoe_vs_moe[_gpu].json and .png (loss
+standard library with the demo tokenizer (built first when missing: data/gpu_uoe/shards, 3.5M
+tokens, so about 2.8 epochs; 2 validation batches = 32 of its 38 validation samples; carry it to a
+GPU machine to skip the build). Writes bench/results/uoe_vs_moe[_gpu].json and .png (loss
 curves with bands from the lowest to the highest seed).
 """
 
@@ -109,7 +110,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--nproc", type=int, default=1, help="processes; sparse models run at EP = nproc")
     parser.add_argument("--micro-batch", type=int, help="per process; default 16 / nproc (CPU), 16 (--gpu)")
-    parser.add_argument("--eval-batches", type=int, default=16)
+    parser.add_argument("--eval-batches", type=int, help="default 16 (CPU) or 2 (--gpu)")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
     parser.add_argument("--shards", help="default data/demo/shards (CPU) or data/gpu_uoe/shards (--gpu)")
     parser.add_argument("--tokenizer", default="data/demo/tokenizer")
@@ -124,7 +125,8 @@ def main() -> None:
         gpu_shards(REPO / shards, args.tokenizer)
     settings = RunSettings(steps=args.steps or (300 if args.gpu else 400), nproc=args.nproc,
                            micro_batch=args.micro_batch or (16 if args.gpu else max(1, 16 // args.nproc)),
-                           eval_batches=args.eval_batches, shards=shards, tokenizer=args.tokenizer,
+                           eval_batches=args.eval_batches or (2 if args.gpu else 16), shards=shards,
+                           tokenizer=args.tokenizer,
                            device=args.device)
     extra = []
     if args.gpu:  # one GPU: no expert parallelism; the data's vocabulary
