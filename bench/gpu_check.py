@@ -43,7 +43,7 @@ TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
 ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "relu_torch", "lisa", "softmax+publish")
 ATTENTION_SEQS = (2048, 4096)
-ATTENTION_ROW = "attention"  # run_isolated's name for the attention rows
+ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
 RESULT = "RESULT "
 PROFILE = "PROFILE "
 
@@ -220,9 +220,13 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     print(PROFILE + json.dumps(profiled), flush=True)
 
 
-def attention_rows(device: str) -> dict:
+def attention_seqs(device: str) -> tuple[int, ...]:
+    return (64,) if device == "cpu" else ATTENTION_SEQS
+
+
+def attention_rows(device: str, seq: int) -> dict:
     """Forward + backward of one attention layer per kind (bf16 on the GPU) and decoding with the KV
-    cache (a softmax layer, then the kind), each beside softmax at the same sequence. --device cpu:
+    cache (a softmax layer, then the kind), each beside softmax at sequence `seq`. --device cpu:
     tiny sizes in fp32, a smoke test."""
     from bench.attention_speed import DECODE_LAYERS, decode_ms_per_token, time_kind
 
@@ -230,21 +234,20 @@ def attention_rows(device: str) -> dict:
     dev, dtype = torch.device(device), torch.float32 if cpu else torch.bfloat16
     hidden, heads = (128, 4) if cpu else (2048, 16)
     rows = {}
-    for seq in (64,) if cpu else ATTENTION_SEQS:
-        for kind in ATTENTION_KINDS:
-            row = rows.setdefault(f"{kind} @ {seq}", {"kind": kind, "seq": seq})
-            try:
-                row["train_ms"] = 1000 * time_kind(kind, hidden, heads, seq, 1, 5, dev, dtype=dtype)
-                if kind in DECODE_LAYERS:
-                    row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
-            except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
-                row["error"] = f"{type(err).__name__}: {err}"
-            print(f"attention {kind} @ {seq}: {row}", flush=True)
-        base = rows[f"softmax @ {seq}"]
-        for row in (r for r in rows.values() if r["seq"] == seq and "error" not in r and "error" not in base):
-            row["train_x_softmax"] = row["train_ms"] / base["train_ms"]
-            if "decode_ms_per_token" in row:
-                row["decode_x_softmax"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
+    for kind in ATTENTION_KINDS:
+        row = rows.setdefault(f"{kind} @ {seq}", {"kind": kind, "seq": seq})
+        try:
+            row["train_ms"] = 1000 * time_kind(kind, hidden, heads, seq, 1, 5, dev, dtype=dtype)
+            if kind in DECODE_LAYERS:
+                row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
+        except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
+            row["error"] = f"{type(err).__name__}: {err}"
+        print(f"attention {kind} @ {seq}: {row}", flush=True)
+    base = rows[f"softmax @ {seq}"]
+    for row in (r for r in rows.values() if "error" not in r and "error" not in base):
+        row["train_x_softmax"] = row["train_ms"] / base["train_ms"]
+        if "decode_ms_per_token" in row:
+            row["decode_x_softmax"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
     return rows
 
 
@@ -356,11 +359,12 @@ def main() -> int:
         return 0
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if args.one == ATTENTION_ROW:
+    if args.one and args.one.startswith(ATTENTION_ROW):
         from pretrain.distributed import destroy_distributed, init_single_process
 
         init_single_process()
-        print(RESULT + json.dumps({"rows": attention_rows(args.device)}), flush=True)
+        rows = attention_rows(args.device, int(args.one.removeprefix(ATTENTION_ROW)))
+        print(RESULT + json.dumps({"rows": rows}), flush=True)
         destroy_distributed()
         return 0
     if args.one:
@@ -404,9 +408,11 @@ def main() -> int:
         report["throughput"][name] = run_isolated(name, args)
         row = {k: v for k, v in report["throughput"][name].items() if k != "log_tail"}
         print(name, json.dumps(row), flush=True)
-    if args.attention:  # in a process of its own too: a kernel fault cannot take the report with it
-        attention = run_isolated(ATTENTION_ROW, args)
-        report["attention"] = attention.get("rows", {"all": attention})
+    if args.attention:  # a process per sequence length too: a kernel fault or timeout costs only its rows
+        report["attention"] = {}
+        for seq in attention_seqs(args.device):
+            result = run_isolated(f"{ATTENTION_ROW}{seq}", args)
+            report["attention"].update(result.get("rows") or {f"all @ {seq}": {"seq": seq, **result}})
     table = markdown(report)
     print(table)
     out = Path(args.out_dir)

@@ -8,8 +8,8 @@
 #   bash bench/gpu_run.sh OUT_DIR --uoe-bench [bench.uoe_vs_moe arguments, e.g. --seeds 0]
 #
 # --uoe-bench runs bench.uoe_vs_moe --gpu instead of the check (125M models, about 2 minutes each;
-# carry data/gpu_uoe, or it builds the sequence-2048 shards there first) and writes its JSON and
-# PNG under OUT_DIR.
+# carry data/demo/tokenizer and data/gpu_uoe, or it builds the sequence-2048 shards there first from
+# the tokenizer) and writes its JSON and PNG under OUT_DIR.
 #
 # PRETRAIN_PYTHON (python3) and GPU_WHEELS (.whl) name another interpreter or wheel folder.
 # bash bench/gpu_dry_run.sh runs this script on a CPU machine, against a Python that holds only

@@ -52,12 +52,15 @@ def hf_model(model, cfg):
 def decode_times(model, cfg, prompt: torch.Tensor, new: int, repeats: int) -> dict:
     hf = hf_model(model, cfg)
 
-    def cached():
+    def cached() -> float:
+        """Seconds of the `new` cached steps after an untimed prefill."""
         out = hf(prompt, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
         for _ in range(new):
             out = hf(token, past_key_values=cache, use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return time.perf_counter() - t0
 
     def recompute():
         tokens = prompt
@@ -66,8 +69,9 @@ def decode_times(model, cfg, prompt: torch.Tensor, new: int, repeats: int) -> di
 
     model.eval()
     prefill = median_seconds(lambda: hf(prompt, use_cache=True), repeats)
-    with_cache = median_seconds(cached, repeats)
-    return {"prefill_ms": 1000 * prefill, "decode_tokens_per_s": new / max(with_cache - prefill, 1e-9),
+    cached()  # warm-up
+    decode = statistics.median(cached() for _ in range(repeats))
+    return {"prefill_ms": 1000 * prefill, "decode_tokens_per_s": new / decode,
             "generate_tokens_per_s": new / median_seconds(recompute, repeats)}
 
 

@@ -18,9 +18,9 @@ from uoe when the ranges of their final validation losses over the seeds do not 
 
 --gpu: the 125M set at sequence 2048 on one GPU (EP=1, micro-batch 16, 300 steps = 9.8M tokens,
 about 2 minutes per model at 80k tokens/s), on shards of sequence 2048 built from the Python
-standard library with the demo tokenizer (built first when missing: data/gpu_uoe/shards, 3.5M
-tokens, so about 2.8 epochs; 2 validation batches = 32 of its 38 validation samples; carry it to a
-GPU machine to skip the build). Writes bench/results/uoe_vs_moe[_gpu].json and .png (loss
+standard library with the demo tokenizer data/demo/tokenizer (built first when missing:
+data/gpu_uoe/shards, 3.5M tokens, so about 2.8 epochs; 2 validation batches = 32 of its 38
+validation samples; carry both to a GPU machine to skip the build). Writes bench/results/uoe_vs_moe[_gpu].json and .png (loss
 curves with bands from the lowest to the highest seed).
 """
 
@@ -121,6 +121,9 @@ def main() -> None:
 
     size = "125m" if args.gpu else "tiny"
     shards = args.shards or ("data/gpu_uoe/shards" if args.gpu else "data/demo/shards")
+    if not (REPO / args.tokenizer / "tokenizer.json").is_file():
+        raise SystemExit(f"--tokenizer {args.tokenizer}: no tokenizer.json there (bash launch/demo.sh writes "
+                         "data/demo/tokenizer; carry it to a GPU machine with the shards)")
     if args.gpu:
         gpu_shards(REPO / shards, args.tokenizer)
     settings = RunSettings(steps=args.steps or (300 if args.gpu else 400), nproc=args.nproc,

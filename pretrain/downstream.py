@@ -85,10 +85,13 @@ def task_name(path: str | Path) -> str:
     return name
 
 
-def requests(examples: list[Example], sp, max_len: int) -> list[tuple[list[int], int]]:
+def requests(examples: list[Example], sp, max_len: int,
+             bos: int | None = None) -> list[tuple[list[int], int]]:
     """(tokens, continuation length) per choice of every example, the context cut from the left so
-    that at most ``max_len`` + 1 tokens remain."""
+    that at most ``max_len`` + 1 tokens remain; `bos` (a model trained with data.start_with_bos)
+    begins every context."""
     out = []
+    first = [] if bos is None else [bos]
     for ex in examples:
         context = sp.encode(ex.context)
         for choice in ex.choices:
@@ -96,8 +99,11 @@ def requests(examples: list[Example], sp, max_len: int) -> list[tuple[list[int],
             # tokenizer's dummy prefix or a merge across the boundary cannot add a token of its own.
             cont = sp.encode(ex.context + " " + choice)[len(context):] or sp.encode(" " + choice)
             cont = cont[-max_len:]
-            before = context or [sp.eos_id()]  # the first choice token needs something before it
-            out.append(((before + cont)[-(max_len + 1):], len(cont)))
+            before = first + context or [sp.eos_id()]  # the first choice token needs something before it
+            tokens = (before + cont)[-(max_len + 1):]
+            if first and tokens[0] != bos:  # cut from the left: BOS stays first
+                tokens = first + tokens[len(first):]
+            out.append((tokens, len(cont)))
     return out
 
 
@@ -149,14 +155,15 @@ def accuracy(examples: list[Example], logprobs: torch.Tensor) -> dict[str, float
     return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": len(examples)}
 
 
-def evaluate_tasks(model, tasks: dict[str, list[Example]], sp, batch_size: int, device, group=None) -> dict:
+def evaluate_tasks(model, tasks: dict[str, list[Example]], sp, batch_size: int, device, group=None,
+                   bos: int | None = None) -> dict:
     """{task: {acc, acc_norm, examples}} for every task; the same on every rank."""
     was_training = model.training
     model.eval()
     try:
         out = {}
         for name, examples in tasks.items():
-            reqs = requests(examples, sp, model.cfg.max_seq_len)
+            reqs = requests(examples, sp, model.cfg.max_seq_len, bos)
             pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
             out[name] = accuracy(examples, choice_logprobs(model, reqs, batch_size, device, pad, group))
         return out

@@ -28,8 +28,9 @@ class DownstreamEval(Callback):
         step = result.step
         if step % self.interval and step != trainer.cfg.train.steps:
             return
+        bos = trainer.meta.get("bos_id") if trainer.cfg.data.start_with_bos else None
         scores = evaluate_tasks(trainer.model, self.tasks, self.sp, trainer.cfg.train.micro_batch, trainer.device,
-                                ps.get_data_parallel_group())
+                                ps.get_data_parallel_group(), bos)
         trainer.logger.scalars(step, {f"{name}/{key}": value for name, r in scores.items()
                                       for key, value in r.items() if key != "examples"}, prefix="downstream/")
         trainer.logger.print(f"step {step} | downstream " + ", ".join(

@@ -45,6 +45,8 @@ def test_bad_overrides(override, message):
      "sizing=carved takes N_s=128 routing neurons out of expert_hidden_size=128, which leaves none"),
     (["model.mlp=uoe", "model.moe.sizing=inside", "model.moe.routing_neurons=8"], 1,
      "choose additive or carved"),
+    (["model.mlp=uoe", "model.moe.num_experts=0"], 1, "num_experts=0 must be >= 1"),
+    (["model.mlp=moe", "model.moe.sizing=carved"], 1, "a router MoE has none"),
     (["train.fused_optimizer=maybe"], 1, "fused_optimizer='maybe': choose auto, true or false"),
     (["data.mix=data/web"], 1, "give a list of sources"),
     (["data.mix=[{shards: a, weight: 0}]"], 1, r"data.mix\[0\].weight=0.0: must be > 0"),

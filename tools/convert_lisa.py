@@ -45,9 +45,10 @@ from models.attention.lisa_conversion import (
     propose_layers,
     sensitive_layers,
 )
+from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import read_samples
+from pretrain.data import read_samples, starting_with
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
@@ -98,8 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         p.requires_grad_(False)
     kinds = cfg.attention_kinds()
     shards = Path(args.calib_shards)
-    calib = read_samples(shards / "train", args.calib_batches * args.micro_batch)
-    val = read_samples(shards / ("val" if (shards / "val").is_dir() else "train"), args.val_samples)
+    run_cfg = run_config(resolve_checkpoint(args.checkpoint))
+    bos = meta.get("bos_id") if run_cfg is not None and run_cfg.data.start_with_bos else None
+
+    def samples(split: str, count: int):  # as the run's loader gave them
+        rows = read_samples(shards / split, count)
+        return rows if bos is None else starting_with(rows, bos)
+
+    calib = samples("train", args.calib_batches * args.micro_batch)
+    val = samples("val" if (shards / "val").is_dir() else "train", args.val_samples)
 
     sim = layer_similarity(source, [b[:, :-1] for b in calib.split(args.micro_batch)])
     print(f"{'layer':>5} {'kind':<13} {'sim to l-1 (matched)':>20} {'(same index)':>12}  head match")
@@ -113,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg.lisa.rank = args.rank
     if args.keep_full_layers is not None:
         cfg.lisa.keep_full_layers = args.keep_full_layers
+    rank = cfg.lisa.resolved_rank(cfg.head_dim)
+    if args.qk_init != "zero" and cfg.head_dim % rank:
+        print(f"note: --qk-init {args.qk_init} needs the rank ({rank}) to divide head_dim ({cfg.head_dim}); "
+              "starting the low-rank Q/K at zero instead (choose --rank to keep it)")
+        args.qk_init = "zero"
     sensitivity = None
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction)
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_init = val_loss(model, val, args.micro_batch)
     opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     model.train()
-    train_rows = read_samples(shards / "train", max(args.steps, 1) * args.micro_batch)
+    train_rows = samples("train", max(args.steps, 1) * args.micro_batch)
     t0 = time.perf_counter()
     for step, batch in enumerate(train_rows.split(args.micro_batch)[: args.steps]):
         loss = model(batch[:, :-1], batch[:, 1:])

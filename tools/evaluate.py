@@ -87,16 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     tasks, sp = load_tasks(args) if args.tasks else ({}, None)
     model, cfg, meta = load_model(args.checkpoint)
     result = {"checkpoint": meta["checkpoint"], "step": meta.get("step")}
+    run = run_config(resolve_checkpoint(args.checkpoint))
+    bos = meta.get("bos_id") if run is not None and run.data.start_with_bos else None  # as the run's loader
     if location is not None:
-        run = run_config(resolve_checkpoint(args.checkpoint))
         eos = meta.get("eos_id") if run is not None and run.data.document_mask else None
-        bos = meta.get("bos_id") if run is not None and run.data.start_with_bos else None
         rows = read_samples(location, args.batches * args.batch_size)
-        rows = rows if bos is None else starting_with(rows, bos)  # as the run's loader gave them
+        rows = rows if bos is None else starting_with(rows, bos)
         result.update(evaluate_rows(model, rows, args.batch_size, eos), shards=str(location),
                       document_mask=eos is not None, start_with_bos=bos is not None)
     if tasks:
-        result["downstream"] = evaluate_tasks(model, tasks, sp, args.batch_size, torch.device("cpu"))
+        result["downstream"] = evaluate_tasks(model, tasks, sp, args.batch_size, torch.device("cpu"), bos=bos)
     if args.json:
         print(json.dumps(result))
         return 0

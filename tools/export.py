@@ -243,9 +243,9 @@ def special_ids(tokenizer_dir: Path | None) -> dict:
     return ids
 
 
-def hf_tokenizer(tokenizer_dir: Path):
+def hf_tokenizer(tokenizer_dir: Path, add_bos: bool = False):
     """A LlamaTokenizerFast over the SentencePiece model that encodes exactly like it (ids only,
-    no BOS/EOS added, no dummy prefix)."""
+    no EOS added, no dummy prefix; BOS first with `add_bos`: a model trained with data.start_with_bos)."""
     from transformers import LlamaTokenizerFast
 
     from data_prep.tokenizer import MODEL_FILE, load_tokenizer
@@ -256,16 +256,16 @@ def hf_tokenizer(tokenizer_dir: Path):
         vocab_file=str(tokenizer_dir / MODEL_FILE),
         unk_token=piece(sp.unk_id()), bos_token=piece(sp.bos_id()), eos_token=piece(sp.eos_id()),
         pad_token=piece(sp.pad_id()) if sp.pad_id() >= 0 else None,
-        add_bos_token=False, add_eos_token=False, legacy=False, add_prefix_space=False,
+        add_bos_token=add_bos, add_eos_token=False, legacy=False, add_prefix_space=False,
         clean_up_tokenization_spaces=False, model_max_length=None,
     )
 
 
-def save_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False) -> None:
     """hf_tokenizer's files in ``out``, loading with AutoTokenizer as PreTrainedTokenizerFast straight
     from tokenizer.json: LlamaTokenizerFast rebuilds itself from the SentencePiece model (which needs
     protobuf) whenever add_prefix_space is set, and the slow LlamaTokenizer needs that key."""
-    hf_tokenizer(tokenizer_dir).save_pretrained(out)
+    hf_tokenizer(tokenizer_dir, add_bos).save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -299,7 +299,7 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
     if extra_meta["format"] == "remote":
         shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)
     if tokenizer_dir is not None:
-        save_tokenizer(tokenizer_dir, out)
+        save_tokenizer(tokenizer_dir, out, extra_meta.get("add_bos_token", False))
     (out / "export_info.json").write_text(json.dumps(extra_meta, indent=1, default=str))
 
 
@@ -331,6 +331,8 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
             "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
             "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
+    run_cfg = run_config(tag_dir)
+    info["add_bos_token"] = bool(run_cfg is not None and run_cfg.data.start_with_bos)  # as the model trained
     if fmt == "remote" and registry.mlp_kind(cfg.mlp).routed and cfg.moe.capacity_factor > 0:
         info["capacity_factor_dropped"] = cfg.moe.capacity_factor
         print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "

@@ -134,8 +134,11 @@ def sensitive_layers(source, cfg, sim: dict[int, dict], loss, qk_init: str, budg
     def increase(layers: list[int]) -> float:
         return loss(build_lisa_model(source, cfg, lisa_config(cfg, layers), layers, sim, qk_init)) / base - 1
 
-    alone = {layer: increase([layer]) for layer in range(len(kinds))
-             if conversion_problem(kinds, [layer], keep) is None}
+    def candidate(layer: int) -> bool:  # residual needs the previous layer's own Q/K
+        return conversion_problem(kinds, [layer], keep) is None and \
+            (qk_init != "residual" or hasattr(source.blocks[layer - 1].attn, "qkv"))
+
+    alone = {layer: increase([layer]) for layer in range(len(kinds)) if candidate(layer)}
     limit = max(1, int(max_fraction * len(kinds)))
     chosen: list[int] = []
     for layer in sorted(alone, key=alone.get):

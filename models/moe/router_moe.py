@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import (
 )
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.layers import SwiGLU, tp_size
 from models.moe.experts import ExpertContainer
 from models.moe.routing import RoutedLayer, expert_params, is_sparse_layer, recomputing, validate_routed
@@ -69,6 +69,9 @@ def params(cfg: ModelConfig) -> tuple[int, int]:
 
 def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
     moe = cfg.moe
+    if moe.sizing != "additive":
+        raise ConfigError(f"model.moe.sizing={moe.sizing!r} sizes Union-of-Experts routing neurons; a router "
+                          "MoE has none: leave it at additive (or use model.mlp=uoe)")
     validate_routed(cfg, sizes, {"expert_hidden_size": moe.expert_hidden_size,
                                  "shared_hidden_size": moe.shared_hidden_size})
 

@@ -119,12 +119,16 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
     moe = cfg.moe
     if moe.sizing not in SIZINGS:
         raise ConfigError(f"model.moe.sizing={moe.sizing!r}: choose {' or '.join(SIZINGS)}")
+    if moe.num_experts < 1:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be >= 1")
     routing, rest = moe.resolved_routing_neurons(), moe.rest_neurons()
-    if rest < 1:
+    if rest < 1 and moe.sizing == "carved":
         raise ConfigError(
             f"model.moe.sizing=carved takes N_s={routing} routing neurons out of expert_hidden_size="
             f"{moe.expert_hidden_size}, which leaves none: raise expert_hidden_size or lower routing_neurons"
         )
+    if rest < 1:
+        raise ConfigError(f"model.moe.expert_hidden_size={moe.expert_hidden_size} must be >= 1")
     width_key = "expert_hidden_size" if moe.sizing == "additive" else "expert_hidden_size - routing_neurons"
     validate_routed(cfg, sizes, {width_key: rest}, expert_width=rest)
     if routing < 1:

@@ -62,7 +62,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, H, GROUP, S, scale, seq_len,
              NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    block, bh = tl.program_id(0), tl.program_id(1)
+    block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
@@ -88,7 +88,7 @@ def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, H
 def _backward_kv(Q, K, V, DO, DK, DV, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GROUP, S, scale, seq_len,
                  NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """dK, dV of one key block of one K/V head, summed over the query heads of its group."""
-    block, bkv = tl.program_id(0), tl.program_id(1)
+    block, bkv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     kv_heads = H // GROUP
     b, kvh = bkv // kv_heads, bkv % kv_heads
     cols = block * BN + tl.arange(0, BN)
@@ -119,7 +119,7 @@ def _backward_kv(Q, K, V, DO, DK, DV, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GRO
 @triton.jit
 def _backward_q(Q, K, V, DO, DQ, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GROUP, S, scale, seq_len,
                 NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    block, bh = tl.program_id(0), tl.program_id(1)
+    block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
