@@ -20,8 +20,9 @@ from uoe when the ranges of their final validation losses over the seeds do not 
 about 2 minutes per model at 80k tokens/s), on shards of sequence 2048 built from the Python
 standard library with the demo tokenizer data/demo/tokenizer (built first when missing:
 data/gpu_uoe/shards, 3.5M tokens, so about 2.8 epochs; 2 validation batches = 32 of its 38
-validation samples; carry both to a GPU machine to skip the build). Writes bench/results/uoe_vs_moe[_gpu].json and .png (loss
-curves with bands from the lowest to the highest seed).
+validation samples; carry both to a GPU machine to skip the build).
+Writes bench/results/uoe_vs_moe[_gpu].json and .png (loss curves with bands from the lowest to the
+highest seed).
 """
 
 from __future__ import annotations

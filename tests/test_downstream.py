@@ -71,7 +71,8 @@ def test_scores_equal_a_plain_reference_scorer(tmp_path, tok_dir):
     longer = [Example(ex.context, tuple(f"{c} and then some more words" for c in ex.choices), ex.gold)
               for ex in examples]
     plain_reqs = requests(longer, sp, model.cfg.max_seq_len)
-    assert [([1] + tokens, n) for tokens, n in plain_reqs] == requests(longer, sp, model.cfg.max_seq_len, bos=1)
+    with_bos = requests(longer, sp, model.cfg.max_seq_len, bos=1)
+    assert [([1] + tokens, n) for tokens, n in plain_reqs] == with_bos
     assert min(n for _, n in plain_reqs) > 2
     for (tokens, n), (cut, n_cut) in zip(requests(longer, sp, 12), requests(longer, sp, 12, bos=1)):
         assert cut[0] == 1 and len(cut) == len(tokens) == 13 and cut[1:] == tokens[1:] and n_cut == n

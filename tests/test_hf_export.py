@@ -174,7 +174,7 @@ def test_exported_tokenizer_encodes_like_sentencepiece(data, tmp_path, monkeypat
         assert tok(" leading space")["input_ids"] == sp.encode(" leading space")
         assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (1, 2, 3, 0)
     assert fast.decode(want) == SAMPLE
-    save_tokenizer(root / "tokenizer", tmp_path / "bos", add_bos=True)  # a model trained with data.start_with_bos
+    save_tokenizer(root / "tokenizer", tmp_path / "bos", add_bos=True)  # trained with data.start_with_bos
     assert AutoTokenizer.from_pretrained(tmp_path / "bos")(SAMPLE)["input_ids"] == [1] + want
 
 
