@@ -1,13 +1,14 @@
 """All-softmax vs all-ReLU vs hybrid attention: a short training comparison on the same shards and
-tokens through the real trainer (dense MLP, configs/tiny_dense.yaml), over several seeds. Every
+tokens through the real trainer (dense MLP, configs/tiny_dense.yaml), over several seeds (train.seed:
+the initial weights; the data order is the same for all). Every
 sample begins with BOS (data.start_with_bos), so the attention-sink rate reads the weight on the
 same token in every sample.
 
     python -m bench.attention_train [--steps 300 --seeds 0 1 2 --shards data/demo/shards]
 
-Reports the final validation loss (mean ± sd and range over seeds), tokens/s and the attention-sink
-rate Sink_1^0.3 (share of heads whose mean weight on the first token exceeds 0.3; ReLU heads have
-unnormalised weights, see pretrain/sink_metrics.py); writes bench/results/attention_train.json and
+Reports the final validation loss (mean ± sd and range over seeds), tokens/s, the attention-sink
+rate Sink_1^0.3 (share of heads whose mean weight on the first token exceeds 0.3) and alpha_1 (that
+mean weight, averaged over heads; ReLU heads have unnormalised weights, see models/sinks.py); writes bench/results/attention_train.json and
 .png (loss curves with bands from the lowest to the highest seed).
 """
 
@@ -53,6 +54,7 @@ def main() -> None:
             for variant, runs in results.items():
                 summary[variant] = {"val_loss": over_seeds([r["val_loss"] for r in runs]),
                                     "sink_rate": over_seeds([r.get("sink_rate", float("nan")) for r in runs]),
+                                    "alpha1_mean": over_seeds([r.get("alpha1_mean", float("nan")) for r in runs]),
                                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                                     "tokens": runs[0]["tokens"], "seeds": [r["seed"] for r in runs]}
             for variant, row in summary.items():
@@ -65,13 +67,13 @@ def main() -> None:
                             "overlap with softmax's"}
             out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
     print(f"{'attention':<13}{'val loss mean ± sd':>21}{'range':>17}{'vs softmax':>12}{'apart':>7}{'tok/s':>8}"
-          f"{'sink rate':>11}")
+          f"{'sink rate':>11}{'alpha_1':>9}")
     for name, r in summary.items():
         v, s = r["val_loss"], r["sink_rate"]
         diff = f"{r['minus_softmax']:+.4f}" if "minus_softmax" in r else "-"
         apart = ("yes" if r["separated_from_softmax"] else "no") if "separated_from_softmax" in r else "-"
         print(f"{name:<13}{v['mean']:>12.4f} ± {v['sd']:.4f}{v['min']:>9.4f}-{v['max']:.4f}{diff:>12}{apart:>7}"
-              f"{r['tokens_per_s']:>8.0f}{s['mean']:>8.2f}±{s['sd']:.2f}")
+              f"{r['tokens_per_s']:>8.0f}{s['mean']:>8.2f}±{s['sd']:.2f}{r['alpha1_mean']['mean']:>9.3f}")
     plot_bands({name: [r["loss_curve"] for r in runs] for name, runs in results.items()}, out.with_suffix(".png"),
                f"tiny dense models, samples begin with BOS, {args.steps} steps", "train loss (10-step mean)")
     print(f"wrote {out} and {out.with_suffix('.png')}")

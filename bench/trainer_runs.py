@@ -63,7 +63,7 @@ def run_variant(name: str, config: str, extra: list[str], settings: RunSettings,
     train = [m for m in metrics if "train/loss" in m]
     vals = [(m["step"], m["val/loss"]) for m in metrics if "val/loss" in m]
     routing = [m for m in metrics if "routing/load_entropy" in m]
-    sinks = [m["sinks/sink_rate"] for m in metrics if "sinks/sink_rate" in m]
+    sinks = [m for m in metrics if "sinks/sink_rate" in m]
     throughput = [m["train/tokens_per_s"] for m in train[1:]] or [m["train/tokens_per_s"] for m in train]
     complete = json.loads((run_dir / "checkpoints" / f"step_{s.steps:08d}" / "COMPLETE").read_text())
     out = {
@@ -77,8 +77,8 @@ def run_variant(name: str, config: str, extra: list[str], settings: RunSettings,
         last = routing[-3:]
         out["load_entropy"] = statistics.mean(m["routing/load_entropy"] for m in last)
         out["max_load"] = max(m["routing/max_load"] for m in last)
-    if sinks:
-        out["sink_rate"] = sinks[-1]
+    if sinks:  # the last evaluation's: share of heads past eps, and the mean weight on the first token
+        out["sink_rate"], out["alpha1_mean"] = sinks[-1]["sinks/sink_rate"], sinks[-1]["sinks/alpha1_mean"]
     return out
 
 

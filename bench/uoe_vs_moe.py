@@ -13,7 +13,8 @@ N experts, top-k K, expert width D, shared width S, N_s = S / N):
 * uoe: UoE with the authors' carved sizing: experts of width D + N_s whose first N_s neurons route
   (the same total and active parameters as moe+shared, less its router), Switch aux loss 0.01;
 * uoe-noaux: the same without any auxiliary loss (the authors report balance without one).
-Every run uses train.seed = the seed (initial weights and data order); a variant is "separated"
+Every run uses train.seed = the seed (the initial weights; the data order, data.shuffle_seed, is
+the same for every run, so seeds differ by initialisation only); a variant is "separated"
 from uoe when the ranges of their final validation losses over the seeds do not overlap.
 
 --gpu: the 125M set at sequence 2048 on one GPU (EP=1, micro-batch 16, 300 steps = 9.8M tokens,
@@ -154,7 +155,8 @@ def main() -> None:
             table = summarise(results)
             meta = {"size": size, "steps": settings.steps, "nproc": args.nproc, "micro_batch": settings.micro_batch,
                     "shards": shards, "seeds": args.seeds, "device": args.device, "variants": chosen,
-                    "note": "train.seed sets initial weights and data order; tokens/s is the median over log "
+                    "note": "train.seed sets the initial weights (the data order is the same for all runs); "
+                            "tokens/s is the median over log "
                             "intervals of all processes (noisy on a shared machine); 'apart' = the seed ranges "
                             "of the final validation loss do not overlap with uoe's"}
             out.write_text(json.dumps({"meta": meta, "summary": table, "runs": results}, indent=1))
