@@ -41,7 +41,8 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
         "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
-ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "relu_torch", "lisa", "softmax+publish")
+ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "relu_torch", "lisa", "softmax+publish",
+                   "softmax docs", "softmax_sink docs")  # docs: within 4 documents (FlexAttention on GPU)
 ATTENTION_SEQS = (2048, 4096)
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
 RESULT = "RESULT "
@@ -234,10 +235,12 @@ def attention_rows(device: str, seq: int) -> dict:
     dev, dtype = torch.device(device), torch.float32 if cpu else torch.bfloat16
     hidden, heads = (128, 4) if cpu else (2048, 16)
     rows = {}
+    documents = (torch.arange(seq, device=dev) * 4 // seq)[None]
     for kind in ATTENTION_KINDS:
         row = rows.setdefault(f"{kind} @ {seq}", {"kind": kind, "seq": seq})
+        base_kind, docs = kind.removesuffix(" docs"), documents if kind.endswith(" docs") else None
         try:
-            row["train_ms"] = 1000 * time_kind(kind, hidden, heads, seq, 1, 5, dev, dtype=dtype)
+            row["train_ms"] = 1000 * time_kind(base_kind, hidden, heads, seq, 1, 5, dev, docs, dtype=dtype)
             if kind in DECODE_LAYERS:
                 row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
         except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run

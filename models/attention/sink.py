@@ -3,7 +3,8 @@
     p_ij = exp(s_ij) / (exp(b_h) + sum_{j' <= i} exp(s_ij'))
 
 so a head can put weight "nowhere" instead of on the first token. The fast path runs SDPA with
-extra all-zero key/value columns, the first with additive bias b_h.
+extra all-zero key/value columns, the first with additive bias b_h; within documents on GPU,
+FlexAttention (models.attention.flex).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 
 from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.attention.flex import block_mask_for, flex_document_attention
 from models.attention.masks import visible
 from models.attention.softmax import scaled_scores
 from models.config import ModelConfig
@@ -63,6 +65,9 @@ class SinkSoftmaxAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
         if not (self.publish_scores or ctx.get("capture_attention")):
+            if documents is not None and q.is_cuda:
+                mask = block_mask_for(ctx, documents, q.shape[-2])
+                return flex_document_attention(q, k, v, mask, sink=self.sink)
             return sink_softmax_attention(q, k, v, self.sink, documents)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)

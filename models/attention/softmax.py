@@ -1,5 +1,6 @@
-"""Causal softmax attention through scaled_dot_product_attention (flash kernels on GPU; with
-document masking a boolean block-causal mask, which the memory-efficient kernels take).
+"""Causal softmax attention through scaled_dot_product_attention (flash kernels on GPU). With
+document masking: FlexAttention with a block mask on GPU (models.attention.flex), a boolean
+block-causal mask for SDPA's memory-efficient kernels on CPU.
 
 When a later LISA layer needs this layer's scores, or attention is captured for metrics, the
 scores are materialised ([batch, heads, seq, seq]) and the output comes from the explicit weights.
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.attention.flex import block_mask_for, flex_document_attention
 from models.attention.masks import visible
 from models.config import ModelConfig
 from models.registry import AttentionKind, LlamaMapping, register_attention
@@ -43,6 +45,8 @@ class SoftmaxAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
         if not (self.publish_scores or ctx.get("capture_attention")):
+            if documents is not None and q.is_cuda:
+                return flex_document_attention(q, k, v, block_mask_for(ctx, documents, q.shape[-2]))
             return softmax_attention(q, k, v, documents)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)
