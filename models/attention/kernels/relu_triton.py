@@ -60,6 +60,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _key_block(q, K, V, head_offset, sk_s, start, S, scale, IEEE: tl.constexpr, BN: tl.constexpr,
+               D: tl.constexpr):
+    """Keys start..start+BN of one K/V head: (their positions, K, V, the scaled scores q.k)."""
+    cols = start + tl.arange(0, BN)
+    kv = head_offset + cols[:, None] * sk_s + tl.arange(0, D)[None, :]
+    k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
+    v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
+    return cols, k, v, _dot(q, tl.trans(k), IEEE) * scale
+
+
+@triton.jit
 def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, H, GROUP, S, scale, seq_len,
              NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
@@ -71,11 +82,7 @@ def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, H
                 other=0.0)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     for start in range(0, tl.minimum((block + 1) * BM, S), BN):
-        cols = start + tl.arange(0, BN)
-        kv = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + dims[None, :]
-        k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
-        v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale
+        cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, sk_s, start, S, scale, IEEE, BN, D)
         keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S)
         w = tl.where(keep, tl.maximum(s, 0.0), 0.0)
         acc += _dot(w.to(v.dtype), v, IEEE)
@@ -130,11 +137,7 @@ def _backward_q(Q, K, V, DO, DQ, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GROUP, S
     n = _normaliser(rows, seq_len, NORM)[:, None]
     dq = tl.zeros([BM, D], dtype=tl.float32)
     for start in range(0, tl.minimum((block + 1) * BM, S), BN):
-        cols = start + tl.arange(0, BN)
-        kv = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + dims[None, :]
-        k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
-        v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale
+        cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, sk_s, start, S, scale, IEEE, BN, D)
         active = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (s > 0)
         ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
         dq += _dot(ds.to(k.dtype), k, IEEE)
