@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-batches", type=int, default=4)
     parser.add_argument("--val-samples", type=int, default=16)
     parser.add_argument("--threshold", type=float, default=0.6, help="auto: minimum matched map similarity")
-    parser.add_argument("--max-fraction", type=float, default=0.75,
-                        help="auto / sensitivity: at most this share of layers")
+    parser.add_argument("--max-fraction", type=float, default=None,
+                        help="at most this share of layers (default 0.75 for auto, 0.84 for sensitivity: "
+                             "the most the method's authors share)")
     parser.add_argument("--loss-budget", type=float, default=0.05,
                         help="sensitivity: largest relative validation-loss increase before training")
     parser.add_argument("--qk-init", choices=QK_INITS, default="own", help="the low-rank Q/K's start")
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
               "starting the low-rank Q/K at zero instead (choose --rank to keep it)")
         args.qk_init = "zero"
     sensitivity = None
+    if args.max_fraction is None:
+        args.max_fraction = 0.84 if args.layers == "sensitivity" else 0.75
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction)
     elif args.layers == "sensitivity":
