@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=63)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--runs", default="runs/bench_lisa_decode")
+    parser.add_argument("--reuse", action="store_true",
+                        help="time the source and conversions of an earlier run in --runs again (no training)")
     parser.add_argument("--out", default="bench/results/lisa_decode.json")
     args = parser.parse_args()
     from models.config import ModelConfig
@@ -126,7 +128,9 @@ def main() -> None:
 
     runs = REPO / args.runs
     source_run = args.checkpoint
-    if source_run is None:
+    if source_run is None and args.reuse:
+        source_run = runs / "source"
+    elif source_run is None:
         source_run = runs / "source"
         print(f"training the source model ({args.train_steps} steps) ...", flush=True)
         settings = RunSettings(steps=args.train_steps, nproc=1, micro_batch=16, eval_batches=8,
@@ -140,9 +144,10 @@ def main() -> None:
     rows, source_loss = [], None
     for fraction in args.fractions:
         out = runs / f"lisa_{int(100 * fraction)}"
-        convert(["--checkpoint", str(source_run), "--layers", "sensitivity", "--loss-budget", "1e9",
-                 "--max-fraction", str(fraction), "--keep-full-layers", "1", "--calib-shards", args.shards,
-                 "--out", str(out), "--steps", str(args.steps), "--micro-batch", "8", "--val-samples", "64"])
+        if not (args.reuse and (out / "conversion.json").is_file()):
+            convert(["--checkpoint", str(source_run), "--layers", "sensitivity", "--loss-budget", "1e9",
+                     "--max-fraction", str(fraction), "--keep-full-layers", "1", "--calib-shards", args.shards,
+                     "--out", str(out), "--steps", str(args.steps), "--micro-batch", "8", "--val-samples", "64"])
         report = json.loads((out / "conversion.json").read_text())
         saved = torch.load(out / "lisa_model.pt", weights_only=False)
         new_cfg = ModelConfig.from_dict(saved["model"])
@@ -171,7 +176,8 @@ def main() -> None:
               f"{r['train_step_x_source']:>7.2f}{r['qk_params']:>12,}")
     meta = {"source": str(source_run), "device": "cuda" if torch.cuda.is_available() else "cpu",
             "threads": torch.get_num_threads(), "steps": args.steps, "prompt": args.prompt, "new": args.new,
-            "repeats": args.repeats, "batch_for_train_step": list(batch.shape)}
+            "repeats": args.repeats, "batch_for_train_step": list(batch.shape),
+            "note": "times are medians of --repeats in one process; other work on the machine moves them"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
