@@ -542,7 +542,7 @@ def test_init_from_loads_weights_at_another_layout(source, imported, remote_runs
         src = remote_runs["uoe_ep2"]
         model = {"model.mlp": "uoe", "model.moe.num_experts": 4, "model.moe.top_k": 2,
                  "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 32,
-                 "model.moe.bias_update_rate": 0.0, "parallel.zero_stage": 2}
+                 "model.moe.sizing": "carved", "model.moe.bias_update_rate": 0.0, "parallel.zero_stage": 2}
     run = tmp_path / "continued"
     log = train_run(root, run, {"model.vocab_size": vocab, **model, "parallel.tensor": 2, "train.steps": 1,
                           "train.lr": 0.0, "train.warmup_steps": 0, "train.eval_interval": 1, "train.eval_batches": 1,
