@@ -80,12 +80,9 @@ def decode_ms_per_token(kind: str, hidden: int, heads: int, prompt: int, new_tok
     """A two-layer model (softmax, then `kind`) of the Hugging Face modeling file, random weights:
     {"prefill_ms", "decode_ms_per_token"} for a `prompt`-token prefill, then `new_tokens` tokens one
     at a time with the KV cache (the median step)."""
-    import importlib.util
+    from tools.export import _remote_module
 
-    path = Path(__file__).resolve().parents[1] / "models" / "hf" / "modeling_uoe_pretrain.py"
-    spec = importlib.util.spec_from_file_location("modeling_uoe_pretrain", path)
-    hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hf)
+    hf = _remote_module()
     kinds = DECODE_LAYERS[kind]
     config = hf.UoEPretrainConfig(
         vocab_size=512, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,

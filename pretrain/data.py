@@ -50,6 +50,12 @@ def sample_bos(cfg: Config) -> int | None:
     raise ValueError("data.start_with_bos=true needs a local manifest.json with bos_id (validate_data)")
 
 
+def run_bos(cfg: Config | None, meta: dict) -> int | None:
+    """The BOS id a run's samples begin with (data.start_with_bos; the id from its checkpoint meta),
+    else None."""
+    return meta.get("bos_id") if cfg is not None and cfg.data.start_with_bos else None
+
+
 def collate_fn(cfg: Config):
     """Samples -> one [B, seq_len + 1] batch, as data.* asks (picklable for loader workers)."""
     return functools.partial(_collate, bos=sample_bos(cfg))

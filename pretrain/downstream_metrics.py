@@ -8,6 +8,7 @@ from megatron.core import parallel_state as ps
 from data_prep.sources import BadInputReport
 from data_prep.tokenizer import load_tokenizer
 from pretrain.config import Config
+from pretrain.data import run_bos
 from pretrain.downstream import evaluate_tasks, load_task, task_name
 from pretrain.trainer import Callback
 
@@ -28,9 +29,8 @@ class DownstreamEval(Callback):
         step = result.step
         if step % self.interval and step != trainer.cfg.train.steps:
             return
-        bos = trainer.meta.get("bos_id") if trainer.cfg.data.start_with_bos else None
         scores = evaluate_tasks(trainer.model, self.tasks, self.sp, trainer.cfg.train.micro_batch, trainer.device,
-                                ps.get_data_parallel_group(), bos)
+                                ps.get_data_parallel_group(), run_bos(trainer.cfg, trainer.meta))
         trainer.logger.scalars(step, {f"{name}/{key}": value for name, r in scores.items()
                                       for key, value in r.items() if key != "examples"}, prefix="downstream/")
         trainer.logger.print(f"step {step} | downstream " + ", ".join(

@@ -48,7 +48,7 @@ from models.attention.lisa_conversion import (
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import read_samples, starting_with
+from pretrain.data import read_samples, run_bos, starting_with
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = cfg.attention_kinds()
     shards = Path(args.calib_shards)
     run_cfg = run_config(resolve_checkpoint(args.checkpoint))
-    bos = meta.get("bos_id") if run_cfg is not None and run_cfg.data.start_with_bos else None
+    bos = run_bos(run_cfg, meta)
 
     def samples(split: str, count: int):  # as the run's loader gave them
         rows = read_samples(shards / split, count)

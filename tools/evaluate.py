@@ -31,7 +31,7 @@ from megatron.core import tensor_parallel
 from models.attention.masks import document_ids
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import read_samples, starting_with
+from pretrain.data import read_samples, run_bos, starting_with
 from pretrain.downstream import evaluate_tasks, load_task, task_name
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg, meta = load_model(args.checkpoint)
     result = {"checkpoint": meta["checkpoint"], "step": meta.get("step")}
     run = run_config(resolve_checkpoint(args.checkpoint))
-    bos = meta.get("bos_id") if run is not None and run.data.start_with_bos else None  # as the run's loader
+    bos = run_bos(run, meta)  # as the run's loader
     if location is not None:
         eos = meta.get("eos_id") if run is not None and run.data.document_mask else None
         rows = read_samples(location, args.batches * args.batch_size)
