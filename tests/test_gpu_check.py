@@ -43,7 +43,8 @@ def test_cpu_smoke_run_writes_report(tmp_path):
         assert "error" not in r and r["train_ms"] > 0, (name, r)
         if r["kind"] in ("softmax", "softmax_sink", "relu", "lisa"):
             assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0, (name, r)
-    assert attention["softmax @ 64"]["train_x_softmax"] == 1.0
+    for r in attention.values():  # every kind beside softmax at the same sequence, decode kinds also at decode
+        assert r["train_x_softmax"] > 0 and (("decode_x_softmax" in r) == ("decode_ms_per_token" in r)), r
     table = (tmp_path / report_file.name.replace(".json", ".md")).read_text()
     assert "| lisa @ 64 |" in table
     assert all(f"| {name} |" in table for name in names)
