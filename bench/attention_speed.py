@@ -3,13 +3,15 @@
     python -m bench.attention_speed [--seqs 256,1024,2048] [--hidden 256] [--heads 4] [--out bench/results]
 
 Times one attention module (projections + core + output projection) in one process (TP = 1) on
-whatever device is present. Kinds: softmax (SDPA), softmax_sink (SDPA with a sink column), relu
-(the fused Triton kernels on a GPU, else blocked PyTorch), relu_torch (always the PyTorch path),
-lisa (shared scores given, align FFN + low-rank Q/K), lisa_linear (the same with
-model.lisa.align_hidden = 0: linear head mixing only), and softmax+publish (a softmax layer that
-materialises its scores for a following LISA layer: the extra cost a LISA layer puts on its
-predecessor). `decode_ms_per_token` times decoding with the KV cache through the Hugging Face
-modeling file (models/hf), for bench.gpu_check.
+whatever device is present. Kinds: softmax (SDPA), softmax_gqa (one K/V head for all query heads),
+softmax_sink (SDPA with a sink column), relu (the fused Triton kernels on a GPU, else blocked
+PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer hands over, align
+FFN + low-rank Q/K: explicit scores), lisa_linear (model.lisa.align_hidden = 0: linear head mixing,
+attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose one
+K/V head serves the alignment group: features of width head_dim + rank), lisa_naive (lisa_linear
+on explicit scores, model.lisa.kernel=naive) and softmax+publish (a softmax layer that hands its
+scores to a following LISA layer). `decode_ms_per_token` times decoding with the KV cache through
+the Hugging Face modeling file (models/hf), for bench.gpu_check.
 """
 
 from __future__ import annotations
@@ -23,21 +25,25 @@ from pathlib import Path
 
 import torch
 
-KINDS = ["softmax", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear", "softmax+publish"]
+KINDS = ["softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear", "lisa_linear_gqa",
+         "lisa_naive", "softmax+publish"]
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
     from models.config import ModelConfig
     from models.registry import build_attention
 
-    cfg = ModelConfig(hidden_size=hidden, num_heads=heads, num_layers=2, max_seq_len=seq, attention="softmax")
+    cfg = ModelConfig(hidden_size=hidden, num_heads=heads, num_layers=2, max_seq_len=seq, attention="softmax",
+                      num_kv_heads=1 if kind.endswith("_gqa") else 0)
     cfg.relu_attention.block_size = 256
     cfg.lisa.keep_full_layers = 1
-    if kind in ("lisa", "lisa_linear"):
+    cfg.lisa.align_group = min(4, heads)  # as in configs/hybrid_*.yaml
+    if kind.startswith("lisa"):
         cfg.attention = "softmax,lisa"
-        cfg.lisa.align_hidden = 0 if kind == "lisa_linear" else cfg.lisa.align_hidden
+        cfg.lisa.align_hidden = cfg.lisa.align_hidden if kind == "lisa" else 0
+        cfg.lisa.kernel = "naive" if kind == "lisa_naive" else "auto"
         return build_attention(cfg, 1), cfg
-    cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu"}.get(kind, kind)
+    cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu", "softmax_gqa": "softmax"}.get(kind, kind)
     cfg.relu_attention.kernel = "torch" if kind == "relu_torch" else "auto"
     module = build_attention(cfg, 0)
     module.publish_scores = kind == "softmax+publish"
@@ -47,16 +53,19 @@ def build(kind: str, hidden: int, heads: int, seq: int):
 def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
               documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
     """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
+    from models.attention.shared_scores import SharedScores
     from models.layers import Rotary
 
     module, cfg = build(kind, hidden, heads, seq)
     module = module.to(device, dtype)
     rotary = Rotary(cfg.head_dim, seq, cfg.rope_base).to(device)
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
-    scores = torch.randn(batch, heads, seq, seq, device=device, dtype=dtype, requires_grad=True)
+    # What the previous (softmax) layer hands a LISA layer: its rotated queries and keys.
+    q, k = (torch.randn(batch, n, seq, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
+            for n in (heads, cfg.kv_heads))
     times = []
     for i in range(repeats + 1):
-        ctx = {"rotary": rotary, "attention_scores": {0: scores}, "document_ids": documents}
+        ctx = {"rotary": rotary, "attention_scores": {0: SharedScores.of_projection(q, k)}, "document_ids": documents}
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -65,13 +74,13 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
             torch.cuda.synchronize()
         if i:  # the first call is warm-up
             times.append(time.perf_counter() - t0)
-        x.grad = scores.grad = None
+        x.grad = q.grad = k.grad = None
         module.zero_grad(set_to_none=True)
     return statistics.median(times)
 
 
 DECODE_LAYERS = {"softmax": ["softmax", "softmax"], "softmax_sink": ["softmax", "softmax_sink"],
-                 "relu": ["softmax", "relu"], "lisa": ["softmax", "lisa"]}
+                 "relu": ["softmax", "relu"], "lisa": ["softmax", "lisa"], "lisa_linear": ["softmax", "lisa"]}
 
 
 @torch.no_grad()
@@ -87,7 +96,8 @@ def decode_ms_per_token(kind: str, hidden: int, heads: int, prompt: int, new_tok
     config = hf.UoEPretrainConfig(
         vocab_size=512, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
         intermediate_size=4 * hidden, max_position_embeddings=prompt + new_tokens, attention_kinds=kinds,
-        lisa_sources=[None, "softmax" if kind == "lisa" else None], lisa_rank=max(2, hidden // heads // 8),
+        lisa_sources=[None, "softmax" if kind.startswith("lisa") else None], lisa_rank=max(2, hidden // heads // 8),
+        lisa_align_hidden=0 if kind == "lisa_linear" else 16,
         mlp_kinds=["dense", "dense"])
     model = hf.UoEPretrainForCausalLM(config).to(device, dtype).eval()
     tokens = torch.randint(0, 512, (1, prompt + new_tokens), device=device)
@@ -129,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"attention forward+backward, batch {args.batch}, hidden {args.hidden}, heads {args.heads}, "
           f"device {dev.type} ({torch.get_num_threads()} threads), median of {args.repeats}")
-    print(f"{'kind':<16}" + "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}" for s in seqs))
+    print(f"{'kind':<16}" + "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}" for s in seqs)
+          + "   (_gqa kinds against softmax_gqa)")
     results = {k: {} for k in kinds}
     for s in seqs:
         for k in kinds:
@@ -137,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in kinds:
         line = f"{k:<16}"
         for s in seqs:
-            ms, rel = 1000 * results[k][s], results[k][s] / results["softmax"][s] if "softmax" in results else float("nan")
+            base = results.get("softmax_gqa" if k.endswith("_gqa") else "softmax", {}).get(s)
+            ms, rel = 1000 * results[k][s], results[k][s] / base if base else float("nan")
             line += f"{ms:>14.1f}{rel:>10.2f}"
             rows.append({"kind": k, "seq": s, "ms": ms, "relative_to_softmax": rel})
         print(line)

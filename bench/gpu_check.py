@@ -41,7 +41,9 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
         "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
-ATTENTION_KINDS = ("softmax", "softmax_sink", "relu", "relu_torch", "lisa", "softmax+publish",
+# _gqa: one K/V head, against softmax_gqa (bench.attention_speed).
+ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear",
+                   "lisa_linear_gqa", "softmax+publish",
                    "softmax docs", "softmax_sink docs")  # docs: within 4 documents (FlexAttention on GPU)
 ATTENTION_SEQS = (2048, 4096)
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
@@ -246,8 +248,10 @@ def attention_rows(device: str, seq: int) -> dict:
         except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
             row["error"] = f"{type(err).__name__}: {err}"
         print(f"attention {kind} @ {seq}: {row}", flush=True)
-    base = rows[f"softmax @ {seq}"]
-    for row in (r for r in rows.values() if "error" not in r and "error" not in base):
+    for row in rows.values():
+        base = rows[f"softmax_gqa @ {seq}" if row["kind"].endswith("_gqa") else f"softmax @ {seq}"]
+        if "error" in row or "error" in base:
+            continue
         row["train_x_softmax"] = row["train_ms"] / base["train_ms"]
         if "decode_ms_per_token" in row:
             row["decode_x_softmax"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]

@@ -207,7 +207,8 @@ def test_capture_does_not_change_outputs(single_process, pattern):
     assert sorted(ctx["attention_maps"]) == [0, 1]
 
 
-def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch):
+@pytest.mark.parametrize("align_hidden", [16, 0])  # explicit scores; score features
+def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch, align_hidden):
     """Scores handed across checkpointed blocks (full) or around recomputed attention cores
     (selective) through ctx, and the alignment FFN in row blocks: same loss and grads as one plain
     pass, for softmax_sink, relu, softmax and LISA layers."""
@@ -215,6 +216,7 @@ def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch)
     from models.gpt import GPT
 
     cfg = small_cfg("krlsl")
+    cfg.lisa.align_hidden = align_hidden
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
     grads = []
     saved = {}
@@ -225,7 +227,7 @@ def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch)
         perturb_lisa(model, cfg)
         with torch.no_grad():
             for block in model.blocks:
-                if hasattr(block.attn, "align"):
+                if getattr(getattr(block.attn, "align", None), "hidden", 0):
                     block.attn.align.b1.normal_()
         kept = []  # bytes autograd keeps for backward (recomputed regions keep nothing here)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
@@ -266,6 +268,40 @@ def test_lisa_identity_alignment_reproduces_previous_weights(single_process, sou
     model.logits(torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5)), ctx)
     maps = ctx["attention_maps"]
     torch.testing.assert_close(maps[1], maps[0][:, [1, 0, 3, 2]], rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("source", ["s", "k", "r"])
+@pytest.mark.parametrize("kv_heads,group", [(0, 2), (2, 2), (2, 4)])  # per-head keys, mixed queries, keys side by side
+def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_heads, group):
+    """Linear alignment over score features (kernel auto) against the explicit-scores reference,
+    along a chain of two LISA layers: logits and every gradient, float64."""
+    from models.attention.masks import document_ids
+    from models.attention.shared_scores import SharedScores
+
+    documents = kv_heads == 2 and group == 4
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    if documents:
+        tokens[0, [6, 15]] = tokens[1, 10] = 0  # EOS = 0
+    results, published = [], None
+    for kernel in ("auto", "naive"):
+        cfg = small_cfg(source + "ll", num_kv_heads=kv_heads)
+        cfg.relu_attention.normalizer = "content"
+        cfg.lisa.align_hidden, cfg.lisa.align_group, cfg.lisa.kernel = 0, group, kernel
+        model = build(cfg).double()
+        with torch.no_grad():  # non-trivial head mixing
+            for block in model.blocks[1:]:
+                block.attn.align.mix.copy_(torch.randn(block.attn.align.mix.shape,
+                                                       generator=torch.Generator().manual_seed(4)))
+        ctx = {"document_ids": document_ids(tokens, 0)} if documents else {}
+        logits = model.logits(tokens, ctx)
+        logits.square().sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        published = published or ctx["attention_scores"]
+    assert all(isinstance(published[layer], SharedScores) for layer in (0, 1))  # no seq^2 scores built
+    (fast, fast_grads), (ref, ref_grads) = results
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(fast_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
 
 
 def test_lisa_qk_compression_and_exact_param_count(single_process):
@@ -405,15 +441,23 @@ def outputs_and_grads(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.T
 
 
 def _tp_worker(rank: int, out_path: str, kv_heads: int) -> None:
-    logits, grads = outputs_and_grads(small_cfg(TP_PATTERN, num_kv_heads=kv_heads))
+    logits, grads = outputs_and_grads(tp_cfg(kv_heads))
     if rank == 0:
         torch.save({"logits": logits, "grads": grads}, out_path)
 
 
+def tp_cfg(kv_heads: int) -> ModelConfig:
+    """Grouped-query attention (one K/V head per rank) with the LISA layers' linear alignment,
+    which attends over score features; multi-head with the FFN alignment, on explicit scores."""
+    cfg = small_cfg(TP_PATTERN, num_kv_heads=kv_heads)
+    cfg.lisa.align_hidden = 0 if kv_heads else cfg.lisa.align_hidden
+    return cfg
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads", [0, 2])  # multi-head; grouped-query with one K/V head per rank
+@pytest.mark.parametrize("kv_heads", [0, 2])
 def test_tensor_parallel_2_equals_1(single_process, tmp_path, kv_heads):
-    ref_logits, ref_grads = outputs_and_grads(small_cfg(TP_PATTERN, num_kv_heads=kv_heads))
+    ref_logits, ref_grads = outputs_and_grads(tp_cfg(kv_heads))
     spawn(_tp_worker, 2, str(tmp_path / "tp2.pt"), kv_heads, tensor=2)
     tp2 = torch.load(tmp_path / "tp2.pt")
     torch.testing.assert_close(tp2["logits"], ref_logits, rtol=1e-9, atol=1e-10)
@@ -422,7 +466,7 @@ def test_tensor_parallel_2_equals_1(single_process, tmp_path, kv_heads):
     for name, g in ref_grads.items():
         torch.testing.assert_close(tp2["grads"][name], g, rtol=1e-8, atol=1e-10, msg=name)
         checked += bool(g.abs().sum() > 0)
-    assert any("sink" in n for n in ref_grads) and any("align.w1" in n for n in ref_grads)
+    assert any("sink" in n for n in ref_grads) and any("align.w1" in n for n in ref_grads) != bool(kv_heads)
     assert checked >= len(ref_grads) - 1  # every parameter gets a gradient (all paths are live)
 
 

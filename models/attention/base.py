@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models.attention.shared_scores import SharedScores
 from models.config import ModelConfig
 from models.layers import column_linear, row_linear, tp_size
 from models.registry import ActivationLayout
@@ -76,11 +77,16 @@ class ProjectedAttention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         raise NotImplementedError
 
-    def publish(self, ctx: dict, scores: torch.Tensor) -> None:
-        """Hand this layer's pre-activation scores [batch, local_heads, seq, seq] to a following
-        layer that reuses them (LISA), only when one does."""
+    def publish(self, ctx: dict, scores: torch.Tensor | SharedScores) -> None:
+        """Hand this layer's pre-activation scores (explicit [batch, local_heads, seq, seq], or as
+        features) to a following layer that reuses them (LISA), only when one does."""
         if self.publish_scores:
             ctx.setdefault("attention_scores", {})[self.layer] = scores
+
+    def publish_projection(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Publish q . k / sqrt(head_dim) as features: this layer keeps its fused kernel."""
+        if self.publish_scores:
+            self.publish(ctx, SharedScores.of_projection(q, k))
 
     def capture(self, ctx: dict, weights: torch.Tensor, normalised: bool) -> None:
         """Store the weights applied to the values for metrics, when ctx["capture_attention"] is set.

@@ -32,14 +32,14 @@ def _compiled():
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
-                            sink: torch.Tensor | None = None) -> torch.Tensor:
+                            sink: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of q [batch, heads, seq, d] over k / v (grouped-query heads allowed) under the
     block mask; with `sink` [heads] the sink logits share each row's denominator."""
     attend = _compiled() if q.is_cuda else flex_attention  # compiled kernels on GPU, the reference on CPU
     gqa = k.shape[1] != q.shape[1]
     if sink is None:
-        return attend(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    out, lse = attend(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+        return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    out, lse = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
     acc = torch.promote_types(out.dtype, torch.float32)  # bf16 activations: the sigmoid in fp32
     keep = torch.sigmoid(lse.to(acc) - sink.to(acc).view(1, -1, 1)).to(out.dtype)
     return out * keep.unsqueeze(-1)

@@ -18,12 +18,21 @@ score_family): ReLU (same normaliser) after a relu layer, plain softmax after so
 layers (the sink logit is not shared). Q/K parameters shrink by head_dim / r (8x at the default
 rank). Groups never straddle tensor-parallel ranks, so the group must divide the local heads
 (num_heads / parallel.tensor).
+
+Scores arrive as query/key features (models.attention.shared_scores), so the layer they come from
+keeps its fused kernel. With linear head mixing (and model.lisa.kernel=auto) the whole score is
+such a feature product and the layer attends with the memory-efficient kernels, keeping no
+seq^2 tensors; the feature width is (distinct keys per alignment group) x head_dim + rank, so it
+costs about a softmax layer when the alignment group lies within a K/V group (grouped-query
+attention) and g times more QK work without. The FFN alignment is non-linear in the scores and
+always builds them explicitly: that path (kernel=naive) is the reference for the other.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +43,10 @@ from torch.utils.checkpoint import checkpoint
 
 from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
-from models.attention.relu import relu_weights
-from models.attention.softmax import causal_softmax
+from models.attention.flex import block_mask_for
+from models.attention.relu import relu_attend, relu_weights
+from models.attention.shared_scores import SharedScores, explicit_scores
+from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ConfigError, ModelConfig
 from models.layers import Rotary, column_linear, row_linear
 
@@ -50,6 +61,9 @@ class LISAConfig:
     # ranks, so the group must divide num_heads / parallel.tensor.
     align_group: int = 0
     keep_full_layers: int = 2  # the first layers never share attention
+    # auto: with align_hidden = 0, attend over the shared scores as features (no seq^2 tensors);
+    # naive: always build the explicit scores.
+    kernel: str = "auto"
 
     def resolved_rank(self, head_dim: int) -> int:
         return self.rank or max(2, head_dim // 8 // 2 * 2)
@@ -58,7 +72,9 @@ class LISAConfig:
         return self.align_group or num_heads
 
 
-registry.register_section("lisa", LISAConfig)
+KERNELS = ("auto", "naive")
+
+registry.register_section("lisa", LISAConfig, training_only=("kernel",))
 
 
 def lisa_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -83,6 +99,24 @@ def qk_compression(cfg: ModelConfig) -> float:
     grouped-query attention)."""
     rank, _, _ = lisa_sizes(cfg)
     return (cfg.hidden_size + cfg.kv_width) / (2 * cfg.num_heads * rank)
+
+
+def feature_width(cfg: ModelConfig) -> int:
+    """Width of the score features a LISA layer right after a full layer attends over:
+    (distinct keys per alignment group) x head_dim + rank (each further LISA layer of a chain adds
+    group x rank)."""
+    rank, group, _ = lisa_sizes(cfg)
+    share = cfg.num_heads // cfg.kv_heads
+    return max(1, group // share) * cfg.head_dim + rank
+
+
+def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
+    """Elements per token kept for backward: the explicit scores, or with linear alignment the score
+    features (queries and keys of feature_width per head) under fused kernels."""
+    if cfg.lisa.kernel == "auto" and not cfg.lisa.align_hidden:
+        features = 2 * cfg.num_heads * feature_width(cfg) / layout.tensor
+        return projected_activations(cfg, layout, stores_scores=not layout.flash) + features
+    return projected_activations(cfg, layout, stores_scores=True)
 
 
 def _split_param(full: torch.Tensor, local: int) -> nn.Parameter:
@@ -152,7 +186,8 @@ class LISAAttention(nn.Module):
         self.rank, group, hidden = lisa_sizes(cfg)
         # The weight function of the layer whose scores it realigns (relu or softmax).
         self.family = registry.attention_kind(registry.score_source(cfg.attention_kinds(), layer)).score_family
-        self.normalizer = cfg.relu_attention.normalizer
+        self.relu = cfg.relu_attention
+        self.kernel = cfg.lisa.kernel
         d = cfg.hidden_size
         self.qk = column_linear(cfg, d, 2 * cfg.num_heads * self.rank)  # head-major [head, q|k, rank]
         with torch.no_grad():  # zero correction at init: the layer starts as pure (aligned) sharing
@@ -162,39 +197,67 @@ class LISAAttention(nn.Module):
         self.align = HeadAlign(cfg.num_heads, self.local_heads, group, hidden)
         self.rotary = Rotary(self.rank, cfg.max_seq_len, cfg.rope_base)
 
-    def scores(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def shared_scores(self, ctx: dict) -> torch.Tensor | SharedScores:
         shared = ctx.get("attention_scores", {}).get(self.layer - 1)
         if shared is None:
             raise RuntimeError(
                 f"LISA layer {self.layer} found no attention scores from layer {self.layer - 1}; "
                 "was that layer built with publish_scores (models.registry.build_attention does this)?"
             )
+        return shared
+
+    def low_rank(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated rank-r queries and keys [batch, heads, seq, rank], the queries / sqrt(rank)."""
         b, s, _ = x.shape
         qk, _ = self.qk(x)
         q, k = qk.view(b, s, self.local_heads, 2, self.rank).permute(3, 0, 2, 1, 4).unbind(0)
-        delta = (self.rotary(q) @ self.rotary(k).transpose(-2, -1)) / math.sqrt(self.rank)
-        return self.align(shared.to(delta.dtype)) + delta
+        return self.rotary(q) / math.sqrt(self.rank), self.rotary(k)
+
+    def factored(self, shared: torch.Tensor | SharedScores, ctx: dict) -> bool:
+        """Whether this forward attends over score features (kernel auto, linear alignment)."""
+        return (self.kernel == "auto" and not self.align.hidden and isinstance(shared, SharedScores)
+                and shared.mixable(self.align.group) and not ctx.get("capture_attention"))
 
     def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """Attention weights from the scores, applied to the values: [batch, heads, seq, head_dim]."""
+        """Attention weights from the explicit scores, applied to the values [batch, heads, seq, head_dim]."""
         documents = ctx.get("document_ids")
         if self.family == "relu":
-            weights, normalised = relu_weights(scores, self.normalizer, documents), False
+            weights, normalised = relu_weights(scores, self.relu.normalizer, documents), False
         else:
             weights, normalised = causal_softmax(scores, documents), True
         self.capture(ctx, weights, normalised=normalised)
         return weights.to(v.dtype) @ expand_kv(v, scores.shape[1])
 
+    def attend_features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """The same attention from score features q @ k^T (k with fewer heads when shared)."""
+        documents = ctx.get("document_ids")
+        if k.shape[1] != v.shape[1]:
+            k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        if self.family == "relu":
+            return relu_attend(q, k, v, self.relu, documents, scale=1.0)
+        # Fused SDPA kernels want one width for q, k and v (else the math path builds seq^2 scores).
+        width = v.shape[-1]
+        o = softmax_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), documents, scale=1.0,
+                              block_mask=partial(block_mask_for, ctx, documents, q.shape[-2]))
+        return o[..., :width]
+
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         b, s, _ = x.shape
-        scores = self.scores(x, ctx)
-        self.publish(ctx, scores)
+        shared = self.shared_scores(ctx)
+        q, k = self.low_rank(x)
         v, _ = self.v(x)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
-        if ctx.get("recompute_attention"):  # selective activation checkpointing
-            o = checkpoint(self.mix, scores, v, ctx, use_reentrant=False)
+        if self.factored(shared, ctx):
+            scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
+            attend, inputs = self.attend_features, (*scores.features(), v, ctx)
         else:
-            o = self.mix(scores, v, ctx)
+            scores = self.align(explicit_scores(shared).to(q.dtype)) + q @ k.transpose(-2, -1)
+            attend, inputs = self.mix, (scores, v, ctx)
+        self.publish(ctx, scores)
+        if ctx.get("recompute_attention"):  # selective activation checkpointing
+            o = checkpoint(attend, *inputs, use_reentrant=False)
+        else:
+            o = attend(*inputs)
         out, _ = self.out(o.transpose(1, 2).flatten(2))
         return out
 
@@ -209,6 +272,8 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
             f"{lisa.keep_full_layers} keeps the first layers as full attention; move them later or "
             "lower keep_full_layers"
         )
+    if lisa.kernel not in KERNELS:
+        raise ConfigError(f"model.lisa.kernel={lisa.kernel!r}: choose one of {KERNELS}")
     rank = lisa.resolved_rank(cfg.head_dim)
     if rank % 2 or rank < 2:
         raise ConfigError(f"model.lisa.rank={lisa.rank} must be even and >= 2 (RoPE rotates pairs)")
@@ -227,6 +292,5 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
 
 registry.register_attention(registry.AttentionKind(
     name="lisa", letter="l", module=LISAAttention, params=lisa_param_count,
-    activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=True),
-    reads_previous_scores=True, validate=validate, hf_remote=True,
+    activations=lisa_activations, reads_previous_scores=True, validate=validate, hf_remote=True,
 ))

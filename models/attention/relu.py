@@ -81,8 +81,8 @@ def relu_weights(scores: torch.Tensor, normalizer: str, documents: torch.Tensor 
 
 class _BlockedReLUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, normalizer: str, block: int, documents):
-        seq, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+    def forward(ctx, q, k, v, normalizer: str, block: int, documents, scale: float):
+        seq = q.shape[-2]
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
         for start in range(0, seq, block):
             end = min(start + block, seq)
@@ -92,13 +92,13 @@ class _BlockedReLUAttention(torch.autograd.Function):
             weights = scores.relu().masked_fill(~mask, 0.0) / n
             out[..., start:end, :] = weights.to(v.dtype) @ v[..., :end, :]
         ctx.save_for_backward(q, k, v)
-        ctx.normalizer, ctx.block, ctx.documents = normalizer, block, documents
+        ctx.normalizer, ctx.block, ctx.documents, ctx.scale = normalizer, block, documents, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
-        seq, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+        seq, scale = q.shape[-2], ctx.scale
         grad_out = grad_out.contiguous()
         acc = torch.promote_types(q.dtype, torch.float32)  # accumulate low precision in fp32
         dq = torch.zeros_like(q, dtype=acc)
@@ -118,34 +118,42 @@ class _BlockedReLUAttention(torch.autograd.Function):
             d_scores = d_weights.masked_fill(~active, 0.0).to(scores.dtype) / n * scale
             dq[..., start:end, :] = (d_scores @ k_pre).to(acc)
             dk[..., :end, :] += (d_scores.transpose(-2, -1) @ q_blk).to(acc)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str = "prefix",
-                   block: int = 256, documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Blocked causal ReLU attention on [batch, heads, seq, head_dim] (within documents when given)."""
-    return _BlockedReLUAttention.apply(q, k, v, normalizer, max(1, int(block)), documents)
+                   block: int = 256, documents: torch.Tensor | None = None, scale: float | None = None
+                   ) -> torch.Tensor:
+    """Blocked causal ReLU attention on [batch, heads, seq, head_dim] (within documents when given);
+    scores q . k * scale, scale defaulting to 1 / sqrt(head_dim)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _BlockedReLUAttention.apply(q, k, v, normalizer, max(1, int(block)), documents, scale)
+
+
+def relu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: ReLUAttentionConfig,
+                documents: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Causal ReLU attention by model.relu_attention: the fused kernel where it runs, else the
+    blocked PyTorch path; k/v may hold fewer (grouped-query) heads; scale defaults to 1 / sqrt(q's width)."""
+    fused = fused_kernel(q, documents) if settings.kernel == "auto" and q.shape[-1] == v.shape[-1] else None
+    if fused is not None:  # grouped K/V heads go in as they are
+        return fused(q, k, v, settings.normalizer, scale)
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    return relu_attention(q, k, v, settings.normalizer, settings.block_size, documents, scale)
 
 
 class ReLUAttention(ProjectedAttention):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
-        self.normalizer = cfg.relu_attention.normalizer
-        self.block_size = cfg.relu_attention.block_size
-        self.kernel = cfg.relu_attention.kernel
+        self.settings = cfg.relu_attention
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
-        explicit = self.publish_scores or ctx.get("capture_attention")
-        fused = fused_kernel(q, documents) if self.kernel == "auto" and not explicit else None
-        if fused is not None:  # grouped K/V heads go in as they are
-            return fused(q, k, v, self.normalizer)
+        self.publish_projection(ctx, q, k)  # pre-activation scores
+        if not ctx.get("capture_attention"):
+            return relu_attend(q, k, v, self.settings, documents)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        if not explicit:
-            return relu_attention(q, k, v, self.normalizer, self.block_size, documents)
         scores = scaled_scores(q, k)
-        self.publish(ctx, scores)  # pre-activation scores
-        weights = relu_weights(scores, self.normalizer, documents)
+        weights = relu_weights(scores, self.settings.normalizer, documents)
         self.capture(ctx, weights, normalised=False)
         return weights.to(v.dtype) @ v
 

@@ -64,14 +64,14 @@ class SinkSoftmaxAttention(ProjectedAttention):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
-        if not (self.publish_scores or ctx.get("capture_attention")):
+        self.publish_projection(ctx, q, k)  # without the sink logit, which is not shared
+        if not ctx.get("capture_attention"):
             if documents is not None and q.is_cuda:
                 mask = block_mask_for(ctx, documents, q.shape[-2])
                 return flex_document_attention(q, k, v, mask, sink=self.sink)
             return sink_softmax_attention(q, k, v, self.sink, documents)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)
-        self.publish(ctx, scores)
         weights = sink_softmax_weights(scores, self.sink, documents)
         self.capture(ctx, weights, normalised=False)
         return weights.to(v.dtype) @ v

@@ -2,13 +2,15 @@
 document masking: FlexAttention with a block mask on GPU (models.attention.flex), a boolean
 block-causal mask for SDPA's memory-efficient kernels on CPU.
 
-When a later LISA layer needs this layer's scores, or attention is captured for metrics, the
-scores are materialised ([batch, heads, seq, seq]) and the output comes from the explicit weights.
+A later LISA layer gets this layer's scores as q/k features (models.attention.shared_scores), so
+the fused kernels stay; when attention is captured for metrics, the scores are materialised
+([batch, heads, seq, seq]) and the output comes from the explicit weights.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -31,26 +33,29 @@ def causal_softmax(scores: torch.Tensor, documents: torch.Tensor | None = None) 
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal SDPA (within documents when given: a boolean mask, which the memory-efficient kernels
-    take); k/v may hold fewer (grouped-query) heads than q."""
+                      documents: torch.Tensor | None = None, scale: float | None = None,
+                      block_mask=None) -> torch.Tensor:
+    """Causal SDPA; k/v may hold fewer (grouped-query) heads than q; scale defaults to
+    1 / sqrt(head_dim). Within documents: FlexAttention on GPU when `block_mask` (a function giving
+    the forward's block mask) is passed, else a boolean mask, which the memory-efficient kernels take."""
     gqa = k.shape[1] != q.shape[1]
     if documents is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if block_mask is not None and q.is_cuda:
+        return flex_document_attention(q, k, v, block_mask(), scale=scale)
     mask = visible(q.shape[-2], k.shape[-2], q.device, documents)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 class SoftmaxAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
-        if not (self.publish_scores or ctx.get("capture_attention")):
-            if documents is not None and q.is_cuda:
-                return flex_document_attention(q, k, v, block_mask_for(ctx, documents, q.shape[-2]))
-            return softmax_attention(q, k, v, documents)
+        self.publish_projection(ctx, q, k)
+        if not ctx.get("capture_attention"):
+            flex_mask = partial(block_mask_for, ctx, documents, q.shape[-2])
+            return softmax_attention(q, k, v, documents, block_mask=flex_mask)
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         scores = scaled_scores(q, k)
-        self.publish(ctx, scores)
         weights = causal_softmax(scores, documents)
         self.capture(ctx, weights, normalised=True)
         return weights.to(v.dtype) @ v

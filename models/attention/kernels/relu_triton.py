@@ -152,7 +152,7 @@ def _blocks(d: int) -> tuple[int, int]:
 
 class _TritonReLUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, normalizer: str):
+    def forward(ctx, q, k, v, normalizer: str, scale: float):
         q, k, v = (t.contiguous() for t in (q, k, v))
         batch, heads, seq, d = q.shape
         group = heads // k.shape[1]
@@ -161,9 +161,9 @@ class _TritonReLUAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         _forward[(triton.cdiv(seq, bm), batch * heads)](
             q, k, v, out, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], heads, group, seq,
-            1.0 / math.sqrt(d), float(seq), NORM=norm, IEEE=ieee, BM=bm, BN=bn, D=d)
+            scale, float(seq), NORM=norm, IEEE=ieee, BM=bm, BN=bn, D=d)
         ctx.save_for_backward(q, k, v)
-        ctx.normalizer = normalizer
+        ctx.normalizer, ctx.scale = normalizer, scale
         return out
 
     @staticmethod
@@ -173,18 +173,21 @@ class _TritonReLUAttention(torch.autograd.Function):
         batch, heads, seq, d = q.shape
         kv_heads = k.shape[1]
         bm, bn = _blocks(d)
-        args = (heads, heads // kv_heads, seq, 1.0 / math.sqrt(d), float(seq))
+        args = (heads, heads // kv_heads, seq, ctx.scale, float(seq))
         meta = dict(NORM=NORMALIZER_CODES[ctx.normalizer], IEEE=q.dtype == torch.float32, BM=bm, BN=bn, D=d)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _backward_kv[(triton.cdiv(seq, bn), batch * kv_heads)](
             q, k, v, grad_out, dk, dv, *q.stride()[:3], *k.stride()[:3], *args, **meta)
         _backward_q[(triton.cdiv(seq, bm), batch * heads)](
             q, k, v, grad_out, dq, *q.stride()[:3], *k.stride()[:3], *args, **meta)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
-def triton_relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str) -> torch.Tensor:
-    """q [batch, heads, seq, d], k / v [batch, kv_heads, seq, d] (kv_heads dividing heads)."""
+def triton_relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str,
+                          scale: float | None = None) -> torch.Tensor:
+    """q [batch, heads, seq, d], k / v [batch, kv_heads, seq, d] (kv_heads dividing heads); scores
+    q . k * scale, scale defaulting to 1 / sqrt(d)."""
     if normalizer not in NORMALIZER_CODES:
         raise ValueError(f"normalizer={normalizer!r}: choose one of {', '.join(NORMALIZER_CODES)}")
-    return _TritonReLUAttention.apply(q, k, v, normalizer)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _TritonReLUAttention.apply(q, k, v, normalizer, scale)

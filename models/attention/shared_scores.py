@@ -1,0 +1,93 @@
+"""Attention scores handed from one layer to the next (LISA) as query/key features, so that
+neither layer builds the [batch, heads, seq, seq] scores unless it must:
+
+    S[b, h] = sum over blocks of  q_blk[b, h] @ k_blk[b, h // share_blk]^T
+
+A layer with its own projections hands over one block (q / sqrt(head_dim), k; share = query heads
+per K/V head) and keeps its fused attention kernel. LISA's linear head alignment
+S_hat[h] = sum_g M[h, g] S[g] (within groups of g heads) maps blocks to blocks exactly: where one
+key serves the whole group, only the queries mix; where the group reads c = g / share distinct
+keys, the block becomes their c keys side by side (c times wider), shared by the group, with
+query h holding M[h, g] q[g] in key g's slot. The low-rank correction adds a per-head block, and
+the layer attends once over the concatenated features with the memory-efficient kernels.
+Widths add up along a chain of LISA layers; `materialize` gives the explicit scores (the
+reference, and what the non-linear alignment needs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _per_head(k: torch.Tensor, heads: int) -> torch.Tensor:
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+@dataclass(frozen=True)
+class ScoreBlock:
+    q: torch.Tensor  # [batch, heads, seq, width]
+    k: torch.Tensor  # [batch, heads // share, seq, width]
+    share: int  # query heads per key head
+
+
+class SharedScores:
+    def __init__(self, blocks: list[ScoreBlock]):
+        self.blocks = tuple(blocks)
+
+    @classmethod
+    def of_projection(cls, q: torch.Tensor, k: torch.Tensor) -> SharedScores:
+        """q . k / sqrt(head_dim) of rotated q [batch, heads, seq, d] and k [batch, kv_heads, seq, d]."""
+        return cls([ScoreBlock(q / math.sqrt(q.shape[-1]), k, q.shape[1] // k.shape[1])])
+
+    @property
+    def heads(self) -> int:
+        return self.blocks[0].q.shape[1]
+
+    @property
+    def width(self) -> int:
+        """Feature width of the concatenated queries and keys."""
+        return sum(b.q.shape[-1] for b in self.blocks)
+
+    def materialize(self) -> torch.Tensor:
+        """The explicit scores [batch, heads, seq, seq]."""
+        return sum(b.q @ _per_head(b.k, self.heads).transpose(-2, -1) for b in self.blocks)
+
+    def mixable(self, group: int) -> bool:
+        """Whether head groups of this size line up with every block's key sharing."""
+        return all(b.share % group == 0 or group % b.share == 0 for b in self.blocks)
+
+    def mixed(self, mix: torch.Tensor, group: int) -> SharedScores:
+        """Scores sum_g mix[n, h, g] S[g] over the heads of each group n; mix [groups, group, group]."""
+        mix = mix.to(self.blocks[0].q.dtype)
+        out = []
+        for b in self.blocks:
+            batch, heads, seq, width = b.q.shape
+            n = heads // group
+            if b.share % group == 0:  # one key for the whole group: mix the queries
+                q = torch.einsum("bngsw,nhg->bnhsw", b.q.reshape(batch, n, group, seq, width), mix)
+                out.append(ScoreBlock(q.reshape(b.q.shape), b.k, b.share))
+                continue
+            c = group // b.share  # distinct keys per group, each read by `share` of its heads
+            q = torch.einsum("bncrsw,nhcr->bnhscw", b.q.reshape(batch, n, c, b.share, seq, width),
+                             mix.reshape(n, group, c, b.share))
+            k = b.k.reshape(batch, n, c, seq, width).transpose(2, 3).reshape(batch, n, seq, c * width)
+            out.append(ScoreBlock(q.reshape(batch, heads, seq, c * width), k, group))
+        return SharedScores(out)
+
+    def plus(self, q: torch.Tensor, k: torch.Tensor) -> SharedScores:
+        """These scores plus q @ k^T per head (q, k [batch, heads, seq, width])."""
+        return SharedScores([*self.blocks, ScoreBlock(q, k, 1)])
+
+    def features(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [batch, heads, seq, width], keys [batch, heads / share, seq, width]) whose
+        products are the scores; keys keep a common share, else one per head."""
+        shares = {b.share for b in self.blocks}
+        keys = [b.k if len(shares) == 1 else _per_head(b.k, self.heads) for b in self.blocks]
+        return torch.cat([b.q for b in self.blocks], -1), torch.cat(keys, -1)
+
+
+def explicit_scores(shared: torch.Tensor | SharedScores) -> torch.Tensor:
+    return shared.materialize() if isinstance(shared, SharedScores) else shared
