@@ -12,7 +12,8 @@ after the context's, as lm-eval takes them) after the context;
 ``acc`` picks the highest sum, ``acc_norm`` the highest sum per byte of the choice (lm-eval's
 acc_norm). Requests are spread over the data-parallel ranks, every rank doing the same number of
 forwards (tensor- and expert-parallel collectives); the log-probabilities come from the
-vocab-parallel cross-entropy, so tensor-parallel logits are never gathered.
+vocab-parallel cross-entropy over the real vocabulary (the padding columns masked, as an export has
+none), so tensor-parallel logits are never gathered.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from data_prep.sources import BadInputReport
@@ -107,6 +109,15 @@ def requests(examples: list[Example], sp, max_len: int,
     return out
 
 
+def real_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """This rank's vocab-parallel logits with the padding columns (ids >= vocab_size) at -inf: the
+    distribution over real tokens, which an exported model (without those rows) gives."""
+    width = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * width
+    padding = torch.arange(start, start + width, device=logits.device) >= vocab_size
+    return logits.masked_fill(padding, float("-inf")) if bool(padding.any()) else logits
+
+
 @torch.no_grad()
 def choice_logprobs(model, reqs: list[tuple[list[int], int]], batch_size: int, device, pad_id: int = 0,
                     group=None) -> torch.Tensor:
@@ -131,8 +142,8 @@ def choice_logprobs(model, reqs: list[tuple[list[int], int]], batch_size: int, d
         for r, row in enumerate(rows):
             tokens[r, :len(row)] = torch.tensor(row)
         tokens = tokens.to(device)
-        logits = model.logits(tokens[:, :-1])
-        nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), tokens[:, 1:])  # [rows, width]
+        logits = real_vocabulary(model.logits(tokens[:, :-1]).float(), model.cfg.vocab_size)
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, tokens[:, 1:])  # [rows, width]
         for r, i in enumerate(chunk):
             n, cont = len(reqs[i][0]), reqs[i][1]
             scores[i] = -nll[r, n - 1 - cont:n - 1].double().sum()

@@ -8,6 +8,7 @@
 * a random LlamaForCausalLM -> import -> same logits -> export -> same logits again; the imported
   checkpoint resumes training;
 * evaluate reproduces the trainer's validation loss; generate's greedy ids equal HF generate's;
+  lm-evaluation-harness scores an export as pretrain.downstream scores the checkpoint;
 * bad inputs fail with clear errors and write nothing.
 """
 
@@ -515,6 +516,67 @@ def test_remote_code_runs_without_the_framework(remote_runs, data, dist_env, tmp
     assert (result["logits"] - framework_logits(run, tokens)).abs().max().item() <= 1e-4
     model, _, _ = load_model(run)
     assert result["generated"] == generate(model, tokens[0, :5].tolist(), 6, greedy=True)
+
+
+LM_EVAL_TASK = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_an_export_like_the_framework(remote_runs, data, dist_env, tmp_path):
+    """lm-evaluation-harness (its hf backend, trust_remote_code, no network) on an exported hybrid
+    attention + MoE model with a local multiple-choice task: every choice's log-likelihood and the
+    accuracies equal pretrain.downstream's on the checkpoint."""
+    from data_prep.tokenizer import load_tokenizer
+    from pretrain.consolidate import load_model
+    from pretrain.downstream import accuracy, choice_logprobs, load_task, requests
+    from tools.export import main as export_main
+
+    root, _ = data
+    run, out = remote_runs["hybrid_moe_tp2"], tmp_path / "hf"
+    assert export_main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    words = corpus_text().split()
+    # Short for the model's 32 positions; the longer contexts are cut from the left (by both).
+    records = [{"context": " ".join(words[i:i + 3]), "gold": i % 3,
+                "choices": [" ".join(words[i + 3 + 2 * c:i + 4 + 2 * c + c % 2]) for c in range(3)]}
+               for i in range(0, 80, 10)]
+    task_file = tmp_path / "tasks" / "tiny_mc.jsonl"
+    task_file.parent.mkdir()
+    task_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "tasks" / "tiny_mc.yaml").write_text(LM_EVAL_TASK.format(data=task_file))
+    env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+         f"pretrained={out},trust_remote_code=True,dtype=float32,add_bos_token=False", "--tasks", "tiny_mc",
+         "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "4", "--log_samples",
+         "--output_path", str(tmp_path / "results")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())["results"]["tiny_mc"]
+    samples = [json.loads(line) for line in next((tmp_path / "results").rglob("samples_tiny_mc_*.jsonl")).open()]
+    theirs = torch.tensor([float(resp[0]) for s in sorted(samples, key=lambda s: s["doc_id"])
+                           for resp in s["filtered_resps"]], dtype=torch.float64)
+
+    examples = load_task(task_file)
+    model, cfg, _ = load_model(run)
+    sp, _ = load_tokenizer(root / "tokenizer")
+    ours = choice_logprobs(model.eval(), requests(examples, sp, cfg.max_seq_len), 4, torch.device("cpu"))
+    assert len(theirs) == len(ours) == 3 * len(records) and ours.std() > 0.1
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+    mine = accuracy(examples, ours)
+    assert (results["acc,none"], results["acc_norm,none"]) == (mine["acc"], mine["acc_norm"])
 
 
 def evaluate_loss(checkpoint, shards, batches: int, capsys) -> float:
