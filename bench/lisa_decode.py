@@ -9,8 +9,8 @@ first one kept; no loss budget), the head permutation matched within alignment g
 default --qk-init, and --steps steps of training the new parameters. Measured on this device, one
 process: the held-out loss (shards' val split) after that training; decoding `--new` tokens after a
 `--prompt`-token prompt, batch 1, through the Hugging Face modeling file with the KV cache (the
-exported model, built in memory) and through the framework's generate (a full forward per token);
-the prefill time; one forward + backward of a training micro-batch. Times are medians of
+exported model, built in memory; decode steps only) and through the framework's generate (greedy,
+the whole call: with its KV cache, and recomputing the context for every token); the HF prefill time; one forward + backward of a training micro-batch. Times are medians of
 --repeats. Writes bench/results/lisa_decode.json.
 """
 
@@ -50,6 +50,8 @@ def hf_model(model, cfg):
 
 @torch.no_grad()
 def decode_times(model, cfg, prompt: torch.Tensor, new: int, repeats: int) -> dict:
+    from models.generation import generate
+
     hf = hf_model(model, cfg)
 
     def cached() -> float:
@@ -62,17 +64,15 @@ def decode_times(model, cfg, prompt: torch.Tensor, new: int, repeats: int) -> di
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         return time.perf_counter() - t0
 
-    def recompute():
-        tokens = prompt
-        for _ in range(new):
-            tokens = torch.cat([tokens, model.logits(tokens)[:, -1:, :cfg.vocab_size].argmax(-1)], dim=1)
-
     model.eval()
+    ids = prompt[0].tolist()
     prefill = median_seconds(lambda: hf(prompt, use_cache=True), repeats)
     cached()  # warm-up
     decode = statistics.median(cached() for _ in range(repeats))
     return {"prefill_ms": 1000 * prefill, "decode_tokens_per_s": new / decode,
-            "generate_tokens_per_s": new / median_seconds(recompute, repeats)}
+            "generate_tokens_per_s": new / median_seconds(lambda: generate(model, ids, new, greedy=True), repeats),
+            "recompute_tokens_per_s": new / median_seconds(
+                lambda: generate(model, ids, new, greedy=True, use_cache=False), repeats)}
 
 
 def train_step_ms(model, batch: torch.Tensor, repeats: int) -> float:
@@ -168,6 +168,7 @@ def main() -> None:
         r["perplexity_x_source"] = r["perplexity"] / base["perplexity"]
         r["decode_x_source"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         r["generate_x_source"] = r["generate_tokens_per_s"] / base["generate_tokens_per_s"]
+        r["recompute_x_source"] = r["recompute_tokens_per_s"] / base["recompute_tokens_per_s"]
         r["train_step_x_source"] = r["train_step_ms"] / base["train_step_ms"]
         shared = ",".join(map(str, r.get("layers", []))) or "-"
         print(f"{r['model']:<10}{shared:>15}{r['perplexity']:>8.2f}{r['perplexity_x_source']:>7.3f}"

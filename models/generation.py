@@ -1,8 +1,11 @@
-"""Sampling from a model's logits: temperature, top-p and greedy decoding of one sequence."""
+"""Sampling from a model's logits: temperature, top-p and greedy decoding of one sequence, with a
+KV cache."""
 
 from __future__ import annotations
 
 import torch
+
+from models.attention.kv_cache import KVCache
 
 
 def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -16,26 +19,47 @@ def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
+def can_cache(cfg) -> bool:
+    """Whether decoding with a KV cache gives what recomputing the context gives: not with ReLU
+    attention's seqlen normaliser (every row's normaliser changes as the sequence grows) nor with
+    expert capacity dropping (which tokens drop depends on the tokens in the forward)."""
+    if cfg.relu_attention.normalizer == "seqlen" and "relu" in cfg.attention_kinds():
+        return False
+    routed = any(cfg.mlp_kind(layer) != "dense" for layer in range(cfg.num_layers))
+    return not (routed and cfg.moe.capacity_factor > 0)
+
+
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-             greedy: bool = False, eos_id: int | None = None, generator: torch.Generator | None = None) -> list[int]:
-    """New token ids after `prompt` (a full forward per token: simple, fine for small models).
-    Only real tokens (ids < model.vocab_size) are drawn; the context is the last max_seq_len tokens."""
+             greedy: bool = False, eos_id: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> list[int]:
+    """New token ids after `prompt`. Only real tokens (ids < model.vocab_size) are drawn. With the KV
+    cache (models.attention.kv_cache, where can_cache allows) the prompt runs once and every new token
+    alone; once the sequence fills max_seq_len, or without the cache, each token reruns the context
+    (the last max_seq_len tokens)."""
     cfg = model.cfg
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
+    device = next(model.parameters()).device
     tokens = list(prompt)
+    cache = KVCache() if use_cache and can_cache(cfg) and len(prompt) < cfg.max_seq_len else None
+    pending = tokens  # what the next forward runs, after the cache's positions
     new: list[int] = []
     for _ in range(max_new_tokens):
-        context = torch.tensor([tokens[-cfg.max_seq_len:]])
-        logits = model.logits(context)[0, -1, : cfg.vocab_size].float()
+        if cache is not None and cache.length + len(pending) > cfg.max_seq_len:
+            cache = None  # the context window is full: rerun the last max_seq_len tokens from here on
+        if cache is None:
+            pending = tokens[-cfg.max_seq_len:]
+        ctx = {"kv_cache": cache} if cache is not None else None
+        logits = model.logits(torch.tensor([pending], device=device), ctx)[0, -1, : cfg.vocab_size].float()
         if greedy or temperature <= 0:
             token = int(logits.argmax())
         else:
             probs = filter_top_p(torch.softmax(logits / temperature, dim=-1), top_p)
-            token = int(torch.multinomial(probs, 1, generator=generator))
+            token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         tokens.append(token)
         new.append(token)
+        pending = [token]
         if eos_id is not None and token == eos_id:
             break
     return new

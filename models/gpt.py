@@ -5,6 +5,8 @@ Parallel details live in the layers (megatron-core); this file reads like a text
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from megatron.core import tensor_parallel
 from torch import nn
@@ -114,7 +116,9 @@ class GPT(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         """The final (normed) hidden states [batch, seq, hidden], whole on every tensor-parallel rank."""
         ctx = {} if ctx is None else ctx
-        ctx["rotary"] = self.rotary
+        cache = ctx.get("kv_cache")  # models.attention.kv_cache: the new tokens follow its positions
+        offset = ctx["position_offset"] = cache.length if cache is not None else 0
+        ctx["rotary"] = partial(self.rotary, offset=offset) if offset else self.rotary
         ctx["recompute_attention"] = self.training and self.activation_checkpointing == "selective"
         x = self.embed(tokens)
         for block in self.blocks:
@@ -122,6 +126,8 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, ctx, use_reentrant=False)
             else:
                 x = block(x, ctx)
+        if cache is not None:
+            cache.length += tokens.shape[1]
         return self.norm(x)
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:

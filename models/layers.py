@@ -104,11 +104,11 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim]."""
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: [batch, heads, seq, head_dim] at positions offset..offset+seq-1."""
         seq = x.shape[-2]
-        cos = self.cos[:seq].to(x.dtype)
-        sin = self.sin[:seq].to(x.dtype)
+        cos = self.cos[offset:offset + seq].to(x.dtype)
+        sin = self.sin[offset:offset + seq].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -304,6 +304,35 @@ def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_he
         torch.testing.assert_close(fast_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("align_hidden", [16, 0])  # LISA on explicit scores; on score features
+def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
+    """Every kind with grouped-query attention, a LISA chain included: a prompt, then tokens one at a
+    time, then a chunk, through the KV cache give the logits of one full forward (float64); greedy
+    generation with the cache equals generation without, also past max_seq_len."""
+    from models.attention.kv_cache import KVCache
+    from models.generation import generate
+
+    cfg = small_cfg("skrll", num_kv_heads=2)
+    cfg.relu_attention.normalizer, cfg.lisa.align_hidden = "content", align_hidden
+    model = build(cfg).double().eval()
+    with torch.no_grad():
+        for block in model.blocks[3:]:
+            block.attn.align.mix.copy_(torch.randn(block.attn.align.mix.shape,
+                                                   generator=torch.Generator().manual_seed(4)))
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model.logits(tokens)
+        cache = KVCache()
+        parts = [model.logits(tokens[:, :8], {"kv_cache": cache})]
+        parts += [model.logits(tokens[:, i:i + 1], {"kv_cache": cache}) for i in range(8, 12)]
+        parts.append(model.logits(tokens[:, 12:], {"kv_cache": cache}))
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+    prompt = tokens[0, :5].tolist()
+    cached = generate(model, prompt, 25, greedy=True)
+    assert cached == generate(model, prompt, 25, greedy=True, use_cache=False) and len(set(cached)) > 3
+
+
 def test_lisa_qk_compression_and_exact_param_count(single_process):
     from models.attention.lisa import lisa_param_count, qk_compression
     from models.counting import param_counts

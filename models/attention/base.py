@@ -75,6 +75,8 @@ class ProjectedAttention(nn.Module):
         return rotary(q), rotary(k), v
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """Causal attention of q [batch, heads, q_len, d] over k / v [batch, kv_heads, k_len, d]; q_len <
+        k_len when decoding after cached keys (the queries are the last q_len positions)."""
         raise NotImplementedError
 
     def publish(self, ctx: dict, scores: torch.Tensor | SharedScores) -> None:
@@ -97,6 +99,8 @@ class ProjectedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         q, k, v = self.project(x, ctx)
+        if ctx.get("kv_cache") is not None:  # decoding: the keys and values of earlier positions too
+            k, v = ctx["kv_cache"].extend(self.layer, k, v)
         if ctx.get("recompute_attention"):  # selective activation checkpointing
             o = checkpoint(self.core, q, k, v, ctx, use_reentrant=False)
         else:

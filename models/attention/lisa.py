@@ -206,12 +206,13 @@ class LISAAttention(nn.Module):
             )
         return shared
 
-    def low_rank(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated rank-r queries and keys [batch, heads, seq, rank], the queries / sqrt(rank)."""
+    def low_rank(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated rank-r queries and keys [batch, heads, seq, rank] at positions offset onwards, the
+        queries / sqrt(rank)."""
         b, s, _ = x.shape
         qk, _ = self.qk(x)
         q, k = qk.view(b, s, self.local_heads, 2, self.rank).permute(3, 0, 2, 1, 4).unbind(0)
-        return self.rotary(q) / math.sqrt(self.rank), self.rotary(k)
+        return self.rotary(q, offset) / math.sqrt(self.rank), self.rotary(k, offset)
 
     def factored(self, shared: torch.Tensor | SharedScores, ctx: dict) -> bool:
         """Whether this forward attends over score features (kernel auto, linear alignment)."""
@@ -244,9 +245,11 @@ class LISAAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         b, s, _ = x.shape
         shared = self.shared_scores(ctx)
-        q, k = self.low_rank(x)
+        q, k = self.low_rank(x, ctx.get("position_offset", 0))
         v, _ = self.v(x)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
+        if ctx.get("kv_cache") is not None:  # decoding: rank-r keys and values of earlier positions too
+            k, v = ctx["kv_cache"].extend(self.layer, k, v)
         if self.factored(shared, ctx):
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
             attend, inputs = self.attend_features, (*scores.features(), v, ctx)

@@ -24,9 +24,11 @@ def causal_mask(q_len: int, k_len: int, device: torch.device, offset: int = 0) -
 
 
 def visible(q_len: int, k_len: int, device: torch.device, documents: torch.Tensor | None = None,
-            offset: int = 0) -> torch.Tensor:
+            offset: int | None = None) -> torch.Tensor:
     """Boolean mask of the keys each query sees: [q_len, k_len] causal, or [batch, 1, q_len, k_len]
-    causal within documents (queries offset..offset+q_len-1, keys 0..k_len-1)."""
+    causal within documents (queries offset..offset+q_len-1, keys 0..k_len-1; by default the
+    queries are the last q_len positions, as when decoding after cached keys)."""
+    offset = k_len - q_len if offset is None else offset
     causal = causal_mask(q_len, k_len, device, offset)
     if documents is None:
         return causal

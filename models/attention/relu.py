@@ -73,9 +73,9 @@ def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: i
 
 def relu_weights(scores: torch.Tensor, normalizer: str, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Absolute weights ReLU(s_ij) / n_i on visible keys from unmasked scores [.., q, k]."""
-    sq, sk = scores.shape[-2:]
+    sq, sk = scores.shape[-2:]  # the queries are the last sq of sk positions
     mask = visible(sq, sk, scores.device, documents)
-    n = relu_normaliser(normalizer, sq, sk, scores.device, documents=documents).to(scores.dtype)
+    n = relu_normaliser(normalizer, sq, sk, scores.device, sk - sq, documents).to(scores.dtype)
     return scores.relu().masked_fill(~mask, 0.0) / n
 
 
@@ -134,6 +134,10 @@ def relu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: ReL
                 documents: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal ReLU attention by model.relu_attention: the fused kernel where it runs, else the
     blocked PyTorch path; k/v may hold fewer (grouped-query) heads; scale defaults to 1 / sqrt(q's width)."""
+    if q.shape[-2] != k.shape[-2]:  # decoding after cached keys: a few query rows, explicit weights
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scores = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * scale
+        return relu_weights(scores, settings.normalizer, documents).to(v.dtype) @ expand_kv(v, q.shape[1])
     fused = fused_kernel(q, documents) if settings.kernel == "auto" and q.shape[-1] == v.shape[-1] else None
     if fused is not None:  # grouped K/V heads go in as they are
         return fused(q, k, v, settings.normalizer, scale)

@@ -28,8 +28,8 @@ def _per_head(k: torch.Tensor, heads: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ScoreBlock:
-    q: torch.Tensor  # [batch, heads, seq, width]
-    k: torch.Tensor  # [batch, heads // share, seq, width]
+    q: torch.Tensor  # [batch, heads, q_len, width]
+    k: torch.Tensor  # [batch, heads // share, k_len, width]
     share: int  # query heads per key head
 
 
@@ -73,7 +73,8 @@ class SharedScores:
             c = group // b.share  # distinct keys per group, each read by `share` of its heads
             q = torch.einsum("bncrsw,nhcr->bnhscw", b.q.reshape(batch, n, c, b.share, seq, width),
                              mix.reshape(n, group, c, b.share))
-            k = b.k.reshape(batch, n, c, seq, width).transpose(2, 3).reshape(batch, n, seq, c * width)
+            keys = b.k.shape[2]  # more than the queries when decoding after cached keys
+            k = b.k.reshape(batch, n, c, keys, width).transpose(2, 3).reshape(batch, n, keys, c * width)
             out.append(ScoreBlock(q.reshape(batch, heads, seq, c * width), k, group))
         return SharedScores(out)
 

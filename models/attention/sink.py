@@ -39,17 +39,18 @@ def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention with sink logits [heads], via SDPA and extra zero key/value columns: the
     first carries the sink logit as its bias, the rest (padding the key length to a multiple of 8
     for fused kernels' mask alignment) are masked out. k/v may hold fewer (grouped-query) heads."""
-    b, h, s, d = q.shape
-    extra = 1 + (-(s + 1)) % 8
+    b, h, sq, d = q.shape
+    sk = k.shape[-2]
+    extra = 1 + (-(sk + 1)) % 8
     zeros = q.new_zeros(b, k.shape[1], extra, d)
     k = torch.cat([zeros, k], dim=2)
     v = torch.cat([zeros.to(v.dtype), v], dim=2)
-    mask = visible(s, s, q.device, documents)  # [s, s], or [b, 1, s, s] within documents
+    mask = visible(sq, sk, q.device, documents)  # [sq, sk], or [b, 1, sq, sk] within documents
     rows = mask.shape[0] if mask.dim() == 4 else 1
     causal = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    pad = torch.full((rows, h, s, extra - 1), float("-inf"), dtype=q.dtype, device=q.device)
-    bias = torch.cat([sink.to(q.dtype).view(1, h, 1, 1).expand(rows, h, s, 1), pad,
-                      causal.expand(rows, h, s, s)], dim=-1)
+    pad = torch.full((rows, h, sq, extra - 1), float("-inf"), dtype=q.dtype, device=q.device)
+    bias = torch.cat([sink.to(q.dtype).view(1, h, 1, 1).expand(rows, h, sq, 1), pad,
+                      causal.expand(rows, h, sq, sk)], dim=-1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=k.shape[1] != h)
 
 

@@ -39,7 +39,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     1 / sqrt(head_dim). Within documents: FlexAttention on GPU when `block_mask` (a function giving
     the forward's block mask) is passed, else a boolean mask, which the memory-efficient kernels take."""
     gqa = k.shape[1] != q.shape[1]
-    if documents is None:
+    if documents is None and q.shape[-2] == k.shape[-2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if block_mask is not None and q.is_cuda:
         return flex_document_attention(q, k, v, block_mask(), scale=scale)
