@@ -22,7 +22,8 @@ rank). Groups never straddle tensor-parallel ranks, so the group must divide the
 Scores arrive as query/key features (models.attention.shared_scores), so the layer they come from
 keeps its fused kernel. With linear head mixing (and model.lisa.kernel=auto) the whole score is
 such a feature product and the layer attends with the memory-efficient kernels, keeping no
-seq^2 tensors; the feature width is (distinct keys per alignment group) x head_dim + rank, so it
+seq^2 tensors (after relu layers the blocked PyTorch path: the features are wider than the
+values, which the Triton kernels do not take); the feature width is (distinct keys per alignment group) x head_dim + rank, so it
 costs about a softmax layer when the alignment group lies within a K/V group (grouped-query
 attention) and g times more QK work without. The FFN alignment is non-linear in the scores and
 always builds them explicitly: that path (kernel=naive) is the reference for the other.
@@ -111,9 +112,12 @@ def feature_width(cfg: ModelConfig) -> int:
 
 
 def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
-    """Elements per token kept for backward: the explicit scores, or with linear alignment the score
-    features (queries and keys of feature_width per head) under fused kernels."""
-    if cfg.lisa.kernel == "auto" and not cfg.lisa.align_hidden:
+    """Elements per token kept for backward: the explicit scores, or with linear alignment (groups
+    that line up with the K/V groups, SharedScores.mixable) the score features (queries and keys of
+    feature_width per head) under fused kernels."""
+    _, group, _ = lisa_sizes(cfg)
+    share = cfg.num_heads // cfg.kv_heads
+    if cfg.lisa.kernel == "auto" and not cfg.lisa.align_hidden and (share % group == 0 or group % share == 0):
         features = 2 * cfg.num_heads * feature_width(cfg) / layout.tensor
         return projected_activations(cfg, layout, stores_scores=not layout.flash) + features
     return projected_activations(cfg, layout, stores_scores=True)

@@ -67,7 +67,7 @@ class SinkSoftmaxAttention(ProjectedAttention):
         documents = ctx.get("document_ids")
         self.publish_projection(ctx, q, k)  # without the sink logit, which is not shared
         if not ctx.get("capture_attention"):
-            if documents is not None and q.is_cuda:
+            if documents is not None and q.is_cuda and q.shape[-2] == k.shape[-2]:
                 mask = block_mask_for(ctx, documents, q.shape[-2])
                 return flex_document_attention(q, k, v, mask, sink=self.sink)
             return sink_softmax_attention(q, k, v, self.sink, documents)

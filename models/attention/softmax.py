@@ -41,7 +41,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = k.shape[1] != q.shape[1]
     if documents is None and q.shape[-2] == k.shape[-2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if block_mask is not None and q.is_cuda:
+    if documents is not None and block_mask is not None and q.is_cuda and q.shape[-2] == k.shape[-2]:
         return flex_document_attention(q, k, v, block_mask(), scale=scale)
     mask = visible(q.shape[-2], k.shape[-2], q.device, documents)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
