@@ -2,6 +2,8 @@
 speed with the KV cache, prefill, training step time, held-out perplexity and Q/K parameters.
 
     python -m bench.lisa_decode [--checkpoint RUN] [--fractions 0.25 0.5 0.75] [--steps 200]
+    python -m bench.lisa_decode --source-overrides model.num_kv_heads=1 --align-hidden 0 \
+        --runs runs/bench_lisa_decode_gqa --out bench/results/lisa_decode_gqa.json   # LISA on score features
 
 Without --checkpoint it first trains configs/tiny_dense.yaml at 8 layers (--train-steps, seed 0).
 Each fraction runs tools.convert_lisa with --layers sensitivity (the least sensitive layers, the
@@ -116,6 +118,10 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=63)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--runs", default="runs/bench_lisa_decode")
+    parser.add_argument("--source-overrides", nargs="*", default=[],
+                        help="config overrides of the trained source, e.g. model.num_kv_heads=1")
+    parser.add_argument("--align-hidden", type=int, default=None,
+                        help="convert_lisa --align-hidden (0: linear alignment, attended as score features)")
     parser.add_argument("--reuse", action="store_true",
                         help="time the source and conversions of an earlier run in --runs again (no training)")
     parser.add_argument("--out", default="bench/results/lisa_decode.json")
@@ -135,7 +141,8 @@ def main() -> None:
         print(f"training the source model ({args.train_steps} steps) ...", flush=True)
         settings = RunSettings(steps=args.train_steps, nproc=1, micro_batch=16, eval_batches=8,
                                shards=args.shards, tokenizer=args.tokenizer, device="cpu", evals=1)
-        run_variant("lisa-source", "configs/tiny_dense.yaml", ["model.num_layers=8"], settings, 0, source_run)
+        run_variant("lisa-source", "configs/tiny_dense.yaml", ["model.num_layers=8", *args.source_overrides], settings,
+                    0, source_run)
     source, cfg, _ = load_model(str(source_run))
     samples = read_samples(Path(args.shards) / "val", 9)
     prompt, batch = samples[:1, :args.prompt], samples[1:9]
@@ -147,7 +154,8 @@ def main() -> None:
         if not (args.reuse and (out / "conversion.json").is_file()):
             convert(["--checkpoint", str(source_run), "--layers", "sensitivity", "--loss-budget", "1e9",
                      "--max-fraction", str(fraction), "--keep-full-layers", "1", "--calib-shards", args.shards,
-                     "--out", str(out), "--steps", str(args.steps), "--micro-batch", "8", "--val-samples", "64"])
+                     "--out", str(out), "--steps", str(args.steps), "--micro-batch", "8", "--val-samples", "64",
+                     *(["--align-hidden", str(args.align_hidden)] if args.align_hidden is not None else [])])
         report = json.loads((out / "conversion.json").read_text())
         saved = torch.load(out / "lisa_model.pt", weights_only=False)
         new_cfg = ModelConfig.from_dict(saved["model"])
@@ -175,7 +183,8 @@ def main() -> None:
               f"{r['decode_tokens_per_s']:>14.1f}{r['decode_x_source']:>7.2f}{r['generate_tokens_per_s']:>16.1f}"
               f"{r['generate_x_source']:>7.2f}{r['prefill_ms']:>12.1f}{r['train_step_ms']:>10.1f}"
               f"{r['train_step_x_source']:>7.2f}{r['qk_params']:>12,}")
-    meta = {"source": str(source_run), "device": "cuda" if torch.cuda.is_available() else "cpu",
+    meta = {"source": str(source_run), "source_overrides": args.source_overrides, "align_hidden": args.align_hidden,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
             "threads": torch.get_num_threads(), "steps": args.steps, "prompt": args.prompt, "new": args.new,
             "repeats": args.repeats, "batch_for_train_step": list(batch.shape),
             "note": "times are medians of --repeats in one process; other work on the machine moves them"}

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sensitivity: largest relative validation-loss increase before training")
     parser.add_argument("--qk-init", choices=QK_INITS, default="own", help="the low-rank Q/K's start")
     parser.add_argument("--align-group", type=int, default=None, help="override model.lisa.align_group")
+    parser.add_argument("--align-hidden", type=int, default=None,
+                        help="override model.lisa.align_hidden (0: linear head mixing, attended as score features)")
     parser.add_argument("--rank", type=int, default=None, help="override model.lisa.rank (low-rank Q/K per head)")
     parser.add_argument("--keep-full-layers", type=int, default=None,
                         help="override model.lisa.keep_full_layers")
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    if s else f"{'-':>20} {'-':>12}"))
     if args.align_group is not None:
         cfg.lisa.align_group = args.align_group
+    if args.align_hidden is not None:
+        cfg.lisa.align_hidden = args.align_hidden
     if args.rank is not None:
         cfg.lisa.rank = args.rank
     if args.keep_full_layers is not None:
