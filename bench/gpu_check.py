@@ -43,8 +43,8 @@ TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
 # _gqa: one K/V head, against softmax_gqa (bench.attention_speed).
 ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear",
-                   "lisa_linear_gqa", "softmax+publish",
-                   "softmax docs", "softmax_sink docs")  # docs: within 4 documents (FlexAttention on GPU)
+                   "lisa_linear_gqa", "softmax+publish", "softmax docs", "softmax_sink docs",
+                   "lisa_linear docs")  # docs: within 4 documents (FlexAttention on GPU)
 ATTENTION_SEQS = (2048, 4096)
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
 RESULT = "RESULT "
