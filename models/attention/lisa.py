@@ -219,9 +219,11 @@ class LISAAttention(nn.Module):
         return self.rotary(q, offset) / math.sqrt(self.rank), self.rotary(k, offset)
 
     def factored(self, shared: torch.Tensor | SharedScores, ctx: dict) -> bool:
-        """Whether this forward attends over score features (kernel auto, linear alignment)."""
+        """Whether this forward attends over score features (kernel auto, linear alignment). Decoding
+        after cached keys takes the explicit new score rows instead: a few rows cost less than
+        concatenating every cached key's features at each step."""
         return (self.kernel == "auto" and not self.align.hidden and isinstance(shared, SharedScores)
-                and shared.mixable(self.align.group) and not ctx.get("capture_attention"))
+                and shared.square and shared.mixable(self.align.group) and not ctx.get("capture_attention"))
 
     def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Attention weights from the explicit scores, applied to the values [batch, heads, seq, head_dim]."""

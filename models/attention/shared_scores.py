@@ -47,6 +47,11 @@ class SharedScores:
         return self.blocks[0].q.shape[1]
 
     @property
+    def square(self) -> bool:
+        """Whether queries and keys cover the same positions (not decoding after cached keys)."""
+        return self.blocks[0].q.shape[-2] == self.blocks[0].k.shape[-2]
+
+    @property
     def width(self) -> int:
         """Feature width of the concatenated queries and keys."""
         return sum(b.q.shape[-1] for b in self.blocks)
