@@ -12,8 +12,9 @@ default --qk-init, and --steps steps of training the new parameters. Measured on
 process: the held-out loss (shards' val split) after that training; decoding `--new` tokens after a
 `--prompt`-token prompt, batch 1, through the Hugging Face modeling file with the KV cache (the
 exported model, built in memory; decode steps only) and through the framework's generate (greedy,
-the whole call: with its KV cache, and recomputing the context for every token); the HF prefill time; one forward + backward of a training micro-batch. Times are medians of
---repeats. Writes bench/results/lisa_decode.json.
+the whole call: with its KV cache, and recomputing the context for every token); the HF prefill
+time; one forward + backward of a training micro-batch. Times are medians of --repeats. Writes
+bench/results/lisa_decode.json.
 """
 
 from __future__ import annotations

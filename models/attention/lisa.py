@@ -21,12 +21,13 @@ rank). Groups never straddle tensor-parallel ranks, so the group must divide the
 
 Scores arrive as query/key features (models.attention.shared_scores), so the layer they come from
 keeps its fused kernel. With linear head mixing (and model.lisa.kernel=auto) the whole score is
-such a feature product and the layer attends with the memory-efficient kernels, keeping no
-seq^2 tensors (after relu layers the blocked PyTorch path: the features are wider than the
-values, which the Triton kernels do not take); the feature width is (distinct keys per alignment group) x head_dim + rank, so it
-costs about a softmax layer when the alignment group lies within a K/V group (grouped-query
-attention) and g times more QK work without. The FFN alignment is non-linear in the scores and
-always builds them explicitly: that path (kernel=naive) is the reference for the other.
+such a feature product and the layer attends with the memory-efficient kernels, keeping no seq^2
+tensors (after relu layers the blocked PyTorch path: the features are wider than the values,
+which the Triton kernels do not take). The feature width is (distinct keys per alignment group) x
+head_dim + rank, so it costs about a softmax layer when the alignment group lies within a K/V
+group (grouped-query attention) and g times more QK work without. The FFN alignment is
+non-linear in the scores and always builds them explicitly: that path (kernel=naive) is the
+reference for the other.
 """
 
 from __future__ import annotations
