@@ -47,7 +47,7 @@ from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.flex import block_mask_for
 from models.attention.relu import relu_attend, relu_weights
-from models.attention.shared_scores import SharedScores, explicit_scores
+from models.attention.shared_scores import SharedScores, explicit_scores, groups_line_up
 from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ConfigError, ModelConfig
 from models.layers import Rotary, column_linear, row_linear
@@ -117,8 +117,8 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     that line up with the K/V groups, SharedScores.mixable) the score features (queries and keys of
     feature_width per head) under fused kernels."""
     _, group, _ = lisa_sizes(cfg)
-    share = cfg.num_heads // cfg.kv_heads
-    if cfg.lisa.kernel == "auto" and not cfg.lisa.align_hidden and (share % group == 0 or group % share == 0):
+    lined_up = groups_line_up(cfg.num_heads // cfg.kv_heads, group)
+    if cfg.lisa.kernel == "auto" and not cfg.lisa.align_hidden and lined_up:
         features = 2 * cfg.num_heads * feature_width(cfg) / layout.tensor
         return projected_activations(cfg, layout, stores_scores=not layout.flash) + features
     return projected_activations(cfg, layout, stores_scores=True)

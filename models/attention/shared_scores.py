@@ -22,6 +22,12 @@ from dataclasses import dataclass
 import torch
 
 
+def groups_line_up(share: int, group: int) -> bool:
+    """Whether alignment groups of `group` heads line up with keys shared by `share` query heads:
+    one key serves a whole group, or a group holds whole key groups."""
+    return share % group == 0 or group % share == 0
+
+
 def _per_head(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
@@ -62,7 +68,7 @@ class SharedScores:
 
     def mixable(self, group: int) -> bool:
         """Whether head groups of this size line up with every block's key sharing."""
-        return all(b.share % group == 0 or group % b.share == 0 for b in self.blocks)
+        return all(groups_line_up(b.share, group) for b in self.blocks)
 
     def mixed(self, mix: torch.Tensor, group: int) -> SharedScores:
         """Scores sum_g mix[n, h, g] S[g] over the heads of each group n; mix [groups, group, group]."""
