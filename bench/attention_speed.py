@@ -9,8 +9,10 @@ PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer
 FFN + low-rank Q/K: explicit scores), lisa_linear (model.lisa.align_hidden = 0: linear head mixing,
 attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose one
 K/V head serves the alignment group: features of width head_dim + rank), lisa_naive (lisa_linear
-on explicit scores, model.lisa.kernel=naive) and softmax+publish (a softmax layer that hands its
-scores to a following LISA layer). `decode_ms_per_token` times decoding with the KV cache through
+on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit scores; lisa builds
+them by query blocks) and softmax+publish (a softmax layer that hands its scores to a following
+LISA layer). `kept MB` is what autograd keeps for backward (distinct storages, the layer's input
+and the handed-over queries and keys included), which does not depend on the machine. `decode_ms_per_token` times decoding with the KV cache through
 the Hugging Face modeling file (models/hf), for bench.gpu_check.
 """
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 KINDS = ["softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear", "lisa_linear_gqa",
-         "lisa_naive", "softmax+publish"]
+         "lisa_naive", "lisa_ffn_naive", "softmax+publish"]
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
@@ -40,8 +42,8 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     cfg.lisa.align_group = min(4, heads)  # as in configs/hybrid_*.yaml
     if kind.startswith("lisa"):
         cfg.attention = "softmax,lisa"
-        cfg.lisa.align_hidden = cfg.lisa.align_hidden if kind == "lisa" else 0
-        cfg.lisa.kernel = "naive" if kind == "lisa_naive" else "auto"
+        cfg.lisa.align_hidden = cfg.lisa.align_hidden if kind in ("lisa", "lisa_ffn_naive") else 0
+        cfg.lisa.kernel = "naive" if kind.endswith("_naive") else "auto"
         return build_attention(cfg, 1), cfg
     cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu", "softmax_gqa": "softmax"}.get(kind, kind)
     cfg.relu_attention.kernel = "torch" if kind == "relu_torch" else "auto"
@@ -50,9 +52,10 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     return module, cfg
 
 
-def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
-              documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
-    """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
+def _layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
+                      documents: torch.Tensor | None, dtype: torch.dtype):
+    """The module, its input x and a function giving a fresh ctx with what the previous (softmax)
+    layer hands a LISA layer: its rotated queries and keys."""
     from models.attention.shared_scores import SharedScores
     from models.layers import Rotary
 
@@ -60,23 +63,49 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
     module = module.to(device, dtype)
     rotary = Rotary(cfg.head_dim, seq, cfg.rope_base).to(device)
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
-    # What the previous (softmax) layer hands a LISA layer: its rotated queries and keys.
     q, k = (torch.randn(batch, n, seq, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
             for n in (heads, cfg.kv_heads))
+
+    def ctx() -> dict:
+        return {"rotary": rotary, "attention_scores": {0: SharedScores.of_projection(q, k)}, "document_ids": documents}
+
+    return module, x, ctx
+
+
+def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
+              documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
+    module, x, ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
     times = []
     for i in range(repeats + 1):
-        ctx = {"rotary": rotary, "attention_scores": {0: SharedScores.of_projection(q, k)}, "document_ids": documents}
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        module(x, ctx).sum().backward()
+        module(x, ctx()).sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i:  # the first call is warm-up
             times.append(time.perf_counter() - t0)
-        x.grad = q.grad = k.grad = None
+        x.grad = None
         module.zero_grad(set_to_none=True)
     return statistics.median(times)
+
+
+def kept_bytes(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
+               documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the distinct storages autograd keeps for one forward's backward."""
+    module, x, ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
+    storages = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x, ctx())
+    del out
+    return sum(storages.values())
 
 
 DECODE_LAYERS = {"softmax": ["softmax", "softmax"], "softmax_sink": ["softmax", "softmax_sink"],
@@ -139,19 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"attention forward+backward, batch {args.batch}, hidden {args.hidden}, heads {args.heads}, "
           f"device {dev.type} ({torch.get_num_threads()} threads), median of {args.repeats}")
-    print(f"{'kind':<16}" + "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}" for s in seqs)
+    print(f"{'kind':<16}" + "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}{'kept MB':>9}" for s in seqs)
           + "   (_gqa kinds against softmax_gqa)")
-    results = {k: {} for k in kinds}
+    results, kept = {k: {} for k in kinds}, {k: {} for k in kinds}
     for s in seqs:
         for k in kinds:
             results[k][s] = time_kind(k, args.hidden, args.heads, s, args.batch, args.repeats, dev)
+            kept[k][s] = kept_bytes(k, args.hidden, args.heads, s, args.batch, dev) / 2**20
     for k in kinds:
         line = f"{k:<16}"
         for s in seqs:
             base = results.get("softmax_gqa" if k.endswith("_gqa") else "softmax", {}).get(s)
             ms, rel = 1000 * results[k][s], results[k][s] / base if base else float("nan")
-            line += f"{ms:>14.1f}{rel:>10.2f}"
-            rows.append({"kind": k, "seq": s, "ms": ms, "relative_to_softmax": rel})
+            line += f"{ms:>14.1f}{rel:>10.2f}{kept[k][s]:>9.1f}"
+            rows.append({"kind": k, "seq": s, "ms": ms, "relative_to_softmax": rel, "kept_mb": kept[k][s]})
         print(line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,8 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
 # _gqa: one K/V head, against softmax_gqa (bench.attention_speed).
-ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear",
-                   "lisa_linear_gqa", "softmax+publish", "softmax docs", "softmax_sink docs",
+ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_ffn_naive",
+                   "lisa_linear", "lisa_linear_gqa", "softmax+publish", "softmax docs", "softmax_sink docs",
                    "lisa_linear docs")  # docs: within 4 documents (FlexAttention on GPU)
 ATTENTION_SEQS = (2048, 4096)
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
@@ -231,7 +231,7 @@ def attention_rows(device: str, seq: int) -> dict:
     """Forward + backward of one attention layer per kind (bf16 on the GPU) and decoding with the KV
     cache (a softmax layer, then the kind), each beside softmax at sequence `seq`. --device cpu:
     tiny sizes in fp32, a smoke test."""
-    from bench.attention_speed import DECODE_LAYERS, decode_ms_per_token, time_kind
+    from bench.attention_speed import DECODE_LAYERS, decode_ms_per_token, kept_bytes, time_kind
 
     cpu = device == "cpu"
     dev, dtype = torch.device(device), torch.float32 if cpu else torch.bfloat16
@@ -243,6 +243,7 @@ def attention_rows(device: str, seq: int) -> dict:
         base_kind, docs = kind.removesuffix(" docs"), documents if kind.endswith(" docs") else None
         try:
             row["train_ms"] = 1000 * time_kind(base_kind, hidden, heads, seq, 1, 5, dev, docs, dtype=dtype)
+            row["kept_mb"] = kept_bytes(base_kind, hidden, heads, seq, 1, dev, docs, dtype=dtype) / 2**20
             if kind in DECODE_LAYERS:
                 row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
         except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run

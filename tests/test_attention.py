@@ -106,19 +106,19 @@ import torch
 from models.attention.kernels.relu_triton import supports, triton_relu_attention
 from tests.test_attention import naive_relu
 errors = {}
-for normalizer, kv_heads, dim in json.loads(sys.argv[1]):
+for normalizer, kv_heads, dim, v_dim in json.loads(sys.argv[1]):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 37, dim, generator=gen, requires_grad=True)
-    k, v = (torch.randn(2, kv_heads, 37, dim, generator=gen, requires_grad=True) for _ in range(2))
-    g = torch.randn(2, 4, 37, dim, generator=gen)
-    assert supports(q, None) and not supports(q, torch.zeros(2, 37))
+    k, v = (torch.randn(2, kv_heads, 37, d, generator=gen, requires_grad=True) for d in (dim, v_dim))
+    g = torch.randn(2, 4, 37, v_dim, generator=gen)
+    assert supports(q, v, None) and not supports(q, v, torch.zeros(2, 37))
     out = triton_relu_attention(q, k, v, normalizer)
     grads = torch.autograd.grad((out * g).sum(), (q, k, v))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     rep = 4 // kv_heads
     ref = naive_relu(qd, kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1), normalizer)
     ref_grads = torch.autograd.grad((ref * g.double()).sum(), (qd, kd, vd))
-    errors[f"{normalizer}/{kv_heads}/{dim}"] = [float((a.double() - b).abs().max() / b.abs().max())
+    errors[f"{normalizer}/{kv_heads}/{dim}/{v_dim}"] = [float((a.double() - b).abs().max() / b.abs().max())
                                                 for a, b in zip((out, *grads), (ref, *ref_grads))]
 print(json.dumps(errors))
 """
@@ -127,7 +127,8 @@ print(json.dumps(errors))
 def test_triton_relu_kernels_match_naive_reference_under_interpreter():
     """The fused kernels (forward, dQ, dK/dV) under TRITON_INTERPRET=1 on CPU: every normaliser,
     grouped-query (2 K/V heads for 4) and plain heads, a sequence that is not a multiple of the
-    block (37 against blocks of 16)."""
+    block (37 against blocks of 16), queries and keys wider than the values and not a power of two
+    (24 against 16, as LISA's score features)."""
     import json
     import os
     import subprocess
@@ -135,7 +136,8 @@ def test_triton_relu_kernels_match_naive_reference_under_interpreter():
 
     from tests.dist_utils import REPO
 
-    cases = [[n, 2, 16] for n in ("none", "prefix", "content", "seqlen")] + [["prefix", 4, 32]]
+    cases = [[n, 2, 16, 16] for n in ("none", "prefix", "content", "seqlen")] + [["prefix", 4, 32, 32],
+                                                                                 ["content", 2, 24, 16]]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -298,6 +300,46 @@ def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_he
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
         published = published or ctx["attention_scores"]
     assert all(isinstance(published[layer], SharedScores) for layer in (0, 1))  # no seq^2 scores built
+    (fast, fast_grads), (ref, ref_grads) = results
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(fast_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("source,normalizer,documents", [("s", "prefix", False), ("k", "prefix", True),
+                                                        ("r", "content", False), ("r", "seqlen", True)])
+def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_process, source, normalizer, documents):
+    """The FFN alignment built 5 query rows at a time (kernel auto, seq 24), along a chain of two
+    LISA layers, against the explicit scores: logits and every gradient (float64). Its LISA layers
+    keep no [seq, seq] tensor for backward; the reference keeps several."""
+    from models.attention.lisa import LISAAttention
+    from models.attention.masks import document_ids
+
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    if documents:
+        tokens[0, [6, 15]] = tokens[1, 10] = 0  # EOS = 0
+    results, square = [], {}
+    for kernel in ("auto", "naive"):
+        cfg = small_cfg(source + "ll", num_kv_heads=2 if documents else 0)
+        cfg.relu_attention.normalizer = normalizer
+        cfg.lisa.kernel, cfg.lisa.block_size = kernel, 5
+        model = build(cfg).double()
+        inside, kept = [], []
+        with torch.no_grad():
+            for block in model.blocks[1:]:
+                block.attn.align.b1.normal_(generator=torch.Generator().manual_seed(4))
+                block.attn.align.mix.add_(0.5)  # heads mixed in the linear part too
+                block.attn.register_forward_pre_hook(lambda *_: inside.append(1))
+                block.attn.register_forward_hook(lambda *_: inside.clear())  # returns None: output kept
+        assert all(isinstance(b.attn, LISAAttention) for b in model.blocks[1:])
+        ctx = {"document_ids": document_ids(tokens, 0)} if documents else {}
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(inside and t.shape[-2:]) or t,
+                                                      lambda t: t):
+            logits = model.logits(tokens, ctx)
+        logits.square().sum().backward()
+        square[kernel] = sum(shape == (24, 24) for shape in kept if shape)
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert square["auto"] == 0 and square["naive"] > 0, square
     (fast, fast_grads), (ref, ref_grads) = results
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
     for name, g in ref_grads.items():

@@ -20,14 +20,18 @@ rank). Groups never straddle tensor-parallel ranks, so the group must divide the
 (num_heads / parallel.tensor).
 
 Scores arrive as query/key features (models.attention.shared_scores), so the layer they come from
-keeps its fused kernel. With linear head mixing (and model.lisa.kernel=auto) the whole score is
-such a feature product and the layer attends with the memory-efficient kernels, keeping no seq^2
-tensors (after relu layers the blocked PyTorch path: the features are wider than the values,
-which the Triton kernels do not take). The feature width is (distinct keys per alignment group) x
-head_dim + rank, so it costs about a softmax layer when the alignment group lies within a K/V
-group (grouped-query attention) and g times more QK work without. The FFN alignment is
-non-linear in the scores and always builds them explicitly: that path (kernel=naive) is the
-reference for the other.
+keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors for backward:
+- Linear head mixing (align_hidden 0): the whole score is such a feature product and the layer
+  attends with the memory-efficient kernels (after relu layers the Triton ReLU kernels on a GPU,
+  which take queries and keys wider than the values; within documents the blocked PyTorch path).
+  The feature width is
+  (distinct keys per alignment group) x head_dim + rank, so it costs about a softmax layer when the
+  alignment group lies within a K/V group (grouped-query attention) and g times more QK work without.
+- The FFN alignment is non-linear in the scores: the layer builds them a block of
+  model.lisa.block_size query rows at a time (source rows, alignment, low-rank term, weights,
+  values) and recomputes each block in backward. It hands its own scores on lazily (AlignedScores),
+  so a following LISA layer builds them by rows too.
+kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ class LISAConfig:
     # ranks, so the group must divide num_heads / parallel.tensor.
     align_group: int = 0
     keep_full_layers: int = 2  # the first layers never share attention
-    # auto: with align_hidden = 0, attend over the shared scores as features (no seq^2 tensors);
-    # naive: always build the explicit scores.
+    # auto: linear alignment attends over the shared scores as features, the FFN alignment builds
+    # them by query blocks (no seq^2 tensors either way); naive: always build the explicit scores.
     kernel: str = "auto"
+    block_size: int = 256  # query rows per block when kernel=auto builds scores by blocks
 
     def resolved_rank(self, head_dim: int) -> int:
         return self.rank or max(2, head_dim // 8 // 2 * 2)
@@ -76,7 +81,7 @@ class LISAConfig:
 
 KERNELS = ("auto", "naive")
 
-registry.register_section("lisa", LISAConfig, training_only=("kernel",))
+registry.register_section("lisa", LISAConfig, training_only=("kernel", "block_size"))
 
 
 def lisa_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -103,25 +108,34 @@ def qk_compression(cfg: ModelConfig) -> float:
     return (cfg.hidden_size + cfg.kv_width) / (2 * cfg.num_heads * rank)
 
 
-def feature_width(cfg: ModelConfig) -> int:
-    """Width of the score features a LISA layer right after a full layer attends over:
-    (distinct keys per alignment group) x head_dim + rank (each further LISA layer of a chain adds
-    group x rank)."""
+def feature_width(cfg: ModelConfig) -> float:
+    """Width of the score features this model's LISA layers attend over, the mean over its LISA
+    layers (so the planner's sum over layers is exact): (distinct keys per alignment group) x
+    head_dim + rank right after a full layer, and group x rank more for each LISA layer before it
+    in a chain (its low-rank keys, side by side per group)."""
     rank, group, _ = lisa_sizes(cfg)
     share = cfg.num_heads // cfg.kv_heads
-    return max(1, group // share) * cfg.head_dim + rank
+    depths, depth = [], 0
+    for kind in cfg.attention_kinds():
+        depth = depth + 1 if kind == "lisa" else 0
+        if depth:
+            depths.append(depth - 1)
+    added = group * rank if group > 1 else rank
+    return max(1, group // share) * cfg.head_dim + rank + added * sum(depths) / max(1, len(depths))
 
 
 def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
-    """Elements per token kept for backward: the explicit scores, or with linear alignment (groups
-    that line up with the K/V groups, SharedScores.mixable) the score features (queries and keys of
-    feature_width per head) under fused kernels."""
+    """Elements per token kept for backward. Naive kernel: the explicit scores. Linear alignment
+    with groups that line up with the K/V groups (SharedScores.mixable): the score features (queries
+    and keys of feature_width per head) under fused kernels. Otherwise (scores built by query
+    blocks): the inputs only, the source layer's scaled queries among them."""
     _, group, _ = lisa_sizes(cfg)
-    lined_up = groups_line_up(cfg.num_heads // cfg.kv_heads, group)
-    if cfg.lisa.kernel == "auto" and not cfg.lisa.align_hidden and lined_up:
+    if cfg.lisa.kernel == "naive":
+        return projected_activations(cfg, layout, stores_scores=True)
+    if not cfg.lisa.align_hidden and groups_line_up(cfg.num_heads // cfg.kv_heads, group):
         features = 2 * cfg.num_heads * feature_width(cfg) / layout.tensor
         return projected_activations(cfg, layout, stores_scores=not layout.flash) + features
-    return projected_activations(cfg, layout, stores_scores=True)
+    return projected_activations(cfg, layout, stores_scores=False) + cfg.hidden_size / layout.tensor
 
 
 def _split_param(full: torch.Tensor, local: int) -> nn.Parameter:
@@ -156,17 +170,19 @@ class HeadAlign(nn.Module):
         hidden = F.gelu(torch.einsum("bnijg,nkg->bnijk", s, w1) + b1[:, None, None, :])
         return torch.einsum("bnijk,ngk->bnijg", hidden, w2) + b2[:, None, None, :]
 
-    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+    def forward(self, scores: torch.Tensor, recompute_rows: bool = True) -> torch.Tensor:
         """scores [batch, local_heads, q, k] -> same shape, heads mixed within groups.
 
         The FFN's hidden layer is align_hidden times the size of the scores, so it runs in blocks
         of ROW_BLOCK query rows and, when gradients are on, is recomputed in backward (only the
-        scores are kept)."""
+        scores are kept); recompute_rows=False for callers that recompute a block of rows themselves."""
         b, h, sq, sk = scores.shape
         s = scores.reshape(b, h // self.group, self.group, sq, sk).permute(0, 1, 3, 4, 2)
         out = torch.einsum("bnijg,nhg->bnijh", s, self.mix.to(s.dtype))
         if not self.hidden:
             return out.permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
+        if not recompute_rows:
+            return (out + self.nonlinear(s)).permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
         parts = []
         for start in range(0, sq, self.ROW_BLOCK):
             rows = s[:, :, start:start + self.ROW_BLOCK]
@@ -176,6 +192,27 @@ class HeadAlign(nn.Module):
                 parts.append(self.nonlinear(rows))
         out = out + torch.cat(parts, dim=2)
         return out.permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
+
+
+class AlignedScores:
+    """A LISA layer's scores align(shared) + q @ k^T, left lazy: built a block of query rows at a
+    time by this layer and by a following LISA layer (square scores only)."""
+
+    square = True
+
+    def __init__(self, shared, align: HeadAlign, q: torch.Tensor, k: torch.Tensor):
+        self.shared, self.align, self.q, self.k = shared, align, q, k
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        aligned = self.align(self.shared.rows(start, end).to(self.q.dtype), recompute_rows=False)
+        return aligned + self.q[..., start:end, :] @ self.k[..., :end, :].transpose(-2, -1)
+
+    def materialize(self) -> torch.Tensor:
+        return self.align(explicit_scores(self.shared).to(self.q.dtype)) + self.q @ self.k.transpose(-2, -1)
 
 
 class LISAAttention(nn.Module):
@@ -192,7 +229,7 @@ class LISAAttention(nn.Module):
         # The weight function of the layer whose scores it realigns (relu or softmax).
         self.family = registry.attention_kind(registry.score_source(cfg.attention_kinds(), layer)).score_family
         self.relu = cfg.relu_attention
-        self.kernel = cfg.lisa.kernel
+        self.kernel, self.block_size = cfg.lisa.kernel, cfg.lisa.block_size
         d = cfg.hidden_size
         self.qk = column_linear(cfg, d, 2 * cfg.num_heads * self.rank)  # head-major [head, q|k, rank]
         with torch.no_grad():  # zero correction at init: the layer starts as pure (aligned) sharing
@@ -226,15 +263,36 @@ class LISAAttention(nn.Module):
         return (self.kernel == "auto" and not self.align.hidden and isinstance(shared, SharedScores)
                 and shared.square and shared.mixable(self.align.group) and not ctx.get("capture_attention"))
 
+    def by_rows(self, shared, ctx: dict) -> bool:
+        """Whether this forward builds its scores by query blocks (kernel auto, where the features do
+        not apply; not when capturing the weights or decoding after cached keys)."""
+        return (self.kernel == "auto" and not isinstance(shared, torch.Tensor) and shared.square
+                and not ctx.get("capture_attention"))
+
+    def weights(self, scores: torch.Tensor, documents: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+        """Attention weights of the last scores.shape[-2] of scores.shape[-1] positions."""
+        if self.family == "relu":
+            return relu_weights(scores, self.relu.normalizer, documents, seq_len)
+        return causal_softmax(scores, documents)
+
     def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Attention weights from the explicit scores, applied to the values [batch, heads, seq, head_dim]."""
-        documents = ctx.get("document_ids")
-        if self.family == "relu":
-            weights, normalised = relu_weights(scores, self.relu.normalizer, documents), False
-        else:
-            weights, normalised = causal_softmax(scores, documents), True
-        self.capture(ctx, weights, normalised=normalised)
+        weights = self.weights(scores, ctx.get("document_ids"), scores.shape[-1])
+        self.capture(ctx, weights, normalised=self.family != "relu")
         return weights.to(v.dtype) @ expand_kv(v, scores.shape[1])
+
+    def attend_rows(self, scores: AlignedScores, v: torch.Tensor, documents, start: int, end: int) -> torch.Tensor:
+        s = scores.rows(start, end)
+        return self.weights(s, documents, v.shape[-2]).to(v.dtype) @ expand_kv(v[..., :end, :], s.shape[1])
+
+    def attend_by_rows(self, scores: AlignedScores, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """mix() a block of query rows at a time, each recomputed in backward: only the inputs are kept."""
+        documents, seq = ctx.get("document_ids"), v.shape[-2]
+        parts = []
+        for start in range(0, seq, self.block_size):
+            rows = partial(self.attend_rows, scores, v, documents, start, min(start + self.block_size, seq))
+            parts.append(checkpoint(rows, use_reentrant=False) if torch.is_grad_enabled() else rows())
+        return torch.cat(parts, dim=-2)
 
     def attend_features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """The same attention from score features q @ k^T (k with fewer heads when shared)."""
@@ -257,17 +315,18 @@ class LISAAttention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
         if ctx.get("kv_cache") is not None:  # decoding: rank-r keys and values of earlier positions too
             k, v = ctx["kv_cache"].extend(self.layer, k, v)
+        recompute = ctx.get("recompute_attention")  # selective activation checkpointing
         if self.factored(shared, ctx):
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
             attend, inputs = self.attend_features, (*scores.features(), v, ctx)
+        elif self.by_rows(shared, ctx):
+            scores = AlignedScores(shared, self.align, q, k)
+            attend, inputs, recompute = self.attend_by_rows, (scores, v, ctx), False  # recomputes already
         else:
             scores = self.align(explicit_scores(shared).to(q.dtype)) + q @ k.transpose(-2, -1)
             attend, inputs = self.mix, (scores, v, ctx)
         self.publish(ctx, scores)
-        if ctx.get("recompute_attention"):  # selective activation checkpointing
-            o = checkpoint(attend, *inputs, use_reentrant=False)
-        else:
-            o = attend(*inputs)
+        o = checkpoint(attend, *inputs, use_reentrant=False) if recompute else attend(*inputs)
         out, _ = self.out(o.transpose(1, 2).flatten(2))
         return out
 
@@ -284,6 +343,8 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
         )
     if lisa.kernel not in KERNELS:
         raise ConfigError(f"model.lisa.kernel={lisa.kernel!r}: choose one of {KERNELS}")
+    if lisa.block_size < 1:
+        raise ConfigError(f"model.lisa.block_size={lisa.block_size} must be >= 1 (query rows per block)")
     rank = lisa.resolved_rank(cfg.head_dim)
     if rank % 2 or rank < 2:
         raise ConfigError(f"model.lisa.rank={lisa.rank} must be even and >= 2 (RoPE rotates pairs)")

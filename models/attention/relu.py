@@ -42,7 +42,7 @@ class ReLUAttentionConfig:
 register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size", "kernel"))
 
 
-def fused_kernel(q: torch.Tensor, documents: torch.Tensor | None):
+def fused_kernel(q: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None):
     """The Triton ReLU attention function when it runs for these inputs, else None."""
     if not q.is_cuda:  # the kernels' module imports Triton: only where they can run
         return None
@@ -50,7 +50,7 @@ def fused_kernel(q: torch.Tensor, documents: torch.Tensor | None):
         from models.attention.kernels.relu_triton import supports, triton_relu_attention
     except ImportError:  # no Triton on this machine
         return None
-    return triton_relu_attention if supports(q, documents) else None
+    return triton_relu_attention if supports(q, v, documents) else None
 
 
 def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0,
@@ -71,11 +71,13 @@ def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: i
     raise ValueError(f"model.relu_attention.normalizer={normalizer!r}: choose one of {NORMALIZERS}")
 
 
-def relu_weights(scores: torch.Tensor, normalizer: str, documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Absolute weights ReLU(s_ij) / n_i on visible keys from unmasked scores [.., q, k]."""
-    sq, sk = scores.shape[-2:]  # the queries are the last sq of sk positions
+def relu_weights(scores: torch.Tensor, normalizer: str, documents: torch.Tensor | None = None,
+                 seq_len: int | None = None) -> torch.Tensor:
+    """Absolute weights ReLU(s_ij) / n_i on visible keys from unmasked scores [.., q, k]; the
+    queries are the last q of k positions, in a sample of seq_len (default k) positions."""
+    sq, sk = scores.shape[-2:]
     mask = visible(sq, sk, scores.device, documents)
-    n = relu_normaliser(normalizer, sq, sk, scores.device, sk - sq, documents).to(scores.dtype)
+    n = relu_normaliser(normalizer, sq, seq_len or sk, scores.device, sk - sq, documents).to(scores.dtype)
     return scores.relu().masked_fill(~mask, 0.0) / n
 
 
@@ -138,7 +140,7 @@ def relu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: ReL
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         scores = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * scale
         return relu_weights(scores, settings.normalizer, documents).to(v.dtype) @ expand_kv(v, q.shape[1])
-    fused = fused_kernel(q, documents) if settings.kernel == "auto" and q.shape[-1] == v.shape[-1] else None
+    fused = fused_kernel(q, v, documents) if settings.kernel == "auto" else None
     if fused is not None:  # grouped K/V heads go in as they are
         return fused(q, k, v, settings.normalizer, scale)
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])

@@ -66,6 +66,11 @@ class SharedScores:
         """The explicit scores [batch, heads, seq, seq]."""
         return sum(b.q @ _per_head(b.k, self.heads).transpose(-2, -1) for b in self.blocks)
 
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Explicit scores of queries start..end-1 over keys 0..end-1 (causal rows of square scores)."""
+        return sum(b.q[..., start:end, :] @ _per_head(b.k[..., :end, :], self.heads).transpose(-2, -1)
+                   for b in self.blocks)
+
     def mixable(self, group: int) -> bool:
         """Whether head groups of this size line up with every block's key sharing."""
         return all(groups_line_up(b.share, group) for b in self.blocks)
@@ -101,5 +106,11 @@ class SharedScores:
         return torch.cat([b.q for b in self.blocks], -1), torch.cat(keys, -1)
 
 
-def explicit_scores(shared: torch.Tensor | SharedScores) -> torch.Tensor:
-    return shared.materialize() if isinstance(shared, SharedScores) else shared
+def explicit_scores(shared) -> torch.Tensor:
+    """Scores as a tensor, from a tensor or from lazy scores (SharedScores, or a LISA layer's own)."""
+    return shared if isinstance(shared, torch.Tensor) else shared.materialize()
+
+
+def score_rows(shared, start: int, end: int) -> torch.Tensor:
+    """Rows start..end-1 over keys 0..end-1 of explicit or lazy square scores."""
+    return shared[..., start:end, :end] if isinstance(shared, torch.Tensor) else shared.rows(start, end)

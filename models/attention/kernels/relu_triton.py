@@ -7,7 +7,9 @@ Blockwise like flash attention, but with no online softmax: a query block's outp
 over key blocks, divided by n_i at the end. Forward keeps nothing but q, k, v; backward recomputes
 the scores, once per key block for dK/dV (over every query head of its K/V group: grouped-query
 attention is native, no K/V repeat) and once per query block for dQ. No document masking: with
-data.document_mask the PyTorch path runs. Under TRITON_INTERPRET=1 the kernels run on CPU tensors
+data.document_mask the PyTorch path runs. Queries and keys may be wider than the values (LISA
+attends over score features of width head_dim + rank or more): they are zero-padded to a power of
+two, which leaves every score as it is. Under TRITON_INTERPRET=1 the kernels run on CPU tensors
 (how the tests check them).
 """
 
@@ -22,12 +24,21 @@ import triton.language as tl
 NORMALIZER_CODES = {"none": 0, "prefix": 1, "content": 2, "seqlen": 3}
 
 
-def supports(q: torch.Tensor, documents: torch.Tensor | None) -> bool:
+MAX_QK_WIDTH = 256  # after padding to a power of two
+
+
+def supports(q: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None) -> bool:
     """Whether the kernels run for these inputs: on the GPU (or the interpreter), no documents, a
-    head width that is a power of two from 16 to 128."""
-    d = q.shape[-1]
+    value width that is a power of two from 16 to 128, queries and keys at most MAX_QK_WIDTH wide
+    once padded."""
+    dv = v.shape[-1]
     on_device = q.is_cuda or triton_interpreted()
-    return on_device and documents is None and 16 <= d <= 128 and d & (d - 1) == 0
+    return (on_device and documents is None and 16 <= dv <= 128 and dv & (dv - 1) == 0
+            and _padded(q.shape[-1]) <= MAX_QK_WIDTH)
+
+
+def _padded(width: int) -> int:
+    return max(16, triton.next_power_of_2(width))
 
 
 def triton_interpreted() -> bool:
@@ -60,58 +71,62 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _key_block(q, K, V, head_offset, sk_s, start, S, scale, IEEE: tl.constexpr, BN: tl.constexpr,
-               D: tl.constexpr):
+def _key_block(q, K, V, k_offset, v_offset, sk_s, sv_s, start, S, scale, IEEE: tl.constexpr, BN: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr):
     """Keys start..start+BN of one K/V head: (their positions, K, V, the scaled scores q.k)."""
     cols = start + tl.arange(0, BN)
-    kv = head_offset + cols[:, None] * sk_s + tl.arange(0, D)[None, :]
-    k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
-    v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
+    k = tl.load(K + k_offset + cols[:, None] * sk_s + tl.arange(0, DK)[None, :], mask=cols[:, None] < S, other=0.0)
+    v = tl.load(V + v_offset + cols[:, None] * sv_s + tl.arange(0, DV)[None, :], mask=cols[:, None] < S, other=0.0)
     return cols, k, v, _dot(q, tl.trans(k), IEEE) * scale
 
 
 @triton.jit
-def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, H, GROUP, S, scale, seq_len,
-             NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H, GROUP, S,
+             scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
-    dims = tl.arange(0, D)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :], mask=rows[:, None] < S,
-                other=0.0)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
+    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + tl.arange(0, DK)[None, :],
+                mask=rows[:, None] < S, other=0.0)
+    acc = tl.zeros([BM, DV], dtype=tl.float32)
     for start in range(0, tl.minimum((block + 1) * BM, S), BN):
-        cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, sk_s, start, S, scale, IEEE, BN, D)
+        cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, start, S,
+                                   scale, IEEE, BN, DK, DV)
         keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S)
         w = tl.where(keep, tl.maximum(s, 0.0), 0.0)
         acc += _dot(w.to(v.dtype), v, IEEE)
     acc = acc / _normaliser(rows, seq_len, NORM)[:, None]
-    tl.store(O + b * so_b + h * so_h + rows[:, None] * so_s + dims[None, :], acc.to(O.dtype.element_ty),
-             mask=rows[:, None] < S)
+    tl.store(O + b * so_b + h * so_h + rows[:, None] * so_s + tl.arange(0, DV)[None, :],
+             acc.to(O.dtype.element_ty), mask=rows[:, None] < S)
 
 
 @triton.jit
-def _backward_kv(Q, K, V, DO, DK, DV, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GROUP, S, scale, seq_len,
-                 NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    """dK, dV of one key block of one K/V head, summed over the query heads of its group."""
+def _backward_kv(Q, K, V, DO, DK_, DV_, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
+                 H, GROUP, S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """dK, dV of one key block of one K/V head, summed over the query heads of its group (dK is laid
+    out like K, dV like V, dO like the output)."""
     block, bkv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     kv_heads = H // GROUP
     b, kvh = bkv // kv_heads, bkv % kv_heads
     cols = block * BN + tl.arange(0, BN)
-    dims = tl.arange(0, D)
-    kv = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + dims[None, :]
-    k = tl.load(K + kv, mask=cols[:, None] < S, other=0.0)
-    v = tl.load(V + kv, mask=cols[:, None] < S, other=0.0)
-    dk = tl.zeros([BN, D], dtype=tl.float32)
-    dv = tl.zeros([BN, D], dtype=tl.float32)
+    kdims, vdims = tl.arange(0, DK), tl.arange(0, DV)
+    ko = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + kdims[None, :]
+    vo = b * sv_b + kvh * sv_h + cols[:, None] * sv_s + vdims[None, :]
+    k = tl.load(K + ko, mask=cols[:, None] < S, other=0.0)
+    v = tl.load(V + vo, mask=cols[:, None] < S, other=0.0)
+    dk = tl.zeros([BN, DK], dtype=tl.float32)
+    dv = tl.zeros([BN, DV], dtype=tl.float32)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
         for start in range(block * BN, S, BM):  # only queries at or after the block's first key
             rows = start + tl.arange(0, BM)
-            qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :]
-            q = tl.load(Q + qo, mask=rows[:, None] < S, other=0.0)
-            do = tl.load(DO + qo, mask=rows[:, None] < S, other=0.0)
+            q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + kdims[None, :], mask=rows[:, None] < S,
+                        other=0.0)
+            do = tl.load(DO + b * so_b + h * so_h + rows[:, None] * so_s + vdims[None, :], mask=rows[:, None] < S,
+                         other=0.0)
             n = _normaliser(rows, seq_len, NORM)[:, None]
             s = _dot(q, tl.trans(k), IEEE) * scale
             active = (cols[None, :] <= rows[:, None]) & (rows[:, None] < S) & (cols[None, :] < S) & (s > 0)
@@ -119,49 +134,53 @@ def _backward_kv(Q, K, V, DO, DK, DV, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GRO
             dv += _dot(tl.trans(w).to(do.dtype), do, IEEE)
             ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
             dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
-    tl.store(DK + kv, dk.to(DK.dtype.element_ty), mask=cols[:, None] < S)
-    tl.store(DV + kv, dv.to(DV.dtype.element_ty), mask=cols[:, None] < S)
+    tl.store(DK_ + ko, dk.to(DK_.dtype.element_ty), mask=cols[:, None] < S)
+    tl.store(DV_ + vo, dv.to(DV_.dtype.element_ty), mask=cols[:, None] < S)
 
 
 @triton.jit
-def _backward_q(Q, K, V, DO, DQ, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, H, GROUP, S, scale, seq_len,
-                NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+def _backward_q(Q, K, V, DO, DQ, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H, GROUP,
+                S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                DK: tl.constexpr, DV: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
-    dims = tl.arange(0, D)
-    qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + dims[None, :]
+    qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + tl.arange(0, DK)[None, :]
     q = tl.load(Q + qo, mask=rows[:, None] < S, other=0.0)
-    do = tl.load(DO + qo, mask=rows[:, None] < S, other=0.0)
+    do = tl.load(DO + b * so_b + h * so_h + rows[:, None] * so_s + tl.arange(0, DV)[None, :],
+                 mask=rows[:, None] < S, other=0.0)
     n = _normaliser(rows, seq_len, NORM)[:, None]
-    dq = tl.zeros([BM, D], dtype=tl.float32)
+    dq = tl.zeros([BM, DK], dtype=tl.float32)
     for start in range(0, tl.minimum((block + 1) * BM, S), BN):
-        cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, sk_s, start, S, scale, IEEE, BN, D)
+        cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, start, S,
+                                   scale, IEEE, BN, DK, DV)
         active = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (s > 0)
         ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
         dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(DQ + qo, dq.to(DQ.dtype.element_ty), mask=rows[:, None] < S)
 
 
-def _blocks(d: int) -> tuple[int, int]:
+def _blocks(width: int) -> tuple[int, int]:
+    """(query block, key block) for the wider of the query/key and value widths."""
     if triton_interpreted():
         return 16, 16
-    return (64, 64) if d <= 64 else (64, 32)
+    return (64, 64) if width <= 64 else (64, 32) if width <= 128 else (32, 32)
 
 
 class _TritonReLUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, normalizer: str, scale: float):
         q, k, v = (t.contiguous() for t in (q, k, v))
-        batch, heads, seq, d = q.shape
+        batch, heads, seq, dk = q.shape
+        dv = v.shape[-1]
         group = heads // k.shape[1]
-        bm, bn = _blocks(d)
-        norm, ieee = NORMALIZER_CODES[normalizer], q.dtype == torch.float32
-        out = torch.empty_like(q)
+        bm, bn = _blocks(max(dk, dv))
+        out = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
         _forward[(triton.cdiv(seq, bm), batch * heads)](
-            q, k, v, out, *q.stride()[:3], *k.stride()[:3], *out.stride()[:3], heads, group, seq,
-            scale, float(seq), NORM=norm, IEEE=ieee, BM=bm, BN=bn, D=d)
+            q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], heads, group,
+            seq, scale, float(seq), NORM=NORMALIZER_CODES[normalizer], IEEE=q.dtype == torch.float32, BM=bm,
+            BN=bn, DK=dk, DV=dv)
         ctx.save_for_backward(q, k, v)
         ctx.normalizer, ctx.scale = normalizer, scale
         return out
@@ -170,24 +189,27 @@ class _TritonReLUAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        batch, heads, seq, d = q.shape
-        kv_heads = k.shape[1]
-        bm, bn = _blocks(d)
+        batch, heads, seq, dk = q.shape
+        kv_heads, dv = k.shape[1], v.shape[-1]
+        bm, bn = _blocks(max(dk, dv))
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3])
         args = (heads, heads // kv_heads, seq, ctx.scale, float(seq))
-        meta = dict(NORM=NORMALIZER_CODES[ctx.normalizer], IEEE=q.dtype == torch.float32, BM=bm, BN=bn, D=d)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _backward_kv[(triton.cdiv(seq, bn), batch * kv_heads)](
-            q, k, v, grad_out, dk, dv, *q.stride()[:3], *k.stride()[:3], *args, **meta)
-        _backward_q[(triton.cdiv(seq, bm), batch * heads)](
-            q, k, v, grad_out, dq, *q.stride()[:3], *k.stride()[:3], *args, **meta)
-        return dq, dk, dv, None, None
+        meta = dict(NORM=NORMALIZER_CODES[ctx.normalizer], IEEE=q.dtype == torch.float32, BM=bm, BN=bn, DK=dk,
+                    DV=dv)
+        dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _backward_kv[(triton.cdiv(seq, bn), batch * kv_heads)](q, k, v, grad_out, dk_, dv_, *strides, *args, **meta)
+        _backward_q[(triton.cdiv(seq, bm), batch * heads)](q, k, v, grad_out, dq, *strides, *args, **meta)
+        return dq, dk_, dv_, None, None
 
 
 def triton_relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str,
                           scale: float | None = None) -> torch.Tensor:
-    """q [batch, heads, seq, d], k / v [batch, kv_heads, seq, d] (kv_heads dividing heads); scores
-    q . k * scale, scale defaulting to 1 / sqrt(d)."""
+    """q [batch, heads, seq, d_qk], k [batch, kv_heads, seq, d_qk], v [batch, kv_heads, seq, d_v]
+    (kv_heads dividing heads); scores q . k * scale, scale defaulting to 1 / sqrt(d_qk)."""
     if normalizer not in NORMALIZER_CODES:
         raise ValueError(f"normalizer={normalizer!r}: choose one of {', '.join(NORMALIZER_CODES)}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    width = q.shape[-1]
+    scale = 1.0 / math.sqrt(width) if scale is None else scale
+    if _padded(width) != width:  # zero columns add nothing to q . k
+        q, k = (torch.nn.functional.pad(t, (0, _padded(width) - width)) for t in (q, k))
     return _TritonReLUAttention.apply(q, k, v, normalizer, scale)
