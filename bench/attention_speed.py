@@ -6,19 +6,21 @@ Times one attention module (projections + core + output projection) in one proce
 whatever device is present. Kinds: softmax (SDPA), softmax_gqa (one K/V head for all query heads),
 softmax_sink (SDPA with a sink column), relu (the fused Triton kernels on a GPU, else blocked
 PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer hands over, align
-FFN + low-rank Q/K: explicit scores), lisa_linear (model.lisa.align_hidden = 0: linear head mixing,
+FFN + low-rank Q/K, built by query blocks), lisa_linear (model.lisa.align_hidden = 0: linear head mixing,
 attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose one
 K/V head serves the alignment group: features of width head_dim + rank), lisa_naive (lisa_linear
 on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit scores; lisa builds
 them by query blocks) and softmax+publish (a softmax layer that hands its scores to a following
-LISA layer). `kept MB` is what autograd keeps for backward (distinct storages, the layer's input
-and the handed-over queries and keys included), which does not depend on the machine. `decode_ms_per_token` times decoding with the KV cache through
+LISA layer). `kept MB` is the memory one forward allocates and still holds when it returns (what
+its backward needs, and the output; the layer's input and the handed-over queries and keys are
+allocated before): the CPU profiler's memory count, or the CUDA allocator's. `decode_ms_per_token` times decoding with the KV cache through
 the Hugging Face modeling file (models/hf), for bench.gpu_check.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -69,13 +71,13 @@ def _layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, 
     def ctx() -> dict:
         return {"rotary": rotary, "attention_scores": {0: SharedScores.of_projection(q, k)}, "document_ids": documents}
 
-    return module, x, ctx
+    return module, (x, q, k), ctx
 
 
 def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
               documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
     """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
-    module, x, ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
+    module, (x, q, k), ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
     times = []
     for i in range(repeats + 1):
         if device.type == "cuda":
@@ -86,26 +88,26 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
             torch.cuda.synchronize()
         if i:  # the first call is warm-up
             times.append(time.perf_counter() - t0)
-        x.grad = None
+        x.grad = q.grad = k.grad = None
         module.zero_grad(set_to_none=True)
     return statistics.median(times)
 
 
 def kept_bytes(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
                documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the distinct storages autograd keeps for one forward's backward."""
-    module, x, ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
-    storages = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x, ctx())
-    del out
-    return sum(storages.values())
+    """Bytes one forward allocates and still holds when it returns (for backward, and the output)."""
+    module, (x, _, _), ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
+    inputs = ctx()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = module(x, inputs)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = module(x, inputs)  # noqa: F841 - held until counted
+    return sum(event.self_cpu_memory_usage for event in prof.key_averages())
 
 
 DECODE_LAYERS = {"softmax": ["softmax", "softmax"], "softmax_sink": ["softmax", "softmax_sink"],

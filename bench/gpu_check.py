@@ -44,7 +44,7 @@ TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4
 # _gqa: one K/V head, against softmax_gqa (bench.attention_speed).
 ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_ffn_naive",
                    "lisa_linear", "lisa_linear_gqa", "softmax+publish", "softmax docs", "softmax_sink docs",
-                   "lisa_linear docs")  # docs: within 4 documents (FlexAttention on GPU)
+                   "relu docs", "lisa_linear docs")  # docs: within 4 documents (FlexAttention, Triton on GPU)
 ATTENTION_SEQS = (2048, 4096)
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
 RESULT = "RESULT "
@@ -140,6 +140,45 @@ def grouped_gemm_check(device: str) -> dict:
     grad_diff = ((grads_grouped - grads_loop).norm() / grads_loop.norm()).item()
     return {"loss_per_expert": loss_loop, "loss_grouped": loss_grouped, "grad_rel_diff": grad_diff,
             "match": abs(loss_grouped - loss_loop) <= 1e-2 * abs(loss_loop) and grad_diff <= 2e-2}
+
+
+def relu_kernel_check(device: str) -> dict:
+    """The Triton ReLU kernels (fp32) against the PyTorch path in float64: output and every gradient,
+    grouped-query heads, queries/keys wider than the values (LISA's features), within documents.
+    --device cpu runs them under Triton's interpreter at tiny sizes."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it on import: a fresh process
+        from pretrain.distributed import environment_for_child
+
+        code = f"import json; from bench.gpu_check import relu_kernel_check; print({RESULT!r} + json.dumps(relu_kernel_check('cpu')))"
+        out = subprocess.run([sys.executable, "-c", code], env={**environment_for_child(), "TRITON_INTERPRET": "1"},
+                             capture_output=True, text=True, timeout=600)
+        result = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
+        if not result:
+            raise RuntimeError(f"exit {out.returncode}: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+        return json.loads(result[-1][len(RESULT):])
+    from models.attention.kernels.relu_triton import triton_relu_attention
+    from models.attention.relu import relu_attention
+
+    cpu = device == "cpu"  # a smoke test of the check: the suite tests the kernels under the interpreter
+    seq, widths, normalizers = (40, ((24, 16),), ("content",)) if cpu else (300, ((64, 64), (72, 64)), ("prefix", "content"))
+    documents = torch.zeros(2, seq, dtype=torch.long, device=device)
+    documents[0, seq // 5:] += 1
+    documents[0, seq // 2:] += 1
+    errors = {}
+    gen = torch.Generator().manual_seed(0)
+    for (d_qk, d_v), docs, normalizer in [(w, d, n) for w in widths for d in (None, documents)
+                                           for n in normalizers]:
+        q, k, v = (torch.randn(2, heads, seq, d, generator=gen).to(device).requires_grad_()
+                   for heads, d in ((4, d_qk), (2, d_qk), (2, d_v)))
+        grad_out = torch.randn(2, 4, seq, d_v, generator=gen).to(device)
+        out = triton_relu_attention(q, k, v, normalizer, documents=docs)
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = relu_attention(qd, kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1), normalizer, 64, docs)
+        want = (ref, *torch.autograd.grad(ref, (qd, kd, vd), grad_out.double()))
+        errors[f"{d_qk}/{d_v} {'docs' if docs is not None else 'causal'} {normalizer}"] = max(
+            float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+    return {"max_rel_error": errors, "match": max(errors.values()) < 1e-4}
 
 
 def throughput(name: str, steps: int, device: str, micro_batch: int | None, profile_dir: Path | None = None) -> None:
@@ -314,6 +353,11 @@ def markdown(report: dict) -> str:
         f"ERROR: {g['error']}" if "error" in g else
         f"loss {g['loss_grouped']:.5f} vs {g['loss_per_expert']:.5f}, gradient relative difference "
         f"{g['grad_rel_diff']:.2e} -> {'match' if g['match'] else 'MISMATCH'}")]
+    r = report["relu_kernels"]
+    lines += ["", "Triton ReLU kernels vs the PyTorch path (fp32 against float64, output and gradients): " + (
+        f"ERROR: {r['error']}" if "error" in r else
+        ", ".join(f"{case} {err:.1e}" for case, err in r["max_rel_error"].items())
+        + f" -> {'match' if r['match'] else 'MISMATCH'}")]
     lines += ["", "| model | params (active) | micro-batch x seq | tokens/s | TFLOP/s | MFU | peak mem GB | "
               "planned GB (plan/meas) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["throughput"].items():
@@ -328,15 +372,15 @@ def markdown(report: dict) -> str:
     if attention:
         lines += ["", "One attention layer per kind (forward + backward; decode: a softmax layer, then the "
                   "kind, with the KV cache):", "",
-                  "| kind @ seq | train ms | x softmax | prefill ms | decode ms/token | x softmax |",
-                  "|---|---|---|---|---|---|"]
+                  "| kind @ seq | train ms | x softmax | kept MB | prefill ms | decode ms/token | x softmax |",
+                  "|---|---|---|---|---|---|---|"]
         for name, r in attention.items():
             if "error" in r:
-                lines.append(f"| {name} | ERROR: {r['error']} | | | | |")
+                lines.append(f"| {name} | ERROR: {r['error']} | | | | | |")
                 continue
             fmt = lambda key, spec: format(r[key], spec) if key in r else ""  # noqa: E731
             lines.append(f"| {name} | {fmt('train_ms', '.2f')} | {fmt('train_x_softmax', '.2f')} | "
-                         f"{fmt('prefill_ms', '.1f')} | {fmt('decode_ms_per_token', '.2f')} | "
+                         f"{fmt('kept_mb', '.1f')} | {fmt('prefill_ms', '.1f')} | {fmt('decode_ms_per_token', '.2f')} | "
                          f"{fmt('decode_x_softmax', '.2f')} |")
     profiled = {name: r for name, r in report["throughput"].items() if "top_ops" in r or "profile_error" in r}
     if profiled:
@@ -411,6 +455,11 @@ def main() -> int:
     except Exception as err:  # noqa: BLE001 - reported in the table
         report["grouped_gemm"] = {"error": f"{type(err).__name__}: {err}"}
     print(f"grouped GEMM vs per-expert (bf16): {report['grouped_gemm']}", flush=True)
+    try:
+        report["relu_kernels"] = relu_kernel_check(args.device)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        report["relu_kernels"] = {"error": f"{type(err).__name__}: {err}"}
+    print(f"Triton ReLU kernels vs the PyTorch path: {report['relu_kernels']}", flush=True)
     destroy_distributed()
     for name in names:
         report["throughput"][name] = run_isolated(name, args)
@@ -431,6 +480,7 @@ def main() -> int:
     failed = [f"{n} (correctness)" for n, c in report["correctness"].items() if not c.get("match")]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
     failed += [] if report["grouped_gemm"].get("match") else ["grouped GEMM"]
+    failed += [] if report["relu_kernels"].get("match") else ["Triton ReLU kernels"]
     failed += [f"attention {n}" for n, r in report.get("attention", {}).items() if "error" in r]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -104,21 +104,31 @@ TRITON_CHECK = """
 import json, sys
 import torch
 from models.attention.kernels.relu_triton import supports, triton_relu_attention
+from models.attention.relu import relu_weights
 from tests.test_attention import naive_relu
 errors = {}
-for normalizer, kv_heads, dim, v_dim in json.loads(sys.argv[1]):
+for normalizer, kv_heads, dim, v_dim, docs in json.loads(sys.argv[1]):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 37, dim, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, 37, d, generator=gen, requires_grad=True) for d in (dim, v_dim))
     g = torch.randn(2, 4, 37, v_dim, generator=gen)
-    assert supports(q, v, None) and not supports(q, v, torch.zeros(2, 37))
-    out = triton_relu_attention(q, k, v, normalizer)
+    assert supports(q, v) and not supports(q, v[..., :12])
+    documents = None
+    if docs:  # documents of 3, 14, 20 positions; 21, 16 (blocks of 16: skipped blocks, a document across blocks)
+        documents = torch.zeros(2, 37, dtype=torch.long)
+        documents[0, 3:] += 1
+        documents[0, 17:] += 1
+        documents[1, 21:] += 1
+    out = triton_relu_attention(q, k, v, normalizer, documents=documents)
     grads = torch.autograd.grad((out * g).sum(), (q, k, v))
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    rep = 4 // kv_heads
-    ref = naive_relu(qd, kd.repeat_interleave(rep, 1), vd.repeat_interleave(rep, 1), normalizer)
+    kr, vr = (t.repeat_interleave(4 // kv_heads, 1) for t in (kd, vd))
+    if docs:
+        ref = relu_weights(qd @ kr.transpose(-2, -1) / dim ** 0.5, normalizer, documents) @ vr
+    else:
+        ref = naive_relu(qd, kr, vr, normalizer)
     ref_grads = torch.autograd.grad((ref * g.double()).sum(), (qd, kd, vd))
-    errors[f"{normalizer}/{kv_heads}/{dim}/{v_dim}"] = [float((a.double() - b).abs().max() / b.abs().max())
+    errors[f"{normalizer}/{kv_heads}/{dim}/{v_dim}/{docs}"] = [float((a.double() - b).abs().max() / b.abs().max())
                                                 for a, b in zip((out, *grads), (ref, *ref_grads))]
 print(json.dumps(errors))
 """
@@ -128,7 +138,7 @@ def test_triton_relu_kernels_match_naive_reference_under_interpreter():
     """The fused kernels (forward, dQ, dK/dV) under TRITON_INTERPRET=1 on CPU: every normaliser,
     grouped-query (2 K/V heads for 4) and plain heads, a sequence that is not a multiple of the
     block (37 against blocks of 16), queries and keys wider than the values and not a power of two
-    (24 against 16, as LISA's score features)."""
+    (24 against 16, as LISA's score features), within documents."""
     import json
     import os
     import subprocess
@@ -136,8 +146,9 @@ def test_triton_relu_kernels_match_naive_reference_under_interpreter():
 
     from tests.dist_utils import REPO
 
-    cases = [[n, 2, 16, 16] for n in ("none", "prefix", "content", "seqlen")] + [["prefix", 4, 32, 32],
-                                                                                 ["content", 2, 24, 16]]
+    cases = [[n, 2, 16, 16, False] for n in ("none", "prefix", "content", "seqlen")]
+    cases += [["prefix", 4, 32, 32, False], ["content", 2, 24, 16, False]]
+    cases += [[n, 2, 16, 16, True] for n in ("prefix", "content", "seqlen")]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", TRITON_CHECK, json.dumps(cases)], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -212,7 +223,7 @@ def test_capture_does_not_change_outputs(single_process, pattern):
 @pytest.mark.parametrize("align_hidden", [16, 0])  # explicit scores; score features
 def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch, align_hidden):
     """Scores handed across checkpointed blocks (full) or around recomputed attention cores
-    (selective) through ctx, and the alignment FFN in row blocks: same loss and grads as one plain
+    (selective) through ctx, and LISA scores built by query blocks: same loss and grads as one plain
     pass, for softmax_sink, relu, softmax and LISA layers."""
     from models.attention.lisa import HeadAlign
     from models.gpt import GPT
@@ -224,6 +235,7 @@ def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch,
     saved = {}
     for ckpt, row_block in (("none", 256), ("full", 7), ("selective", 7)):
         monkeypatch.setattr(HeadAlign, "ROW_BLOCK", row_block)
+        cfg.lisa.block_size = row_block
         torch.manual_seed(0)
         model = GPT(cfg, activation_checkpointing=ckpt).double().train()
         perturb_lisa(model, cfg)
@@ -276,7 +288,9 @@ def test_lisa_identity_alignment_reproduces_previous_weights(single_process, sou
 @pytest.mark.parametrize("kv_heads,group", [(0, 2), (2, 2), (2, 4)])  # per-head keys, mixed queries, keys side by side
 def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_heads, group):
     """Linear alignment over score features (kernel auto) against the explicit-scores reference,
-    along a chain of two LISA layers: logits and every gradient, float64."""
+    along a chain of two LISA layers: logits and every gradient, float64; the planner's feature
+    width is the mean of the two layers'."""
+    from models.attention.lisa import feature_width
     from models.attention.masks import document_ids
     from models.attention.shared_scores import SharedScores
 
@@ -294,12 +308,14 @@ def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_he
             for block in model.blocks[1:]:
                 block.attn.align.mix.copy_(torch.randn(block.attn.align.mix.shape,
                                                        generator=torch.Generator().manual_seed(4)))
+        model.blocks[2].attn.publish_scores = True  # the chain's last features, for their width
         ctx = {"document_ids": document_ids(tokens, 0)} if documents else {}
         logits = model.logits(tokens, ctx)
         logits.square().sum().backward()
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
         published = published or ctx["attention_scores"]
-    assert all(isinstance(published[layer], SharedScores) for layer in (0, 1))  # no seq^2 scores built
+    assert all(isinstance(published[layer], SharedScores) for layer in (0, 1, 2))  # no seq^2 scores built
+    assert (published[1].width + published[2].width) / 2 == feature_width(cfg)
     (fast, fast_grads), (ref, ref_grads) = results
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
     for name, g in ref_grads.items():
@@ -307,13 +323,23 @@ def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_he
 
 
 @pytest.mark.parametrize("source,normalizer,documents", [("s", "prefix", False), ("k", "prefix", True),
-                                                        ("r", "content", False), ("r", "seqlen", True)])
-def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_process, source, normalizer, documents):
+                                                        ("r", "content", False), ("r", "prefix", True),
+                                                        ("r", "seqlen", True)])
+def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_process, monkeypatch, source, normalizer,
+                                                                  documents):
     """The FFN alignment built 5 query rows at a time (kernel auto, seq 24), along a chain of two
-    LISA layers, against the explicit scores: logits and every gradient (float64). Its LISA layers
-    keep no [seq, seq] tensor for backward; the reference keeps several."""
+    LISA layers, against the explicit scores: logits and every gradient (float64). The fast path
+    builds no [seq, seq] scores, only row blocks, and its LISA layers keep no [seq, seq] tensor for
+    backward; the reference keeps several."""
     from models.attention.lisa import LISAAttention
     from models.attention.masks import document_ids
+    from models.attention.shared_scores import SharedScores
+
+    block_shapes = []
+    rows, materialize = SharedScores.rows, SharedScores.materialize
+    monkeypatch.setattr(SharedScores, "rows", lambda self, *a: block_shapes.append(rows(self, *a).shape[-2:])
+                        or rows(self, *a))
+    monkeypatch.setattr(SharedScores, "materialize", lambda self: block_shapes.append("all") or materialize(self))
 
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
     if documents:
@@ -338,6 +364,11 @@ def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_proces
             logits = model.logits(tokens, ctx)
         logits.square().sum().backward()
         square[kernel] = sum(shape == (24, 24) for shape in kept if shape)
+        if kernel == "auto":  # forward and backward recompute: blocks of 5 rows over the keys up to them
+            assert block_shapes and all(shape != "all" and shape[0] <= 5 for shape in block_shapes), block_shapes
+            assert {tuple(shape) for shape in block_shapes} >= {(5, 5), (5, 10), (4, 24)}
+        else:
+            assert block_shapes[-1] == "all"
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
     assert square["auto"] == 0 and square["naive"] > 0, square
     (fast, fast_grads), (ref, ref_grads) = results
@@ -356,6 +387,7 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
 
     cfg = small_cfg("skrll", num_kv_heads=2)
     cfg.relu_attention.normalizer, cfg.lisa.align_hidden = "content", align_hidden
+    cfg.lisa.block_size = 3  # the prefill builds FFN-aligned scores in several blocks
     model = build(cfg).double().eval()
     with torch.no_grad():
         for block in model.blocks[3:]:

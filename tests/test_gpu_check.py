@@ -35,6 +35,7 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert report["throughput"]["uoe-1b grouped-gemm"]["params_active"] < \
         report["throughput"]["uoe-1b grouped-gemm"]["params_total"]
     assert report["grouped_gemm"]["match"], report["grouped_gemm"]
+    assert report["relu_kernels"]["match"] and len(report["relu_kernels"]["max_rel_error"]) == 2, report["relu_kernels"]
     for name, c in report["correctness"].items():
         assert c["match"] and len(c["cpu"]) == 3, (name, c)
     attention = report["attention"]

@@ -23,14 +23,16 @@ Scores arrive as query/key features (models.attention.shared_scores), so the lay
 keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors for backward:
 - Linear head mixing (align_hidden 0): the whole score is such a feature product and the layer
   attends with the memory-efficient kernels (after relu layers the Triton ReLU kernels on a GPU,
-  which take queries and keys wider than the values; within documents the blocked PyTorch path).
+  which take queries and keys wider than the values up to 256 once padded; wider, the blocked
+  PyTorch path).
   The feature width is
   (distinct keys per alignment group) x head_dim + rank, so it costs about a softmax layer when the
   alignment group lies within a K/V group (grouped-query attention) and g times more QK work without.
-- The FFN alignment is non-linear in the scores: the layer builds them a block of
-  model.lisa.block_size query rows at a time (source rows, alignment, low-rank term, weights,
+- The FFN alignment is non-linear in the scores; it, and linear alignment whose groups do not line
+  up with the K/V groups, build the scores a block of model.lisa.block_size query rows at a time (source rows, alignment, low-rank term, weights,
   values) and recomputes each block in backward. It hands its own scores on lazily (AlignedScores),
-  so a following LISA layer builds them by rows too.
+  so a following LISA layer builds them by rows too (rebuilding this layer's rows for each of its
+  blocks: a chain of n such layers aligns the first one's rows n times).
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
 """
 
@@ -202,10 +204,6 @@ class AlignedScores:
 
     def __init__(self, shared, align: HeadAlign, q: torch.Tensor, k: torch.Tensor):
         self.shared, self.align, self.q, self.k = shared, align, q, k
-
-    @property
-    def heads(self) -> int:
-        return self.q.shape[1]
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         aligned = self.align(self.shared.rows(start, end).to(self.q.dtype), recompute_rows=False)

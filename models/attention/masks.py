@@ -36,11 +36,21 @@ def visible(q_len: int, k_len: int, device: torch.device, documents: torch.Tenso
     return (causal & same).unsqueeze(1)
 
 
-def keys_seen(documents: torch.Tensor, q_len: int, offset: int = 0) -> torch.Tensor:
-    """[batch, 1, q_len, 1] float: how many keys of its own document each query sees (itself included)."""
+def document_bounds(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([batch, seq], [batch, seq]) long: where each position's document starts, and one past where
+    it ends (documents are contiguous runs of positions)."""
     seq = documents.shape[1]
     pos = torch.arange(seq, device=documents.device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values  # start of each position's document
-    return (pos - first + 1)[:, offset:offset + q_len].float()[:, None, :, None]
+    change = documents[:, 1:] != documents[:, :-1]
+    opens = torch.cat([torch.ones_like(documents[:, :1], dtype=torch.bool), change], 1)
+    closes = torch.cat([change, torch.ones_like(documents[:, :1], dtype=torch.bool)], 1)
+    starts = torch.where(opens, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    ends = torch.where(closes, pos + 1, torch.full_like(pos, seq)).flip(1).cummin(dim=1).values.flip(1)
+    return starts, ends
+
+
+def keys_seen(documents: torch.Tensor, q_len: int, offset: int = 0) -> torch.Tensor:
+    """[batch, 1, q_len, 1] float: how many keys of its own document each query sees (itself included)."""
+    starts, _ = document_bounds(documents)
+    pos = torch.arange(documents.shape[1], device=documents.device)
+    return (pos - starts + 1)[:, offset:offset + q_len].float()[:, None, :, None]

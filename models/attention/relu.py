@@ -42,7 +42,7 @@ class ReLUAttentionConfig:
 register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size", "kernel"))
 
 
-def fused_kernel(q: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None):
+def fused_kernel(q: torch.Tensor, v: torch.Tensor):
     """The Triton ReLU attention function when it runs for these inputs, else None."""
     if not q.is_cuda:  # the kernels' module imports Triton: only where they can run
         return None
@@ -50,7 +50,7 @@ def fused_kernel(q: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | Non
         from models.attention.kernels.relu_triton import supports, triton_relu_attention
     except ImportError:  # no Triton on this machine
         return None
-    return triton_relu_attention if supports(q, v, documents) else None
+    return triton_relu_attention if supports(q, v) else None
 
 
 def relu_normaliser(normalizer: str, q_len: int, seq_len: int, device, offset: int = 0,
@@ -140,9 +140,9 @@ def relu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: ReL
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         scores = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * scale
         return relu_weights(scores, settings.normalizer, documents).to(v.dtype) @ expand_kv(v, q.shape[1])
-    fused = fused_kernel(q, v, documents) if settings.kernel == "auto" else None
+    fused = fused_kernel(q, v) if settings.kernel == "auto" else None
     if fused is not None:  # grouped K/V heads go in as they are
-        return fused(q, k, v, settings.normalizer, scale)
+        return fused(q, k, v, settings.normalizer, scale, documents)
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     return relu_attention(q, k, v, settings.normalizer, settings.block_size, documents, scale)
 

@@ -109,8 +109,3 @@ class SharedScores:
 def explicit_scores(shared) -> torch.Tensor:
     """Scores as a tensor, from a tensor or from lazy scores (SharedScores, or a LISA layer's own)."""
     return shared if isinstance(shared, torch.Tensor) else shared.materialize()
-
-
-def score_rows(shared, start: int, end: int) -> torch.Tensor:
-    """Rows start..end-1 over keys 0..end-1 of explicit or lazy square scores."""
-    return shared[..., start:end, :end] if isinstance(shared, torch.Tensor) else shared.rows(start, end)

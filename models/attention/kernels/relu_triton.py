@@ -6,8 +6,11 @@ models.attention.relu.relu_attention:
 Blockwise like flash attention, but with no online softmax: a query block's output is a plain sum
 over key blocks, divided by n_i at the end. Forward keeps nothing but q, k, v; backward recomputes
 the scores, once per key block for dK/dV (over every query head of its K/V group: grouped-query
-attention is native, no K/V repeat) and once per query block for dQ. No document masking: with
-data.document_mask the PyTorch path runs. Queries and keys may be wider than the values (LISA
+attention is native, no K/V repeat) and once per query block for dQ. Within documents
+(data.document_mask) a query sees the keys from its document's start on, and prefix / content count
+those keys; documents are contiguous, so their start and end positions are all the kernels read,
+and they skip the key blocks before a query block's first document (and, for dK/dV, the query
+blocks after a key block's last one). Queries and keys may be wider than the values (LISA
 attends over score features of width head_dim + rank or more): they are zero-padded to a power of
 two, which leaves every score as it is. Under TRITON_INTERPRET=1 the kernels run on CPU tensors
 (how the tests check them).
@@ -21,20 +24,20 @@ import torch
 import triton
 import triton.language as tl
 
+from models.attention.masks import document_bounds
+
 NORMALIZER_CODES = {"none": 0, "prefix": 1, "content": 2, "seqlen": 3}
 
 
 MAX_QK_WIDTH = 256  # after padding to a power of two
 
 
-def supports(q: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None) -> bool:
-    """Whether the kernels run for these inputs: on the GPU (or the interpreter), no documents, a
-    value width that is a power of two from 16 to 128, queries and keys at most MAX_QK_WIDTH wide
-    once padded."""
+def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernels run for these inputs: on the GPU (or the interpreter), a value width that
+    is a power of two from 16 to 128, queries and keys at most MAX_QK_WIDTH wide once padded."""
     dv = v.shape[-1]
     on_device = q.is_cuda or triton_interpreted()
-    return (on_device and documents is None and 16 <= dv <= 128 and dv & (dv - 1) == 0
-            and _padded(q.shape[-1]) <= MAX_QK_WIDTH)
+    return on_device and 16 <= dv <= 128 and dv & (dv - 1) == 0 and _padded(q.shape[-1]) <= MAX_QK_WIDTH
 
 
 def _padded(width: int) -> int:
@@ -48,8 +51,9 @@ def triton_interpreted() -> bool:
 
 
 @triton.jit
-def _normaliser(rows, seq_len, NORM: tl.constexpr):
-    pos = rows.to(tl.float32)
+def _normaliser(rows, first, seq_len, NORM: tl.constexpr):
+    """n_i of queries `rows` whose documents start at `first` (0 without documents)."""
+    pos = (rows - first).to(tl.float32)
     if NORM == 0:
         n = pos * 0.0 + 1.0
     elif NORM == 1:
@@ -81,31 +85,44 @@ def _key_block(q, K, V, k_offset, v_offset, sk_s, sv_s, start, S, scale, IEEE: t
 
 
 @triton.jit
-def _forward(Q, K, V, O, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H, GROUP, S,
-             scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             DK: tl.constexpr, DV: tl.constexpr):
+def _document_starts(STARTS, b, rows, S, BN: tl.constexpr, DOCS: tl.constexpr):
+    """(where each query's document starts, the first key block any of them sees)."""
+    if DOCS:
+        first = tl.load(STARTS + b * S + rows, mask=rows < S, other=0)
+        lo = tl.min(tl.where(rows < S, first, S), axis=0) // BN * BN
+    else:
+        first = rows * 0
+        lo = 0
+    return first, lo
+
+
+@triton.jit
+def _forward(Q, K, V, O, STARTS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H, GROUP,
+             S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr, DOCS: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
+    first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
     q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + tl.arange(0, DK)[None, :],
                 mask=rows[:, None] < S, other=0.0)
     acc = tl.zeros([BM, DV], dtype=tl.float32)
-    for start in range(0, tl.minimum((block + 1) * BM, S), BN):
+    for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, start, S,
                                    scale, IEEE, BN, DK, DV)
-        keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S)
+        keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (cols[None, :] >= first[:, None])
         w = tl.where(keep, tl.maximum(s, 0.0), 0.0)
         acc += _dot(w.to(v.dtype), v, IEEE)
-    acc = acc / _normaliser(rows, seq_len, NORM)[:, None]
+    acc = acc / _normaliser(rows, first, seq_len, NORM)[:, None]
     tl.store(O + b * so_b + h * so_h + rows[:, None] * so_s + tl.arange(0, DV)[None, :],
              acc.to(O.dtype.element_ty), mask=rows[:, None] < S)
 
 
 @triton.jit
-def _backward_kv(Q, K, V, DO, DK_, DV_, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
-                 H, GROUP, S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+def _backward_kv(Q, K, V, DO, DK_, DV_, STARTS, ENDS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b,
+                 so_h, so_s, H, GROUP, S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOCS: tl.constexpr):
     """dK, dV of one key block of one K/V head, summed over the query heads of its group (dK is laid
     out like K, dV like V, dO like the output)."""
     block, bkv = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -119,17 +136,23 @@ def _backward_kv(Q, K, V, DO, DK_, DV_, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b
     v = tl.load(V + vo, mask=cols[:, None] < S, other=0.0)
     dk = tl.zeros([BN, DK], dtype=tl.float32)
     dv = tl.zeros([BN, DV], dtype=tl.float32)
+    if DOCS:  # no query after the block's last document sees it
+        hi = tl.max(tl.load(ENDS + b * S + cols, mask=cols < S, other=0), axis=0)
+    else:
+        hi = S
     for g in range(0, GROUP):
         h = kvh * GROUP + g
-        for start in range(block * BN, S, BM):  # only queries at or after the block's first key
+        for start in range(block * BN, hi, BM):  # only queries at or after the block's first key
             rows = start + tl.arange(0, BM)
+            first, _ = _document_starts(STARTS, b, rows, S, BN, DOCS)
             q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + kdims[None, :], mask=rows[:, None] < S,
                         other=0.0)
             do = tl.load(DO + b * so_b + h * so_h + rows[:, None] * so_s + vdims[None, :], mask=rows[:, None] < S,
                          other=0.0)
-            n = _normaliser(rows, seq_len, NORM)[:, None]
+            n = _normaliser(rows, first, seq_len, NORM)[:, None]
             s = _dot(q, tl.trans(k), IEEE) * scale
-            active = (cols[None, :] <= rows[:, None]) & (rows[:, None] < S) & (cols[None, :] < S) & (s > 0)
+            active = ((cols[None, :] <= rows[:, None]) & (rows[:, None] < S) & (cols[None, :] < S) & (s > 0)
+                      & (cols[None, :] >= first[:, None]))
             w = tl.where(active, s, 0.0) / n
             dv += _dot(tl.trans(w).to(do.dtype), do, IEEE)
             ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
@@ -139,23 +162,24 @@ def _backward_kv(Q, K, V, DO, DK_, DV_, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b
 
 
 @triton.jit
-def _backward_q(Q, K, V, DO, DQ, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H, GROUP,
-                S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                DK: tl.constexpr, DV: tl.constexpr):
+def _backward_q(Q, K, V, DO, DQ, STARTS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H,
+                GROUP, S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOCS: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
+    first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
     qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + tl.arange(0, DK)[None, :]
     q = tl.load(Q + qo, mask=rows[:, None] < S, other=0.0)
     do = tl.load(DO + b * so_b + h * so_h + rows[:, None] * so_s + tl.arange(0, DV)[None, :],
                  mask=rows[:, None] < S, other=0.0)
-    n = _normaliser(rows, seq_len, NORM)[:, None]
+    n = _normaliser(rows, first, seq_len, NORM)[:, None]
     dq = tl.zeros([BM, DK], dtype=tl.float32)
-    for start in range(0, tl.minimum((block + 1) * BM, S), BN):
+    for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, start, S,
                                    scale, IEEE, BN, DK, DV)
-        active = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (s > 0)
+        active = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (s > 0) & (cols[None, :] >= first[:, None])
         ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
         dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(DQ + qo, dq.to(DQ.dtype.element_ty), mask=rows[:, None] < S)
@@ -170,24 +194,27 @@ def _blocks(width: int) -> tuple[int, int]:
 
 class _TritonReLUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, normalizer: str, scale: float):
+    def forward(ctx, q, k, v, normalizer: str, scale: float, starts, ends):
         q, k, v = (t.contiguous() for t in (q, k, v))
         batch, heads, seq, dk = q.shape
         dv = v.shape[-1]
         group = heads // k.shape[1]
         bm, bn = _blocks(max(dk, dv))
+        docs = starts is not None
+        if not docs:  # unused pointers
+            starts = ends = q
         out = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
         _forward[(triton.cdiv(seq, bm), batch * heads)](
-            q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], heads, group,
-            seq, scale, float(seq), NORM=NORMALIZER_CODES[normalizer], IEEE=q.dtype == torch.float32, BM=bm,
-            BN=bn, DK=dk, DV=dv)
-        ctx.save_for_backward(q, k, v)
-        ctx.normalizer, ctx.scale = normalizer, scale
+            q, k, v, out, starts, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], heads,
+            group, seq, scale, float(seq), NORM=NORMALIZER_CODES[normalizer], IEEE=q.dtype == torch.float32,
+            BM=bm, BN=bn, DK=dk, DV=dv, DOCS=docs)
+        ctx.save_for_backward(q, k, v, starts, ends)
+        ctx.normalizer, ctx.scale, ctx.docs = normalizer, scale, docs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
+        q, k, v, starts, ends = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         batch, heads, seq, dk = q.shape
         kv_heads, dv = k.shape[1], v.shape[-1]
@@ -195,21 +222,26 @@ class _TritonReLUAttention(torch.autograd.Function):
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3])
         args = (heads, heads // kv_heads, seq, ctx.scale, float(seq))
         meta = dict(NORM=NORMALIZER_CODES[ctx.normalizer], IEEE=q.dtype == torch.float32, BM=bm, BN=bn, DK=dk,
-                    DV=dv)
+                    DV=dv, DOCS=ctx.docs)
         dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _backward_kv[(triton.cdiv(seq, bn), batch * kv_heads)](q, k, v, grad_out, dk_, dv_, *strides, *args, **meta)
-        _backward_q[(triton.cdiv(seq, bm), batch * heads)](q, k, v, grad_out, dq, *strides, *args, **meta)
-        return dq, dk_, dv_, None, None
+        _backward_kv[(triton.cdiv(seq, bn), batch * kv_heads)](
+            q, k, v, grad_out, dk_, dv_, starts, ends, *strides, *args, **meta)
+        _backward_q[(triton.cdiv(seq, bm), batch * heads)](q, k, v, grad_out, dq, starts, *strides, *args, **meta)
+        return dq, dk_, dv_, None, None, None, None
 
 
 def triton_relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str,
-                          scale: float | None = None) -> torch.Tensor:
+                          scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, seq, d_qk], k [batch, kv_heads, seq, d_qk], v [batch, kv_heads, seq, d_v]
-    (kv_heads dividing heads); scores q . k * scale, scale defaulting to 1 / sqrt(d_qk)."""
+    (kv_heads dividing heads); scores q . k * scale, scale defaulting to 1 / sqrt(d_qk); within
+    `documents` ([batch, seq] ids, models.attention.masks.document_ids) when given."""
     if normalizer not in NORMALIZER_CODES:
         raise ValueError(f"normalizer={normalizer!r}: choose one of {', '.join(NORMALIZER_CODES)}")
     width = q.shape[-1]
     scale = 1.0 / math.sqrt(width) if scale is None else scale
     if _padded(width) != width:  # zero columns add nothing to q . k
         q, k = (torch.nn.functional.pad(t, (0, _padded(width) - width)) for t in (q, k))
-    return _TritonReLUAttention.apply(q, k, v, normalizer, scale)
+    starts = ends = None
+    if documents is not None:
+        starts, ends = (t.to(torch.int32).contiguous() for t in document_bounds(documents))
+    return _TritonReLUAttention.apply(q, k, v, normalizer, scale, starts, ends)
