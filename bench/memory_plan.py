@@ -23,7 +23,12 @@ SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, seq, micro_batch)
     "h512-l8-ckpt": (512, 8, 8, 8, 1408, 256, 8),
     "h512-l8-sel": (512, 8, 8, 8, 1408, 256, 8),
     "h768-l8-ckpt": (768, 8, 12, 12, 2048, 512, 8),
+    "h512-l8-hybrid": (512, 8, 8, 8, 1408, 512, 4),
+    "h512-l8-hybrid-naive": (512, 8, 8, 8, 1408, 512, 4),
 }
+# Hybrid attention as in configs/hybrid_*.yaml (LISA with the FFN alignment in groups of 4): its
+# scores built by query blocks (kernel auto), or explicit (naive).
+HYBRID = {"h512-l8-hybrid": "auto", "h512-l8-hybrid-naive": "naive"}
 
 
 def measurement_env() -> dict:
@@ -56,6 +61,9 @@ def measure(name: str, steps: int) -> dict:
                             num_kv_heads=kv_heads, ffn_hidden_size=ffn, max_seq_len=seq)
     cfg.train.micro_batch, cfg.train.steps, cfg.train.warmup_steps = micro, 100, 1
     cfg.train.activation_checkpointing = {"ckpt": "full", "sel": "selective"}.get(name.rsplit("-", 1)[-1], "none")
+    if name in HYBRID:
+        cfg.model.attention = "sskllrll"
+        cfg.model.lisa.align_group, cfg.model.lisa.kernel = 4, HYBRID[name]
     estimate = plan(cfg, 1, 1, 1e6, "cpu", bf16=False)
     baseline = rss_kib("VmRSS")
     torch.manual_seed(0)

@@ -24,15 +24,15 @@ keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors
 - Linear head mixing (align_hidden 0): the whole score is such a feature product and the layer
   attends with the memory-efficient kernels (after relu layers the Triton ReLU kernels on a GPU,
   which take queries and keys wider than the values up to 256 once padded; wider, the blocked
-  PyTorch path).
-  The feature width is
-  (distinct keys per alignment group) x head_dim + rank, so it costs about a softmax layer when the
-  alignment group lies within a K/V group (grouped-query attention) and g times more QK work without.
-- The FFN alignment is non-linear in the scores; it, and linear alignment whose groups do not line
-  up with the K/V groups, build the scores a block of model.lisa.block_size query rows at a time (source rows, alignment, low-rank term, weights,
-  values) and recomputes each block in backward. It hands its own scores on lazily (AlignedScores),
-  so a following LISA layer builds them by rows too (rebuilding this layer's rows for each of its
-  blocks: a chain of n such layers aligns the first one's rows n times).
+  PyTorch path). The feature width is (distinct keys per alignment group) x head_dim + rank, so it
+  costs about a softmax layer when the alignment group lies within a K/V group (grouped-query
+  attention) and g times more QK work without.
+- The FFN alignment is non-linear in the scores. It, and linear alignment whose groups do not line
+  up with the K/V groups, build the scores a block of model.lisa.block_size query rows at a time
+  (source rows, alignment, low-rank term, weights, values) and recompute each block in backward.
+  The layer hands its own scores on lazily (AlignedScores), so a following LISA layer builds them
+  by rows too (rebuilding this layer's rows for each of its blocks: a chain of n such layers aligns
+  the first one's rows n times).
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
 """
 
@@ -122,8 +122,7 @@ def feature_width(cfg: ModelConfig) -> float:
         depth = depth + 1 if kind == "lisa" else 0
         if depth:
             depths.append(depth - 1)
-    added = group * rank if group > 1 else rank
-    return max(1, group // share) * cfg.head_dim + rank + added * sum(depths) / max(1, len(depths))
+    return max(1, group // share) * cfg.head_dim + rank + group * rank * sum(depths) / max(1, len(depths))
 
 
 def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
