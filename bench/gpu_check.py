@@ -143,9 +143,10 @@ def grouped_gemm_check(device: str) -> dict:
 
 
 def relu_kernel_check(device: str) -> dict:
-    """The Triton ReLU kernels (fp32) against the PyTorch path in float64: output and every gradient,
-    grouped-query heads, queries/keys wider than the values (LISA's features), within documents.
-    --device cpu runs them under Triton's interpreter at tiny sizes."""
+    """The Triton ReLU kernels (fp32, and bf16 as training runs them) against the PyTorch path in
+    float64: output and every gradient, grouped-query heads, queries/keys wider than the values
+    (LISA's features), within documents. --device cpu runs them under Triton's interpreter at tiny
+    sizes."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it on import: a fresh process
         from pretrain.distributed import environment_for_child
 
@@ -164,21 +165,25 @@ def relu_kernel_check(device: str) -> dict:
     documents = torch.zeros(2, seq, dtype=torch.long, device=device)
     documents[0, seq // 5:] += 1
     documents[0, seq // 2:] += 1
-    errors = {}
+    cases = [(w, d, n, torch.float32) for w in widths for d in (None, documents) for n in normalizers]
+    if not cpu:
+        cases += [(widths[-1], d, "content", torch.bfloat16) for d in (None, documents)]
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest entry
+    errors, ok = {}, True
     gen = torch.Generator().manual_seed(0)
-    for (d_qk, d_v), docs, normalizer in [(w, d, n) for w in widths for d in (None, documents)
-                                           for n in normalizers]:
-        q, k, v = (torch.randn(2, heads, seq, d, generator=gen).to(device).requires_grad_()
+    for (d_qk, d_v), docs, normalizer, dtype in cases:
+        q, k, v = (torch.randn(2, heads, seq, d, generator=gen).to(device, dtype).requires_grad_()
                    for heads, d in ((4, d_qk), (2, d_qk), (2, d_v)))
-        grad_out = torch.randn(2, 4, seq, d_v, generator=gen).to(device)
+        grad_out = torch.randn(2, 4, seq, d_v, generator=gen).to(device, dtype)
         out = triton_relu_attention(q, k, v, normalizer, documents=docs)
         got = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
         qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
         ref = relu_attention(qd, kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1), normalizer, 64, docs)
         want = (ref, *torch.autograd.grad(ref, (qd, kd, vd), grad_out.double()))
-        errors[f"{d_qk}/{d_v} {'docs' if docs is not None else 'causal'} {normalizer}"] = max(
-            float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
-    return {"max_rel_error": errors, "match": max(errors.values()) < 1e-4}
+        case = f"{d_qk}/{d_v} {'docs' if docs is not None else 'causal'} {normalizer} {str(dtype)[6:]}"
+        errors[case] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+        ok &= errors[case] < tolerance[dtype]
+    return {"max_rel_error": errors, "match": ok}
 
 
 def throughput(name: str, steps: int, device: str, micro_batch: int | None, profile_dir: Path | None = None) -> None:
