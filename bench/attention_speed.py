@@ -6,15 +6,15 @@ Times one attention module (projections + core + output projection) in one proce
 whatever device is present. Kinds: softmax (SDPA), softmax_gqa (one K/V head for all query heads),
 softmax_sink (SDPA with a sink column), relu (the fused Triton kernels on a GPU, else blocked
 PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer hands over, align
-FFN + low-rank Q/K, built by query blocks), lisa_linear (model.lisa.align_hidden = 0: linear head mixing,
-attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose one
-K/V head serves the alignment group: features of width head_dim + rank), lisa_naive (lisa_linear
-on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit scores; lisa builds
-them by query blocks) and softmax+publish (a softmax layer that hands its scores to a following
-LISA layer). `kept MB` is the memory one forward allocates and still holds when it returns (what
-its backward needs, and the output; the layer's input and the handed-over queries and keys are
-allocated before): the CPU profiler's memory count, or the CUDA allocator's. `decode_ms_per_token` times decoding with the KV cache through
-the Hugging Face modeling file (models/hf), for bench.gpu_check.
+FFN + low-rank Q/K, built by query blocks), lisa_linear (model.lisa.align_hidden = 0: linear head
+mixing, attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose
+one K/V head serves the alignment group: features of width head_dim + rank), lisa_naive
+(lisa_linear on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit
+scores) and softmax+publish (a softmax layer that hands its scores to a following LISA layer).
+`kept MB` is the memory one forward allocates and still holds when it returns (what its backward
+needs, and the output; the layer's input and the handed-over queries and keys are allocated
+before): the CPU profiler's memory count, or the CUDA allocator's. `decode_ms_per_token` times
+decoding with the KV cache through the Hugging Face modeling file (models/hf), for bench.gpu_check.
 """
 
 from __future__ import annotations

@@ -128,8 +128,8 @@ for normalizer, kv_heads, dim, v_dim, docs in json.loads(sys.argv[1]):
     else:
         ref = naive_relu(qd, kr, vr, normalizer)
     ref_grads = torch.autograd.grad((ref * g.double()).sum(), (qd, kd, vd))
-    errors[f"{normalizer}/{kv_heads}/{dim}/{v_dim}/{docs}"] = [float((a.double() - b).abs().max() / b.abs().max())
-                                                for a, b in zip((out, *grads), (ref, *ref_grads))]
+    errors[f"{normalizer}/{kv_heads}/{dim}/{v_dim}/{docs}"] = [
+        float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip((out, *grads), (ref, *ref_grads))]
 print(json.dumps(errors))
 """
 
