@@ -221,11 +221,10 @@ def test_capture_does_not_change_outputs(single_process, pattern):
 
 
 @pytest.mark.parametrize("align_hidden", [16, 0])  # explicit scores; score features
-def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch, align_hidden):
+def test_lisa_with_activation_checkpointing_matches(single_process, align_hidden):
     """Scores handed across checkpointed blocks (full) or around recomputed attention cores
     (selective) through ctx, and LISA scores built by query blocks: same loss and grads as one plain
     pass, for softmax_sink, relu, softmax and LISA layers."""
-    from models.attention.lisa import HeadAlign
     from models.gpt import GPT
 
     cfg = small_cfg("krlsl")
@@ -234,7 +233,6 @@ def test_lisa_with_activation_checkpointing_matches(single_process, monkeypatch,
     grads = []
     saved = {}
     for ckpt, row_block in (("none", 256), ("full", 7), ("selective", 7)):
-        monkeypatch.setattr(HeadAlign, "ROW_BLOCK", row_block)
         cfg.lisa.block_size = row_block
         torch.manual_seed(0)
         model = GPT(cfg, activation_checkpointing=ckpt).double().train()

@@ -72,7 +72,9 @@ class LISAConfig:
     # auto: linear alignment attends over the shared scores as features, the FFN alignment builds
     # them by query blocks (no seq^2 tensors either way); naive: always build the explicit scores.
     kernel: str = "auto"
-    block_size: int = 256  # query rows per block when kernel=auto builds scores by blocks
+    # Query rows per block: of the scores when kernel=auto builds them by blocks, and of the FFN's
+    # hidden layer on explicit scores.
+    block_size: int = 256
 
     def resolved_rank(self, head_dim: int) -> int:
         return self.rank or max(2, head_dim // 8 // 2 * 2)
@@ -149,10 +151,9 @@ def _split_param(full: torch.Tensor, local: int) -> nn.Parameter:
 class HeadAlign(nn.Module):
     """Pointwise FFN over the head axis, one per group of g heads (this rank's groups only)."""
 
-    ROW_BLOCK = 256
-
-    def __init__(self, num_heads: int, local_heads: int, group: int, hidden: int):
+    def __init__(self, num_heads: int, local_heads: int, group: int, hidden: int, row_block: int = 256):
         super().__init__()
+        self.row_block = row_block
         assert local_heads % group == 0, f"align_group {group} straddles TP ranks ({local_heads} heads)"
         self.group = group
         groups, local = num_heads // group, local_heads // group
@@ -175,29 +176,22 @@ class HeadAlign(nn.Module):
         """scores [batch, local_heads, q, k] -> same shape, heads mixed within groups.
 
         The FFN's hidden layer is align_hidden times the size of the scores, so it runs in blocks
-        of ROW_BLOCK query rows and, when gradients are on, is recomputed in backward (only the
+        of row_block query rows and, when gradients are on, is recomputed in backward (only the
         scores are kept); recompute_rows=False for callers that recompute a block of rows themselves."""
         b, h, sq, sk = scores.shape
         s = scores.reshape(b, h // self.group, self.group, sq, sk).permute(0, 1, 3, 4, 2)
         out = torch.einsum("bnijg,nhg->bnijh", s, self.mix.to(s.dtype))
-        if not self.hidden:
-            return out.permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
-        if not recompute_rows:
-            return (out + self.nonlinear(s)).permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
-        parts = []
-        for start in range(0, sq, self.ROW_BLOCK):
-            rows = s[:, :, start:start + self.ROW_BLOCK]
-            if torch.is_grad_enabled():
-                parts.append(checkpoint(self.nonlinear, rows, use_reentrant=False))
-            else:
-                parts.append(self.nonlinear(rows))
-        out = out + torch.cat(parts, dim=2)
+        if self.hidden and not recompute_rows:
+            out = out + self.nonlinear(s)
+        elif self.hidden:
+            ffn = partial(checkpoint, self.nonlinear, use_reentrant=False) if torch.is_grad_enabled() else self.nonlinear
+            out = out + torch.cat([ffn(s[:, :, i:i + self.row_block]) for i in range(0, sq, self.row_block)], dim=2)
         return out.permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
 
 
 class AlignedScores:
     """A LISA layer's scores align(shared) + q @ k^T, left lazy: built a block of query rows at a
-    time by this layer and by a following LISA layer (square scores only)."""
+    time by this layer and by a following LISA layer (rows: square scores only), or all at once."""
 
     square = True
 
@@ -233,7 +227,7 @@ class LISAAttention(nn.Module):
             self.qk.weight.view(self.local_heads, 2, self.rank, d)[:, 1].zero_()
         self.v = column_linear(cfg, d, cfg.kv_width)
         self.out = row_linear(cfg, d, d)
-        self.align = HeadAlign(cfg.num_heads, self.local_heads, group, hidden)
+        self.align = HeadAlign(cfg.num_heads, self.local_heads, group, hidden, cfg.lisa.block_size)
         self.rotary = Rotary(self.rank, cfg.max_seq_len, cfg.rope_base)
 
     def shared_scores(self, ctx: dict) -> torch.Tensor | SharedScores:
@@ -257,16 +251,17 @@ class LISAAttention(nn.Module):
         """Whether this forward attends over score features (kernel auto, linear alignment). Decoding
         after cached keys takes the explicit new score rows instead: a few rows cost less than
         concatenating every cached key's features at each step."""
-        return (self.kernel == "auto" and not self.align.hidden and isinstance(shared, SharedScores)
-                and shared.square and shared.mixable(self.align.group) and not ctx.get("capture_attention"))
+        return (self.lazy(shared, ctx) and not self.align.hidden and isinstance(shared, SharedScores)
+                and shared.mixable(self.align.group))
 
-    def by_rows(self, shared, ctx: dict) -> bool:
-        """Whether this forward builds its scores by query blocks (kernel auto, where the features do
-        not apply; not when capturing the weights or decoding after cached keys)."""
+    def lazy(self, shared, ctx: dict) -> bool:
+        """Whether this forward leaves the scores lazy: over features where factored(), else by query
+        blocks (kernel auto; not when capturing the weights or decoding after cached keys)."""
         return (self.kernel == "auto" and not isinstance(shared, torch.Tensor) and shared.square
                 and not ctx.get("capture_attention"))
 
-    def weights(self, scores: torch.Tensor, documents: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+    def weights(self, scores: torch.Tensor, documents: torch.Tensor | None, seq_len: int | None = None
+                ) -> torch.Tensor:
         """Attention weights of the last scores.shape[-2] of scores.shape[-1] positions."""
         if self.family == "relu":
             return relu_weights(scores, self.relu.normalizer, documents, seq_len)
@@ -274,7 +269,7 @@ class LISAAttention(nn.Module):
 
     def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Attention weights from the explicit scores, applied to the values [batch, heads, seq, head_dim]."""
-        weights = self.weights(scores, ctx.get("document_ids"), scores.shape[-1])
+        weights = self.weights(scores, ctx.get("document_ids"))
         self.capture(ctx, weights, normalised=self.family != "relu")
         return weights.to(v.dtype) @ expand_kv(v, scores.shape[1])
 
@@ -316,11 +311,11 @@ class LISAAttention(nn.Module):
         if self.factored(shared, ctx):
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
             attend, inputs = self.attend_features, (*scores.features(), v, ctx)
-        elif self.by_rows(shared, ctx):
+        elif self.lazy(shared, ctx):
             scores = AlignedScores(shared, self.align, q, k)
             attend, inputs, recompute = self.attend_by_rows, (scores, v, ctx), False  # recomputes already
         else:
-            scores = self.align(explicit_scores(shared).to(q.dtype)) + q @ k.transpose(-2, -1)
+            scores = AlignedScores(shared, self.align, q, k).materialize()
             attend, inputs = self.mix, (scores, v, ctx)
         self.publish(ctx, scores)
         o = checkpoint(attend, *inputs, use_reentrant=False) if recompute else attend(*inputs)

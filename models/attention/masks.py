@@ -36,21 +36,30 @@ def visible(q_len: int, k_len: int, device: torch.device, documents: torch.Tenso
     return (causal & same).unsqueeze(1)
 
 
+def _positions(documents: torch.Tensor) -> torch.Tensor:
+    return torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+
+
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] long: where each position's document starts (documents are contiguous runs)."""
+    pos = _positions(documents)
+    opens = torch.ones_like(documents, dtype=torch.bool)
+    opens[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return torch.where(opens, pos, torch.zeros_like(pos)).cummax(dim=1).values
+
+
 def document_bounds(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([batch, seq], [batch, seq]) long: where each position's document starts, and one past where
-    it ends (documents are contiguous runs of positions)."""
-    seq = documents.shape[1]
-    pos = torch.arange(seq, device=documents.device).expand_as(documents)
-    change = documents[:, 1:] != documents[:, :-1]
-    opens = torch.cat([torch.ones_like(documents[:, :1], dtype=torch.bool), change], 1)
-    closes = torch.cat([change, torch.ones_like(documents[:, :1], dtype=torch.bool)], 1)
-    starts = torch.where(opens, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    ends = torch.where(closes, pos + 1, torch.full_like(pos, seq)).flip(1).cummin(dim=1).values.flip(1)
-    return starts, ends
+    it ends."""
+    pos = _positions(documents)
+    closes = torch.ones_like(documents, dtype=torch.bool)
+    closes[:, :-1] = documents[:, 1:] != documents[:, :-1]
+    ends = torch.where(closes, pos + 1, torch.full_like(pos, documents.shape[1])).flip(1).cummin(dim=1).values.flip(1)
+    return document_starts(documents), ends
 
 
 def keys_seen(documents: torch.Tensor, q_len: int, offset: int = 0) -> torch.Tensor:
     """[batch, 1, q_len, 1] float: how many keys of its own document each query sees (itself included)."""
-    starts, _ = document_bounds(documents)
+    starts = document_starts(documents)
     pos = torch.arange(documents.shape[1], device=documents.device)
     return (pos - starts + 1)[:, offset:offset + q_len].float()[:, None, :, None]

@@ -11,8 +11,9 @@ attention is native, no K/V repeat) and once per query block for dQ. Within docu
 those keys; documents are contiguous, so their start and end positions are all the kernels read,
 and they skip the key blocks before a query block's first document (and, for dK/dV, the query
 blocks after a key block's last one). Queries and keys may be wider than the values (LISA
-attends over score features of width head_dim + rank or more): they are zero-padded to a power of
-two, which leaves every score as it is. Under TRITON_INTERPRET=1 the kernels run on CPU tensors
+attends over score features of width head_dim + rank or more): the kernels run at the next power
+of two and mask the columns beyond the real width, which leaves every score as it is (no padded
+copies). Under TRITON_INTERPRET=1 the kernels run on CPU tensors
 (how the tests check them).
 """
 
@@ -75,42 +76,54 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _key_block(q, K, V, k_offset, v_offset, sk_s, sv_s, start, S, scale, IEEE: tl.constexpr, BN: tl.constexpr,
+def _key_block(q, K, V, k_offset, v_offset, sk_s, sv_s, start, S, W, scale, IEEE: tl.constexpr, BN: tl.constexpr,
                DK: tl.constexpr, DV: tl.constexpr):
     """Keys start..start+BN of one K/V head: (their positions, K, V, the scaled scores q.k)."""
     cols = start + tl.arange(0, BN)
-    k = tl.load(K + k_offset + cols[:, None] * sk_s + tl.arange(0, DK)[None, :], mask=cols[:, None] < S, other=0.0)
+    kdims = tl.arange(0, DK)
+    k = tl.load(K + k_offset + cols[:, None] * sk_s + kdims[None, :], mask=(cols[:, None] < S) & (kdims[None, :] < W),
+                other=0.0)
     v = tl.load(V + v_offset + cols[:, None] * sv_s + tl.arange(0, DV)[None, :], mask=cols[:, None] < S, other=0.0)
     return cols, k, v, _dot(q, tl.trans(k), IEEE) * scale
 
 
 @triton.jit
-def _document_starts(STARTS, b, rows, S, BN: tl.constexpr, DOCS: tl.constexpr):
-    """(where each query's document starts, the first key block any of them sees)."""
+def _starts(STARTS, b, rows, S, DOCS: tl.constexpr):
+    """Where each query's document starts (0 without documents)."""
     if DOCS:
         first = tl.load(STARTS + b * S + rows, mask=rows < S, other=0)
-        lo = tl.min(tl.where(rows < S, first, S), axis=0) // BN * BN
     else:
         first = rows * 0
+    return first
+
+
+@triton.jit
+def _document_starts(STARTS, b, rows, S, BN: tl.constexpr, DOCS: tl.constexpr):
+    """(where each query's document starts, the first key block any of them sees)."""
+    first = _starts(STARTS, b, rows, S, DOCS)
+    if DOCS:
+        lo = tl.min(tl.where(rows < S, first, S), axis=0) // BN * BN
+    else:
         lo = 0
     return first, lo
 
 
 @triton.jit
 def _forward(Q, K, V, O, STARTS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H, GROUP,
-             S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             S, W, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, DOCS: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
     first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + tl.arange(0, DK)[None, :],
-                mask=rows[:, None] < S, other=0.0)
+    kdims = tl.arange(0, DK)
+    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + kdims[None, :],
+                mask=(rows[:, None] < S) & (kdims[None, :] < W), other=0.0)
     acc = tl.zeros([BM, DV], dtype=tl.float32)
     for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, start, S,
-                                   scale, IEEE, BN, DK, DV)
+                                   W, scale, IEEE, BN, DK, DV)
         keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (cols[None, :] >= first[:, None])
         w = tl.where(keep, tl.maximum(s, 0.0), 0.0)
         acc += _dot(w.to(v.dtype), v, IEEE)
@@ -121,7 +134,7 @@ def _forward(Q, K, V, O, STARTS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h,
 
 @triton.jit
 def _backward_kv(Q, K, V, DO, DK_, DV_, STARTS, ENDS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b,
-                 so_h, so_s, H, GROUP, S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr,
+                 so_h, so_s, H, GROUP, S, W, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOCS: tl.constexpr):
     """dK, dV of one key block of one K/V head, summed over the query heads of its group (dK is laid
     out like K, dV like V, dO like the output)."""
@@ -132,7 +145,8 @@ def _backward_kv(Q, K, V, DO, DK_, DV_, STARTS, ENDS, sq_b, sq_h, sq_s, sk_b, sk
     kdims, vdims = tl.arange(0, DK), tl.arange(0, DV)
     ko = b * sk_b + kvh * sk_h + cols[:, None] * sk_s + kdims[None, :]
     vo = b * sv_b + kvh * sv_h + cols[:, None] * sv_s + vdims[None, :]
-    k = tl.load(K + ko, mask=cols[:, None] < S, other=0.0)
+    k_mask = (cols[:, None] < S) & (kdims[None, :] < W)
+    k = tl.load(K + ko, mask=k_mask, other=0.0)
     v = tl.load(V + vo, mask=cols[:, None] < S, other=0.0)
     dk = tl.zeros([BN, DK], dtype=tl.float32)
     dv = tl.zeros([BN, DV], dtype=tl.float32)
@@ -144,9 +158,9 @@ def _backward_kv(Q, K, V, DO, DK_, DV_, STARTS, ENDS, sq_b, sq_h, sq_s, sk_b, sk
         h = kvh * GROUP + g
         for start in range(block * BN, hi, BM):  # only queries at or after the block's first key
             rows = start + tl.arange(0, BM)
-            first, _ = _document_starts(STARTS, b, rows, S, BN, DOCS)
-            q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + kdims[None, :], mask=rows[:, None] < S,
-                        other=0.0)
+            first = _starts(STARTS, b, rows, S, DOCS)
+            q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_s + kdims[None, :],
+                        mask=(rows[:, None] < S) & (kdims[None, :] < W), other=0.0)
             do = tl.load(DO + b * so_b + h * so_h + rows[:, None] * so_s + vdims[None, :], mask=rows[:, None] < S,
                          other=0.0)
             n = _normaliser(rows, first, seq_len, NORM)[:, None]
@@ -157,32 +171,34 @@ def _backward_kv(Q, K, V, DO, DK_, DV_, STARTS, ENDS, sq_b, sq_h, sq_s, sk_b, sk
             dv += _dot(tl.trans(w).to(do.dtype), do, IEEE)
             ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
             dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
-    tl.store(DK_ + ko, dk.to(DK_.dtype.element_ty), mask=cols[:, None] < S)
+    tl.store(DK_ + ko, dk.to(DK_.dtype.element_ty), mask=k_mask)
     tl.store(DV_ + vo, dv.to(DV_.dtype.element_ty), mask=cols[:, None] < S)
 
 
 @triton.jit
 def _backward_q(Q, K, V, DO, DQ, STARTS, sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H,
-                GROUP, S, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                GROUP, S, W, scale, seq_len, NORM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOCS: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows = block * BM + tl.arange(0, BM)
     first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
-    qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + tl.arange(0, DK)[None, :]
-    q = tl.load(Q + qo, mask=rows[:, None] < S, other=0.0)
+    kdims = tl.arange(0, DK)
+    qo = b * sq_b + h * sq_h + rows[:, None] * sq_s + kdims[None, :]
+    q_mask = (rows[:, None] < S) & (kdims[None, :] < W)
+    q = tl.load(Q + qo, mask=q_mask, other=0.0)
     do = tl.load(DO + b * so_b + h * so_h + rows[:, None] * so_s + tl.arange(0, DV)[None, :],
                  mask=rows[:, None] < S, other=0.0)
     n = _normaliser(rows, first, seq_len, NORM)[:, None]
     dq = tl.zeros([BM, DK], dtype=tl.float32)
     for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols, k, v, s = _key_block(q, K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, start, S,
-                                   scale, IEEE, BN, DK, DV)
+                                   W, scale, IEEE, BN, DK, DV)
         active = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (s > 0) & (cols[None, :] >= first[:, None])
         ds = tl.where(active, _dot(do, tl.trans(v), IEEE) / n, 0.0) * scale
         dq += _dot(ds.to(k.dtype), k, IEEE)
-    tl.store(DQ + qo, dq.to(DQ.dtype.element_ty), mask=rows[:, None] < S)
+    tl.store(DQ + qo, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
 def _blocks(width: int) -> tuple[int, int]:
@@ -196,8 +212,8 @@ class _TritonReLUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, normalizer: str, scale: float, starts, ends):
         q, k, v = (t.contiguous() for t in (q, k, v))
-        batch, heads, seq, dk = q.shape
-        dv = v.shape[-1]
+        batch, heads, seq, width = q.shape
+        dk, dv = _padded(width), v.shape[-1]
         group = heads // k.shape[1]
         bm, bn = _blocks(max(dk, dv))
         docs = starts is not None
@@ -206,7 +222,7 @@ class _TritonReLUAttention(torch.autograd.Function):
         out = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
         _forward[(triton.cdiv(seq, bm), batch * heads)](
             q, k, v, out, starts, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], heads,
-            group, seq, scale, float(seq), NORM=NORMALIZER_CODES[normalizer], IEEE=q.dtype == torch.float32,
+            group, seq, width, scale, float(seq), NORM=NORMALIZER_CODES[normalizer], IEEE=q.dtype == torch.float32,
             BM=bm, BN=bn, DK=dk, DV=dv, DOCS=docs)
         ctx.save_for_backward(q, k, v, starts, ends)
         ctx.normalizer, ctx.scale, ctx.docs = normalizer, scale, docs
@@ -216,11 +232,11 @@ class _TritonReLUAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, starts, ends = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        batch, heads, seq, dk = q.shape
-        kv_heads, dv = k.shape[1], v.shape[-1]
+        batch, heads, seq, width = q.shape
+        kv_heads, dk, dv = k.shape[1], _padded(width), v.shape[-1]
         bm, bn = _blocks(max(dk, dv))
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3])
-        args = (heads, heads // kv_heads, seq, ctx.scale, float(seq))
+        args = (heads, heads // kv_heads, seq, width, ctx.scale, float(seq))
         meta = dict(NORM=NORMALIZER_CODES[ctx.normalizer], IEEE=q.dtype == torch.float32, BM=bm, BN=bn, DK=dk,
                     DV=dv, DOCS=ctx.docs)
         dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -237,10 +253,7 @@ def triton_relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nor
     `documents` ([batch, seq] ids, models.attention.masks.document_ids) when given."""
     if normalizer not in NORMALIZER_CODES:
         raise ValueError(f"normalizer={normalizer!r}: choose one of {', '.join(NORMALIZER_CODES)}")
-    width = q.shape[-1]
-    scale = 1.0 / math.sqrt(width) if scale is None else scale
-    if _padded(width) != width:  # zero columns add nothing to q . k
-        q, k = (torch.nn.functional.pad(t, (0, _padded(width) - width)) for t in (q, k))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     starts = ends = None
     if documents is not None:
         starts, ends = (t.to(torch.int32).contiguous() for t in document_bounds(documents))
