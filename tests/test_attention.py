@@ -378,8 +378,9 @@ def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_proces
 @pytest.mark.parametrize("align_hidden", [16, 0])  # LISA on explicit scores; on score features
 def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
     """Every kind with grouped-query attention, a LISA chain included: a prompt, then tokens one at a
-    time, then a chunk, through the KV cache give the logits of one full forward (float64); greedy
-    generation with the cache equals generation without, also past max_seq_len."""
+    time, then a chunk, through the KV cache give the logits of one full forward (float64), and so
+    does another continuation through a copy of the prefilled cache, without touching the first;
+    greedy generation with the cache equals generation without, also past max_seq_len."""
     from models.attention.kv_cache import KVCache
     from models.generation import generate
 
@@ -396,10 +397,15 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
         full = model.logits(tokens)
         cache = KVCache()
         parts = [model.logits(tokens[:, :8], {"kv_cache": cache})]
-        parts += [model.logits(tokens[:, i:i + 1], {"kv_cache": cache}) for i in range(8, 12)]
-        parts.append(model.logits(tokens[:, 12:], {"kv_cache": cache}))
-    assert cache.length == 20
+        parts.append(model.logits(tokens[:, 8:9], {"kv_cache": cache}))  # the buffers grow
+        fork, other = cache.copy(), tokens[:, 12:15].flip(0)
+        parts += [model.logits(tokens[:, i:i + 1], {"kv_cache": cache}) for i in range(9, 12)]  # in place
+        forked = [model.logits(other[:, i:i + 1], {"kv_cache": fork}) for i in range(3)]
+        parts.append(model.logits(tokens[:, 12:], {"kv_cache": cache}))  # reads what the fork must not write
+        other_full = model.logits(torch.cat([tokens[:, :9], other], 1))[:, 9:]
+    assert cache.length == 20 and fork.length == 12
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(forked, 1), other_full, rtol=1e-10, atol=1e-10)
     prompt = tokens[0, :5].tolist()
     cached = generate(model, prompt, 25, greedy=True)
     assert cached == generate(model, prompt, 25, greedy=True, use_cache=False) and len(set(cached)) > 3

@@ -32,6 +32,15 @@ def _per_head(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
+def _product(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [batch, heads, s, w] @ k [batch, heads // share, t, w]^T -> [batch, heads, s, t], the
+    queries of each key's heads stacked as rows so that k is not copied per head."""
+    batch, heads, s, width = q.shape
+    kv = k.shape[1]
+    scores = q.reshape(batch, kv, heads // kv * s, width) @ k.transpose(-2, -1)
+    return scores.view(batch, heads, s, k.shape[-2])
+
+
 @dataclass(frozen=True)
 class ScoreBlock:
     q: torch.Tensor  # [batch, heads, q_len, width]
@@ -64,12 +73,11 @@ class SharedScores:
 
     def materialize(self) -> torch.Tensor:
         """The explicit scores [batch, heads, seq, seq]."""
-        return sum(b.q @ _per_head(b.k, self.heads).transpose(-2, -1) for b in self.blocks)
+        return sum(_product(b.q, b.k) for b in self.blocks)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         """Explicit scores of queries start..end-1 over keys 0..end-1 (causal rows of square scores)."""
-        return sum(b.q[..., start:end, :] @ _per_head(b.k[..., :end, :], self.heads).transpose(-2, -1)
-                   for b in self.blocks)
+        return sum(_product(b.q[..., start:end, :], b.k[..., :end, :]) for b in self.blocks)
 
     def mixable(self, group: int) -> bool:
         """Whether head groups of this size line up with every block's key sharing."""
