@@ -13,8 +13,15 @@ process: the held-out loss (shards' val split) after that training; decoding `--
 `--prompt`-token prompt, batch 1, through the Hugging Face modeling file with the KV cache (the
 exported model, built in memory; decode steps only) and through the framework's generate (greedy,
 the whole call: with its KV cache, and recomputing the context for every token); the HF prefill
-time; one forward + backward of a training micro-batch. Times are medians of --repeats. Writes
-bench/results/lisa_decode.json.
+time; one forward + backward of a training micro-batch. Times are medians of --repeats.
+
+At this size a decode step is mostly per-operator overhead, so the same layouts are timed again at
+--speed-hidden (default 1024: 8 layers, head_dim 128, LISA rank 16 in alignment groups of 4, as in
+configs/hybrid_1b.yaml; random weights, since speed does not depend on them): `--speed-new` cached
+decode steps after prefills of each of --speed-contexts positions, through the framework's KV cache
+(what generate runs) and the HF modeling file's, and one training step at --speed-train-seq. The
+models take turns within every repeat and each ratio to the source is taken per repeat (median and
+range reported), so the machine's drift hits all of them alike. Writes bench/results/lisa_decode.json.
 """
 
 from __future__ import annotations
@@ -92,6 +99,108 @@ def train_step_ms(model, batch: torch.Tensor, repeats: int) -> float:
     return 1000 * median_seconds(step, repeats)
 
 
+def wide_config(cfg, args):
+    """cfg's layers (kinds, K/V sharing, LISA alignment width) at --speed-hidden wide, with the 1B
+    hybrid config's head width, rank and alignment group (head_dim 128, rank 16, groups of 4 heads)."""
+    from models.config import ModelConfig
+
+    values = cfg.to_dict()
+    heads = args.speed_hidden // 128
+    scale = args.speed_hidden / cfg.hidden_size
+    values.update(hidden_size=args.speed_hidden, num_heads=heads, ffn_hidden_size=round(cfg.ffn_hidden_size * scale),
+                  num_kv_heads=cfg.kv_heads * heads // cfg.num_heads if cfg.num_kv_heads else 0,
+                  max_seq_len=max(args.speed_contexts) + args.speed_new)
+    values["lisa"].update(rank=16, align_group=min(4, heads))
+    return ModelConfig.from_dict(values)
+
+
+@torch.no_grad()
+def cached_decode(model, hf, context: int, new: int, vocab: int) -> dict:
+    """Timers (seconds of `new` greedy cached steps) after one untimed prefill of `context` random
+    tokens, which every call reuses: the framework's KV cache, and the HF modeling file's."""
+    import copy
+
+    from models.attention.kv_cache import KVCache
+
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
+    cache = KVCache()
+    first = model.logits(prompt, {"kv_cache": cache})[:, -1:, :vocab].argmax(-1)
+    out = hf(prompt, use_cache=True)
+    hf_cache, hf_first = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+    def framework() -> float:
+        held, token = cache.copy(), first
+        t0 = time.perf_counter()
+        for _ in range(new):
+            token = model.logits(token, {"kv_cache": held})[:, -1:, :vocab].argmax(-1)
+        return time.perf_counter() - t0
+
+    def hf_decode() -> float:
+        held, token = copy.deepcopy(hf_cache), hf_first
+        t0 = time.perf_counter()
+        for _ in range(new):
+            out = hf(token, past_key_values=held, use_cache=True)
+            held, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return time.perf_counter() - t0
+
+    return {f"framework_decode@{context}": framework, f"hf_decode@{context}": hf_decode}
+
+
+def speed_table(layouts: list[tuple[str, object]], args) -> dict:
+    """Decode and training-step times of every layout at --speed-hidden (random weights: speed does
+    not depend on them). Repeats run the models in turn, so drift of the machine hits all of them;
+    each model's ratio to the source is taken per repeat, and its median and range reported."""
+    from models.gpt import GPT
+
+    timers, out = {}, {}
+    for name, cfg in layouts:
+        wide = wide_config(cfg, args)
+        torch.manual_seed(0)
+        model = GPT(wide).eval()
+        hf = hf_model(model, wide)
+        tokens = torch.randint(0, wide.vocab_size, (1, args.speed_train_seq + 1))
+        timers[name] = {}
+        for context in args.speed_contexts:
+            timers[name].update(cached_decode(model, hf, context, args.speed_new, wide.vocab_size))
+
+        def step(model=model, tokens=tokens) -> float:
+            model.train()
+            t0 = time.perf_counter()
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            seconds = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+            model.eval()
+            return seconds
+
+        timers[name]["train_step"] = step
+        out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters())}
+        print(f"speed: built {name} ({out[name]['params'] / 1e6:.1f}M parameters)", flush=True)
+    samples = {name: {key: [] for key in fns} for name, fns in timers.items()}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for name, fns in timers.items():
+            for key, fn in fns.items():
+                seconds = fn()
+                if repeat:
+                    samples[name][key].append(seconds)
+        print(f"speed: repeat {repeat}/{args.repeats} done", flush=True)
+    source = samples[layouts[0][0]]
+    for name, times in samples.items():
+        for key, seconds in times.items():
+            # Decode: tokens/s x source = source time / this time; training step: this time / source's.
+            ratios = [(t / s if key == "train_step" else s / t) for s, t in zip(source[key], seconds)]
+            out[name][key] = {"median_s": statistics.median(seconds), "x_source": statistics.median(ratios),
+                              "x_source_range": [min(ratios), max(ratios)]}
+    keys = list(samples[layouts[0][0]])
+    print(f"\nspeed at hidden {args.speed_hidden} (x source: decode tokens/s, train step time; median [range])")
+    print(f"{'model':<10}" + "".join(f"{k:>30}" for k in keys))
+    for name, row in out.items():
+        cells = [f"{row[k]['x_source']:.2f} [{row[k]['x_source_range'][0]:.2f}-{row[k]['x_source_range'][1]:.2f}]"
+                 for k in keys]
+        print(f"{name:<10}" + "".join(f"{c:>30}" for c in cells))
+    return {"hidden": args.speed_hidden, "contexts": args.speed_contexts, "new": args.speed_new,
+            "train_seq": args.speed_train_seq, "repeats": args.repeats, "models": out}
+
+
 def qk_params(model, cfg) -> int:
     """Q/K parameters of every attention layer: Q and grouped K of full layers, the low-rank Q/K of
     LISA layers."""
@@ -125,6 +234,12 @@ def main() -> None:
                         help="convert_lisa --align-hidden (0: linear alignment, attended as score features)")
     parser.add_argument("--reuse", action="store_true",
                         help="time the source and conversions of an earlier run in --runs again (no training)")
+    parser.add_argument("--speed-hidden", type=int, default=1024,
+                        help="also time every layout at this width with random weights (0: skip)")
+    parser.add_argument("--speed-contexts", type=int, nargs="+", default=[128, 1024, 4096],
+                        help="prefilled positions before the timed decode steps")
+    parser.add_argument("--speed-new", type=int, default=16, help="decode steps timed per context")
+    parser.add_argument("--speed-train-seq", type=int, default=512, help="sequence of the timed training step")
     parser.add_argument("--out", default="bench/results/lisa_decode.json")
     args = parser.parse_args()
     from models.config import ModelConfig
@@ -149,7 +264,7 @@ def main() -> None:
     prompt, batch = samples[:1, :args.prompt], samples[1:9]
     if args.prompt + args.new > cfg.max_seq_len:
         raise SystemExit(f"--prompt {args.prompt} + --new {args.new} exceeds max_seq_len {cfg.max_seq_len}")
-    rows, source_loss = [], None
+    rows, layouts, source_loss = [], [], None
     for fraction in args.fractions:
         out = runs / f"lisa_{int(100 * fraction)}"
         if not (args.reuse and (out / "conversion.json").is_file()):
@@ -165,6 +280,8 @@ def main() -> None:
         if source_loss is None:
             source_loss = report["val_loss"]["source"]
             rows.append(measure("source", source, cfg, source_loss, prompt, batch, args))
+            layouts.append(("source", cfg))
+        layouts.append((f"lisa {100 * fraction:.0f}%", new_cfg))
         row = measure(f"lisa {100 * fraction:.0f}%", model, new_cfg, report["val_loss"]["converted_trained"],
                       prompt, batch, args)
         row.update(layers=report["layers"], shared_fraction=len(report["layers"]) / cfg.num_layers,
@@ -189,9 +306,12 @@ def main() -> None:
             "threads": torch.get_num_threads(), "steps": args.steps, "prompt": args.prompt, "new": args.new,
             "repeats": args.repeats, "batch_for_train_step": list(batch.shape),
             "note": "times are medians of --repeats in one process; other work on the machine moves them"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "speed": None}, indent=1))  # kept if the speed part fails
+    if args.speed_hidden:
+        out.write_text(json.dumps({"meta": meta, "rows": rows, "speed": speed_table(layouts, args)}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
