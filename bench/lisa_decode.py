@@ -123,11 +123,12 @@ def cached_decode(model, hf, context: int, new: int, vocab: int) -> dict:
     from models.attention.kv_cache import KVCache
 
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
-    cache = KVCache()
+    cache = KVCache(context + new)  # sized as generate sizes it
     first = model.logits(prompt, {"kv_cache": cache})[:, -1:, :vocab].argmax(-1)
     out = hf(prompt, use_cache=True)
     hf_cache, hf_first = out.past_key_values, out.logits[:, -1:].argmax(-1)
 
+    @torch.no_grad()
     def framework() -> float:
         held, token = cache.copy(), first
         t0 = time.perf_counter()
@@ -135,6 +136,7 @@ def cached_decode(model, hf, context: int, new: int, vocab: int) -> dict:
             token = model.logits(token, {"kv_cache": held})[:, -1:, :vocab].argmax(-1)
         return time.perf_counter() - t0
 
+    @torch.no_grad()
     def hf_decode() -> float:
         held, token = copy.deepcopy(hf_cache), hf_first
         t0 = time.perf_counter()
@@ -165,12 +167,13 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
 
         def step(model=model, tokens=tokens) -> float:
             model.train()
-            t0 = time.perf_counter()
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-            seconds = time.perf_counter() - t0
-            model.zero_grad(set_to_none=True)
-            model.eval()
-            return seconds
+            try:
+                t0 = time.perf_counter()
+                model(tokens[:, :-1], tokens[:, 1:]).backward()
+                return time.perf_counter() - t0
+            finally:
+                model.zero_grad(set_to_none=True)
+                model.eval()
 
         timers[name]["train_step"] = step
         out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters())}

@@ -406,6 +406,8 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
     assert cache.length == 20 and fork.length == 12
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(torch.cat(forked, 1), other_full, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="start a new KVCache"), torch.no_grad():  # another batch size
+        model.logits(tokens[:1, 12:13], {"kv_cache": fork})
     prompt = tokens[0, :5].tolist()
     cached = generate(model, prompt, 25, greedy=True)
     assert cached == generate(model, prompt, 25, greedy=True, use_cache=False) and len(set(cached)) > 3

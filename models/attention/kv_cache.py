@@ -6,9 +6,10 @@ GPT.hidden_states reads ``ctx["kv_cache"]``: the new tokens take positions ``len
 and attends with the new queries over all of them, and ``length`` then grows by the new tokens.
 
 Each layer's keys and values live in buffers with room to spare, written in place: appending one
-token copies that token only (concatenating would copy the whole cache at every step, a fifth of
-a decode step's time at 1k positions on CPU). A full buffer doubles, unless `capacity` (the most
-positions the caller will hold, e.g. max_seq_len) sizes it from the start.
+token copies that token only (concatenating would copy the whole cache at every step, about a
+tenth of a decode step at 1k positions on CPU). A full buffer doubles, unless `capacity` (the most
+positions the caller will hold) sizes it from the start. The writes are in place, so the cache is
+for inference: no backward runs through cached keys of an earlier forward.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ class KVCache:
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's k, v [batch, heads, new, dim] -> those of every position so far (views of
-        the buffers, valid until the next extend)."""
+        the buffers)."""
         keys, values, filled = self._layers.get(layer, (None, None, 0))
+        if keys is not None and (k.shape[:2] != keys.shape[:2] or k.shape[3] != keys.shape[3]
+                                 or k.dtype != keys.dtype or v.shape[3] != values.shape[3]):
+            raise ValueError(f"layer {layer}: new keys {tuple(k.shape)} {k.dtype} do not match the cached "
+                             f"{tuple(keys.shape)} {keys.dtype}; start a new KVCache for another batch or model")
         end = filled + k.shape[2]
         if keys is None or keys.shape[2] < end:
             room = max(end, self.capacity, 2 * keys.shape[2] if keys is not None else 0)

@@ -38,7 +38,7 @@ def _product(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     batch, heads, s, width = q.shape
     kv = k.shape[1]
     scores = q.reshape(batch, kv, heads // kv * s, width) @ k.transpose(-2, -1)
-    return scores.view(batch, heads, s, k.shape[-2])
+    return scores.reshape(batch, heads, s, k.shape[-2])
 
 
 @dataclass(frozen=True)
