@@ -42,7 +42,8 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
         raise ValueError("the prompt is empty: give at least one token")
     device = next(model.parameters()).device
     tokens = list(prompt)
-    cache = KVCache(min(cfg.max_seq_len, len(prompt) + max_new_tokens)) if use_cache and can_cache(cfg) and len(prompt) < cfg.max_seq_len else None
+    cached = use_cache and can_cache(cfg) and len(prompt) < cfg.max_seq_len
+    cache = KVCache(min(cfg.max_seq_len, len(prompt) + max_new_tokens)) if cached else None
     pending = tokens  # what the next forward runs, after the cache's positions
     new: list[int] = []
     for _ in range(max_new_tokens):
