@@ -19,7 +19,9 @@ At this size a decode step is mostly per-operator overhead, so the same layouts 
 --speed-hidden (default 1024: 8 layers, head_dim 128, LISA rank 16 in alignment groups of 4, as in
 configs/hybrid_1b.yaml; random weights, since speed does not depend on them): `--speed-new` cached
 decode steps after prefills of each of --speed-contexts positions, through the framework's KV cache
-(what generate runs) and the HF modeling file's, and one training step at --speed-train-seq. The
+(what generate runs) and the HF modeling file's, the framework's also for several sequences at once
+(--speed-batches: where the cached keys and values, not the weights, are most of what a step
+reads), the bytes its cache holds per position, and one training step at --speed-train-seq. The
 models take turns within every repeat and each ratio to the source is taken per repeat (median and
 range reported), so the machine's drift hits all of them alike. Writes bench/results/lisa_decode.json.
 """
@@ -115,18 +117,17 @@ def wide_config(cfg, args):
 
 
 @torch.no_grad()
-def cached_decode(model, hf, context: int, new: int, vocab: int) -> dict:
-    """Timers (seconds of `new` greedy cached steps) after one untimed prefill of `context` random
-    tokens, which every call reuses: the framework's KV cache, and the HF modeling file's."""
+def cached_decode(model, hf, context: int, new: int, vocab: int, batch: int) -> tuple[dict, int]:
+    """Timers (seconds of `new` greedy cached steps of `batch` sequences) after one untimed prefill of
+    `context` random tokens each, which every call reuses: the framework's KV cache, and at batch 1
+    also the HF modeling file's; and the bytes the framework's cache holds per sequence and position."""
     import copy
 
     from models.attention.kv_cache import KVCache
 
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(context))
+    prompt = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(context))
     cache = KVCache(context + new)  # sized as generate sizes it
     first = model.logits(prompt, {"kv_cache": cache})[:, -1:, :vocab].argmax(-1)
-    out = hf(prompt, use_cache=True)
-    hf_cache, hf_first = out.past_key_values, out.logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
     def framework() -> float:
@@ -135,6 +136,12 @@ def cached_decode(model, hf, context: int, new: int, vocab: int) -> dict:
         for _ in range(new):
             token = model.logits(token, {"kv_cache": held})[:, -1:, :vocab].argmax(-1)
         return time.perf_counter() - t0
+
+    per_position = cache.nbytes() // (batch * context)
+    if batch > 1:
+        return {f"framework_decode_b{batch}@{context}": framework}, per_position
+    out = hf(prompt, use_cache=True)
+    hf_cache, hf_first = out.past_key_values, out.logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
     def hf_decode() -> float:
@@ -145,7 +152,7 @@ def cached_decode(model, hf, context: int, new: int, vocab: int) -> dict:
             held, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         return time.perf_counter() - t0
 
-    return {f"framework_decode@{context}": framework, f"hf_decode@{context}": hf_decode}
+    return {f"framework_decode@{context}": framework, f"hf_decode@{context}": hf_decode}, per_position
 
 
 def speed_table(layouts: list[tuple[str, object]], args) -> dict:
@@ -162,8 +169,10 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
         hf = hf_model(model, wide)
         tokens = torch.randint(0, wide.vocab_size, (1, args.speed_train_seq + 1))
         timers[name] = {}
-        for context in args.speed_contexts:
-            timers[name].update(cached_decode(model, hf, context, args.speed_new, wide.vocab_size))
+        for batch in args.speed_batches:
+            for context in args.speed_contexts:
+                fns, per_position = cached_decode(model, hf, context, args.speed_new, wide.vocab_size, batch)
+                timers[name].update(fns)
 
         def step(model=model, tokens=tokens) -> float:
             model.train()
@@ -176,7 +185,8 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
                 model.eval()
 
         timers[name]["train_step"] = step
-        out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters())}
+        out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters()),
+                     "cache_bytes_per_position": per_position}
         print(f"speed: built {name} ({out[name]['params'] / 1e6:.1f}M parameters)", flush=True)
     samples = {name: {key: [] for key in fns} for name, fns in timers.items()}
     for repeat in range(args.repeats + 1):  # the first round warms up
@@ -195,12 +205,16 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
                               "x_source_range": [min(ratios), max(ratios)]}
     keys = list(samples[layouts[0][0]])
     print(f"\nspeed at hidden {args.speed_hidden} (x source: decode tokens/s, train step time; median [range])")
-    print(f"{'model':<10}" + "".join(f"{k:>30}" for k in keys))
-    for name, row in out.items():
-        cells = [f"{row[k]['x_source']:.2f} [{row[k]['x_source_range'][0]:.2f}-{row[k]['x_source_range'][1]:.2f}]"
-                 for k in keys]
-        print(f"{name:<10}" + "".join(f"{c:>30}" for c in cells))
-    return {"hidden": args.speed_hidden, "contexts": args.speed_contexts, "new": args.speed_new,
+    print(f"{'':<28}" + "".join(f"{name:>20}" for name in out))
+    for key in keys:
+        print(f"{key:<28}" + "".join(
+            f"{row[key]['x_source']:>8.2f} [{row[key]['x_source_range'][0]:.2f}-{row[key]['x_source_range'][1]:.2f}]"
+            for row in out.values()))
+    source_bytes = out[layouts[0][0]]["cache_bytes_per_position"]
+    print(f"{'KV cache x source':<28}" + "".join(f"{row['cache_bytes_per_position'] / source_bytes:>20.2f}"
+                                                  for row in out.values()))
+    return {"hidden": args.speed_hidden, "contexts": args.speed_contexts, "batches": args.speed_batches,
+            "new": args.speed_new,
             "train_seq": args.speed_train_seq, "repeats": args.repeats, "models": out}
 
 
@@ -241,6 +255,8 @@ def main() -> None:
                         help="also time every layout at this width with random weights (0: skip)")
     parser.add_argument("--speed-contexts", type=int, nargs="+", default=[128, 1024, 4096],
                         help="prefilled positions before the timed decode steps")
+    parser.add_argument("--speed-batches", type=int, nargs="+", default=[1, 8],
+                        help="sequences decoded together (the HF path at batch 1 only)")
     parser.add_argument("--speed-new", type=int, default=16, help="decode steps timed per context")
     parser.add_argument("--speed-train-seq", type=int, default=512, help="sequence of the timed training step")
     parser.add_argument("--out", default="bench/results/lisa_decode.json")

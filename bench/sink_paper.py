@@ -104,9 +104,10 @@ class PaperAttention(nn.Module):
         return torch.relu(scores.masked_fill(future, 0.0)) / keys[:, None]
 
     def project_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        from models.attention.base import scaled_scores
         from models.attention.relu import relu_weights
         from models.attention.sink import sink_softmax_weights
-        from models.attention.softmax import causal_softmax, scaled_scores
+        from models.attention.softmax import causal_softmax
 
         scores = scaled_scores(q, k)
         if self.kind == "ours-softmax":

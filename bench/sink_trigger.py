@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from models.attention.base import scaled_scores
 from models.attention.relu import relu_weights
-from models.attention.softmax import causal_softmax, scaled_scores
+from models.attention.softmax import causal_softmax
 from models.sinks import head_stats
 
 

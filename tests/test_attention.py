@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+from models.attention.base import scaled_scores
 from models.attention.lisa import LISAConfig
 from models.attention.relu import relu_attention
 from models.attention.sink import sink_softmax_attention, sink_softmax_weights
-from models.attention.softmax import causal_softmax, scaled_scores, softmax_attention
+from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ModelConfig
 from models.registry import validate_model
 from tests.dist_utils import single_process_group, spawn
@@ -377,27 +378,33 @@ def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_proces
 
 @pytest.mark.parametrize("align_hidden", [16, 0])  # LISA on explicit scores; on score features
 def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
-    """Every kind with grouped-query attention, a LISA chain included: a prompt, then tokens one at a
-    time, then a chunk, through the KV cache give the logits of one full forward (float64), and so
-    does another continuation through a copy of the prefilled cache, without touching the first;
-    greedy generation with the cache equals generation without, also past max_seq_len."""
+    """Every kind with grouped-query attention, each source kind feeding a LISA layer and a LISA
+    chain: a prompt, then tokens one at a time, then a chunk, through the KV cache give the logits of
+    one full forward (float64), and so does another continuation through a copy of the prefilled
+    cache, without touching the first; greedy generation with the cache equals generation without,
+    also past max_seq_len. At decode the source layers hand on their explicit new score rows."""
+    from models.attention.lisa import LISAAttention
     from models.attention.kv_cache import KVCache
     from models.generation import generate
 
-    cfg = small_cfg("skrll", num_kv_heads=2)
+    cfg = small_cfg("slklrll", num_kv_heads=2)
     cfg.relu_attention.normalizer, cfg.lisa.align_hidden = "content", align_hidden
     cfg.lisa.block_size = 3  # the prefill builds FFN-aligned scores in several blocks
     model = build(cfg).double().eval()
     with torch.no_grad():
-        for block in model.blocks[3:]:
-            block.attn.align.mix.copy_(torch.randn(block.attn.align.mix.shape,
-                                                   generator=torch.Generator().manual_seed(4)))
+        for block in model.blocks:
+            if isinstance(block.attn, LISAAttention):
+                block.attn.align.mix.copy_(torch.randn(block.attn.align.mix.shape,
+                                                       generator=torch.Generator().manual_seed(4)))
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = model.logits(tokens)
         cache = KVCache()
         parts = [model.logits(tokens[:, :8], {"kv_cache": cache})]
-        parts.append(model.logits(tokens[:, 8:9], {"kv_cache": cache}))  # the buffers grow
+        step = {"kv_cache": cache}
+        parts.append(model.logits(tokens[:, 8:9], step))  # the buffers grow
+        assert sorted(step["attention_scores"]) == [0, 2, 4, 5]
+        assert all(isinstance(s, torch.Tensor) and s.shape == (2, 4, 1, 9) for s in step["attention_scores"].values())
         fork, other = cache.copy(), tokens[:, 12:15].flip(0)
         parts += [model.logits(tokens[:, i:i + 1], {"kv_cache": cache}) for i in range(9, 12)]  # in place
         forked = [model.logits(other[:, i:i + 1], {"kv_cache": fork}) for i in range(3)]

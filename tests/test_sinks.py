@@ -218,8 +218,8 @@ def test_paper_attention_normalisers_and_heatmaps(tmp_path):
 
 def test_paper_layers_take_this_projects_attention_kinds():
     from bench.sink_paper import PROJECT_KINDS, PaperAttention
+    from models.attention.base import scaled_scores
     from models.attention.relu import relu_weights
-    from models.attention.softmax import scaled_scores
 
     x = torch.randn(2, 16, 16)
     for kind in PROJECT_KINDS:

@@ -7,11 +7,14 @@ head j reads K/V head j // (num_heads / num_kv_heads).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.attention.shared_scores import SharedScores
+from models.attention.shared_scores import SharedScores, grouped_matmul
 from models.config import ModelConfig
 from models.layers import column_linear, row_linear, tp_size
 from models.registry import ActivationLayout
@@ -43,6 +46,12 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     the query heads of its group (a no-op without grouped-query attention)."""
     groups = heads // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Pre-activation logits q.k / sqrt(head_dim), unmasked: [batch, heads, q_len, k_len] from
+    q [batch, heads, q_len, d] and k [batch, kv_heads, k_len, d]."""
+    return grouped_matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
 
 
 class ProjectedAttention(nn.Module):
@@ -89,6 +98,21 @@ class ProjectedAttention(nn.Module):
         """Publish q . k / sqrt(head_dim) as features: this layer keeps its fused kernel."""
         if self.publish_scores:
             self.publish(ctx, SharedScores.of_projection(q, k))
+
+    def explicit(self, q: torch.Tensor, k: torch.Tensor, ctx: dict) -> bool:
+        """Whether the core builds the explicit scores: to capture the weights, or when decoding after
+        cached keys for a following LISA layer, which reads the new score rows: computed once for both
+        layers, not a fused kernel here and the same product over the keys again there."""
+        return bool(ctx.get("capture_attention")) or (self.publish_scores and q.shape[-2] != k.shape[-2])
+
+    def attend_explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict,
+                        weights_of: Callable[[torch.Tensor], torch.Tensor], normalised: bool) -> torch.Tensor:
+        """weights_of(scores) @ v from the explicit scores, which are published and captured."""
+        scores = scaled_scores(q, k)
+        self.publish(ctx, scores)
+        weights = weights_of(scores)
+        self.capture(ctx, weights, normalised)
+        return grouped_matmul(weights.to(v.dtype), v)
 
     def capture(self, ctx: dict, weights: torch.Tensor, normalised: bool) -> None:
         """Store the weights applied to the values for metrics, when ctx["capture_attention"] is set.

@@ -49,6 +49,11 @@ class KVCache:
             buffer[:, :, :filled] = held[:, :, :filled]
         return buffer
 
+    def nbytes(self) -> int:
+        """Bytes of the keys and values of the positions held (not the spare room)."""
+        return sum(keys[:, :, :filled].nbytes + values[:, :, :filled].nbytes
+                   for keys, values, filled in self._layers.values())
+
     def copy(self) -> KVCache:
         """An independent cache of the same positions, for decoding several continuations of one
         prefill (the buffers are written in place, so they are copied)."""

@@ -53,7 +53,7 @@ from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.flex import block_mask_for
 from models.attention.relu import relu_attend, relu_weights
-from models.attention.shared_scores import SharedScores, explicit_scores, groups_line_up
+from models.attention.shared_scores import SharedScores, explicit_scores, grouped_matmul, groups_line_up
 from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ConfigError, ModelConfig
 from models.layers import Rotary, column_linear, row_linear
@@ -168,25 +168,29 @@ class HeadAlign(nn.Module):
         self.b2 = _split_param(torch.zeros(groups, group), local)
 
     def nonlinear(self, s: torch.Tensor) -> torch.Tensor:
+        """The FFN's part of the aligned scores: s [batch, groups, group, rows, keys] -> same shape."""
         w1, b1, w2, b2 = (p.to(s.dtype) for p in (self.w1, self.b1, self.w2, self.b2))
-        hidden = F.gelu(torch.einsum("bnijg,nkg->bnijk", s, w1) + b1[:, None, None, :])
-        return torch.einsum("bnijk,ngk->bnijg", hidden, w2) + b2[:, None, None, :]
+        hidden = F.gelu(w1 @ s.flatten(3) + b1[..., None])  # [batch, groups, hidden, rows * keys]
+        return (w2 @ hidden + b2[..., None]).view(s.shape)
 
     def forward(self, scores: torch.Tensor, recompute_rows: bool = True) -> torch.Tensor:
         """scores [batch, local_heads, q, k] -> same shape, heads mixed within groups.
 
-        The FFN's hidden layer is align_hidden times the size of the scores, so it runs in blocks
-        of row_block query rows and, when gradients are on, is recomputed in backward (only the
-        scores are kept); recompute_rows=False for callers that recompute a block of rows themselves."""
+        Each group's heads are the rows of a matrix [group, q * k], so the mixing and the FFN are
+        small matmuls over contiguous scores (no copy with the heads moved last). The FFN's hidden
+        layer is align_hidden times the size of the scores, so it runs in blocks of row_block query
+        rows and, when gradients are on, is recomputed in backward (only the scores are kept);
+        recompute_rows=False for callers that recompute a block of rows themselves."""
         b, h, sq, sk = scores.shape
-        s = scores.reshape(b, h // self.group, self.group, sq, sk).permute(0, 1, 3, 4, 2)
-        out = torch.einsum("bnijg,nhg->bnijh", s, self.mix.to(s.dtype))
+        s = scores.reshape(b, h // self.group, self.group, sq, sk)
+        out = (self.mix.to(s.dtype) @ s.flatten(3)).view(s.shape)
         if self.hidden and not recompute_rows:
             out = out + self.nonlinear(s)
         elif self.hidden:
             ffn = partial(checkpoint, self.nonlinear, use_reentrant=False) if torch.is_grad_enabled() else self.nonlinear
-            out = out + torch.cat([ffn(s[:, :, i:i + self.row_block]) for i in range(0, sq, self.row_block)], dim=2)
-        return out.permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
+            blocks = [ffn(s[:, :, :, i:i + self.row_block]) for i in range(0, sq, self.row_block)]
+            out = out + (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=3))
+        return out.view(b, h, sq, sk)
 
 
 class AlignedScores:
@@ -271,11 +275,11 @@ class LISAAttention(nn.Module):
         """Attention weights from the explicit scores, applied to the values [batch, heads, seq, head_dim]."""
         weights = self.weights(scores, ctx.get("document_ids"))
         self.capture(ctx, weights, normalised=self.family != "relu")
-        return weights.to(v.dtype) @ expand_kv(v, scores.shape[1])
+        return grouped_matmul(weights.to(v.dtype), v)
 
     def attend_rows(self, scores: AlignedScores, v: torch.Tensor, documents, start: int, end: int) -> torch.Tensor:
         s = scores.rows(start, end)
-        return self.weights(s, documents, v.shape[-2]).to(v.dtype) @ expand_kv(v[..., :end, :], s.shape[1])
+        return grouped_matmul(self.weights(s, documents, v.shape[-2]).to(v.dtype), v[..., :end, :])
 
     def attend_by_rows(self, scores: AlignedScores, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """mix() a block of query rows at a time, each recomputed in backward: only the inputs are kept."""

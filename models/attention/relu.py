@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
 from models.attention.masks import keys_seen, visible
-from models.attention.softmax import scaled_scores
+from models.attention.shared_scores import grouped_matmul
 from models.config import ConfigError, ModelConfig
 from models.registry import AttentionKind, ParallelSizes, register_attention, register_section
 
@@ -138,8 +139,8 @@ def relu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: ReL
     blocked PyTorch path; k/v may hold fewer (grouped-query) heads; scale defaults to 1 / sqrt(q's width)."""
     if q.shape[-2] != k.shape[-2]:  # decoding after cached keys: a few query rows, explicit weights
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        scores = (q @ expand_kv(k, q.shape[1]).transpose(-2, -1)) * scale
-        return relu_weights(scores, settings.normalizer, documents).to(v.dtype) @ expand_kv(v, q.shape[1])
+        scores = grouped_matmul(q, k.transpose(-2, -1)) * scale
+        return grouped_matmul(relu_weights(scores, settings.normalizer, documents).to(v.dtype), v)
     fused = fused_kernel(q, v) if settings.kernel == "auto" else None
     if fused is not None:  # grouped K/V heads go in as they are
         return fused(q, k, v, settings.normalizer, scale, documents)
@@ -154,14 +155,11 @@ class ReLUAttention(ProjectedAttention):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
-        self.publish_projection(ctx, q, k)  # pre-activation scores
-        if not ctx.get("capture_attention"):
-            return relu_attend(q, k, v, self.settings, documents)
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        scores = scaled_scores(q, k)
-        weights = relu_weights(scores, self.settings.normalizer, documents)
-        self.capture(ctx, weights, normalised=False)
-        return weights.to(v.dtype) @ v
+        if self.explicit(q, k, ctx):  # pre-activation scores published
+            weights_of = partial(relu_weights, normalizer=self.settings.normalizer, documents=documents)
+            return self.attend_explicit(q, k, v, ctx, weights_of, normalised=False)
+        self.publish_projection(ctx, q, k)
+        return relu_attend(q, k, v, self.settings, documents)
 
 
 def validate(cfg: ModelConfig, kinds: list[str], sizes: ParallelSizes) -> None:

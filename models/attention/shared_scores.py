@@ -32,13 +32,19 @@ def _per_head(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [batch, heads, s, w] @ b [batch, heads // share, w, t] -> [batch, heads, s, t], where each
+    head of b (a grouped-query key or value head) serves `share` consecutive heads of a: their rows
+    are stacked so that b is read once, not copied per head."""
+    batch, heads, s, width = a.shape
+    kv = b.shape[1]
+    out = a.reshape(batch, kv, heads // kv * s, width) @ b
+    return out.reshape(batch, heads, s, b.shape[-1])
+
+
 def _product(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [batch, heads, s, w] @ k [batch, heads // share, t, w]^T -> [batch, heads, s, t], the
-    queries of each key's heads stacked as rows so that k is not copied per head."""
-    batch, heads, s, width = q.shape
-    kv = k.shape[1]
-    scores = q.reshape(batch, kv, heads // kv * s, width) @ k.transpose(-2, -1)
-    return scores.reshape(batch, heads, s, k.shape[-2])
+    """q [batch, heads, s, w] @ k [batch, heads // share, t, w]^T -> [batch, heads, s, t]."""
+    return grouped_matmul(q, k.transpose(-2, -1))
 
 
 @dataclass(frozen=True)

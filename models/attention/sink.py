@@ -9,16 +9,17 @@ FlexAttention (models.attention.flex).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 
-from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.attention.base import ProjectedAttention, projected_activations, projected_params
 from models.attention.flex import block_mask_for, flex_document_attention
 from models.attention.masks import visible
-from models.attention.softmax import scaled_scores
 from models.config import ModelConfig
 from models.registry import AttentionKind, register_attention
 
@@ -65,17 +66,14 @@ class SinkSoftmaxAttention(ProjectedAttention):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
-        self.publish_projection(ctx, q, k)  # without the sink logit, which is not shared
-        if not ctx.get("capture_attention"):
-            if documents is not None and q.is_cuda and q.shape[-2] == k.shape[-2]:
-                mask = block_mask_for(ctx, documents, q.shape[-2])
-                return flex_document_attention(q, k, v, mask, sink=self.sink)
-            return sink_softmax_attention(q, k, v, self.sink, documents)
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        scores = scaled_scores(q, k)
-        weights = sink_softmax_weights(scores, self.sink, documents)
-        self.capture(ctx, weights, normalised=False)
-        return weights.to(v.dtype) @ v
+        if self.explicit(q, k, ctx):  # publishes the scores without the sink logit, which is not shared
+            weights_of = partial(sink_softmax_weights, sink=self.sink, documents=documents)
+            return self.attend_explicit(q, k, v, ctx, weights_of, normalised=False)
+        self.publish_projection(ctx, q, k)
+        if documents is not None and q.is_cuda and q.shape[-2] == k.shape[-2]:
+            mask = block_mask_for(ctx, documents, q.shape[-2])
+            return flex_document_attention(q, k, v, mask, sink=self.sink)
+        return sink_softmax_attention(q, k, v, self.sink, documents)
 
 
 register_attention(AttentionKind(

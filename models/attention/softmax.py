@@ -3,28 +3,23 @@ document masking: FlexAttention with a block mask on GPU (models.attention.flex)
 block-causal mask for SDPA's memory-efficient kernels on CPU.
 
 A later LISA layer gets this layer's scores as q/k features (models.attention.shared_scores), so
-the fused kernels stay; when attention is captured for metrics, the scores are materialised
-([batch, heads, seq, seq]) and the output comes from the explicit weights.
+the fused kernels stay; when attention is captured for metrics, and for the new rows a following
+LISA layer reads at decode, the scores are materialised ([batch, heads, q_len, k_len]) and the
+output comes from the explicit weights (ProjectedAttention.explicit).
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.attention.base import ProjectedAttention, projected_activations, projected_params
 from models.attention.flex import block_mask_for, flex_document_attention
 from models.attention.masks import visible
 from models.config import ModelConfig
 from models.registry import AttentionKind, LlamaMapping, register_attention
-
-
-def scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Pre-softmax logits q.k / sqrt(head_dim), unmasked: [batch, heads, q_len, k_len]."""
-    return (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
 
 
 def causal_softmax(scores: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,15 +45,11 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class SoftmaxAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
+        if self.explicit(q, k, ctx):
+            return self.attend_explicit(q, k, v, ctx, partial(causal_softmax, documents=documents), normalised=True)
         self.publish_projection(ctx, q, k)
-        if not ctx.get("capture_attention"):
-            flex_mask = partial(block_mask_for, ctx, documents, q.shape[-2])
-            return softmax_attention(q, k, v, documents, block_mask=flex_mask)
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        scores = scaled_scores(q, k)
-        weights = causal_softmax(scores, documents)
-        self.capture(ctx, weights, normalised=True)
-        return weights.to(v.dtype) @ v
+        flex_mask = partial(block_mask_for, ctx, documents, q.shape[-2])
+        return softmax_attention(q, k, v, documents, block_mask=flex_mask)
 
 
 def to_llama(cfg: ModelConfig, state: dict, src: str, dst: str) -> dict:

@@ -124,11 +124,13 @@ def relu_weights(scores: torch.Tensor, normalizer: str) -> torch.Tensor:
     return scores.relu().masked_fill(~causal_mask(scores), 0.0) / n.to(scores.dtype)
 
 
-def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """K/V [batch, kv_heads, seq, dim] -> [batch, heads, seq, dim]: query head j reads K/V head
-    j // (heads / kv_heads)."""
-    groups = heads // x.shape[1]
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [batch, heads, s, w] @ b [batch, kv_heads, w, t] -> [batch, heads, s, t]: query head j reads
+    K/V head j // (heads / kv_heads); the rows of a K/V head's queries are stacked, so b is not
+    copied per head."""
+    batch, heads, s, width = a.shape
+    kv = b.shape[1]
+    return (a.reshape(batch, kv, heads // kv * s, width) @ b).reshape(batch, heads, s, b.shape[-1])
 
 
 class Attention(nn.Module):
@@ -161,8 +163,7 @@ class Attention(nn.Module):
         if self.kind == "softmax" and not self.keep_scores and k.shape[-2] == s:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
         else:
-            k, v = repeat_kv(k, self.heads), repeat_kv(v, self.heads)
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            scores = grouped_matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
             state["scores"] = scores
             if self.kind == "softmax":
                 weights = softmax_weights(scores)
@@ -170,7 +171,7 @@ class Attention(nn.Module):
                 weights = sink_softmax_weights(scores, self.sink)
             else:
                 weights = relu_weights(scores, self.normalizer)
-            o = weights.to(v.dtype) @ v
+            o = grouped_matmul(weights.to(v.dtype), v)
         return self.out(o.transpose(1, 2).flatten(2))
 
 
@@ -191,18 +192,19 @@ class HeadAlign(nn.Module):
             self.b2 = nn.Parameter(torch.zeros(groups, group))
 
     def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each group's heads are the rows of a matrix [group, q * k]: small matmuls, no permute."""
         b, h, sq, sk = scores.shape
-        s = scores.reshape(b, h // self.group, self.group, sq, sk).permute(0, 1, 3, 4, 2)
-        out = torch.einsum("bnijg,nhg->bnijh", s, self.mix.to(s.dtype))
+        s = scores.reshape(b, h // self.group, self.group, sq, sk)
+        out = (self.mix.to(s.dtype) @ s.flatten(3)).view(s.shape)
         if self.hidden:
             w1, b1, w2, b2 = (p.to(s.dtype) for p in (self.w1, self.b1, self.w2, self.b2))
             parts = []
             for start in range(0, sq, self.ROW_BLOCK):  # bounds the hidden activations' memory
-                rows = s[:, :, start:start + self.ROW_BLOCK]
-                hid = F.gelu(torch.einsum("bnijg,nkg->bnijk", rows, w1) + b1[:, None, None, :])
-                parts.append(torch.einsum("bnijk,ngk->bnijg", hid, w2) + b2[:, None, None, :])
-            out = out + torch.cat(parts, dim=2)
-        return out.permute(0, 1, 4, 2, 3).reshape(b, h, sq, sk)
+                rows = s[:, :, :, start:start + self.ROW_BLOCK]
+                hid = F.gelu(w1 @ rows.flatten(3) + b1[..., None])
+                parts.append((w2 @ hid + b2[..., None]).view(rows.shape))
+            out = out + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=3))
+        return out.view(b, h, sq, sk)
 
 
 class LISAAttention(nn.Module):
@@ -236,7 +238,7 @@ class LISAAttention(nn.Module):
         scores = self.align(state["scores"].to(delta.dtype)) + delta
         state["scores"] = scores
         weights = relu_weights(scores, self.normalizer) if self.source_kind == "relu" else softmax_weights(scores)
-        return self.out((weights.to(v.dtype) @ repeat_kv(v, self.heads)).transpose(1, 2).flatten(2))
+        return self.out(grouped_matmul(weights.to(v.dtype), v).transpose(1, 2).flatten(2))
 
 
 # ---------------------------------------------------------------------------------- MLPs
