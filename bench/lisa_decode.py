@@ -33,6 +33,7 @@ import json
 import math
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -111,7 +112,7 @@ def wide_config(cfg, args):
     scale = args.speed_hidden / cfg.hidden_size
     values.update(hidden_size=args.speed_hidden, num_heads=heads, ffn_hidden_size=round(cfg.ffn_hidden_size * scale),
                   num_kv_heads=cfg.kv_heads * heads // cfg.num_heads if cfg.num_kv_heads else 0,
-                  max_seq_len=max(args.speed_contexts) + args.speed_new)
+                  max_seq_len=max(max(args.speed_contexts) + args.speed_new, args.speed_train_seq))
     values["lisa"].update(rank=16, align_group=min(4, heads))
     return ModelConfig.from_dict(values)
 
@@ -157,45 +158,53 @@ def cached_decode(model, hf, context: int, new: int, vocab: int, batch: int) -> 
 
 def speed_table(layouts: list[tuple[str, object]], args) -> dict:
     """Decode and training-step times of every layout at --speed-hidden (random weights: speed does
-    not depend on them). Repeats run the models in turn, so drift of the machine hits all of them;
-    each model's ratio to the source is taken per repeat, and its median and range reported."""
+    not depend on them). For each batch and context the models are prefilled, then timed in turn
+    within every repeat, so drift of the machine hits all of them (and only one context's caches
+    are held at a time); each model's ratio to the source is taken per repeat, and its median and
+    range reported."""
     from models.gpt import GPT
 
-    timers, out = {}, {}
+    models, out = {}, {}
     for name, cfg in layouts:
         wide = wide_config(cfg, args)
         torch.manual_seed(0)
         model = GPT(wide).eval()
-        hf = hf_model(model, wide)
-        tokens = torch.randint(0, wide.vocab_size, (1, args.speed_train_seq + 1))
-        timers[name] = {}
-        for batch in args.speed_batches:
-            for context in args.speed_contexts:
-                fns, per_position = cached_decode(model, hf, context, args.speed_new, wide.vocab_size, batch)
-                timers[name].update(fns)
-
-        def step(model=model, tokens=tokens) -> float:
-            model.train()
-            try:
-                t0 = time.perf_counter()
-                model(tokens[:, :-1], tokens[:, 1:]).backward()
-                return time.perf_counter() - t0
-            finally:
-                model.zero_grad(set_to_none=True)
-                model.eval()
-
-        timers[name]["train_step"] = step
-        out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters()),
-                     "cache_bytes_per_position": per_position}
+        models[name] = (model, hf_model(model, wide), wide)
+        out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters())}
         print(f"speed: built {name} ({out[name]['params'] / 1e6:.1f}M parameters)", flush=True)
-    samples = {name: {key: [] for key in fns} for name, fns in timers.items()}
-    for repeat in range(args.repeats + 1):  # the first round warms up
-        for name, fns in timers.items():
-            for key, fn in fns.items():
-                seconds = fn()
-                if repeat:
-                    samples[name][key].append(seconds)
-        print(f"speed: repeat {repeat}/{args.repeats} done", flush=True)
+    samples = {name: {} for name in models}
+
+    def in_turn(timers: dict) -> None:
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            for name, fns in timers.items():
+                for key, fn in fns.items():
+                    seconds = fn()
+                    if repeat:
+                        samples[name].setdefault(key, []).append(seconds)
+
+    for batch in args.speed_batches:
+        for context in args.speed_contexts:
+            timers = {}
+            for name, (model, hf, wide) in models.items():
+                timers[name], out[name]["cache_bytes_per_position"] = cached_decode(
+                    model, hf, context, args.speed_new, wide.vocab_size, batch)
+            in_turn(timers)
+            print(f"speed: decode of {batch} x {context} positions timed", flush=True)
+
+    def train_step(model, vocab: int) -> float:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (1, args.speed_train_seq + 1), generator=generator)
+        model.train()
+        try:
+            t0 = time.perf_counter()
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            return time.perf_counter() - t0
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.eval()
+
+    in_turn({name: {"train_step": partial(train_step, model, wide.vocab_size)}
+             for name, (model, _, wide) in models.items()})
     source = samples[layouts[0][0]]
     for name, times in samples.items():
         for key, seconds in times.items():
@@ -207,9 +216,8 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
     print(f"\nspeed at hidden {args.speed_hidden} (x source: decode tokens/s, train step time; median [range])")
     print(f"{'':<28}" + "".join(f"{name:>20}" for name in out))
     for key in keys:
-        print(f"{key:<28}" + "".join(
-            f"{row[key]['x_source']:>8.2f} [{row[key]['x_source_range'][0]:.2f}-{row[key]['x_source_range'][1]:.2f}]"
-            for row in out.values()))
+        cells = [(row[key]["x_source"], *row[key]["x_source_range"]) for row in out.values()]
+        print(f"{key:<28}" + "".join(f"{x:>8.2f} [{low:.2f}-{high:.2f}]" for x, low, high in cells))
     source_bytes = out[layouts[0][0]]["cache_bytes_per_position"]
     print(f"{'KV cache x source':<28}" + "".join(f"{row['cache_bytes_per_position'] / source_bytes:>20.2f}"
                                                   for row in out.values()))

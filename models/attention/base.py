@@ -100,10 +100,16 @@ class ProjectedAttention(nn.Module):
             self.publish(ctx, SharedScores.of_projection(q, k))
 
     def explicit(self, q: torch.Tensor, k: torch.Tensor, ctx: dict) -> bool:
-        """Whether the core builds the explicit scores: to capture the weights, or when decoding after
-        cached keys for a following LISA layer, which reads the new score rows: computed once for both
-        layers, not a fused kernel here and the same product over the keys again there."""
-        return bool(ctx.get("capture_attention")) or (self.publish_scores and q.shape[-2] != k.shape[-2])
+        """Whether the core builds the explicit scores instead of running a fused kernel: to capture
+        the weights, and when decoding after cached keys (fewer query rows than keys) for a following
+        LISA layer, which reads the new score rows: computed once for both layers, not a fused kernel
+        here and the same product over the keys again there. On CPU also for one new token: SDPA's CPU
+        kernel reads each K/V head once per query head there (1.5-2x slower with grouped-query heads
+        at 1k-4k cached positions)."""
+        if ctx.get("capture_attention"):
+            return True
+        rows, keys = q.shape[-2], k.shape[-2]
+        return rows < keys and (self.publish_scores or (rows == 1 and not q.is_cuda))
 
     def attend_explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict,
                         weights_of: Callable[[torch.Tensor], torch.Tensor], normalised: bool) -> torch.Tensor:
