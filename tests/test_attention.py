@@ -321,6 +321,36 @@ def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_he
         torch.testing.assert_close(fast_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
 
 
+def test_head_alignment_in_pieces_equals_pointwise_formula(single_process, monkeypatch):
+    """HeadAlign against the formula at every (query, key): within each group of g heads,
+    S_hat = M S + W2 GELU(W1 S + b1) + b2, with its FFN over row blocks of 3 rows and pieces of 20
+    scores (so pieces split rows, and row blocks end mid-piece): outputs and gradients (float64)."""
+    import torch.nn.functional as F
+
+    from models.attention import lisa
+
+    monkeypatch.setattr(lisa, "HIDDEN_PIECE_BYTES", 2 * 2 * 5 * 8 * 20)  # batch x groups x hidden x 8 bytes x 20
+    align = lisa.HeadAlign(num_heads=4, local_heads=4, group=2, hidden=5, row_block=3).double()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in align.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    scores = torch.randn(2, 4, 7, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = align(scores)
+
+    s = scores.view(2, 2, 2, 7, 9).permute(0, 1, 3, 4, 2)  # [batch, group, q, k, head in group]
+    hidden = F.gelu(torch.einsum("bnijg,nkg->bnijk", s, align.w1) + align.b1[:, None, None])
+    ref = (torch.einsum("bnijg,nhg->bnijh", s, align.mix) + torch.einsum("bnijk,ngk->bnijg", hidden, align.w2)
+           + align.b2[:, None, None])
+    ref = ref.permute(0, 1, 4, 2, 3).reshape(2, 4, 7, 9)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), [scores, *align.parameters()])
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [scores, *align.parameters()])
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("source,normalizer,documents", [("s", "prefix", False), ("k", "prefix", True),
                                                         ("r", "content", False), ("r", "prefix", True),
                                                         ("r", "seqlen", True)])
@@ -383,8 +413,8 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
     one full forward (float64), and so does another continuation through a copy of the prefilled
     cache, without touching the first; greedy generation with the cache equals generation without,
     also past max_seq_len. At decode the source layers hand on their explicit new score rows."""
-    from models.attention.lisa import LISAAttention
     from models.attention.kv_cache import KVCache
+    from models.attention.lisa import LISAAttention
     from models.generation import generate
 
     cfg = small_cfg("slklrll", num_kv_heads=2)
