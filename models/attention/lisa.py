@@ -34,6 +34,8 @@ keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors
   by rows too (rebuilding this layer's rows for each of its blocks: a chain of n such layers aligns
   the first one's rows n times).
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
+Decoding after cached keys, the layer before hands over its explicit new score rows (built once,
+for itself and this layer: ProjectedAttention.explicit), and this layer aligns those rows.
 """
 
 from __future__ import annotations
