@@ -408,16 +408,17 @@ def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_proces
 
 @pytest.mark.parametrize("align_hidden", [16, 0])  # LISA on explicit scores; on score features
 def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
-    """Every kind with grouped-query attention, each source kind feeding a LISA layer and a LISA
-    chain: a prompt, then tokens one at a time, then a chunk, through the KV cache give the logits of
-    one full forward (float64), and so does another continuation through a copy of the prefilled
-    cache, without touching the first; greedy generation with the cache equals generation without,
-    also past max_seq_len. At decode the source layers hand on their explicit new score rows."""
+    """Every kind with grouped-query attention, each source kind once feeding a LISA layer and once
+    not, and a LISA chain: a prompt, then tokens one at a time, then a chunk, through the KV cache
+    give the logits of one full forward (float64), and so does another continuation through a copy
+    of the prefilled cache, without touching the first; greedy generation with the cache equals
+    generation without, also past max_seq_len. Decoding one token, the layers before LISA layers
+    hand on their explicit new score rows."""
     from models.attention.kv_cache import KVCache
     from models.attention.lisa import LISAAttention
     from models.generation import generate
 
-    cfg = small_cfg("slklrll", num_kv_heads=2)
+    cfg = small_cfg("sslkklrrll", num_kv_heads=2)
     cfg.relu_attention.normalizer, cfg.lisa.align_hidden = "content", align_hidden
     cfg.lisa.block_size = 3  # the prefill builds FFN-aligned scores in several blocks
     model = build(cfg).double().eval()
@@ -433,7 +434,7 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
         parts = [model.logits(tokens[:, :8], {"kv_cache": cache})]
         step = {"kv_cache": cache}
         parts.append(model.logits(tokens[:, 8:9], step))  # the buffers grow
-        assert sorted(step["attention_scores"]) == [0, 2, 4, 5]
+        assert sorted(step["attention_scores"]) == [1, 4, 7, 8]
         assert all(isinstance(s, torch.Tensor) and s.shape == (2, 4, 1, 9) for s in step["attention_scores"].values())
         fork, other = cache.copy(), tokens[:, 12:15].flip(0)
         parts += [model.logits(tokens[:, i:i + 1], {"kv_cache": cache}) for i in range(9, 12)]  # in place

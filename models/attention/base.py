@@ -51,7 +51,7 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 def scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Pre-activation logits q.k / sqrt(head_dim), unmasked: [batch, heads, q_len, k_len] from
     q [batch, heads, q_len, d] and k [batch, kv_heads, k_len, d]."""
-    return grouped_matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return grouped_matmul(q / math.sqrt(q.shape[-1]), k.transpose(-2, -1))  # scaled first: no fp16 overflow
 
 
 class ProjectedAttention(nn.Module):
@@ -89,7 +89,7 @@ class ProjectedAttention(nn.Module):
         raise NotImplementedError
 
     def publish(self, ctx: dict, scores: torch.Tensor | SharedScores) -> None:
-        """Hand this layer's pre-activation scores (explicit [batch, local_heads, seq, seq], or as
+        """Hand this layer's pre-activation scores (explicit [batch, local_heads, q_len, k_len], or as
         features) to a following layer that reuses them (LISA), only when one does."""
         if self.publish_scores:
             ctx.setdefault("attention_scores", {})[self.layer] = scores
@@ -101,15 +101,16 @@ class ProjectedAttention(nn.Module):
 
     def explicit(self, q: torch.Tensor, k: torch.Tensor, ctx: dict) -> bool:
         """Whether the core builds the explicit scores instead of running a fused kernel: to capture
-        the weights, and when decoding after cached keys (fewer query rows than keys) for a following
-        LISA layer, which reads the new score rows: computed once for both layers, not a fused kernel
-        here and the same product over the keys again there. On CPU also for one new token: SDPA's CPU
+        the weights, and when decoding one token after cached keys for a following LISA layer, which
+        reads the new score row: computed once for both layers, not a fused kernel here and the same
+        product over the keys again there (a chunk of several tokens hands over features, whose rows
+        the LISA layer builds and frees). On CPU also for one new token in any layer: SDPA's CPU
         kernel reads each K/V head once per query head there (1.5-2x slower with grouped-query heads
         at 1k-4k cached positions)."""
         if ctx.get("capture_attention"):
             return True
-        rows, keys = q.shape[-2], k.shape[-2]
-        return rows < keys and (self.publish_scores or (rows == 1 and not q.is_cuda))
+        one_token = q.shape[-2] == 1 < k.shape[-2]
+        return one_token and (self.publish_scores or q.device.type == "cpu")
 
     def attend_explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict,
                         weights_of: Callable[[torch.Tensor], torch.Tensor], normalised: bool) -> torch.Tensor:

@@ -34,8 +34,8 @@ keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors
   by rows too (rebuilding this layer's rows for each of its blocks: a chain of n such layers aligns
   the first one's rows n times).
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
-Decoding after cached keys, the layer before hands over its explicit new score rows (built once,
-for itself and this layer: ProjectedAttention.explicit), and this layer aligns those rows.
+Decoding one token after cached keys, the layer before hands over its explicit new score row
+(built once, for itself and this layer: ProjectedAttention.explicit), and this layer aligns it.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _split_param(full: torch.Tensor, local: int) -> nn.Parameter:
     return param
 
 
-HIDDEN_PIECE_BYTES = 2 << 20  # the head-alignment FFN's hidden activations per piece: about a core's L2
+HIDDEN_PIECE_BYTES = 2 << 20  # the head-alignment FFN's hidden activations per piece on CPU: about a core's L2
 
 
 class HeadAlign(nn.Module):
@@ -175,13 +175,16 @@ class HeadAlign(nn.Module):
     def nonlinear(self, s: torch.Tensor) -> torch.Tensor:
         """The FFN's part of the aligned scores: s [batch, groups, group, rows, keys] -> same shape.
 
-        It runs over pieces of the scores whose hidden activations take about HIDDEN_PIECE_BYTES, so
-        that its passes over them (matmul, bias, GELU, matmul) stay in a core's cache: on CPU 2-3x
-        faster than passes over the whole block (a decode step of 8 sequences at 4k positions, a
-        training block of 256 query rows)."""
+        On CPU it runs over pieces of the scores whose hidden activations take about
+        HIDDEN_PIECE_BYTES, so that its passes over them (matmul, bias, GELU, matmul) stay in a core's
+        cache: 2-3x faster than passes over the whole block (a decode step of 8 sequences at 4k
+        positions, a training block of 256 query rows). A GPU takes the block whole (pieces would
+        multiply its kernel launches)."""
         w1, b1, w2, b2 = (p.to(s.dtype) for p in (self.w1, self.b1, self.w2, self.b2))
         flat = s.flatten(3)  # [batch, groups, group, rows * keys]
-        piece = max(1, HIDDEN_PIECE_BYTES // (flat.shape[0] * flat.shape[1] * self.hidden * s.element_size()))
+        piece = flat.shape[-1]
+        if s.device.type == "cpu":
+            piece = max(1, HIDDEN_PIECE_BYTES // (flat.shape[0] * flat.shape[1] * self.hidden * s.element_size()))
         parts = [w2 @ F.gelu(w1 @ part + b1[..., None]) + b2[..., None] for part in flat.split(piece, dim=-1)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(s.shape)
 

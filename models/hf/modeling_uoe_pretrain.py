@@ -163,7 +163,7 @@ class Attention(nn.Module):
         if self.kind == "softmax" and not self.keep_scores and k.shape[-2] == s:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g > 1)
         else:
-            scores = grouped_matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            scores = grouped_matmul(q / math.sqrt(self.head_dim), k.transpose(-2, -1))
             state["scores"] = scores
             if self.kind == "softmax":
                 weights = softmax_weights(scores)
