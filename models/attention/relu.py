@@ -139,7 +139,7 @@ def relu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: ReL
     blocked PyTorch path; k/v may hold fewer (grouped-query) heads; scale defaults to 1 / sqrt(q's width)."""
     if q.shape[-2] != k.shape[-2]:  # decoding after cached keys: a few query rows, explicit weights
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        scores = grouped_matmul(q, k.transpose(-2, -1)) * scale
+        scores = grouped_matmul(q * scale, k.transpose(-2, -1))  # scaled first, as scaled_scores
         return grouped_matmul(relu_weights(scores, settings.normalizer, documents).to(v.dtype), v)
     fused = fused_kernel(q, v) if settings.kernel == "auto" else None
     if fused is not None:  # grouped K/V heads go in as they are
