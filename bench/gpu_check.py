@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -142,21 +143,28 @@ def grouped_gemm_check(device: str) -> dict:
             "match": abs(loss_grouped - loss_loop) <= 1e-2 * abs(loss_loop) and grad_diff <= 2e-2}
 
 
+def interpreted(check: str) -> dict:
+    """check("cpu") of this module in a fresh process under Triton's interpreter (Triton reads
+    TRITON_INTERPRET on import)."""
+    from pretrain.distributed import environment_for_child
+
+    code = (f"import json; from bench.gpu_check import {check}; from pretrain.distributed import init_single_process; "
+            f"init_single_process(); print({RESULT!r} + json.dumps({check}('cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], env={**environment_for_child(), "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    result = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
+    if not result:
+        raise RuntimeError(f"exit {out.returncode}: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(result[-1][len(RESULT):])
+
+
 def relu_kernel_check(device: str) -> dict:
     """The Triton ReLU kernels (fp32, and bf16 as training runs them) against the PyTorch path in
     float64: output and every gradient, grouped-query heads, queries/keys wider than the values
     (LISA's features), within documents. --device cpu runs them under Triton's interpreter at tiny
     sizes."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it on import: a fresh process
-        from pretrain.distributed import environment_for_child
-
-        code = f"import json; from bench.gpu_check import relu_kernel_check; print({RESULT!r} + json.dumps(relu_kernel_check('cpu')))"
-        out = subprocess.run([sys.executable, "-c", code], env={**environment_for_child(), "TRITON_INTERPRET": "1"},
-                             capture_output=True, text=True, timeout=600)
-        result = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
-        if not result:
-            raise RuntimeError(f"exit {out.returncode}: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-        return json.loads(result[-1][len(RESULT):])
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return interpreted("relu_kernel_check")
     from models.attention.kernels.relu_triton import triton_relu_attention
     from models.attention.relu import relu_attention
 
@@ -184,6 +192,74 @@ def relu_kernel_check(device: str) -> dict:
         errors[case] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
         ok &= errors[case] < tolerance[dtype]
     return {"max_rel_error": errors, "match": ok}
+
+
+def lisa_decode_check(device: str) -> dict:
+    """The fused LISA decode kernel (models.attention.kernels.lisa_decode_triton) against the PyTorch
+    path on the same model (model.lisa.kernel auto / naive): a softmax layer feeding two LISA layers
+    (FFN alignment in groups of 4, grouped-query heads; random alignment and low-rank weights), the
+    same tokens decoded one at a time after a prefill. Per batch: the logits' largest difference
+    relative to the largest logit, and the median ms per decode step of both paths and of the same
+    model with softmax layers only. --device cpu: under Triton's interpreter at tiny sizes."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return interpreted("lisa_decode_check")
+    from models.attention.kv_cache import KVCache
+    from models.attention.lisa import LISAAttention
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    cpu = device == "cpu"
+    hidden, heads, context, steps, batches = (64, 8, 40, 3, (1, 2)) if cpu else (2048, 16, 4096, 32, (1, 8))
+    dtype, dev = (torch.float32, torch.device(device)) if cpu else (torch.bfloat16, torch.device(device))
+    sizes = dict(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
+                 ffn_hidden_size=4 * hidden, max_seq_len=context + steps)
+    gen = torch.Generator().manual_seed(0)
+    models = {}
+    for name, attention in (("lisa", "sll"), ("softmax", "sss")):
+        cfg = ModelConfig(attention=attention, **sizes)
+        cfg.lisa.keep_full_layers, cfg.lisa.align_group = 1, 4
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        with torch.no_grad():
+            for block in model.blocks:
+                if isinstance(block.attn, LISAAttention):  # the zero-initialised pieces too
+                    for param in (block.attn.qk.weight, *block.attn.align.parameters()):
+                        param.add_(torch.randn(param.shape, generator=gen) * 0.2)
+        models[name] = model.to(dev, dtype).eval()
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def decode(model, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
+        cache = KVCache(context + steps)
+        model.logits(tokens[:, :context], {"kv_cache": cache})
+        logits, times = [], []
+        for i in range(context, context + steps):
+            sync()
+            t0 = time.perf_counter()
+            logits.append(model.logits(tokens[:, i:i + 1], {"kv_cache": cache}).float())
+            sync()
+            times.append(time.perf_counter() - t0)
+        return torch.cat(logits, 1), 1000 * statistics.median(times[1:])
+
+    result, ok = {}, True
+    for batch in batches:
+        tokens = torch.randint(0, 512, (batch, context + steps), generator=gen).to(dev)
+        row = {}
+        for kernel in ("auto", "naive"):
+            for block in models["lisa"].blocks:
+                if isinstance(block.attn, LISAAttention):
+                    block.attn.kernel = kernel
+            row[kernel], row[f"{'fused' if kernel == 'auto' else 'pytorch'}_ms"] = decode(models["lisa"], tokens)
+        _, row["softmax_ms"] = decode(models["softmax"], tokens)
+        fused, reference = row.pop("auto"), row.pop("naive")
+        row["max_rel_diff"] = float((fused - reference).abs().max() / reference.abs().max())
+        row["fused_x_pytorch"] = row["pytorch_ms"] / row["fused_ms"]
+        ok &= row["max_rel_diff"] < (1e-4 if cpu else 3e-2)
+        result[f"batch {batch} x {context}"] = row
+    return {"rows": result, "match": ok}
 
 
 def throughput(name: str, steps: int, device: str, micro_batch: int | None, profile_dir: Path | None = None) -> None:
@@ -363,6 +439,14 @@ def markdown(report: dict) -> str:
         f"ERROR: {r['error']}" if "error" in r else
         ", ".join(f"{case} {err:.1e}" for case, err in r["max_rel_error"].items())
         + f" -> {'match' if r['match'] else 'MISMATCH'}")]
+    d = report.get("lisa_decode", {})
+    lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits relative to the "
+              "largest; ms per step; the same model with softmax layers only): " + (
+                  f"ERROR: {d['error']}" if "error" in d else
+                  "; ".join(f"{case}: diff {r['max_rel_diff']:.1e}, fused {r['fused_ms']:.2f} ms, PyTorch "
+                            f"{r['pytorch_ms']:.2f} ms ({r['fused_x_pytorch']:.2f}x), softmax-only {r['softmax_ms']:.2f} ms"
+                            for case, r in d.get("rows", {}).items())
+                  + f" -> {'match' if d.get('match') else 'MISMATCH'}")]
     lines += ["", "| model | params (active) | micro-batch x seq | tokens/s | TFLOP/s | MFU | peak mem GB | "
               "planned GB (plan/meas) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["throughput"].items():
@@ -465,6 +549,11 @@ def main() -> int:
     except Exception as err:  # noqa: BLE001 - reported in the table
         report["relu_kernels"] = {"error": f"{type(err).__name__}: {err}"}
     print(f"Triton ReLU kernels vs the PyTorch path: {report['relu_kernels']}", flush=True)
+    try:
+        report["lisa_decode"] = lisa_decode_check(args.device)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        report["lisa_decode"] = {"error": f"{type(err).__name__}: {err}"}
+    print(f"fused LISA decode vs the PyTorch path: {report['lisa_decode']}", flush=True)
     destroy_distributed()
     for name in names:
         report["throughput"][name] = run_isolated(name, args)

@@ -191,6 +191,21 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
             in_turn(timers)
             print(f"speed: decode of {batch} x {context} positions timed", flush=True)
 
+    # Equal cache memory: each model decodes as many sequences as its cache fits into the source's
+    # at --equal-memory-batch (tokens/s then counts every sequence).
+    source_bytes = out[layouts[0][0]]["cache_bytes_per_position"]
+    sequences = {}
+    for context in args.equal_memory_contexts:
+        timers, key = {}, f"equal_memory_decode@{context}"
+        for name, (model, hf, wide) in models.items():
+            batch = int(args.equal_memory_batch * source_bytes / out[name]["cache_bytes_per_position"])
+            sequences.setdefault(name, {})[key] = out[name].setdefault("equal_memory_batch", {})[context] = batch
+            fns, _ = cached_decode(model, hf, context, args.speed_new, wide.vocab_size, batch)
+            timers[name] = {key: next(iter(fns.values()))}
+        in_turn(timers)
+        print(f"speed: decode at equal cache memory ({args.equal_memory_batch} source sequences x {context}) timed",
+              flush=True)
+
     def train_step(model, vocab: int) -> float:
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab, (1, args.speed_train_seq + 1), generator=generator)
@@ -209,7 +224,8 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
     for name, times in samples.items():
         for key, seconds in times.items():
             # Decode: tokens/s x source = source time / this time; training step: this time / source's.
-            ratios = [(t / s if key == "train_step" else s / t) for s, t in zip(source[key], seconds)]
+            tokens = sequences.get(name, {}).get(key, 1) / sequences.get(layouts[0][0], {}).get(key, 1)
+            ratios = [(t / s if key == "train_step" else tokens * s / t) for s, t in zip(source[key], seconds)]
             out[name][key] = {"median_s": statistics.median(seconds), "x_source": statistics.median(ratios),
                               "x_source_range": [min(ratios), max(ratios)]}
     keys = list(samples[layouts[0][0]])
@@ -218,11 +234,11 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
     for key in keys:
         cells = [(row[key]["x_source"], *row[key]["x_source_range"]) for row in out.values()]
         print(f"{key:<28}" + "".join(f"{x:>8.2f} [{low:.2f}-{high:.2f}]" for x, low, high in cells))
-    source_bytes = out[layouts[0][0]]["cache_bytes_per_position"]
     print(f"{'KV cache x source':<28}" + "".join(f"{row['cache_bytes_per_position'] / source_bytes:>20.2f}"
                                                   for row in out.values()))
     return {"hidden": args.speed_hidden, "contexts": args.speed_contexts, "batches": args.speed_batches,
-            "new": args.speed_new,
+            "new": args.speed_new, "equal_memory_batch": args.equal_memory_batch,
+            "equal_memory_contexts": args.equal_memory_contexts,
             "train_seq": args.speed_train_seq, "repeats": args.repeats, "models": out}
 
 
@@ -265,6 +281,11 @@ def main() -> None:
                         help="prefilled positions before the timed decode steps")
     parser.add_argument("--speed-batches", type=int, nargs="+", default=[1, 8],
                         help="sequences decoded together (the HF path at batch 1 only)")
+    parser.add_argument("--equal-memory-batch", type=int, default=16,
+                        help="sequences of the source at equal cache memory (each LISA model decodes as many as "
+                             "fit in the same bytes)")
+    parser.add_argument("--equal-memory-contexts", type=int, nargs="*", default=[1024, 2048],
+                        help="prefilled positions of the equal-memory decode (none: skip it)")
     parser.add_argument("--speed-new", type=int, default=16, help="decode steps timed per context")
     parser.add_argument("--speed-train-seq", type=int, default=512, help="sequence of the timed training step")
     parser.add_argument("--out", default="bench/results/lisa_decode.json")

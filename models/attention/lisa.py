@@ -41,6 +41,7 @@ Decoding one token after cached keys, the layer before hands over its explicit n
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -54,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.flex import block_mask_for
-from models.attention.relu import relu_attend, relu_weights
+from models.attention.relu import relu_attend, relu_normaliser, relu_weights
 from models.attention.shared_scores import SharedScores, explicit_scores, grouped_matmul, groups_line_up
 from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ConfigError, ModelConfig
@@ -318,6 +319,35 @@ class LISAAttention(nn.Module):
                               block_mask=partial(block_mask_for, ctx, documents, q.shape[-2]))
         return o[..., :width]
 
+    def fused_decode(self, shared, q: torch.Tensor, ctx: dict):
+        """The fused kernel for one new token after cached keys (lisa_decode_triton.lisa_decode), when
+        it runs: kernel=auto, inference, on a GPU (or Triton's interpreter), the new score row handed
+        over, not capturing the weights or within documents."""
+        decoding_one = isinstance(shared, torch.Tensor) and q.shape[-2] == 1 and ctx.get("kv_cache") is not None
+        if not (decoding_one and self.kernel == "auto" and not torch.is_grad_enabled()
+                and not ctx.get("capture_attention") and ctx.get("document_ids") is None):
+            return None
+        if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # the module imports Triton
+            return None
+        try:
+            from models.attention.kernels.lisa_decode_triton import lisa_decode
+        except ImportError:  # no Triton on this machine
+            return None
+        return lisa_decode
+
+    def decode_fused(self, kernel, shared: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     ctx: dict) -> torch.Tensor:
+        keys = k.shape[-2]
+        normaliser = None
+        if self.family == "relu":
+            normaliser = relu_normaliser(self.relu.normalizer, 1, keys, q.device, keys - 1)
+        align = self.align
+        ffn = (align.w1, align.b1, align.w2, align.b2) if align.hidden else None
+        o, scores = kernel(shared, q, k, v, align.mix, ffn, normaliser, store_scores=self.publish_scores)
+        if scores is not None:
+            self.publish(ctx, scores)
+        return o
+
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
         b, s, _ = x.shape
         shared = self.shared_scores(ctx)
@@ -326,6 +356,13 @@ class LISAAttention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
         if ctx.get("kv_cache") is not None:  # decoding: rank-r keys and values of earlier positions too
             k, v = ctx["kv_cache"].extend(self.layer, k, v)
+        kernel = self.fused_decode(shared, q, ctx)
+        o = self.decode_fused(kernel, shared, q, k, v, ctx) if kernel else self.attend(shared, q, k, v, ctx)
+        out, _ = self.out(o.transpose(1, 2).flatten(2))
+        return out
+
+    def attend(self, shared, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """The attention output [batch, heads, seq, head_dim] by the PyTorch paths."""
         recompute = ctx.get("recompute_attention")  # selective activation checkpointing
         if self.factored(shared, ctx):
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
@@ -337,9 +374,7 @@ class LISAAttention(nn.Module):
             scores = AlignedScores(shared, self.align, q, k).materialize()
             attend, inputs = self.mix, (scores, v, ctx)
         self.publish(ctx, scores)
-        o = checkpoint(attend, *inputs, use_reentrant=False) if recompute else attend(*inputs)
-        out, _ = self.out(o.transpose(1, 2).flatten(2))
-        return out
+        return checkpoint(attend, *inputs, use_reentrant=False) if recompute else attend(*inputs)
 
 
 def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) -> None:
