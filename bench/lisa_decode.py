@@ -21,7 +21,10 @@ configs/hybrid_1b.yaml; random weights, since speed does not depend on them): `-
 decode steps after prefills of each of --speed-contexts positions, through the framework's KV cache
 (what generate runs) and the HF modeling file's, the framework's also for several sequences at once
 (--speed-batches: where the cached keys and values, not the weights, are most of what a step
-reads), the bytes its cache holds per position, and one training step at --speed-train-seq. The
+reads), the bytes its cache holds per position, and one training step at --speed-train-seq. At
+equal cache memory (the paper's "max throughput"), every model decodes as many sequences as fit
+in the bytes the source's cache takes at --equal-memory-batch sequences, after each of
+--equal-memory-contexts positions, and tokens/s counts them all. The
 models take turns within every repeat and each ratio to the source is taken per repeat (median and
 range reported), so the machine's drift hits all of them alike. Writes bench/results/lisa_decode.json.
 """

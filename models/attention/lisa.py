@@ -35,7 +35,8 @@ keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors
   the first one's rows n times).
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
 Decoding one token after cached keys, the layer before hands over its explicit new score row
-(built once, for itself and this layer: ProjectedAttention.explicit), and this layer aligns it.
+(built once, for itself and this layer: ProjectedAttention.explicit), and this layer aligns it: on
+a GPU in one fused kernel (kernels/lisa_decode_triton.py), the PyTorch path staying the reference.
 """
 
 from __future__ import annotations

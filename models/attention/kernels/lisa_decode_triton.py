@@ -26,11 +26,6 @@ import triton.language as tl
 from models.attention.kernels.relu_triton import triton_interpreted
 
 
-def supports(q: torch.Tensor) -> bool:
-    """Whether the kernel runs for these tensors: on a GPU, or on CPU under the interpreter."""
-    return q.is_cuda or triton_interpreted()
-
-
 @triton.jit
 def _gelu(x):
     return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))  # exact, as F.gelu
