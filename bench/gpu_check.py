@@ -210,7 +210,7 @@ def lisa_decode_check(device: str) -> dict:
 
     cpu = device == "cpu"
     hidden, heads, context, steps, batches = (64, 8, 40, 3, (1, 2)) if cpu else (2048, 16, 4096, 32, (1, 8))
-    dtype, dev = (torch.float32, torch.device(device)) if cpu else (torch.bfloat16, torch.device(device))
+    dtype, dev = torch.float32 if cpu else torch.bfloat16, torch.device(device)
     sizes = dict(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
                  ffn_hidden_size=4 * hidden, max_seq_len=context + steps)
     gen = torch.Generator().manual_seed(0)

@@ -320,10 +320,12 @@ class LISAAttention(nn.Module):
                               block_mask=partial(block_mask_for, ctx, documents, q.shape[-2]))
         return o[..., :width]
 
-    def fused_decode(self, shared, q: torch.Tensor, ctx: dict):
-        """The fused kernel for one new token after cached keys (lisa_decode_triton.lisa_decode), when
-        it runs: kernel=auto, inference, on a GPU (or Triton's interpreter), the new score row handed
-        over, not capturing the weights or within documents."""
+    def decode_fused(self, shared, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict
+                     ) -> torch.Tensor | None:
+        """The output of the fused kernel for one new token after cached keys
+        (lisa_decode_triton.lisa_decode), or None where it does not run: it needs kernel=auto,
+        inference, a GPU (or Triton's interpreter) and the new score row handed over, and does not
+        capture the weights or mask documents."""
         decoding_one = isinstance(shared, torch.Tensor) and q.shape[-2] == 1 and ctx.get("kv_cache") is not None
         if not (decoding_one and self.kernel == "auto" and not torch.is_grad_enabled()
                 and not ctx.get("capture_attention") and ctx.get("document_ids") is None):
@@ -334,19 +336,14 @@ class LISAAttention(nn.Module):
             from models.attention.kernels.lisa_decode_triton import lisa_decode
         except ImportError:  # no Triton on this machine
             return None
-        return lisa_decode
-
-    def decode_fused(self, kernel, shared: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     ctx: dict) -> torch.Tensor:
         keys = k.shape[-2]
         normaliser = None
         if self.family == "relu":
             normaliser = relu_normaliser(self.relu.normalizer, 1, keys, q.device, keys - 1)
         align = self.align
         ffn = (align.w1, align.b1, align.w2, align.b2) if align.hidden else None
-        o, scores = kernel(shared, q, k, v, align.mix, ffn, normaliser, store_scores=self.publish_scores)
-        if scores is not None:
-            self.publish(ctx, scores)
+        o, scores = lisa_decode(shared, q, k, v, align.mix, ffn, normaliser, store_scores=self.publish_scores)
+        self.publish(ctx, scores)  # only where a LISA layer follows (then the kernel stored them)
         return o
 
     def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
@@ -357,8 +354,9 @@ class LISAAttention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
         if ctx.get("kv_cache") is not None:  # decoding: rank-r keys and values of earlier positions too
             k, v = ctx["kv_cache"].extend(self.layer, k, v)
-        kernel = self.fused_decode(shared, q, ctx)
-        o = self.decode_fused(kernel, shared, q, k, v, ctx) if kernel else self.attend(shared, q, k, v, ctx)
+        o = self.decode_fused(shared, q, k, v, ctx)
+        if o is None:
+            o = self.attend(shared, q, k, v, ctx)
         out, _ = self.out(o.transpose(1, 2).flatten(2))
         return out
 
