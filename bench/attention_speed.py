@@ -69,7 +69,7 @@ def _layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, 
             for n in (heads, cfg.kv_heads))
 
     def ctx() -> dict:
-        return {"rotary": rotary, "attention_scores": {0: SharedScores.of_projection(q, k)}, "document_ids": documents}
+        return {"rotary": rotary, "shared_scores": SharedScores.of_projection(q, k), "document_ids": documents}
 
     return module, (x, q, k), ctx
 

@@ -105,17 +105,17 @@ def train_step_ms(model, batch: torch.Tensor, repeats: int) -> float:
     return 1000 * median_seconds(step, repeats)
 
 
-def wide_config(cfg, args):
-    """cfg's layers (kinds, K/V sharing, LISA alignment width) at --speed-hidden wide, with the 1B
-    hybrid config's head width, rank and alignment group (head_dim 128, rank 16, groups of 4 heads)."""
+def wide_config(cfg, hidden: int, max_seq_len: int):
+    """cfg's layers (kinds, K/V sharing, LISA alignment width) at `hidden` wide, with the 1B hybrid
+    config's head width, rank and alignment group (head_dim 128, rank 16, groups of 4 heads)."""
     from models.config import ModelConfig
 
     values = cfg.to_dict()
-    heads = args.speed_hidden // 128
-    scale = args.speed_hidden / cfg.hidden_size
-    values.update(hidden_size=args.speed_hidden, num_heads=heads, ffn_hidden_size=round(cfg.ffn_hidden_size * scale),
+    heads = hidden // 128
+    ffn = round(cfg.ffn_hidden_size * hidden / cfg.hidden_size)
+    values.update(hidden_size=hidden, num_heads=heads, ffn_hidden_size=ffn,
                   num_kv_heads=cfg.kv_heads * heads // cfg.num_heads if cfg.num_kv_heads else 0,
-                  max_seq_len=max(max(args.speed_contexts) + args.speed_new, args.speed_train_seq))
+                  max_seq_len=max_seq_len)
     values["lisa"].update(rank=16, align_group=min(4, heads))
     return ModelConfig.from_dict(values)
 
@@ -169,7 +169,8 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
 
     models, out = {}, {}
     for name, cfg in layouts:
-        wide = wide_config(cfg, args)
+        wide = wide_config(cfg, args.speed_hidden,
+                           max(max(args.speed_contexts) + args.speed_new, args.speed_train_seq))
         torch.manual_seed(0)
         model = GPT(wide).eval()
         models[name] = (model, hf_model(model, wide), wide)

@@ -55,7 +55,12 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = build_mlp(cfg, layer)
 
-    def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: dict, shared_scores=None) -> torch.Tensor:
+        """shared_scores: what the previous layer published, for an attention kind that reuses them.
+        An argument, not left in ctx by the caller: a checkpointed block recomputed in backward
+        must see its own layer's, and a compiled block then reads ctx keys that are the same in
+        every layer (no guard on which layers published, so no recompilation per layer)."""
+        ctx["shared_scores"] = shared_scores
         x = x + self.attn(self.attn_norm(x), ctx)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -108,10 +113,18 @@ class GPT(nn.Module):
 
         return [block.attn if isinstance(block.mlp, RoutedLayer) else block for block in self.blocks]
 
-    def compile_blocks(self) -> None:
-        """torch.compile in place (parameter names unchanged, so checkpoints are too)."""
-        for module in self.compile_targets():
-            module.compile()
+    def compile_blocks(self, **options) -> None:
+        """torch.compile in place (parameter names unchanged, so checkpoints are too); options go
+        to torch.compile."""
+        targets = self.compile_targets()
+        # Blocks share one compiled code object, with a graph per distinct layer (attention kind,
+        # whether it publishes scores, how deep a LISA chain it reads): up to one per block, twice
+        # that once a new sequence length recompiles them with dynamic shapes. Past dynamo's
+        # default limit (8) the rest would silently run eagerly.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * len(targets))
+        for module in targets:
+            module.compile(**options)
 
     def hidden_states(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         """The final (normed) hidden states [batch, seq, hidden], whole on every tensor-parallel rank."""
@@ -121,11 +134,17 @@ class GPT(nn.Module):
         ctx["rotary"] = partial(self.rotary, offset=offset) if offset else self.rotary
         ctx["recompute_attention"] = self.training and self.activation_checkpointing == "selective"
         x = self.embed(tokens)
-        for block in self.blocks:
+        shared = ctx["shared_scores"] = None  # every block sees the same ctx keys
+        published = ctx["attention_scores"] = {}  # layer -> the scores it handed to the next layer
+        for layer, block in enumerate(self.blocks):
+            ctx["published_scores"] = None
             if self.training and self.activation_checkpointing == "full":
-                x = checkpoint(block, x, ctx, use_reentrant=False)
+                x = checkpoint(block, x, ctx, shared, use_reentrant=False)
             else:
-                x = block(x, ctx)
+                x = block(x, ctx, shared)
+            shared = ctx["published_scores"]
+            if shared is not None:
+                published[layer] = shared
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.norm(x)

@@ -57,7 +57,10 @@ def test_non_finite_loss_stops_without_saving(tmp_path):
 
 
 def test_activation_checkpointing_gives_same_loss_and_grads(tmp_path):
-    kwargs = dict(vocab_size=300, hidden_size=64, num_heads=4, num_layers=2, ffn_hidden_size=96, max_seq_len=32)
+    """Full checkpointing recomputes every block in backward, LISA layers (a chain of two) with the
+    scores their previous layer handed over in the forward."""
+    kwargs = dict(vocab_size=300, hidden_size=64, num_heads=4, num_layers=3, ffn_hidden_size=96, max_seq_len=32,
+                  attention="sll")
     spawn(gpt_loss_and_grads, 1, kwargs, str(tmp_path / "plain.pt"))
     spawn(gpt_loss_and_grads, 1, kwargs, str(tmp_path / "ckpt.pt"), 0, True)
     plain, ckpt = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "ckpt.pt")
@@ -82,11 +85,43 @@ def test_compiled_blocks_give_same_loss_and_grads(tmp_path):
         torch.testing.assert_close(compiled["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_compiled_hybrid_blocks_make_a_graph_per_kind_of_layer_not_per_layer():
+    """Compiled blocks share one code object: ten blocks of three LISA chains make four graphs
+    (softmax that publishes / does not, LISA after softmax, LISA after LISA), not one per block
+    (where dynamo's recompile limit would leave the later blocks eager), and compute what eager
+    blocks do."""
+    from torch._dynamo.utils import counters
+
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, num_heads=4, num_layers=10, ffn_hidden_size=64, max_seq_len=16,
+                      attention="sllsllslls")
+    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(1))
+    results = []
+    with single_process_group():
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            torch._dynamo.reset()
+            counters.clear()
+            if compiled:
+                model.compile_blocks(backend="eager")  # dynamo's guards and graphs, without codegen
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        assert counters["stats"]["unique_graphs"] == 4
+    (eager, eager_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, eager, rtol=1e-6, atol=1e-7)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_compiled_units_trace_as_one_graph_each():
     """Each unit train.compile compiles (dense blocks of every attention kind, the attention of
     UoE/MoE blocks) is one graph: a graph break would split it and cost the fusion."""
     from models.config import ModelConfig
-    from models.gpt import GPT
+    from models.gpt import GPT, Block
     from models.moe.routing import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, shared_hidden_size=32)
@@ -99,6 +134,10 @@ def test_compiled_units_trace_as_one_graph_each():
             x = torch.randn(2, 32, 64)
             for layer, unit in enumerate(model.compile_targets()):
                 torch._dynamo.reset()
-                explained = torch._dynamo.explain(unit)(x, ctx)
+                # what GPT.hidden_states hands a block (and a block its attention): the scores
+                # the previous layer published
+                ctx["shared_scores"], ctx["published_scores"] = ctx.get("published_scores"), None
+                args = (x, ctx, ctx["shared_scores"]) if isinstance(unit, Block) else (x, ctx)
+                explained = torch._dynamo.explain(unit)(*args)
                 assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
                     (mlp, layer, type(unit).__name__, [str(r.reason)[:300] for r in explained.break_reasons])

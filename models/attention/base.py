@@ -90,9 +90,10 @@ class ProjectedAttention(nn.Module):
 
     def publish(self, ctx: dict, scores: torch.Tensor | SharedScores) -> None:
         """Hand this layer's pre-activation scores (explicit [batch, local_heads, q_len, k_len], or as
-        features) to a following layer that reuses them (LISA), only when one does."""
+        features) to a following layer that reuses them (LISA), only when one does: GPT passes
+        ctx["published_scores"] on as the next layer's ctx["shared_scores"]."""
         if self.publish_scores:
-            ctx.setdefault("attention_scores", {})[self.layer] = scores
+            ctx["published_scores"] = scores
 
     def publish_projection(self, ctx: dict, q: torch.Tensor, k: torch.Tensor) -> None:
         """Publish q . k / sqrt(head_dim) as features: this layer keeps its fused kernel."""

@@ -1,7 +1,7 @@
 """LISA layer: share the previous layer's attention scores instead of computing full Q/K.
 
 For the H scores S^{l-1}[:, :, i, j] of the previous layer (pre-activation logits, read from
-ctx["attention_scores"][layer - 1]) a tiny head-alignment FFN, applied pointwise over the head
+ctx["shared_scores"]) a tiny head-alignment FFN, applied pointwise over the head
 axis within groups of `model.lisa.align_group` heads, gives new per-head scores:
 
     S_hat = M S + W2 GELU(W1 S + b1) + b2          (M: g x g, identity at init; W2, b2: zero at init)
@@ -181,11 +181,12 @@ class HeadAlign(nn.Module):
         HIDDEN_PIECE_BYTES, so that its passes over them (matmul, bias, GELU, matmul) stay in a core's
         cache: 2-3x faster than passes over the whole block (a decode step of 8 sequences at 4k
         positions, a training block of 256 query rows). A GPU takes the block whole (pieces would
-        multiply its kernel launches)."""
+        multiply its kernel launches), and so does torch.compile (pieces would multiply the graph's
+        nodes, tens of thousands along a LISA chain at 2k positions, and its compile time)."""
         w1, b1, w2, b2 = (p.to(s.dtype) for p in (self.w1, self.b1, self.w2, self.b2))
         flat = s.flatten(3)  # [batch, groups, group, rows * keys]
         piece = flat.shape[-1]
-        if s.device.type == "cpu":
+        if s.device.type == "cpu" and not torch.compiler.is_compiling():
             piece = max(1, HIDDEN_PIECE_BYTES // (flat.shape[0] * flat.shape[1] * self.hidden * s.element_size()))
         parts = [w2 @ F.gelu(w1 @ part + b1[..., None]) + b2[..., None] for part in flat.split(piece, dim=-1)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(s.shape)
@@ -252,7 +253,7 @@ class LISAAttention(nn.Module):
         self.rotary = Rotary(self.rank, cfg.max_seq_len, cfg.rope_base)
 
     def shared_scores(self, ctx: dict) -> torch.Tensor | SharedScores:
-        shared = ctx.get("attention_scores", {}).get(self.layer - 1)
+        shared = ctx.get("shared_scores")
         if shared is None:
             raise RuntimeError(
                 f"LISA layer {self.layer} found no attention scores from layer {self.layer - 1}; "
