@@ -211,15 +211,14 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
               flush=True)
 
     def train_step(model, vocab: int) -> float:
+        from bench.lisa_train_step import step_seconds
+
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab, (1, args.speed_train_seq + 1), generator=generator)
         model.train()
         try:
-            t0 = time.perf_counter()
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-            return time.perf_counter() - t0
+            return step_seconds(model, tokens)
         finally:
-            model.zero_grad(set_to_none=True)
             model.eval()
 
     in_turn({name: {"train_step": partial(train_step, model, wide.vocab_size)}

@@ -51,6 +51,8 @@ def layouts_from(results: Path, align_hidden: int | None) -> list[tuple[str, obj
 
 
 def step_seconds(model, tokens: torch.Tensor) -> float:
+    """Seconds of one forward and backward of the next-token loss on tokens [batch, seq + 1]; the
+    gradients are dropped after."""
     t0 = time.perf_counter()
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     if tokens.is_cuda:

@@ -42,7 +42,6 @@ a GPU in one fused kernel (kernels/lisa_decode_triton.py), the PyTorch path stay
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -56,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.flex import block_mask_for
+from models.attention.kernels import triton_interpreted
 from models.attention.relu import relu_attend, relu_normaliser, relu_weights
 from models.attention.shared_scores import SharedScores, explicit_scores, grouped_matmul, groups_line_up
 from models.attention.softmax import causal_softmax, softmax_attention
@@ -331,7 +331,7 @@ class LISAAttention(nn.Module):
         if not (decoding_one and self.kernel == "auto" and not torch.is_grad_enabled()
                 and not ctx.get("capture_attention") and ctx.get("document_ids") is None):
             return None
-        if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # the module imports Triton
+        if not (q.is_cuda or triton_interpreted()):  # the kernel's module imports Triton
             return None
         try:
             from models.attention.kernels.lisa_decode_triton import lisa_decode

@@ -1,2 +1,10 @@
 """Fused GPU kernels of the attention kinds (Triton). A kind imports its kernel module only when
 it runs on a GPU, so machines without Triton never import one."""
+
+import os
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1: on CPU tensors, as the
+    tests check them)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels.relu_triton import triton_interpreted
+from models.attention.kernels import triton_interpreted
 
 
 @triton.jit

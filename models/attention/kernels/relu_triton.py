@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from models.attention.kernels import triton_interpreted
 from models.attention.masks import document_bounds
 
 NORMALIZER_CODES = {"none": 0, "prefix": 1, "content": 2, "seqlen": 3}
@@ -43,12 +44,6 @@ def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _padded(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
-
-
-def triton_interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
