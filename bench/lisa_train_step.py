@@ -1,7 +1,7 @@
 """Training step time of LISA models against their source, eager and compiled, at several lengths.
 
     python -m bench.lisa_train_step [--layouts-from bench/results/lisa_decode.json] [--hidden 1024] \
-        [--seqs 512 1024 2048] [--repeats 5] [--modes eager compiled]
+        [--seqs 512 1024 2048] [--repeats 5] [--modes eager compiled] [--chain-scores rebuild keep]
 
 The layouts (which layers share attention, K/V sharing, alignment width) are the source and the
 conversions that bench.lisa_decode measured, read from its results file; they are timed at
@@ -9,7 +9,8 @@ conversions that bench.lisa_decode measured, read from its results file; they ar
 width, rank and alignment group (bench.lisa_decode.wide_config). One step is the forward and
 backward of one sequence with every parameter trained (continued pretraining of a converted model),
 `eager`, and `compiled` with every block under torch.compile as train.compile runs it (compiled once
-per length, with static shapes). The models take turns within every repeat and each ratio to the
+per length, with static shapes). With `--chain-scores keep` each layout with a LISA chain is also
+timed with model.lisa.keep_chain_scores (rows "... kept"). The models take turns within every repeat and each ratio to the
 source is taken per repeat (median and range), so the machine's drift hits all of them alike.
 On a GPU when one is present (float32, as the models are built), else on the CPU.
 Writes bench/results/lisa_train_step.json.
@@ -18,6 +19,7 @@ Writes bench/results/lisa_train_step.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -48,6 +50,18 @@ def layouts_from(results: Path, align_hidden: int | None) -> list[tuple[str, obj
             overrides.append(f"model.lisa.align_hidden={hidden}")
         layouts.append((row["model"], load_config(REPO / "configs/tiny_dense.yaml", overrides).model))
     return layouts
+
+
+def with_chain_scores(layouts: list[tuple[str, object]], modes: list[str]) -> list[tuple[str, object]]:
+    """The layouts as they are (rebuild) and, for keep, a copy of each with a LISA chain that keeps
+    the chain's scores ("<name> kept"); the source stays first."""
+    out = [(name, cfg) for name, cfg in layouts if "rebuild" in modes or name == layouts[0][0]]
+    for name, cfg in layouts[1:] if "keep" in modes else []:
+        if "lisa,lisa" in ",".join(cfg.attention_kinds()):
+            kept = copy.deepcopy(cfg)
+            kept.lisa.keep_chain_scores = True
+            out.append((f"{name} kept", kept))
+    return out
 
 
 def step_seconds(model, tokens: torch.Tensor) -> float:
@@ -85,12 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
+    parser.add_argument("--chain-scores", nargs="+", choices=["rebuild", "keep"], default=["rebuild", "keep"],
+                        help="how LISA chains read the scores before them: model.lisa.keep_chain_scores false / true")
     parser.add_argument("--out", default="bench/results/lisa_train_step.json")
     args = parser.parse_args(argv)
     from models.gpt import GPT
     from pretrain.distributed import init_single_process
 
-    layouts = layouts_from(REPO / args.layouts_from, args.align_hidden)
+    layouts = with_chain_scores(layouts_from(REPO / args.layouts_from, args.align_hidden), args.chain_scores)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     init_single_process()
     models, configs = {}, {}
@@ -102,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
               "parameters)", flush=True)
     source = layouts[0][0]
     vocab = configs[source].vocab_size
-    results = {name: {"attention": configs[name].attention, "align_hidden": configs[name].lisa.align_hidden}
-               for name in models}
+    results = {name: {"attention": configs[name].attention, "align_hidden": configs[name].lisa.align_hidden,
+                      "keep_chain_scores": configs[name].lisa.keep_chain_scores} for name in models}
     meta = {"layouts_from": args.layouts_from, "hidden": args.hidden, "seqs": args.seqs, "repeats": args.repeats,
             "modes": args.modes, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__,

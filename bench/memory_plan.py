@@ -25,10 +25,12 @@ SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, seq, micro_batch)
     "h768-l8-ckpt": (768, 8, 12, 12, 2048, 512, 8),
     "h512-l8-hybrid": (512, 8, 8, 8, 1408, 512, 4),
     "h512-l8-hybrid-naive": (512, 8, 8, 8, 1408, 512, 4),
+    "h512-l8-hybrid-keep": (512, 8, 8, 8, 1408, 512, 4),
 }
 # Hybrid attention as in configs/hybrid_*.yaml (LISA with the FFN alignment in groups of 4): its
-# scores built by query blocks (kernel auto), or explicit (naive).
-HYBRID = {"h512-l8-hybrid": "auto", "h512-l8-hybrid-naive": "naive"}
+# scores built by query blocks (kernel auto), also with the LISA chains' scores kept (keep), or
+# explicit (naive).
+HYBRID = {"h512-l8-hybrid": "auto", "h512-l8-hybrid-naive": "naive", "h512-l8-hybrid-keep": "auto"}
 
 
 def measurement_env() -> dict:
@@ -64,6 +66,7 @@ def measure(name: str, steps: int) -> dict:
     if name in HYBRID:
         cfg.model.attention = "sskllrll"
         cfg.model.lisa.align_group, cfg.model.lisa.kernel = 4, HYBRID[name]
+        cfg.model.lisa.keep_chain_scores = name.endswith("-keep")
     estimate = plan(cfg, 1, 1, 1e6, "cpu", bf16=False)
     baseline = rss_kib("VmRSS")
     torch.manual_seed(0)

@@ -64,11 +64,13 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
     kinds = ActivationLayout(tensor=t, seq=seq, flash=layout.bf16, selective=layout.checkpointing == "selective")
     per_layer = [4 * h + attention_kind(k).activations(cfg, kinds)
                  + mlp_kind(cfg.mlp_kind(i)).activations(cfg, t) for i, k in enumerate(cfg.attention_kinds())]
+    handed_on = sum(attention_kind(k).handed_on(cfg, kinds) for k in cfg.attention_kinds()
+                    if attention_kind(k).handed_on)
     tokens = layout.micro_batch * seq
     if layout.checkpointing == "full":
-        layers = cfg.num_layers * h + max(per_layer)
+        layers = cfg.num_layers * h + handed_on + max(per_layer)
     else:
-        layers = sum(per_layer)
+        layers = sum(per_layer) + handed_on
     logits = 2 * cfg.padded_vocab_size / t * 4 / elem  # fp32 logits and their gradient
     return tokens * (layers + h + logits) * elem
 

@@ -113,6 +113,19 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def gate_and_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved gate/up rows [..., 2w] -> gate, up [..., w]. Unbound, not indexed: indexing each
+    half gives each a zero-filled gradient of the whole in backward."""
+    gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
+    return gate, up
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of interleaved gate/up rows [..., 2w] -> [..., w]."""
+    gate, up = gate_and_up(gate_up)
+    return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     """Dense SwiGLU MLP. Gate and up rows interleave (gate_0, up_0, gate_1, ...) so that a
     contiguous TP split gives every rank matching gate/up neurons."""
@@ -126,6 +139,5 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.w_in(x)
-        gate_up = gate_up.unflatten(-1, (-1, 2))
-        out, _ = self.w_out(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+        out, _ = self.w_out(swiglu(gate_up))
         return out

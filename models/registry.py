@@ -67,6 +67,9 @@ class AttentionKind:
     # Activation elements per token one layer keeps for the backward pass (planner).
     activations: Callable[[ModelConfig, ActivationLayout], float]
     letter: str = ""  # its letter in compact patterns (model.attention=ssrl)
+    # Elements per token one layer hands to the next that stay alive until the backward pass, under
+    # full activation checkpointing too (planner; LISA's kept chain scores).
+    handed_on: Callable[[ModelConfig, ActivationLayout], float] | None = None
     # Training FLOPs per token beyond 6 x parameters: the score and value products (Megatron's
     # 12 x hidden x seq per layer unless the kind says otherwise).
     score_flops: Callable[[ModelConfig, int], float] | None = None

@@ -406,6 +406,65 @@ def test_lisa_ffn_alignment_by_query_blocks_equals_explicit_scores(single_proces
         torch.testing.assert_close(fast_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
 
 
+def test_lisa_chain_keeps_scores_instead_of_rebuilding(single_process, monkeypatch):
+    """model.lisa.keep_chain_scores along a chain of three FFN-aligned LISA layers (blocks of 5 rows
+    at seq 24): each layer aligns each of its blocks once (5 x 3) where rebuilding aligns the chain's
+    earlier layers again (5 x (1 + 2 + 3)); loss and every gradient equal rebuilding and the explicit
+    scores (float64), also under full activation checkpointing; the kept rows are the bytes the
+    planner counts (lisa_handed_on); rows cut across kept blocks equal the explicit scores' rows."""
+    from models.attention.lisa import HeadAlign, KeptRows, lisa_handed_on
+    from models.gpt import GPT
+    from models.registry import ActivationLayout
+
+    aligned = []
+    nonlinear = HeadAlign.nonlinear
+    monkeypatch.setattr(HeadAlign, "nonlinear", lambda self, s: aligned.append(s.shape[-2]) or nonlinear(self, s))
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    results, kept_bytes = {}, {}
+    for name, kernel, keep, ckpt in (("rebuild", "auto", False, "none"), ("keep", "auto", True, "none"),
+                                     ("keep-full", "auto", True, "full"), ("naive", "naive", False, "none")):
+        cfg = small_cfg("slllr")
+        cfg.lisa.kernel, cfg.lisa.block_size, cfg.lisa.keep_chain_scores = kernel, 5, keep
+        torch.manual_seed(0)
+        model = GPT(cfg, activation_checkpointing=ckpt).double().train()
+        perturb_lisa(model, cfg)
+        with torch.no_grad():
+            for block in model.blocks[1:4]:
+                block.attn.align.b1.normal_(generator=torch.Generator().manual_seed(4))
+        if name in ("rebuild", "keep"):
+            aligned.clear()
+            with torch.no_grad():
+                ctx = {}
+                model.logits(tokens, ctx)
+            assert aligned and all(rows <= 5 for rows in aligned), aligned
+            assert len(aligned) == {"rebuild": 5 * 6, "keep": 5 * 3}[name], (name, len(aligned))
+            kept = [scores for layer, scores in ctx["attention_scores"].items() if layer in (1, 2)]
+            assert all(isinstance(scores, KeptRows) == keep for scores in kept), kept
+            kept_bytes[name] = sum(b.numel() * b.element_size() for scores in kept if keep for _, b in scores.blocks)
+        loss = model(tokens, torch.roll(tokens, -1, 1))
+        loss.backward()
+        results[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    ref_loss, ref_grads = results["naive"]
+    for name in ("rebuild", "keep", "keep-full"):
+        torch.testing.assert_close(results[name][0], ref_loss, rtol=1e-12, atol=1e-12)
+        for param, g in ref_grads.items():
+            torch.testing.assert_close(results[name][1][param], g, rtol=1e-9, atol=1e-10, msg=f"{name} {param}")
+
+    cfg.lisa.kernel, cfg.lisa.keep_chain_scores = "auto", True
+    layout = ActivationLayout(tensor=1, seq=24, flash=False, selective=False)
+    per_token = lisa_handed_on(cfg, layout) * 3  # the mean over the three LISA layers
+    assert kept_bytes["keep"] == per_token * tokens.numel() * 8 and kept_bytes["rebuild"] == 0, kept_bytes
+
+    explicit = torch.randn(2, 4, 24, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    rows = KeptRows([(start, explicit[..., start:start + 5, :start + 5]) for start in range(0, 24, 5)])
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    for start, end in ((0, 5), (5, 10), (3, 13), (0, 24), (20, 24)):
+        got = rows.rows(start, end)
+        mask = causal[start:end, :end]
+        assert got.shape == (2, 4, end - start, end)
+        torch.testing.assert_close(got * mask, explicit[..., start:end, :end] * mask, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("align_hidden", [16, 0])  # LISA on explicit scores; on score features
 def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
     """Every kind with grouped-query attention, each source kind once feeding a LISA layer and once

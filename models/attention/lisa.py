@@ -32,7 +32,8 @@ keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors
   (source rows, alignment, low-rank term, weights, values) and recompute each block in backward.
   The layer hands its own scores on lazily (AlignedScores), so a following LISA layer builds them
   by rows too (rebuilding this layer's rows for each of its blocks: a chain of n such layers aligns
-  the first one's rows n times).
+  the first one's rows n times), or, with model.lisa.keep_chain_scores, keeps the rows it built
+  (KeptRows: about heads x seq^2 / 2 per sequence until backward) and hands those on.
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
 Decoding one token after cached keys, the layer before hands over its explicit new score row
 (built once, for itself and this layer: ProjectedAttention.explicit), and this layer aligns it: on
@@ -57,7 +58,15 @@ from models.attention.base import ProjectedAttention, expand_kv, local_heads, pr
 from models.attention.flex import block_mask_for
 from models.attention.kernels import triton_interpreted
 from models.attention.relu import relu_attend, relu_normaliser, relu_weights
-from models.attention.shared_scores import SharedScores, explicit_scores, grouped_matmul, groups_line_up
+from models.attention.shared_scores import (
+    RowCut,
+    SharedScores,
+    cut_prefix,
+    cut_rows,
+    explicit_scores,
+    grouped_matmul,
+    groups_line_up,
+)
 from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ConfigError, ModelConfig
 from models.layers import Rotary, column_linear, row_linear
@@ -79,6 +88,10 @@ class LISAConfig:
     # Query rows per block: of the scores when kernel=auto builds them by blocks, and of the FFN's
     # hidden layer on explicit scores.
     block_size: int = 256
+    # A LISA layer followed by another keeps the score rows it builds by blocks (about
+    # heads x seq^2 / 2 per sequence, until backward) and hands them on: the next layer reads them
+    # instead of rebuilding this layer's alignment for each of its blocks.
+    keep_chain_scores: bool = False
 
     def resolved_rank(self, head_dim: int) -> int:
         return self.rank or max(2, head_dim // 8 // 2 * 2)
@@ -89,7 +102,7 @@ class LISAConfig:
 
 KERNELS = ("auto", "naive")
 
-registry.register_section("lisa", LISAConfig, training_only=("kernel", "block_size"))
+registry.register_section("lisa", LISAConfig, training_only=("kernel", "block_size", "keep_chain_scores"))
 
 
 def lisa_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -143,6 +156,20 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
         features = 2 * cfg.num_heads * feature_width(cfg) / layout.tensor
         return projected_activations(cfg, layout, stores_scores=not layout.flash) + features
     return projected_activations(cfg, layout, stores_scores=False) + cfg.hidden_size / layout.tensor
+
+
+def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
+    """Elements per token a LISA layer keeps for the next one: with keep_chain_scores, where the
+    scores are built by query blocks, the kept rows of each LISA layer a LISA layer follows; the
+    mean over the LISA layers, so the planner's sum over layers is exact."""
+    _, group, _ = lisa_sizes(cfg)
+    by_rows = cfg.lisa.align_hidden or not groups_line_up(cfg.num_heads // cfg.kv_heads, group)
+    if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel == "auto" and by_rows):
+        return 0.0
+    kinds = cfg.attention_kinds()
+    lisa = [i for i, kind in enumerate(kinds) if kind == "lisa"]
+    chained = sum(i + 1 in lisa for i in lisa)
+    return chained / len(lisa) * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
 
 
 def _split_param(full: torch.Tensor, local: int) -> nn.Parameter:
@@ -217,15 +244,60 @@ class AlignedScores:
 
     square = True
 
-    def __init__(self, shared, align: HeadAlign, q: torch.Tensor, k: torch.Tensor):
+    def __init__(self, shared, align: HeadAlign, q: torch.Tensor, k: torch.Tensor,
+                 cuts: tuple[RowCut, RowCut] | None = None):
         self.shared, self.align, self.q, self.k = shared, align, q, k
+        self.cuts = cuts  # RowCut of q and of k (from cut())
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         aligned = self.align(self.shared.rows(start, end).to(self.q.dtype), recompute_rows=False)
-        return aligned + self.q[..., start:end, :] @ self.k[..., :end, :].transpose(-2, -1)
+        q_cut, k_cut = self.cuts or (None, None)
+        return aligned + cut_rows(self.q, q_cut, start, end) @ cut_prefix(self.k, k_cut, start, end).transpose(-2, -1)
+
+    def cut(self, size: int) -> AlignedScores:
+        """The same scores, whose rows() of blocks of `size` query rows read pre-cut inputs."""
+        return AlignedScores(self.shared.cut(size), self.align, self.q, self.k,
+                             (RowCut.of(self.q, size), RowCut.of(self.k, size)))
 
     def materialize(self) -> torch.Tensor:
         return self.align(explicit_scores(self.shared).to(self.q.dtype)) + self.q @ self.k.transpose(-2, -1)
+
+
+class KeptRows:
+    """A LISA layer's scores as the causal row blocks it built (queries start..end-1 over keys
+    0..end-1 each), kept for the next LISA layer (model.lisa.keep_chain_scores). Read by the same
+    blocks, a block is returned as kept; other rows are cut from the blocks, keys past a block's
+    end (after every query of it, so masked) filled with zeros."""
+
+    square = True
+
+    def __init__(self, blocks: list[tuple[int, torch.Tensor]]):
+        self.blocks = blocks  # (start, rows [batch, heads, block rows, end])
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        pieces = []
+        for first, block in self.blocks:
+            last = first + block.shape[-2]
+            if (first, last) == (start, end):
+                return block
+            lo, hi = max(start, first), min(end, last)
+            if lo < hi:
+                piece = block[..., lo - first:hi - first, :end]
+                pieces.append(F.pad(piece, (0, end - piece.shape[-1])))
+        return torch.cat(pieces, dim=-2)
+
+    def materialize(self) -> torch.Tensor:
+        first, block = self.blocks[-1]
+        return self.rows(0, first + block.shape[-2])
+
+    def cut(self, size: int) -> KeptRows:
+        return self
+
+
+def kept_rows_per_token(seq: int, block_size: int) -> float:
+    """Keys per query row that KeptRows holds: each block's rows over the keys up to its end."""
+    return sum(min(start + block_size, seq) * (min(start + block_size, seq) - start)
+               for start in range(0, seq, block_size)) / seq
 
 
 class LISAAttention(nn.Module):
@@ -243,6 +315,7 @@ class LISAAttention(nn.Module):
         self.family = registry.attention_kind(registry.score_source(cfg.attention_kinds(), layer)).score_family
         self.relu = cfg.relu_attention
         self.kernel, self.block_size = cfg.lisa.kernel, cfg.lisa.block_size
+        self.keep_chain_scores = cfg.lisa.keep_chain_scores
         d = cfg.hidden_size
         self.qk = column_linear(cfg, d, 2 * cfg.num_heads * self.rank)  # head-major [head, q|k, rank]
         with torch.no_grad():  # zero correction at init: the layer starts as pure (aligned) sharing
@@ -295,18 +368,28 @@ class LISAAttention(nn.Module):
         self.capture(ctx, weights, normalised=self.family != "relu")
         return grouped_matmul(weights.to(v.dtype), v)
 
-    def attend_rows(self, scores: AlignedScores, v: torch.Tensor, documents, start: int, end: int) -> torch.Tensor:
+    def attend_rows(self, scores: AlignedScores, values: torch.Tensor, documents, seq: int, start: int, end: int,
+                    keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows start..end-1 of the output from values [batch, kv_heads, end, head_dim] (and the
+        scores of those rows with keep)."""
         s = scores.rows(start, end)
-        return grouped_matmul(self.weights(s, documents, v.shape[-2]).to(v.dtype), v[..., :end, :])
+        o = grouped_matmul(self.weights(s, documents, seq).to(values.dtype), values)
+        return o, (s if keep else None)
 
-    def attend_by_rows(self, scores: AlignedScores, v: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """mix() a block of query rows at a time, each recomputed in backward: only the inputs are kept."""
+    def attend_by_rows(self, scores: AlignedScores, v: torch.Tensor, ctx: dict, keep: bool
+                       ) -> tuple[torch.Tensor, KeptRows | None]:
+        """mix() a block of query rows at a time, each recomputed in backward: only the inputs are
+        kept, and with keep the blocks' scores too (returned as KeptRows)."""
         documents, seq = ctx.get("document_ids"), v.shape[-2]
-        parts = []
-        for start in range(0, seq, self.block_size):
-            rows = partial(self.attend_rows, scores, v, documents, start, min(start + self.block_size, seq))
-            parts.append(checkpoint(rows, use_reentrant=False) if torch.is_grad_enabled() else rows())
-        return torch.cat(parts, dim=-2)
+        scores, v_cut = scores.cut(self.block_size), RowCut.of(v, self.block_size)
+        parts, kept = [], []
+        for i, start in enumerate(range(0, seq, self.block_size)):
+            end = min(start + self.block_size, seq)
+            rows = partial(self.attend_rows, scores, v_cut.prefixes[i], documents, seq, start, end, keep)
+            o, s = checkpoint(rows, use_reentrant=False) if torch.is_grad_enabled() else rows()
+            parts.append(o)
+            kept.append((start, s))
+        return torch.cat(parts, dim=-2), (KeptRows(kept) if keep else None)
 
     def attend_features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """The same attention from score features q @ k^T (k with fewer heads when shared)."""
@@ -367,9 +450,11 @@ class LISAAttention(nn.Module):
         if self.factored(shared, ctx):
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
             attend, inputs = self.attend_features, (*scores.features(), v, ctx)
-        elif self.lazy(shared, ctx):
+        elif self.lazy(shared, ctx):  # recomputes by blocks already
             scores = AlignedScores(shared, self.align, q, k)
-            attend, inputs, recompute = self.attend_by_rows, (scores, v, ctx), False  # recomputes already
+            o, kept = self.attend_by_rows(scores, v, ctx, keep=self.keep_chain_scores and self.publish_scores)
+            self.publish(ctx, scores if kept is None else kept)
+            return o
         else:
             scores = AlignedScores(shared, self.align, q, k).materialize()
             attend, inputs = self.mix, (scores, v, ctx)
@@ -409,5 +494,6 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
 
 registry.register_attention(registry.AttentionKind(
     name="lisa", letter="l", module=LISAAttention, params=lisa_param_count,
-    activations=lisa_activations, reads_previous_scores=True, validate=validate, hf_remote=True,
+    activations=lisa_activations, handed_on=lisa_handed_on, reads_previous_scores=True, validate=validate,
+    hf_remote=True,
 ))

@@ -47,6 +47,58 @@ def _product(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return grouped_matmul(q, k.transpose(-2, -1))
 
 
+class _Prefixes(torch.autograd.Function):
+    """x[..., :end, :] for several ends at once, as views. Backward sums their gradients into one
+    tensor of x's size, where slicing each would give every slice a gradient of x's size (a zero
+    fill, a copy and a sum over x per slice)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ends: tuple[int, ...]):
+        ctx.shape, ctx.ends = x.shape, ends
+        return tuple(x[..., :end, :] for end in ends)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for grad, end in zip(grads, ctx.ends):
+            if grad is not None:
+                total = grad.new_zeros(ctx.shape) if total is None else total
+                total[..., :end, :] += grad
+        return total, None
+
+
+@dataclass(frozen=True)
+class RowCut:
+    """x [..., seq, width] cut for causal blocks of `size` query rows: rows start..end-1 and rows
+    0..end-1 of every block, cut once for all blocks (see _Prefixes)."""
+    size: int
+    rows: tuple[torch.Tensor, ...]
+    prefixes: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, x: torch.Tensor, size: int) -> RowCut:
+        seq = x.shape[-2]
+        ends = tuple(min(start + size, seq) for start in range(0, seq, size))
+        return cls(size, x.split(size, dim=-2), _Prefixes.apply(x, ends))
+
+    def block(self, start: int, end: int) -> int | None:
+        """The index of the block start..end-1, or None where it is not one."""
+        i, rem = divmod(start, self.size)
+        return i if not rem and i < len(self.rows) and end == start + self.rows[i].shape[-2] else None
+
+
+def cut_rows(x: torch.Tensor, cut: RowCut | None, start: int, end: int) -> torch.Tensor:
+    """x[..., start:end, :], from the cut where it is one of its blocks."""
+    i = cut.block(start, end) if cut is not None else None
+    return x[..., start:end, :] if i is None else cut.rows[i]
+
+
+def cut_prefix(x: torch.Tensor, cut: RowCut | None, start: int, end: int) -> torch.Tensor:
+    """x[..., :end, :] for the block start..end-1, from the cut where it is one of its blocks."""
+    i = cut.block(start, end) if cut is not None else None
+    return x[..., :end, :] if i is None else cut.prefixes[i]
+
+
 @dataclass(frozen=True)
 class ScoreBlock:
     q: torch.Tensor  # [batch, heads, q_len, width]
@@ -55,8 +107,9 @@ class ScoreBlock:
 
 
 class SharedScores:
-    def __init__(self, blocks: list[ScoreBlock]):
+    def __init__(self, blocks: list[ScoreBlock], cuts: tuple[tuple[RowCut, RowCut], ...] | None = None):
         self.blocks = tuple(blocks)
+        self.cuts = cuts  # per block, its queries' and keys' RowCut (from cut())
 
     @classmethod
     def of_projection(cls, q: torch.Tensor, k: torch.Tensor) -> SharedScores:
@@ -83,7 +136,13 @@ class SharedScores:
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         """Explicit scores of queries start..end-1 over keys 0..end-1 (causal rows of square scores)."""
-        return sum(_product(b.q[..., start:end, :], b.k[..., :end, :]) for b in self.blocks)
+        cuts = self.cuts or [(None, None)] * len(self.blocks)
+        return sum(_product(cut_rows(b.q, q_cut, start, end), cut_prefix(b.k, k_cut, start, end))
+                   for b, (q_cut, k_cut) in zip(self.blocks, cuts))
+
+    def cut(self, size: int) -> SharedScores:
+        """The same scores, whose rows() of blocks of `size` query rows read pre-cut inputs."""
+        return SharedScores(self.blocks, tuple((RowCut.of(b.q, size), RowCut.of(b.k, size)) for b in self.blocks))
 
     def mixable(self, group: int) -> bool:
         """Whether head groups of this size line up with every block's key sharing."""

@@ -37,7 +37,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from torch import nn  # noqa: E402
 
 from models.config import ModelConfig
-from models.layers import output_init, tp_size
+from models.layers import output_init, swiglu, tp_size
 from models.moe.dispatch import dispatch_combine
 
 
@@ -88,8 +88,7 @@ class ExpertMLP(nn.Module):
         self.w_out = nn.Parameter(torch.empty(hidden, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.w_in).unflatten(-1, (-1, 2))
-        return F.linear(F.silu(gate_up[..., 0]) * gate_up[..., 1], self.w_out)
+        return F.linear(swiglu(F.linear(x, self.w_in)), self.w_out)
 
 
 def grouped_swiglu(experts, inputs: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
@@ -101,8 +100,7 @@ def grouped_swiglu(experts, inputs: torch.Tensor, rows_per_expert: list[int]) ->
     w_in = torch.stack([e.w_in for e in experts]).transpose(-2, -1)  # [L, d, 2w]
     w_out = torch.stack([e.w_out for e in experts]).transpose(-2, -1)  # [L, w, d]
     offsets = torch.tensor(rows_per_expert, device=inputs.device).cumsum(0).to(torch.int32)
-    gate_up = torch._grouped_mm(inputs, w_in.to(inputs.dtype), offs=offsets).unflatten(-1, (-1, 2))
-    hidden = F.silu(gate_up[..., 0]) * gate_up[..., 1]
+    hidden = swiglu(torch._grouped_mm(inputs, w_in.to(inputs.dtype), offs=offsets))
     return torch._grouped_mm(hidden, w_out.to(hidden.dtype), offs=offsets)
 
 

@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from models.config import ConfigError, ModelConfig
-from models.layers import column_linear, row_linear, tp_size
+from models.layers import column_linear, gate_and_up, row_linear, tp_size
 from models.moe.experts import ExpertContainer
 from models.moe.routing import (
     RoutedLayer,
@@ -76,9 +76,8 @@ class UnionOfExperts(RoutedLayer):
         x = x.reshape(-1, shape[-1])
         T = x.shape[0]
         gate_up, _ = self.vse_in(x)
-        gate_up = gate_up.unflatten(-1, (-1, 2))
-        z = gate_up[..., 0]
-        h = F.silu(z) * gate_up[..., 1]
+        z, up = gate_and_up(gate_up)
+        h = F.silu(z) * up
         a = {"h": h, "silu": F.silu(z) if self.score == "silu" else None, "z": z}[self.score]
         sq = torch.zeros(T, self.num_experts, dtype=torch.float32, device=x.device)
         sq = sq.index_add(1, self.neuron_expert, a.float().pow(2))
