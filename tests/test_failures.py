@@ -85,11 +85,12 @@ def test_compiled_blocks_give_same_loss_and_grads(tmp_path):
         torch.testing.assert_close(compiled["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_compiled_hybrid_blocks_make_a_graph_per_kind_of_layer_not_per_layer():
+@pytest.mark.parametrize("keep_chain_scores", [False, True])
+def test_compiled_hybrid_blocks_make_a_graph_per_kind_of_layer_not_per_layer(keep_chain_scores):
     """Compiled blocks share one code object: ten blocks of three LISA chains make four graphs
-    (softmax that publishes / does not, LISA after softmax, LISA after LISA), not one per block
-    (where dynamo's recompile limit would leave the later blocks eager), and compute what eager
-    blocks do."""
+    (softmax that publishes / does not, LISA after softmax, LISA after LISA: lazy or kept scores),
+    not one per block (where dynamo's recompile limit would leave the later blocks eager), and
+    compute what eager blocks do."""
     from torch._dynamo.utils import counters
 
     from models.config import ModelConfig
@@ -97,6 +98,7 @@ def test_compiled_hybrid_blocks_make_a_graph_per_kind_of_layer_not_per_layer():
 
     cfg = ModelConfig(vocab_size=300, hidden_size=32, num_heads=4, num_layers=10, ffn_hidden_size=64, max_seq_len=16,
                       attention="sllsllslls")
+    cfg.lisa.keep_chain_scores = keep_chain_scores
     tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(1))
     results = []
     with single_process_group():

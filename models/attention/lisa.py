@@ -149,22 +149,26 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     with groups that line up with the K/V groups (SharedScores.mixable): the score features (queries
     and keys of feature_width per head) under fused kernels. Otherwise (scores built by query
     blocks): the inputs only, the source layer's scaled queries among them."""
-    _, group, _ = lisa_sizes(cfg)
     if cfg.lisa.kernel == "naive":
         return projected_activations(cfg, layout, stores_scores=True)
-    if not cfg.lisa.align_hidden and groups_line_up(cfg.num_heads // cfg.kv_heads, group):
+    if not builds_by_rows(cfg):
         features = 2 * cfg.num_heads * feature_width(cfg) / layout.tensor
         return projected_activations(cfg, layout, stores_scores=not layout.flash) + features
     return projected_activations(cfg, layout, stores_scores=False) + cfg.hidden_size / layout.tensor
+
+
+def builds_by_rows(cfg: ModelConfig) -> bool:
+    """Whether kernel=auto builds the LISA scores by query blocks (the FFN alignment, or groups
+    that do not line up with the K/V groups) rather than attending over score features."""
+    _, group, _ = lisa_sizes(cfg)
+    return bool(cfg.lisa.align_hidden) or not groups_line_up(cfg.num_heads // cfg.kv_heads, group)
 
 
 def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
     """Elements per token a LISA layer keeps for the next one: with keep_chain_scores, where the
     scores are built by query blocks, the kept rows of each LISA layer a LISA layer follows; the
     mean over the LISA layers, so the planner's sum over layers is exact."""
-    _, group, _ = lisa_sizes(cfg)
-    by_rows = cfg.lisa.align_hidden or not groups_line_up(cfg.num_heads // cfg.kv_heads, group)
-    if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel == "auto" and by_rows):
+    if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel == "auto" and builds_by_rows(cfg)):
         return 0.0
     kinds = cfg.attention_kinds()
     lisa = [i for i, kind in enumerate(kinds) if kind == "lisa"]
