@@ -30,6 +30,7 @@ import torch
 
 from bench.lisa_decode import wide_config
 from bench.trainer_runs import REPO
+from models.attention.lisa import chained_lisa_layers
 
 
 def layouts_from(results: Path, align_hidden: int | None) -> list[tuple[str, object]]:
@@ -57,7 +58,7 @@ def with_chain_scores(layouts: list[tuple[str, object]], modes: list[str]) -> li
     the chain's scores ("<name> kept"); the source stays first."""
     out = [(name, cfg) for name, cfg in layouts if "rebuild" in modes or name == layouts[0][0]]
     for name, cfg in layouts[1:] if "keep" in modes else []:
-        if "lisa,lisa" in ",".join(cfg.attention_kinds()):
+        if chained_lisa_layers(cfg.attention_kinds()):
             kept = copy.deepcopy(cfg)
             kept.lisa.keep_chain_scores = True
             out.append((f"{name} kept", kept))

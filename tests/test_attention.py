@@ -706,6 +706,20 @@ def converted(source, cfg, layers, qk_init, tokens):
     return build_lisa_model(source, cfg, lisa_config(cfg, layers), layers, sim, qk_init), sim
 
 
+def test_converted_lisa_chains_keep_their_scores_unless_told():
+    """lisa_config turns keep_chain_scores on where the new LISA layers form a chain, off where
+    they do not, and leaves the choice to an explicit argument."""
+    from models.attention.lisa import chained_lisa_layers
+    from models.attention.lisa_conversion import lisa_config
+
+    cfg = small_cfg("sssss")
+    assert lisa_config(cfg, [2, 3]).lisa.keep_chain_scores
+    assert not lisa_config(cfg, [2, 4]).lisa.keep_chain_scores
+    assert not lisa_config(cfg, [2, 3], keep_chain_scores=False).lisa.keep_chain_scores
+    assert lisa_config(cfg, [2], keep_chain_scores=True).lisa.keep_chain_scores
+    assert chained_lisa_layers(["softmax", "lisa", "lisa", "lisa", "relu", "lisa"]) == [1, 2]
+
+
 def test_convert_lisa_matches_heads_within_alignment_groups(single_process):
     """A source whose layer 2 is layer 1 with heads swapped inside each alignment group of 2:
     the conversion finds the permutation, sets the alignment to it and, with the zero-started

@@ -29,6 +29,7 @@ process, CPU or one GPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None, help="override model.lisa.rank (low-rank Q/K per head)")
     parser.add_argument("--keep-full-layers", type=int, default=None,
                         help="override model.lisa.keep_full_layers")
+    parser.add_argument("--keep-chain-scores", action=argparse.BooleanOptionalAction, default=None,
+                        help="model.lisa.keep_chain_scores of the converted model (default: on where LISA layers "
+                             "follow each other)")
     args = parser.parse_args(argv)
 
     source, cfg, meta = load_model(args.checkpoint)
@@ -147,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
                         "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "
                         "within --loss-budget)")
-    new_cfg = lisa_config(cfg, layers)
-    print(f"LISA layers: {layers}; attention {new_cfg.attention}")
+    new_cfg = lisa_config(cfg, layers, args.keep_chain_scores)
+    print(f"LISA layers: {layers}; attention {new_cfg.attention}; keep_chain_scores {new_cfg.lisa.keep_chain_scores}")
     model = build_lisa_model(source, cfg, new_cfg, layers, sim, args.qk_init)
     for p in model.parameters():
         p.requires_grad_(False)

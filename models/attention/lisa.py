@@ -164,6 +164,11 @@ def builds_by_rows(cfg: ModelConfig) -> bool:
     return bool(cfg.lisa.align_hidden) or not groups_line_up(cfg.num_heads // cfg.kv_heads, group)
 
 
+def chained_lisa_layers(kinds: list[str]) -> list[int]:
+    """The LISA layers another LISA layer follows (what keep_chain_scores keeps the scores of)."""
+    return [i for i, kind in enumerate(kinds[:-1]) if kind == "lisa" and kinds[i + 1] == "lisa"]
+
+
 def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
     """Elements per token a LISA layer keeps for the next one: with keep_chain_scores, where the
     scores are built by query blocks, the kept rows of each LISA layer a LISA layer follows; the
@@ -171,9 +176,8 @@ def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float
     if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel == "auto" and builds_by_rows(cfg)):
         return 0.0
     kinds = cfg.attention_kinds()
-    lisa = [i for i, kind in enumerate(kinds) if kind == "lisa"]
-    chained = sum(i + 1 in lisa for i in lisa)
-    return chained / len(lisa) * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
+    chained = len(chained_lisa_layers(kinds)) / kinds.count("lisa")
+    return chained * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
 
 
 def _split_param(full: torch.Tensor, local: int) -> nn.Parameter:
