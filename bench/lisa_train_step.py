@@ -10,8 +10,9 @@ width, rank and alignment group (bench.lisa_decode.wide_config). One step is the
 backward of one sequence with every parameter trained (continued pretraining of a converted model),
 `eager`, and `compiled` with every block under torch.compile as train.compile runs it (compiled once
 per length, with static shapes). With `--chain-scores keep` each layout with a LISA chain is also
-timed with model.lisa.keep_chain_scores (rows "... kept"). The models take turns within every repeat and each ratio to the
-source is taken per repeat (median and range), so the machine's drift hits all of them alike.
+timed with model.lisa.keep_chain_scores (rows "... kept"). The models take turns within every
+repeat and each ratio to the source is taken per repeat (median and range), so the machine's drift
+hits all of them alike.
 On a GPU when one is present (float32, as the models are built), else on the CPU.
 Writes bench/results/lisa_train_step.json.
 """
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     parser.add_argument("--chain-scores", nargs="+", choices=["rebuild", "keep"], default=["rebuild", "keep"],
-                        help="how LISA chains read the scores before them: model.lisa.keep_chain_scores false / true")
+                        help="how LISA chains read the scores before them: "
+                             "model.lisa.keep_chain_scores false / true")
     parser.add_argument("--out", default="bench/results/lisa_train_step.json")
     args = parser.parse_args(argv)
     from models.gpt import GPT

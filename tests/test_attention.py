@@ -418,7 +418,8 @@ def test_lisa_chain_keeps_scores_instead_of_rebuilding(single_process, monkeypat
 
     aligned = []
     nonlinear = HeadAlign.nonlinear
-    monkeypatch.setattr(HeadAlign, "nonlinear", lambda self, s: aligned.append(s.shape[-2]) or nonlinear(self, s))
+    monkeypatch.setattr(HeadAlign, "nonlinear",
+                        lambda self, s: aligned.append(s.shape[-2]) or nonlinear(self, s))
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
     results, kept_bytes = {}, {}
     for name, kernel, keep, ckpt in (("rebuild", "auto", False, "none"), ("keep", "auto", True, "none"),
@@ -440,7 +441,8 @@ def test_lisa_chain_keeps_scores_instead_of_rebuilding(single_process, monkeypat
             assert len(aligned) == {"rebuild": 5 * 6, "keep": 5 * 3}[name], (name, len(aligned))
             kept = [scores for layer, scores in ctx["attention_scores"].items() if layer in (1, 2)]
             assert all(isinstance(scores, KeptRows) == keep for scores in kept), kept
-            kept_bytes[name] = sum(b.numel() * b.element_size() for scores in kept if keep for _, b in scores.blocks)
+            kept_bytes[name] = sum(b.numel() * b.element_size()
+                                   for scores in kept if keep for _, b in scores.blocks)
         loss = model(tokens, torch.roll(tokens, -1, 1))
         loss.backward()
         results[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
@@ -448,7 +450,8 @@ def test_lisa_chain_keeps_scores_instead_of_rebuilding(single_process, monkeypat
     for name in ("rebuild", "keep", "keep-full"):
         torch.testing.assert_close(results[name][0], ref_loss, rtol=1e-12, atol=1e-12)
         for param, g in ref_grads.items():
-            torch.testing.assert_close(results[name][1][param], g, rtol=1e-9, atol=1e-10, msg=f"{name} {param}")
+            torch.testing.assert_close(results[name][1][param], g, rtol=1e-9, atol=1e-10,
+                                       msg=f"{name} {param}")
 
     cfg.lisa.kernel, cfg.lisa.keep_chain_scores = "auto", True
     layout = ActivationLayout(tensor=1, seq=24, flash=False, selective=False)

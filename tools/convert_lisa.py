@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                         "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "
                         "within --loss-budget)")
     new_cfg = lisa_config(cfg, layers, args.keep_chain_scores)
-    print(f"LISA layers: {layers}; attention {new_cfg.attention}; keep_chain_scores {new_cfg.lisa.keep_chain_scores}")
+    print(f"LISA layers: {layers}; attention {new_cfg.attention}; "
+          f"keep_chain_scores {new_cfg.lisa.keep_chain_scores}")
     model = build_lisa_model(source, cfg, new_cfg, layers, sim, args.qk_init)
     for p in model.parameters():
         p.requires_grad_(False)

@@ -260,7 +260,8 @@ class AlignedScores:
     def rows(self, start: int, end: int) -> torch.Tensor:
         aligned = self.align(self.shared.rows(start, end).to(self.q.dtype), recompute_rows=False)
         q_cut, k_cut = self.cuts or (None, None)
-        return aligned + cut_rows(self.q, q_cut, start, end) @ cut_prefix(self.k, k_cut, start, end).transpose(-2, -1)
+        keys = cut_prefix(self.k, k_cut, start, end)
+        return aligned + cut_rows(self.q, q_cut, start, end) @ keys.transpose(-2, -1)
 
     def cut(self, size: int) -> AlignedScores:
         """The same scores, whose rows() of blocks of `size` query rows read pre-cut inputs."""
@@ -376,8 +377,8 @@ class LISAAttention(nn.Module):
         self.capture(ctx, weights, normalised=self.family != "relu")
         return grouped_matmul(weights.to(v.dtype), v)
 
-    def attend_rows(self, scores: AlignedScores, values: torch.Tensor, documents, seq: int, start: int, end: int,
-                    keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend_rows(self, scores: AlignedScores, values: torch.Tensor, documents, seq: int, start: int,
+                    end: int, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows start..end-1 of the output from values [batch, kv_heads, end, head_dim] (and the
         scores of those rows with keep)."""
         s = scores.rows(start, end)

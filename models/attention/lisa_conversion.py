@@ -161,8 +161,8 @@ def lisa_config(cfg, layers: list[int], keep_chain_scores: bool | None = None):
     for layer in layers:
         kinds[layer] = "lisa"
     new.attention = ",".join(kinds)
-    keep = bool(chained_lisa_layers(kinds)) if keep_chain_scores is None else keep_chain_scores
-    new.lisa.keep_chain_scores = keep
+    chained = bool(chained_lisa_layers(kinds))
+    new.lisa.keep_chain_scores = chained if keep_chain_scores is None else keep_chain_scores
     registry.validate_model(new)  # placement and sizes of the new LISA layers
     return new
 

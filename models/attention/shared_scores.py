@@ -142,7 +142,8 @@ class SharedScores:
 
     def cut(self, size: int) -> SharedScores:
         """The same scores, whose rows() of blocks of `size` query rows read pre-cut inputs."""
-        return SharedScores(self.blocks, tuple((RowCut.of(b.q, size), RowCut.of(b.k, size)) for b in self.blocks))
+        cuts = tuple((RowCut.of(b.q, size), RowCut.of(b.k, size)) for b in self.blocks)
+        return SharedScores(self.blocks, cuts)
 
     def mixable(self, group: int) -> bool:
         """Whether head groups of this size line up with every block's key sharing."""
