@@ -66,6 +66,7 @@ from models.attention.shared_scores import (
     explicit_scores,
     grouped_matmul,
     groups_line_up,
+    row_blocks,
 )
 from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ConfigError, ModelConfig
@@ -305,8 +306,7 @@ class KeptRows:
 
 def kept_rows_per_token(seq: int, block_size: int) -> float:
     """Keys per query row that KeptRows holds: each block's rows over the keys up to its end."""
-    return sum(min(start + block_size, seq) * (min(start + block_size, seq) - start)
-               for start in range(0, seq, block_size)) / seq
+    return sum(end * (end - start) for start, end in row_blocks(seq, block_size)) / seq
 
 
 class LISAAttention(nn.Module):
@@ -392,12 +392,12 @@ class LISAAttention(nn.Module):
         documents, seq = ctx.get("document_ids"), v.shape[-2]
         scores, v_cut = scores.cut(self.block_size), RowCut.of(v, self.block_size)
         parts, kept = [], []
-        for i, start in enumerate(range(0, seq, self.block_size)):
-            end = min(start + self.block_size, seq)
+        for i, (start, end) in enumerate(row_blocks(seq, self.block_size)):
             rows = partial(self.attend_rows, scores, v_cut.prefixes[i], documents, seq, start, end, keep)
             o, s = checkpoint(rows, use_reentrant=False) if torch.is_grad_enabled() else rows()
             parts.append(o)
-            kept.append((start, s))
+            if keep:
+                kept.append((start, s))
         return torch.cat(parts, dim=-2), (KeptRows(kept) if keep else None)
 
     def attend_features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:

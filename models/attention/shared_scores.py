@@ -47,6 +47,11 @@ def _product(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return grouped_matmul(q, k.transpose(-2, -1))
 
 
+def row_blocks(seq: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of the blocks of `size` query rows over seq positions, the last one shorter."""
+    return [(start, min(start + size, seq)) for start in range(0, seq, size)]
+
+
 class _Prefixes(torch.autograd.Function):
     """x[..., :end, :] for several ends at once, as views. Backward sums their gradients into one
     tensor of x's size, where slicing each would give every slice a gradient of x's size (a zero
@@ -77,8 +82,7 @@ class RowCut:
 
     @classmethod
     def of(cls, x: torch.Tensor, size: int) -> RowCut:
-        seq = x.shape[-2]
-        ends = tuple(min(start + size, seq) for start in range(0, seq, size))
+        ends = tuple(end for _, end in row_blocks(x.shape[-2], size))
         return cls(size, x.split(size, dim=-2), _Prefixes.apply(x, ends))
 
     def block(self, start: int, end: int) -> int | None:
