@@ -10,7 +10,9 @@ FFN + low-rank Q/K, built by query blocks), lisa_linear (model.lisa.align_hidden
 mixing, attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose
 one K/V head serves the alignment group: features of width head_dim + rank), lisa_naive
 (lisa_linear on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit
-scores) and softmax+publish (a softmax layer that hands its scores to a following LISA layer).
+scores) and softmax+publish (a softmax layer that hands its scores to a following LISA layer). A
+kind with `_bs<rows>` appended (lisa_bs256) runs its query blocks at that size instead of the
+default model.lisa.block_size / model.relu_attention.block_size.
 `kept MB` is the memory one forward allocates and still holds when it returns (what its backward
 needs, and the output; the layer's input and the handed-over queries and keys are allocated
 before): the CPU profiler's memory count, or the CUDA allocator's. `decode_ms_per_token` times
@@ -37,9 +39,11 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     from models.config import ModelConfig
     from models.registry import build_attention
 
+    kind, _, rows = kind.partition("_bs")
     cfg = ModelConfig(hidden_size=hidden, num_heads=heads, num_layers=2, max_seq_len=seq, attention="softmax",
                       num_kv_heads=1 if kind.endswith("_gqa") else 0)
-    cfg.relu_attention.block_size = 256
+    if rows:
+        cfg.lisa.block_size = cfg.relu_attention.block_size = int(rows)
     cfg.lisa.keep_full_layers = 1
     cfg.lisa.align_group = min(4, heads)  # as in configs/hybrid_*.yaml
     if kind.startswith("lisa"):

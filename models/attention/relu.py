@@ -34,7 +34,7 @@ KERNELS = ("auto", "torch")
 @dataclass
 class ReLUAttentionConfig:
     normalizer: str = "prefix"  # none | prefix | content | seqlen
-    block_size: int = 256  # query block for O(block x seq) memory (the PyTorch path)
+    block_size: int = 128  # query block for O(block x seq) memory (the PyTorch path); 256 is slower on CPU
     # auto: the fused Triton kernels on a GPU where they apply (models.attention.kernels.relu_triton),
     # else the PyTorch path; torch: always the PyTorch path.
     kernel: str = "auto"
