@@ -43,10 +43,10 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
 # _gqa: one K/V head, against softmax_gqa (bench.attention_speed); lisa_bs256: query blocks of 256 rows
-# instead of the default 128, chosen on CPU.
+# instead of the default 128, chosen on CPU; docs: within 4 documents (FlexAttention, Triton on GPU).
 ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_bs256",
                    "lisa_ffn_naive", "lisa_linear", "lisa_linear_gqa", "softmax+publish", "softmax docs",
-                   "softmax_sink docs", "relu docs", "lisa_linear docs")  # docs: within 4 documents (FlexAttention, Triton on GPU)
+                   "softmax_sink docs", "relu docs", "lisa_linear docs")
 ATTENTION_SEQS = (2048, 4096)
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
 RESULT = "RESULT "
