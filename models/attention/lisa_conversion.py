@@ -153,16 +153,16 @@ def lisa_config(cfg, layers: list[int], keep_chain_scores: bool | None = None):
     """cfg with `layers` made LISA layers; model.lisa.keep_chain_scores as given, or (None) on where
     LISA layers follow each other (a chain's layers then align their rows once, not once per later
     layer: 2.6x -> 1.4x the source's training step at 75% shared, bench.lisa_train_step)."""
-    problem = conversion_problem(cfg.attention_kinds(), layers, cfg.lisa.keep_full_layers)
+    kinds = cfg.attention_kinds()
+    problem = conversion_problem(kinds, layers, cfg.lisa.keep_full_layers)
     if problem:
         raise ValueError(f"cannot convert layers {layers}: {problem}")
     new = copy.deepcopy(cfg)
-    kinds = cfg.attention_kinds()
-    for layer in layers:
-        kinds[layer] = "lisa"
+    kinds = [("lisa" if i in layers else kind) for i, kind in enumerate(kinds)]
     new.attention = ",".join(kinds)
-    chained = bool(chained_lisa_layers(kinds))
-    new.lisa.keep_chain_scores = chained if keep_chain_scores is None else keep_chain_scores
+    if keep_chain_scores is None:
+        keep_chain_scores = bool(chained_lisa_layers(kinds))
+    new.lisa.keep_chain_scores = keep_chain_scores
     registry.validate_model(new)  # placement and sizes of the new LISA layers
     return new
 
