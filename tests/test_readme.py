@@ -1,0 +1,122 @@
+"""README stays in step with the code: every config key is documented, and every module, path and
+command-line flag it names exists."""
+
+import dataclasses
+import importlib.util
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from models import registry
+from posttrain.config import PostTrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+PROJECT_DIRS = ("configs", "bench", "tools", "models", "pretrain", "posttrain", "launch", "data_prep", "tests",
+                "slurm")
+
+
+def config_keys(prefix: str, config: type) -> list[str]:
+    """Dotted keys of every leaf field of a config dataclass."""
+    keys = []
+    for field in dataclasses.fields(config):
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        if dataclasses.is_dataclass(default):
+            keys += config_keys(f"{prefix}{field.name}.", type(default))
+        else:
+            keys.append(prefix + field.name)
+    return keys
+
+
+def all_config_keys() -> list[str]:
+    registry.load_builtins()
+    keys = config_keys("", PostTrainConfig)  # pretraining's sections and post.*
+    for name, section in registry._sections.items():
+        keys += config_keys(f"model.{name}.", section.config)
+    return keys
+
+
+def documented(name: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", README) is not None
+
+
+def test_every_config_key_is_documented():
+    keys = all_config_keys()
+    assert len(keys) > 100 and "model.lisa.keep_chain_scores" in keys and "post.beta" in keys
+    missing = [key for key in keys if not documented(key.rsplit(".", 1)[-1])]
+    assert not missing, f"config keys README never names (document them under their section): {missing}"
+
+
+def test_key_check_fails_on_an_undocumented_name():
+    assert documented("keep_chain_scores") and not documented("keep_chain")  # whole names only
+
+
+# `python -m NAME`, NAME whole (not the placeholder in `python -m tools.<name>`)
+RUN_MODULE = r"python -m ([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?![.\w<])"
+
+
+def runnable(module: str) -> Path | None:
+    """The file `python -m module` runs, or None."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin)
+    if spec.submodule_search_locations:
+        path = path.parent / "__main__.py"
+    return path if path.is_file() else None
+
+
+def module_sources(module: str) -> str:
+    """The source of a module (a package's __main__) and of the project modules it imports directly,
+    where its argparse flags can be defined."""
+    text = runnable(module).read_text()
+    for imported in re.findall(r"^\s*(?:from|import) ((?:%s)(?:\.\w+)*)" % "|".join(PROJECT_DIRS), text, re.M):
+        found = importlib.util.find_spec(imported)
+        if found is not None and found.origin and found.origin.endswith(".py"):
+            text += Path(found.origin).read_text()
+    return text
+
+
+def test_every_module_readme_runs_exists():
+    modules = sorted(set(re.findall(RUN_MODULE, README)))
+    assert len(modules) > 20 and "bench.lisa_decode" in modules
+    missing = [m for m in modules if runnable(m) is None]
+    assert not missing, f"README runs `python -m` on modules that do not exist: {missing}"
+
+
+def test_every_flag_readme_passes_is_defined():
+    unknown = []
+    for line in README.splitlines():
+        match = re.search(RUN_MODULE + "(.*)", line)
+        if not match or runnable(match.group(1)) is None:
+            continue
+        source = module_sources(match.group(1))
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", match.group(2)):
+            if f'"{flag}"' not in source and f"'{flag}'" not in source:
+                unknown.append(f"{match.group(1)} {flag}")
+    assert not unknown, f"README passes flags its commands do not define: {sorted(set(unknown))}"
+
+
+def expand_braces(path: str) -> list[str]:
+    """configs/dense_{125m,1b}.yaml -> configs/dense_125m.yaml, configs/dense_1b.yaml"""
+    parts = re.split(r"\{([^{}]*)\}", path)
+    choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+def test_every_path_readme_names_exists():
+    pattern = r"(?<![\w/.{-])((?:%s)/[\w./{},*-]*[\w}*])" % "|".join(PROJECT_DIRS)
+    paths = sorted({p for raw in re.findall(pattern, README) for p in expand_braces(raw)})
+    assert "configs/hybrid_1b.yaml" in paths
+    missing = [p for p in paths if not any(REPO.glob(p))]
+    assert not missing, f"README names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path, expanded", [
+    ("configs/dense_{125m,1b}.yaml", ["configs/dense_125m.yaml", "configs/dense_1b.yaml"]),
+    ("bench/gpu_run.sh", ["bench/gpu_run.sh"]),
+])
+def test_expand_braces(path, expanded):
+    assert expand_braces(path) == expanded
