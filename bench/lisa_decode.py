@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import statistics
 import time
 from functools import partial
@@ -353,8 +354,9 @@ def main() -> None:
               f"{r['generate_x_source']:>7.2f}{r['prefill_ms']:>12.1f}{r['train_step_ms']:>10.1f}"
               f"{r['train_step_x_source']:>7.2f}{r['qk_params']:>12,}")
     meta = {"source": str(source_run), "source_overrides": args.source_overrides, "align_hidden": args.align_hidden,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(), "steps": args.steps, "prompt": args.prompt, "new": args.new,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "prompt": args.prompt, "new": args.new,
             "repeats": args.repeats, "batch_for_train_step": list(batch.shape),
             "note": "times are medians of --repeats in one process; other work on the machine moves them"}
     out = Path(args.out)
