@@ -37,6 +37,8 @@ import queue
 import shutil
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -295,17 +297,29 @@ def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, 
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     progress_queue = ctx.Queue()
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(out_dir), plan, progress_queue)) as pool:
-        pending = [pool.apply_async(_in_worker, (job, p.index)) for p in todo]
+    # An executor, not a Pool: a worker that dies (the OOM killer) breaks it with an error, where a
+    # Pool would wait for that task forever.
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(str(out_dir), plan, progress_queue))
+    try:
+        pending = {pool.submit(_in_worker, job, p.index): p.index for p in todo}
         while pending:
-            for r in [r for r in pending if r.ready()]:
-                pending.remove(r)
-                done(r.get())  # re-raises a worker's error here
+            finished, _ = wait(pending, timeout=0.02, return_when=FIRST_COMPLETED)
+            for future in finished:
+                index = pending.pop(future)
+                try:
+                    done(future.result())  # re-raises a worker's error here
+                except BrokenProcessPool as e:
+                    raise RuntimeError(
+                        f"a worker process died while the {job} of part {index} (or another) ran, most likely killed "
+                        "for memory: rerun the same command with fewer --workers (completed parts are kept)") from e
             try:
                 while True:
                     bar.update(progress_queue.get(timeout=0.02)[1])
             except queue.Empty:
                 pass
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | None = None,
@@ -405,7 +419,10 @@ def merge_parts(out_dir) -> dict:
     stats = {split: {key: sum(m["splits"][split][key] for m in markers)
                      for key in ("documents", "tokens", "samples")} for split in SPLITS}
     # What each part left after its last complete sample, packed together in part order.
-    tails = [np.load(_tail_path(out_dir, p)) for p in parts]
+    tails = []
+    for p in parts:  # read and closed one at a time: thousands of parts would exhaust the open-file limit
+        with np.load(_tail_path(out_dir, p)) as tail:
+            tails.append({split: tail[split] for split in SPLITS})
     for split in SPLITS:
         packer = SamplePacker(sample_len, dtype)
         rows = packer.add(np.concatenate([t[split] for t in tails]).astype(dtype))
@@ -424,6 +441,8 @@ def merge_parts(out_dir) -> dict:
                          "for no validation split), with --overwrite; no manifest was written")
     for split in SPLITS:
         (out_dir / split / "index.json").unlink(missing_ok=True)
+        if stats[split]["samples"] == 0:  # val at --val-fraction 0: no index, so training finds no val split
+            continue
         with _quiet_root_logger():
             merge_index([str(out_dir / split / name / "index.json") for name in [p.name for p in parts] + [TAIL_PART]],
                         str(out_dir / split))

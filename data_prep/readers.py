@@ -148,12 +148,15 @@ def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
                 if not raw.strip():
                     continue  # blank lines are harmless padding, not errors
                 try:
-                    value = json.loads(raw.decode("utf-8"))
+                    value = json.loads(raw.decode("utf-8-sig"))  # -sig: a byte order mark opening the file
                 except UnicodeDecodeError:
                     report.add(where, "not UTF-8")
                     continue
                 except json.JSONDecodeError:
                     report.add(where, "malformed JSON")
+                    continue
+                except (ValueError, RecursionError) as e:  # valid JSON Python will not take: a huge integer, deep nesting
+                    report.add(where, f"unparsable JSON ({type(e).__name__})")
                     continue
                 yield value, where, raw
     except _stream_errors() as e:
@@ -175,6 +178,27 @@ def read_jsonl_file(path: Path, text_field: str, report) -> Iterator[Document]:
             yield Document(text, where)
 
 
+UNDECODABLE = object()  # a Parquet value pyarrow cannot turn into Python (a string that is not UTF-8)
+
+
+def _python_values(values) -> Iterator:
+    """The values of a pyarrow Array (or the rows of a RecordBatch, as dicts) in Python, UNDECODABLE for
+    each that cannot be converted: pyarrow reads strings unchecked, and one bad value fails the whole
+    batch's conversion, so only then is it converted value by value."""
+    try:
+        converted = values.to_pylist()
+    except ValueError:  # UnicodeDecodeError among them
+        converted = None
+    if converted is not None:
+        yield from converted
+        return
+    for i in range(len(values)):
+        try:
+            yield values.slice(i, 1).to_pylist()[0]
+        except ValueError:
+            yield UNDECODABLE
+
+
 def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
     """(record, origin) of every row of a JSON Lines or Parquet file, all fields kept (for data
     made of several fields, such as fine-tuning examples); rows that are not objects are counted."""
@@ -189,9 +213,12 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
         row = 0
         try:
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-                for rec in batch.to_pylist():
+                for rec in _python_values(batch):
                     row += 1
-                    yield rec, f"{path}:{row}"
+                    if rec is UNDECODABLE:
+                        report.add(f"{path}:{row}", "not UTF-8")
+                    else:
+                        yield rec, f"{path}:{row}"
         except (OSError, ValueError) as e:
             report.add(f"{path}:{row + 1}", f"unreadable ({e})")
         return
@@ -241,9 +268,11 @@ def read_parquet_file(path: Path, text_field: str, report,
         row = sum(pf.metadata.row_group(g).num_rows for g in range(group))  # rows before this group
         try:
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[text_field]):
-                for text in batch.column(0).to_pylist():
+                for text in _python_values(batch.column(0)):
                     row += 1
-                    if text is None:
+                    if text is UNDECODABLE:
+                        report.add(f"{path}:{row}", "not UTF-8")
+                    elif text is None:
                         report.add(f"{path}:{row}", f"missing or non-string {text_field!r} field")
                     elif text:
                         yield Document(text, f"{path}:{row}")

@@ -111,7 +111,8 @@ def as_sources(sources: Iterable[str | os.PathLike | Source] | str | os.PathLike
 
 
 def list_files(sources) -> list[Path]:
-    """All corpus files of ``sources`` in a deterministic order.
+    """All corpus files of ``sources`` in a deterministic order, each once (sources that overlap, such
+    as a folder and a file or subfolder inside it, would otherwise train on those files twice).
 
     A source path that does not exist, or a single file of an unsupported type, is
     an error right away: it is almost always a typo, and finding out after an hour
@@ -131,7 +132,12 @@ def list_files(sources) -> list[Path]:
             files.append(p)
         else:
             raise FileNotFoundError(f"corpus source not found: {p}")
-    return files
+    unique, seen = [], set()
+    for f in files:
+        if f.resolve() not in seen:
+            seen.add(f.resolve())
+            unique.append(f)
+    return unique
 
 
 def iter_documents(sources=None, *, text_field: str = "text", report: BadInputReport | None = None,

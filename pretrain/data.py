@@ -106,8 +106,9 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
     sets = {}
     for source in cfg.data.sources:
         location = _split_location(cfg, source, "val")
-        if location["remote"] is None and not (Path(location["local"]) / "index.json").is_file():
-            continue
+        index = Path(location["local"]) / "index.json"
+        if location["remote"] is None and (not index.is_file() or not json.loads(index.read_text())["shards"]):
+            continue  # no val split (shards built with --val-fraction 0)
         clean_shared_memory_once()
         dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
         batches = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -350,3 +351,58 @@ def test_corrupt_gzip_data_is_counted_where_it_broke(tmp_path):
     unreadable = {r: n for r, n in report.by_reason.items() if r.startswith("unreadable")}
     assert list(unreadable.values()) == [1], report.to_dict()  # once, where zlib gave up
     assert set(report.by_reason) - set(unreadable) <= {"malformed JSON", "not UTF-8", "missing or non-string 'text' field"}
+
+
+def test_json_python_refuses_bom_and_overlapping_sources(tmp_path):
+    rng = random.Random(10)
+    texts = [make_text(rng, 3) for _ in range(4)]
+    lines = [json.dumps({"text": texts[0]}), '{"text": "x", "id": ' + "1" * 5000 + "}",
+             '{"text": "x", "m": ' + "[" * 5000 + "]" * 5000 + "}", json.dumps({"text": texts[1]})]
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + ("\n".join(lines) + "\n").encode())  # opens with a BOM
+    (corpus / "sub" / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[2:]) + "\n")
+    report = BadInputReport()
+    # The folder and a file and subfolder inside it: each file read once.
+    docs = list(iter_documents([corpus, corpus / "a.jsonl", corpus / "sub"], report=report))
+    assert [d.text for d in docs] == texts and docs[0].origin == f"{corpus / 'a.jsonl'}:1"
+    assert report.to_dict()["by_reason"] == {"unparsable JSON (ValueError)": 1, "unparsable JSON (RecursionError)": 1}
+
+
+def test_parquet_value_that_is_not_utf8_is_one_bad_record(tmp_path):
+    from data_prep.readers import read_records
+
+    texts = [f"row {i} text" for i in range(5)]
+    raw = [t.encode() for t in texts[:2]] + [b"bad \xff bytes"] + [t.encode() for t in texts[2:]]
+    path = tmp_path / "bad.parquet"
+    # pyarrow writes (and reads back) string columns without checking them.
+    pq.write_table(pa.table({"text": pa.array(raw, pa.binary()).view(pa.string())}), path)
+    report, records = BadInputReport(), BadInputReport()
+    assert [d.text for d in iter_documents([path], report=report)] == texts
+    assert [r["text"] for r, _ in read_records(path, records)] == texts
+    for r in (report, records):
+        assert r.examples == [f"{path}:3: not UTF-8"]
+
+
+def test_no_val_split_leaves_no_val_index(tmp_path, tok_dir):
+    rng = random.Random(11)
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": make_text(rng, 6)}) for _ in range(30)) + "\n")
+    m = bs.build_shards([tmp_path / "c.jsonl"], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0, workers=1)
+    assert m["splits"]["val"]["samples"] == 0 and m["splits"]["train"]["samples"] > 0
+    assert (tmp_path / "out" / "train" / "index.json").is_file()
+    assert not (tmp_path / "out" / "val" / "index.json").exists()  # what pretrain.data reads as no val split
+
+
+def die_in_worker(job: str, index: int):
+    os._exit(9)  # as the OOM killer ends a process: no exception, no result
+
+
+def test_a_worker_that_dies_fails_the_build_clearly(tmp_path, tok_dir, monkeypatch):
+    rng = random.Random(12)
+    for i in range(2):
+        (tmp_path / f"c{i}.jsonl").write_text(
+            "\n".join(json.dumps({"text": make_text(rng, 6)}) for _ in range(20)) + "\n")
+    bs.plan_build([tmp_path], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0, part_size=64)
+    monkeypatch.setattr(bs, "_in_worker", die_in_worker)  # the pool's processes are forked: they see it
+    with pytest.raises(RuntimeError, match="a worker process died .* fewer --workers"):
+        bs.build_parts(tmp_path / "out", workers=2)

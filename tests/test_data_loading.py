@@ -64,3 +64,20 @@ def test_start_with_bos_prepends_bos_to_every_sample(tmp_path):
     manifest.write_text(json.dumps(kept))
     with pytest.raises(ConfigError, match="start_with_bos=true needs the BOS id"):
         validate_data(bos)
+
+
+def test_an_empty_val_index_is_no_val_split(tmp_path):
+    """Shards whose val split holds no sample (built with --val-fraction 0 before such builds left out
+    val/index.json) train without validation instead of failing in the streaming library."""
+    from pretrain.config import load_config
+    from pretrain.data import load_val_sets
+    from tests.dist_utils import single_process_group
+
+    root = write_synthetic_shards(tmp_path / "data", train=16, val=0)
+    cfg = load_config(None, [f"data.shards={root}/shards", "train.micro_batch=4", "model.max_seq_len=32",
+                             "train.eval_batches=2"])
+    with single_process_group():
+        assert load_val_sets(cfg) == {}
+        full = write_synthetic_shards(tmp_path / "full", train=16, val=8)
+        cfg.data.shards = f"{full}/shards"
+        assert len(load_val_sets(cfg)[""]) == 2
