@@ -26,15 +26,18 @@ LOG = "slurm.log"  # stdout+stderr of every run of the job, appended
 
 
 def configured_steps(run_dir: Path) -> int | None:
+    """The step the job's config ends training at: train.stop_at_step where set, else train.steps."""
     import yaml
 
     for name in (JOB_CONFIG, "config.yaml"):
         path = Path(run_dir) / name
         if path.is_file():
             try:
-                return int(yaml.safe_load(path.read_text())["train"]["steps"])
-            except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+                train = yaml.safe_load(path.read_text())["train"]
+                steps, stop = int(train["steps"]), int(train.get("stop_at_step") or 0)
+            except (OSError, KeyError, TypeError, ValueError, AttributeError, yaml.YAMLError):
                 return None
+            return min(stop, steps) if stop > 0 else steps
     return None
 
 

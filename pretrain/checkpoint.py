@@ -52,6 +52,11 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     tag = tag_for(step)
     rank = dist.get_rank()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and (ckpt_dir / tag).exists():
+        # An earlier save of this step (crashed, maybe at another world size): none of its files may
+        # mix with this one's, and its COMPLETE must not vouch for a half-rewritten directory.
+        shutil.rmtree(ckpt_dir / tag)
+    dist.barrier()
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
     from pretrain.universal import checkpoint_info

@@ -86,6 +86,29 @@ def resolve_resume(resume: str, run_dir: str) -> Path | None:
     return path
 
 
+ABANDONED = "abandoned"  # checkpoints/abandoned/<time>/: the tags after an explicitly resumed older one
+
+
+def set_aside_newer(run_dir: str | os.PathLike, resumed: Path) -> list[str]:
+    """When a run resumes an older checkpoint of its own (train.resume=RUN/checkpoints/step_X, a
+    rollback), move the tags after it to checkpoints/abandoned/<time>/ and point `latest` at it: else
+    the next train.resume=auto (every Slurm requeue) would resume the abandoned trajectory, and pruning
+    by name would delete the new one. Returns the tags moved. Rank 0 only, before any save."""
+    ckpt_dir = checkpoint_dir(run_dir)
+    if Path(resumed).resolve().parent != ckpt_dir.resolve():
+        return []
+    newer = sorted(d for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and d.name > Path(resumed).name)
+    if newer:
+        aside = ckpt_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
+        aside.mkdir(parents=True, exist_ok=True)
+        for d in newer:
+            d.rename(aside / d.name)
+    tmp = ckpt_dir / (LATEST + ".tmp")
+    tmp.write_text(Path(resumed).name)
+    tmp.replace(ckpt_dir / LATEST)
+    return [d.name for d in newer]
+
+
 def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, routed: bool, path: Path) -> bool:
     """Before anything is built: True when the checkpoint was saved at another data- or
     tensor-parallel size and resumes through a universal checkpoint (pretrain.universal); False

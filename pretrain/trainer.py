@@ -206,6 +206,10 @@ class Trainer:
         throughput = Throughput(t.micro_batch * t.grad_accum * self.cfg.model.max_seq_len * dp,
                                 self.meta["flops_per_token"], dist.get_world_size())
         step = start_step
+        if 0 < t.stop_at_step <= start_step:  # e.g. a requeue of the job that stopped there
+            self.logger.print(f"resumed at step {start_step}, at or past train.stop_at_step={t.stop_at_step}: "
+                              "nothing to train (raise or unset train.stop_at_step to go on)")
+            return step
         while step < t.steps:
             self._emit("on_step_begin", step + 1)
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
@@ -235,7 +239,7 @@ class Trainer:
                 self._validate(step)
             self._emit("on_step_end", result)
             signum = signals.any_rank_received(self.device)
-            if signum and step < t.steps:
+            if signum and step < t.steps and step != t.stop_at_step:  # at stop_at_step: the plain stop below
                 self._stop_on_signal(step, signum)
                 return step
             if step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step:

@@ -97,3 +97,21 @@ def test_another_ranks_crash_still_reaches_the_terminal(tmp_path):
     assert "[rank 1] Traceback" in res.stderr and "RuntimeError: boom" in res.stderr
     log = (tmp_path / "logs" / "rank1.log").read_text()
     assert "chatter" in log and "RuntimeError: boom" in log and str(tmp_path / "logs" / "rank1.log") in res.stderr
+
+
+def fake_run(run_dir, steps: int, stop_at_step: int, saved_step: int):
+    """A run directory with a config and one complete checkpoint (what decide reads)."""
+    (run_dir / "checkpoints" / f"step_{saved_step:08d}").mkdir(parents=True)
+    (run_dir / "checkpoints" / f"step_{saved_step:08d}" / "COMPLETE").write_text(json.dumps({"step": saved_step}))
+    (run_dir / "config.yaml").write_text(f"train:\n  steps: {steps}\n  stop_at_step: {stop_at_step}\n")
+
+
+def test_a_job_that_reached_stop_at_step_is_done_whatever_its_exit_code(tmp_path):
+    from launch.slurm_job import decide
+
+    fake_run(tmp_path / "stopped", steps=10, stop_at_step=4, saved_step=4)
+    fake_run(tmp_path / "short", steps=10, stop_at_step=0, saved_step=4)
+    # A signal after the stop's save: the agents exit non-zero, but the job's work is complete.
+    assert decide(tmp_path / "stopped", 1, "USR1", 0, 3)[0] == "done"
+    assert decide(tmp_path / "short", 1, "USR1", 0, 3)[0] == "failed"
+    assert decide(tmp_path / "short", 0, "", 0, 3)[0] == "done"

@@ -89,10 +89,29 @@ def test_resume_reproduces_uninterrupted_losses(data, tmp_path):
     assert sorted(saves) == [4, 8] and all(r["checkpoint/size_gb"] > 0 for r in saves.values())
 
 
+def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(data, tmp_path):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    train(1, tiny_overrides(data, run))  # saves steps 4 and 8
+    # Roll back to step 4 and go another way (a requeue would then resume with train.resume=auto).
+    back = train(1, tiny_overrides(data, run, **{"train.resume": ckpt / "step_00000004", "train.stop_at_step": 6,
+                                                  "train.lr": 1e-3}))
+    assert "set aside the later checkpoints step_00000008" in back.stdout
+    (aside,) = (ckpt / "abandoned").iterdir()
+    assert [d.name for d in aside.iterdir()] == ["step_00000008"] and (aside / "step_00000008" / "COMPLETE").is_file()
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]
+    requeued = train(1, tiny_overrides(data, run, **{"train.lr": 1e-3}))
+    assert "step_00000006 at step 6" in requeued.stdout
+
+
 def test_resume_auto_ignores_partial_checkpoint(data, tmp_path):
     run = tmp_path / "run"
     train(1, tiny_overrides(data, run, **{"train.steps": 8, "train.stop_at_step": 4}))
     ckpt = run / "checkpoints"
+    # The same job again (a requeue): resumed at stop_at_step, it trains nothing.
+    again = train(1, tiny_overrides(data, run, **{"train.steps": 8, "train.stop_at_step": 4}))
+    assert "nothing to train" in again.stdout and sorted(losses(run)) == list(range(1, 5))
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004"]
     # A save killed halfway: files copied but truncated, no COMPLETE marker, pointer moved.
     partial = ckpt / "step_00000006"
     shutil.copytree(ckpt / "step_00000004", partial)
@@ -100,8 +119,13 @@ def test_resume_auto_ignores_partial_checkpoint(data, tmp_path):
     for f in partial.glob("*.pt"):
         f.write_bytes(f.read_bytes()[:100])
     (ckpt / "latest").write_text("step_00000006")
+    # And a save of step 8 by more ranks that crashed: its files must not mix with the next save of step 8.
+    stale = ckpt / "step_00000008"
+    stale.mkdir()
+    (stale / "rank_00003.pt").write_bytes(b"stale")
     out = train(1, tiny_overrides(data, run, **{"train.steps": 8}))
     assert "resumed from" in out.stdout and "step_00000004" in out.stdout
+    assert (stale / "COMPLETE").is_file() and not (stale / "rank_00003.pt").exists()
     assert sorted(losses(run)) == list(range(1, 9))
     assert (ckpt / "step_00000008" / "COMPLETE").is_file()
     assert (ckpt / "latest").read_text() == "step_00000008"
