@@ -110,13 +110,15 @@ def run(cfg: Config, task: Task | None = None) -> int:
 
     task = task or Task()
     env = read_env()
+    # First: a time-limit signal during startup (a universal conversion can take minutes) is then kept
+    # for the first step boundary, where the run saves and stops, instead of killing the process.
+    signals.install()
     manifest, resume_path, init_path, universal = prepare(cfg, env.world_size, task)
     if universal:  # another layout: the checkpoint in DeepSpeed's layout-free form, converted once
         from pretrain.universal import convert, wait_converted
 
         universal = convert(resume_path) if env.rank == 0 else wait_converted(resume_path)
     init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
-    signals.install()
     run_dir = Path(cfg.run.dir)
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
