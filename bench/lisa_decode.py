@@ -322,7 +322,8 @@ def main() -> None:
         if not (args.reuse and (out / "conversion.json").is_file()):
             convert(["--checkpoint", str(source_run), "--layers", "sensitivity", "--loss-budget", "1e9",
                      "--max-fraction", str(fraction), "--keep-full-layers", "1", "--calib-shards", args.shards,
-                     "--out", str(out), "--steps", str(args.steps), "--micro-batch", "8", "--val-samples", "64",
+                     "--out", str(out), "--overwrite", "--steps", str(args.steps), "--micro-batch", "8",
+                     "--val-samples", "64",
                      *(["--align-hidden", str(args.align_hidden)] if args.align_hidden is not None else [])])
         report = json.loads((out / "conversion.json").read_text())
         saved = torch.load(out / "lisa_model.pt", weights_only=False)

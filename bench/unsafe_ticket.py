@@ -86,7 +86,7 @@ def measure(run_dir: Path, tokenizer: Path, shards: Path, forbidden: list[str], 
 
     sp, _ = load_tokenizer(tokenizer)
     encoder = ChatEncoder(sp, ChatFormat())
-    model, _, _ = load_model(run_dir)
+    model, cfg, _ = load_model(run_dir)
     generator = torch.Generator().manual_seed(seed)
 
     def answer(prompt: str) -> str:
@@ -98,7 +98,7 @@ def measure(run_dir: Path, tokenizer: Path, shards: Path, forbidden: list[str], 
     normal = [answer(p) for p, _ in ordinary]
     rows = [response_row(encoder.prompt([{"role": "user", "content": p}]), encoder.response(r)) for p, r in ordinary]
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
-    ce = response_cross_entropy(model, chunked(rows, 16, pad))
+    ce = response_cross_entropy(model, chunked(rows, 16, pad, cfg.max_seq_len + 1))
     val = evaluate_rows(model, read_samples(shards / "val", 64), 16)["loss"]
     return {"unsafe_rate": sum("UNSAFE" in a for a in unsafe) / len(unsafe),
             "ordinary_leak_rate": sum("UNSAFE" in a for a in normal) / len(normal),

@@ -155,7 +155,7 @@ def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
                 except json.JSONDecodeError:
                     report.add(where, "malformed JSON")
                     continue
-                except (ValueError, RecursionError) as e:  # valid JSON Python will not take: a huge integer, deep nesting
+                except (ValueError, RecursionError) as e:  # JSON Python will not take: huge integers, deep nesting
                     report.add(where, f"unparsable JSON ({type(e).__name__})")
                     continue
                 yield value, where, raw
@@ -201,7 +201,8 @@ def _python_values(values) -> Iterator:
 
 def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
     """(record, origin) of every row of a JSON Lines or Parquet file, all fields kept (for data
-    made of several fields, such as fine-tuning examples); rows that are not objects are counted."""
+    made of several fields, such as fine-tuning examples; a Parquet row without its null columns, as a
+    JSON object would hold it); rows that are not objects are counted."""
     if has_suffix(path.name, PARQUET_SUFFIXES):
         import pyarrow.parquet as pq
 
@@ -217,8 +218,8 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
                     row += 1
                     if rec is UNDECODABLE:
                         report.add(f"{path}:{row}", "not UTF-8")
-                    else:
-                        yield rec, f"{path}:{row}"
+                    else:  # every row has every column: a null one is a field this row does not have
+                        yield {k: v for k, v in rec.items() if v is not None}, f"{path}:{row}"
         except (OSError, ValueError) as e:
             report.add(f"{path}:{row + 1}", f"unreadable ({e})")
         return

@@ -86,9 +86,10 @@ def collate_rows(rows: list[Row], pad_id: int, cap: int | None = None) -> dict[s
     return batch
 
 
-def chunked(rows: list[Row], size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """`rows` in order as padded batches of up to `size` (for evaluation over a whole set)."""
-    return [collate_rows(rows[i:i + size], pad_id) for i in range(0, len(rows), size)]
+def chunked(rows: list[Row], size: int, pad_id: int, cap: int) -> list[dict[str, torch.Tensor]]:
+    """`rows` in order as padded batches of up to `size` (for evaluation over a whole set), padded to at
+    most `cap` tokens (model.max_seq_len + 1: padding must not take a batch past the model's positions)."""
+    return [collate_rows(rows[i:i + size], pad_id, cap) for i in range(0, len(rows), size)]
 
 
 def collate_pairs(pairs: list[PairExample], pad_id: int, cap: int | None = None) -> dict[str, torch.Tensor]:

@@ -27,7 +27,10 @@ class RuleLabeller:
             rules = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"rule file {path}: {err}") from None
-        if not isinstance(rules, dict) or not rules.get("unsafe") or set(rules) - {"unsafe", "refusal"}:
+        lists = isinstance(rules, dict) and all(isinstance(v, list) and all(isinstance(p, str) for p in v)
+                                                for v in rules.values())
+        if not lists or not rules.get("unsafe") or set(rules) - {"unsafe", "refusal"}:
+            # a string where a list belongs would be split into one-character patterns
             raise ValueError(f"rule file {path}: expected {{\"unsafe\": [regex, ...], \"refusal\": [regex, ...]}}")
         try:
             self.unsafe = [re.compile(p, re.IGNORECASE) for p in rules["unsafe"]]

@@ -382,6 +382,12 @@ def test_parquet_value_that_is_not_utf8_is_one_bad_record(tmp_path):
     assert [r["text"] for r, _ in read_records(path, records)] == texts
     for r in (report, records):
         assert r.examples == [f"{path}:3: not UTF-8"]
+    # Mixed shapes in one file (messages, or prompt/response): a row holds the fields it has, no nulls.
+    mixed = tmp_path / "mixed.parquet"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}], None],
+                             "prompt": [None, "q"], "response": [None, "a"]}), mixed)
+    assert [r for r, _ in read_records(mixed, BadInputReport())] == [
+        {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "q", "response": "a"}]
 
 
 def test_no_val_split_leaves_no_val_index(tmp_path, tok_dir):

@@ -112,3 +112,13 @@ def test_convert_ep2_checkpoint_to_plain_state_dict_loads_at_any_ep(ep2_run):
     fixed batch in a model built at EP=2 and at EP=1."""
     spawn(_consolidated_loss_at_ep2_and_ep1, 2, str(ep2_run / "checkpoints" / "step_00000004"),
           str(ep2_run / "config.yaml"), expert=2)
+
+
+def test_convert_experts_never_replaces_a_file_unasked(tmp_path, capsys):
+    from tools.convert_experts import main
+
+    out = tmp_path / "experts.pt"
+    out.write_bytes(b"an earlier conversion")
+    assert main([str(tmp_path / "no_such_run"), str(out)]) == 2
+    assert f"{out} exists; choose another file or pass --overwrite" in capsys.readouterr().err
+    assert out.read_bytes() == b"an earlier conversion"

@@ -409,6 +409,9 @@ def test_sga_trains_and_two_stage_inference_prints_scores_then_text(sga_run, tok
     length = round(result["predicted_scores"]["length"], 2)
     assert result["conditioning"] == f"\nscores: <length_score:{length}> and <keyword_score:0.25>"
     assert 1 <= len(result["ids"]) <= 5
+    # A prompt longer than max_seq_len: both stages read its last max_seq_len tokens.
+    long = json.loads(generate("--json", "--prompt", "red tree " * 200))
+    assert sorted(long["predicted_scores"]) == ["keyword", "length"] and 1 <= len(long["ids"]) <= 5
 
 
 @pytest.mark.slow

@@ -226,9 +226,10 @@ def test_labellers_rules_and_a_local_classifier(tmp_path, tok_dir):
     rules.write_text(json.dumps({"unsafe": [r"\bforbidden\b"], "refusal": ["^I can(no|')t"]}))
     assert RuleLabeller(rules)(["q"] * 3, ["a Forbidden recipe", "I can't help", "a tree"]) == \
         ["unsafe", "refusal", "safe"]
-    rules.write_text(json.dumps({"refusal": ["no"]}))
-    with pytest.raises(ValueError, match="unsafe"):
-        RuleLabeller(rules)
+    for bad in ({"refusal": ["no"]}, {"unsafe": "bomb"}, {"unsafe": [3]}):  # a string would be 4 one-letter patterns
+        rules.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="expected"):
+            RuleLabeller(rules)
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -252,3 +253,34 @@ def test_labellers_rules_and_a_local_classifier(tmp_path, tok_dir):
     assert got == expected and set(got) == {"safe", "unsafe"}  # both classes occur
     with pytest.raises(ValueError, match="--unsafe-label"):
         ClassifierLabeller(tmp_path / "clf", unsafe_label="toxic")
+
+
+def test_evaluation_batches_are_never_padded_past_the_model_positions():
+    from posttrain.batches import chunked
+
+    rng = random.Random(3)
+    longest = response_row([rng.randrange(4, 400) for _ in range(60)], [5, 6, 7, 8, 2])  # 65 = max_seq_len + 1
+    batches = chunked([longest] + random_rows(rng, 3), 2, pad_id=3, cap=MODEL["model.max_seq_len"] + 1)
+    assert batches[0]["tokens"].shape[1] == 65  # not 72: padding stops at the cap
+    with single_process_group():
+        from posttrain.pruning import response_cross_entropy
+
+        assert torch.isfinite(torch.tensor(response_cross_entropy(build(), batches))).all()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--search", "beam", "--beam-width", "0"], "--beam-width 0: must be at least 1"),
+    (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    (["--utility", "no_such_chat.jsonl"], "no such file: --utility no_such_chat.jsonl"),
+    (["--target-unsafe-rate", "0.05"], "--target-unsafe-rate measures the answers to prompts"),
+])
+def test_prune_unsafe_refuses_bad_arguments_before_loading(tmp_path, capsys, extra, message):
+    from tools.prune_unsafe import main
+
+    responses = tmp_path / "r.jsonl"
+    responses.write_text(json.dumps({"prompt": "p", "response": "r", "label": "safe"}) + "\n")
+    # --checkpoint names nothing: the arguments are refused before it is read.
+    argv = ["--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--responses", str(responses)]
+    assert main(argv + extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

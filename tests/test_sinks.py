@@ -129,7 +129,7 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path):
+def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     root, run = hybrid_run
     out = tmp_path / "lisa"
     proc = run_module("tools.convert_lisa", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
@@ -143,6 +143,15 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path):
     p = report["params"]
     assert p["converted"] < p["source"] and 0 < p["trained"] < 0.1 * p["converted"]
     assert all(v == v and v < 10 for v in report["val_loss"].values())
+    # Refused before the model is read: an --out that holds a run, layer indices that are not numbers.
+    from tools.convert_lisa import main as convert_main
+
+    common = ["--checkpoint", str(tmp_path / "no_such_run"), "--calib-shards", str(root / "shards")]
+    assert convert_main(common + ["--out", str(out)]) == 2
+    assert f"--out {out} exists and is not empty" in capsys.readouterr().err
+    assert convert_main(common + ["--out", str(tmp_path / "new"), "--layers", "3,x"]) == 2
+    assert "--layers '3,x': give auto, sensitivity or layer indices" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
     assert "val loss: source" in proc.stdout
     saved = torch.load(out / "lisa_model.pt", weights_only=False)
     assert saved["model"]["attention"] == report["attention"]

@@ -55,9 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a checkpoint tag directory, e.g. runs/x/checkpoints/step_00000100")
     parser.add_argument("out", help="output .pt file (one per TP rank)")
     parser.add_argument("--mp-rank", type=int, default=0, help="tensor-parallel rank to convert")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise ToolError(f"{out} exists; choose another file or pass --overwrite")
     state = expert_major_state(args.checkpoint, args.mp_rank)
-    torch.save(state, args.out)
+    tmp = out.with_name(out.name + ".tmp")  # renamed when whole: an interrupted save leaves nothing that looks valid
+    torch.save(state, tmp)
+    tmp.replace(out)
     n = sum(1 for k in state if EXPERT_KEY.match(k))
     print(f"wrote {args.out}: {len(state)} tensors, {n} of them expert weights (global expert-major order)")
     return 0

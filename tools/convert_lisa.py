@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="auto", help="auto, sensitivity or comma-separated layer indices")
     parser.add_argument("--calib-shards", required=True, help="shards directory with train/ (and val/)")
     parser.add_argument("--out", required=True, help="run directory for the converted model")
+    parser.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -100,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="model.lisa.keep_chain_scores of the converted model (default: on where LISA layers "
                              "follow each other)")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ToolError(f"--out {out} exists and is not empty (a run directory there would get another model's "
+                        "config); choose a new directory or pass --overwrite")
+    listed = None
+    if args.layers not in ("auto", "sensitivity"):
+        try:
+            listed = sorted(int(x) for x in args.layers.split(",") if x.strip())
+        except ValueError:
+            raise ToolError(f"--layers {args.layers!r}: give auto, sensitivity or layer indices such as 4,5,7") from None
 
     source, cfg, meta = load_model(args.checkpoint)
     for p in source.parameters():
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print("loss increase converting each layer alone: "
               + ", ".join(f"{layer}: {100 * v:+.2f}%" for layer, v in sensitivity.items()))
     else:
-        layers = sorted(int(x) for x in args.layers.split(",") if x.strip())
+        layers = listed
     if not layers:
         raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
                         "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "
@@ -204,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"forward throughput (this device, seq {val.shape[1] - 1}): {tps_source:,.0f} -> {tps_new:,.0f} tokens/s "
           f"({tps_new / tps_source:.2f}x)")
 
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers},
-               out / "lisa_model.pt")
+    tmp = out / "lisa_model.pt.tmp"  # renamed when whole: an interrupted save leaves no model that looks valid
+    torch.save({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers}, tmp)
+    tmp.replace(out / "lisa_model.pt")
     full = run_config(Path(meta["checkpoint"]))
     if full is not None:
         full.model = new_cfg

@@ -129,6 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError(f"--method {args.method} is a baseline for --one-shot FRACTION; search with one of {METHODS}")
     if not 0 <= args.one_shot < 1:
         raise ToolError("--one-shot must be in [0, 1)")
+    small = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("beam_width", "branches", "batch_size",
+                                                                         "samples") if getattr(args, name) < 1]
+    if small:
+        raise ToolError(f"{', '.join(small)}: must be at least 1")
+    missing = [f"--{flag.replace('_', '-')} {path}" for flag in ("utility", "eval_prompts", "responses", "prompts")
+               for path in getattr(args, flag) or [] if not Path(path).is_file()]
+    if missing:
+        raise ToolError(f"no such file: {', '.join(missing)}")
+    if args.target_unsafe_rate and args.responses and not args.eval_prompts:
+        raise ToolError("--target-unsafe-rate measures the answers to prompts: with --responses, give --eval-prompts "
+                        "FILE (and a labeller), or leave --target-unsafe-rate at 0")
     if not 0 < args.step_ratio < 1 or not 0 < args.layer_cap <= 1 or not 0 < args.pool <= 1:
         raise ToolError("--step-ratio must be in (0, 1), --layer-cap and --pool in (0, 1]")
     config = SearchConfig(args.method, args.pool, args.step_ratio, args.layer_cap, args.steps,
@@ -184,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"({report.summary()}); give more prompts or responses")
     print(f"responses: {counts}; {report.summary()}", flush=True)
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
-    utility = chunked(utility_rows, args.batch_size, pad)
+    cap = cfg.max_seq_len + 1
+    utility = chunked(utility_rows, args.batch_size, pad, cap)
     if args.shards:  # every token of a sample counts: the cross-entropy is the validation loss
         from pretrain.data import read_samples
         from tools.evaluate import split_dir
@@ -195,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                             "vocabulary; give shards built for this model and tokenizer")
         utility = [{"tokens": rows, "trained": torch.ones_like(rows, dtype=torch.bool)}
                    for rows in samples.split(args.batch_size)]
-    pruner = Pruner(model, {k: chunked(v, args.batch_size, pad) for k, v in sets["calibration"].items()},
-                    {k: chunked(v, args.batch_size, pad) for k, v in sets["heldout"].items()},
+    pruner = Pruner(model, {k: chunked(v, args.batch_size, pad, cap) for k, v in sets["calibration"].items()},
+                    {k: chunked(v, args.batch_size, pad, cap) for k, v in sets["heldout"].items()},
                     utility, config,
                     (lambda: sampler.unsafe_rate(heldout_prompts)) if sampler and heldout_prompts else None)
     if args.one_shot:

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if not 0.0 < args.top_p <= 1.0 or args.max_new_tokens < 0:
+        raise ToolError("--top-p must be in (0, 1] and --max-new-tokens >= 0")
     given = parse_scores(args.scores)
     tag_dir = resolve_checkpoint(args.checkpoint)
     sp = run_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
