@@ -70,11 +70,16 @@ def helpsteer2_rows(rec: dict):
     yield prompt, text_field(rec.get("response"), "response"), {a: r / 4 for a, r in ratings.items()}
 
 
+def _either(rec: dict, *names: str):
+    """The first of `names` that rec holds and is not null (Parquet structs carry every field)."""
+    return next((rec[n] for n in names if rec.get(n) is not None), None)
+
+
 def _ultrafeedback_completion(completion, report, where) -> tuple[str, dict] | None:
     try:
         if not isinstance(completion, dict):
             raise BadRecord("a completion is not an object")
-        text = text_field(completion.get("response", completion.get("completion")), "response")
+        text = text_field(_either(completion, "response", "completion"), "response")
         annotations = completion.get("annotations")
         if not isinstance(annotations, dict):
             raise BadRecord("missing 'annotations'")
@@ -91,14 +96,14 @@ def _ultrafeedback_completion(completion, report, where) -> tuple[str, dict] | N
 
 def ultrafeedback_rows(rec: dict, report: BadInputReport, where: str):
     if "completions" in rec:  # the published form: every completion of a prompt in one row
-        prompt = text_field(rec.get("instruction", rec.get("prompt")), "instruction")
+        prompt = text_field(_either(rec, "instruction", "prompt"), "instruction")
         completions = rec["completions"] if isinstance(rec["completions"], list) else []
         for i, completion in enumerate(completions):
             done = _ultrafeedback_completion(completion, report, f"{where} completion {i}")
             if done:
                 yield prompt, *done
         return
-    prompt = text_field(rec.get("prompt", rec.get("instruction")), "prompt")
+    prompt = text_field(_either(rec, "prompt", "instruction"), "prompt")
     done = _ultrafeedback_completion(rec, report, where)
     if done:
         yield prompt, *done

@@ -306,6 +306,14 @@ def test_ultrafeedback_both_shapes_and_na_ratings(tmp_path):
     assert result["pairs"] == 2 and result["ties"] == 1 and result["bad"]["count"] == 1
     assert [(r["prompt"], r["chosen"], r["rejected"]) for r in out] == [("Q1", "good", "poor"), ("Q2", "f-good", "f-bad")]
     assert out[0]["scores"] == {"helpfulness": 1.0, "honesty": 1.0, "instruction_following": 0.75, "truthfulness": 1.0}
+    # As a Parquet struct gives them: every field present, the unused ones null.
+    nulls = {"instruction": "Q5", "prompt": None,
+             "completions": [{**completion(None, 5, 5, 5, 5), "completion": "c-good"},
+                             {**completion(None, 1, 1, 1, 1), "completion": "c-bad"}]}
+    (tmp_path / "nulls.jsonl").write_text(json.dumps(nulls) + "\n")
+    assert convert("ultrafeedback", [str(tmp_path / "nulls.jsonl")], tmp_path / "nulls_out.jsonl")["pairs"] == 1
+    (pair,) = [json.loads(line) for line in (tmp_path / "nulls_out.jsonl").read_text().splitlines()]
+    assert (pair["prompt"], pair["chosen"], pair["rejected"]) == ("Q5", "c-good", "c-bad")
 
 
 # ---- real runs on gloo
