@@ -103,7 +103,7 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
                     model_type: str = "bpe", *, max_sentences: int = 300_000, sample_docs: int = 20_000,
                     max_doc_chars: int = 50_000, seed: int = 0, overwrite: bool = False,
                     text_field: str = "text", num_threads: int = 2,
-                    bad_inputs: BadInputReport | None = None) -> dict:
+                    bad_inputs: BadInputReport | None = None, progress: bool = False) -> dict:
     """Train a tokenizer on ``sources`` (None = default corpus) and return its metadata."""
     out_dir = Path(out_dir)
     if model_type not in ("bpe", "unigram"):
@@ -120,8 +120,12 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
 
     report = bad_inputs if bad_inputs is not None else BadInputReport()
     stats = {"documents_seen": 0, "documents": 0, "sentences": 0, "chars": 0}
-    sample = reservoir_sample(iter_documents(srcs, text_field=text_field, report=report), sample_docs, seed,
-                              max_doc_chars, stats)
+    from tqdm import tqdm
+
+    # The sample is drawn from every document: a pass over the whole corpus.
+    docs = tqdm(iter_documents(srcs, text_field=text_field, report=report), unit="doc", unit_scale=True,
+                desc="sampling documents", disable=not progress)
+    sample = reservoir_sample(docs, sample_docs, seed, max_doc_chars, stats)
     lines = _training_lines(sample, max_sentences, stats)
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)
@@ -178,6 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--text-field", default="text", help="JSON field or Parquet column holding the text")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
     args = p.parse_args(argv)
 
     start = time.time()
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
                                max_sentences=args.max_sentences, sample_docs=args.sample_docs,
                                max_doc_chars=args.max_doc_chars,
                                seed=args.seed, overwrite=args.overwrite, text_field=args.text_field,
-                               bad_inputs=report)
+                               bad_inputs=report, progress=not args.no_progress)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
