@@ -276,6 +276,7 @@ def _load_plan_tokenizer(plan: dict):
 
 def _init_worker(out_dir: str, plan: dict, progress_queue) -> None:
     # Loaded once per process: the tokenizer cannot be pickled with each task.
+    progress_queue.cancel_join_thread()  # progress only: a worker may exit with messages unread
     _worker.update(out_dir=Path(out_dir), plan=plan, sp=_load_plan_tokenizer(plan), queue=progress_queue)
 
 
@@ -295,6 +296,7 @@ def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, 
             done(dedup.hash_part(out_dir, plan, part) if job == "hash"
                  else build_part(out_dir, plan, part, sp, lambda d, t: bar.update(t)))
         return
+    _load_plan_tokenizer(plan)  # here, so that a bad tokenizer is reported as such, not as a broken pool
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     progress_queue = ctx.Queue()
     # An executor, not a Pool: a worker that dies (the OOM killer) breaks it with an error, where a
@@ -318,8 +320,12 @@ def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, 
                     bar.update(progress_queue.get(timeout=0.02)[1])
             except queue.Empty:
                 pass
-    finally:
+    except BaseException:
+        print("stopping: the parts already running finish first (they are kept for the rerun) ...",
+              file=sys.stderr, flush=True)
         pool.shutdown(cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | None = None,

@@ -148,7 +148,7 @@ def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
                 if not raw.strip():
                     continue  # blank lines are harmless padding, not errors
                 try:
-                    value = json.loads(raw.decode("utf-8-sig"))  # -sig: a byte order mark opening the file
+                    value = json.loads(raw.decode("utf-8-sig"))  # -sig: drops a byte order mark (one opens some files)
                 except UnicodeDecodeError:
                     report.add(where, "not UTF-8")
                     continue

@@ -95,16 +95,17 @@ def set_aside_newer(run_dir: str | os.PathLike, resumed: Path) -> list[str]:
     the next train.resume=auto (every Slurm requeue) would resume the abandoned trajectory, and pruning
     by name would delete the new one. Returns the tags moved. Rank 0 only, before any save."""
     ckpt_dir = checkpoint_dir(run_dir)
-    if Path(resumed).resolve().parent != ckpt_dir.resolve():
+    resumed = Path(resumed).resolve()
+    if resumed.parent != ckpt_dir.resolve() or not TAG_PATTERN.match(resumed.name):
         return []
-    newer = sorted(d for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and d.name > Path(resumed).name)
+    newer = sorted(d for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and d.name > resumed.name)
     if newer:
         aside = ckpt_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
         aside.mkdir(parents=True, exist_ok=True)
         for d in newer:
             d.rename(aside / d.name)
     tmp = ckpt_dir / (LATEST + ".tmp")
-    tmp.write_text(Path(resumed).name)
+    tmp.write_text(resumed.name)
     tmp.replace(ckpt_dir / LATEST)
     return [d.name for d in newer]
 

@@ -353,7 +353,7 @@ def test_corrupt_gzip_data_is_counted_where_it_broke(tmp_path):
     assert set(report.by_reason) - set(unreadable) <= {"malformed JSON", "not UTF-8", "missing or non-string 'text' field"}
 
 
-def test_json_python_refuses_bom_and_overlapping_sources(tmp_path):
+def test_unparsable_json_a_bom_and_overlapping_sources(tmp_path):
     rng = random.Random(10)
     texts = [make_text(rng, 3) for _ in range(4)]
     lines = [json.dumps({"text": texts[0]}), '{"text": "x", "id": ' + "1" * 5000 + "}",

@@ -38,19 +38,22 @@ def all_config_keys() -> list[str]:
     return keys
 
 
-def documented(name: str) -> bool:
-    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", README) is not None
+def documented(key: str) -> bool:
+    """The whole dotted key named, or its name as code (`name`, in a section's table or text)."""
+    name = key.rsplit(".", 1)[-1]
+    return re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])|`{re.escape(name)}`", README) is not None
 
 
 def test_every_config_key_is_documented():
     keys = all_config_keys()
     assert len(keys) > 100 and "model.lisa.keep_chain_scores" in keys and "post.beta" in keys
-    missing = [key for key in keys if not documented(key.rsplit(".", 1)[-1])]
+    missing = [key for key in keys if not documented(key)]
     assert not missing, f"config keys README never names (document them under their section): {missing}"
 
 
 def test_key_check_fails_on_an_undocumented_name():
-    assert documented("keep_chain_scores") and not documented("keep_chain")  # whole names only
+    assert documented("model.lisa.keep_chain_scores") and documented("model.lisa.align_group")
+    assert not documented("model.lisa.keep_chain") and not documented("train.no_such_key")  # whole names only
 
 
 # `python -m NAME`, NAME whole (not the placeholder in `python -m tools.<name>`)
@@ -88,13 +91,15 @@ def test_every_module_readme_runs_exists():
 
 def test_every_flag_readme_passes_is_defined():
     unknown = []
-    for line in README.splitlines():
+    for line in re.sub(r"\\\n\s*", " ", README).splitlines():  # a command's continuation lines joined
         match = re.search(RUN_MODULE + "(.*)", line)
         if not match or runnable(match.group(1)) is None:
             continue
         source = module_sources(match.group(1))
-        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", match.group(2)):
-            if f'"{flag}"' not in source and f"'{flag}'" not in source:
+        for flag in re.findall(r"(?<![\w=-])(--[a-z][\w-]*)", match.group(2)):  # not --sbatch-arg=--mem
+            # defined by name, or in a loop over the option names (prune_unsafe: "step_ratio", ...)
+            names = (flag, flag[2:].replace("-", "_"))
+            if not any(f'"{n}"' in source or f"'{n}'" in source for n in names):
                 unknown.append(f"{match.group(1)} {flag}")
     assert not unknown, f"README passes flags its commands do not define: {sorted(set(unknown))}"
 

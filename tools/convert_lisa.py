@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="auto", help="auto, sensitivity or comma-separated layer indices")
     parser.add_argument("--calib-shards", required=True, help="shards directory with train/ (and val/)")
     parser.add_argument("--out", required=True, help="run directory for the converted model")
-    parser.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --out (its lisa_model.pt, config.yaml and conversion.json)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                              "follow each other)")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if (out / "checkpoints").exists():
+        raise ToolError(f"--out {out} holds checkpoints of a run: training there would resume them instead of "
+                        "starting from the converted model; choose a new directory")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ToolError(f"--out {out} exists and is not empty (a run directory there would get another model's "
                         "config); choose a new directory or pass --overwrite")

@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     labeller = make_labeller(args)
     if args.prompts and labeller is None:
         raise ToolError("--prompts needs a labeller for the sampled answers: --rules FILE or --classifier DIR")
+    if args.eval_prompts and labeller is None:
+        raise ToolError("--eval-prompts needs a labeller for the answers: --rules FILE or --classifier DIR")
     if args.method not in METHODS and not args.one_shot:
         raise ToolError(f"--method {args.method} is a baseline for --one-shot FRACTION; search with one of {METHODS}")
     if not 0 <= args.one_shot < 1:
@@ -175,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
             answers = sampler.answers(part, args.samples)
             labelled += [(m, r, label, half) for (m, r), label in zip(answers, sampler.label(answers))]
     if args.eval_prompts:
-        if labeller is None:
-            raise ToolError("--eval-prompts needs a labeller for the answers: --rules FILE or --classifier DIR")
         heldout_prompts = labels.read_prompts(args.eval_prompts, report)
     sets = {"calibration": {"unsafe": [], "safe": []}, "heldout": {"unsafe": [], "safe": []}}
     for messages, response, label, half in labelled:
