@@ -34,7 +34,8 @@ def all_config_keys() -> list[str]:
     registry.load_builtins()
     keys = config_keys("", PostTrainConfig)  # pretraining's sections and post.*
     for name, section in registry._sections.items():
-        keys += config_keys(f"model.{name}.", section.config)
+        if section.config.__module__.startswith(registry.BUILTIN_PACKAGES):  # not test plug-ins loaded before
+            keys += config_keys(f"model.{name}.", section.config)
     return keys
 
 
