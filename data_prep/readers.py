@@ -186,12 +186,10 @@ def _python_values(values) -> Iterator:
     each that cannot be converted: pyarrow reads strings unchecked, and one bad value fails the whole
     batch's conversion, so only then is it converted value by value."""
     try:
-        converted = values.to_pylist()
-    except ValueError:  # UnicodeDecodeError among them
-        converted = None
-    if converted is not None:
-        yield from converted
+        yield from values.to_pylist()  # converted whole before the first value is yielded
         return
+    except ValueError:  # UnicodeDecodeError among them
+        pass
     for i in range(len(values)):
         try:
             yield values.slice(i, 1).to_pylist()[0]

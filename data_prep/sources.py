@@ -132,12 +132,10 @@ def list_files(sources) -> list[Path]:
             files.append(p)
         else:
             raise FileNotFoundError(f"corpus source not found: {p}")
-    unique, seen = [], set()
+    firsts = {}  # resolved path -> the path first listed for it (dicts keep insertion order)
     for f in files:
-        if f.resolve() not in seen:
-            seen.add(f.resolve())
-            unique.append(f)
-    return unique
+        firsts.setdefault(f.resolve(), f)
+    return list(firsts.values())
 
 
 def iter_documents(sources=None, *, text_field: str = "text", report: BadInputReport | None = None,

@@ -20,15 +20,22 @@ import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
-from pretrain.checkpoint_format import COMPLETE, LATEST, TAG_PATTERN, CheckpointError, read_meta, tag_for
+from pretrain.checkpoint_format import (
+    COMPLETE,
+    LATEST,
+    TAG_PATTERN,
+    CheckpointError,
+    atomic_write,
+    read_meta,
+    tag_for,
+)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def torch_save_atomic(obj, path: Path) -> None:
+    """torch.save to `path` whole or not at all (a temporary file beside it, renamed over it): an
+    interrupted save leaves no file that looks valid."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
@@ -67,14 +74,14 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False, client_state=client_state)
     path = ckpt_dir / tag
     buffer = _torch_bytes({"rng": rng_state(), **rank_state})
-    _atomic_write(path / f"rank_{rank:05d}.pt", buffer)
+    atomic_write(path / f"rank_{rank:05d}.pt", buffer)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(ckpt_dir / "universal" / tag, ignore_errors=True)  # a conversion of an older save of this tag
         marker = {**meta, "step": step, "world_size": dist.get_world_size(), "time": time.time(),
                   "expert_parallel": _expert_parallel_size(), "tensor_parallel": _tensor_parallel_size()}
-        _atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
-        _atomic_write(ckpt_dir / LATEST, tag.encode())
+        atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
+        atomic_write(ckpt_dir / LATEST, tag.encode())
         _prune(ckpt_dir, keep_last, keep=tag)
     dist.barrier()
     return path

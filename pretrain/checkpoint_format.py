@@ -86,6 +86,16 @@ def resolve_resume(resume: str, run_dir: str) -> Path | None:
     return path
 
 
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, synced, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 ABANDONED = "abandoned"  # checkpoints/abandoned/<time>/: the tags after an explicitly resumed older one
 
 
@@ -104,9 +114,7 @@ def set_aside_newer(run_dir: str | os.PathLike, resumed: Path) -> list[str]:
         aside.mkdir(parents=True, exist_ok=True)
         for d in newer:
             d.rename(aside / d.name)
-    tmp = ckpt_dir / (LATEST + ".tmp")
-    tmp.write_text(resumed.name)
-    tmp.replace(ckpt_dir / LATEST)
+    atomic_write(ckpt_dir / LATEST, resumed.name.encode())
     return [d.name for d in newer]
 
 
@@ -208,9 +216,7 @@ def local_expert_state(full: dict, ep_size: int, ep_rank: int) -> dict:
 def write_stop_marker(run_dir: str | os.PathLike, step: int, signal_name: str) -> Path:
     """Record that the run saved a complete checkpoint at `step` and stopped on a signal."""
     path = Path(run_dir) / STOP_MARKER
-    tmp = path.with_name(f".{STOP_MARKER}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"step": step, "signal": signal_name, "time": time.time()}) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps({"step": step, "signal": signal_name, "time": time.time()}) + "\n").encode())
     return path
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.checkpoint import torch_save_atomic
 from pretrain.consolidate import load_model
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
@@ -31,10 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg, meta = load_model(args.checkpoint)
     state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"model": meta["model"], "state_dict": state, "step": meta.get("step"),
-                "checkpoint": meta["checkpoint"]}, tmp)
-    tmp.replace(out)
+    torch_save_atomic({"model": meta["model"], "state_dict": state, "step": meta.get("step"),
+                       "checkpoint": meta["checkpoint"]}, out)
     print(f"wrote {out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters, "
           f"step {meta.get('step')} of {meta['checkpoint']}")
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.checkpoint import torch_save_atomic
 from pretrain.checkpoint_format import EXPERT_KEY, local_expert_state, read_meta, resolve_checkpoint
 from pretrain.consolidate import describe_layout, rank_state
 from tools.cli import ToolError, argument_parser, reports_errors, run
@@ -61,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not args.overwrite:
         raise ToolError(f"{out} exists; choose another file or pass --overwrite")
     state = expert_major_state(args.checkpoint, args.mp_rank)
-    tmp = out.with_name(out.name + ".tmp")  # renamed when whole: an interrupted save leaves nothing that looks valid
-    torch.save(state, tmp)
-    tmp.replace(out)
+    torch_save_atomic(state, out)
     n = sum(1 for k in state if EXPERT_KEY.match(k))
     print(f"wrote {args.out}: {len(state)} tensors, {n} of them expert weights (global expert-major order)")
     return 0

@@ -46,6 +46,7 @@ from models.attention.lisa_conversion import (
     propose_layers,
     sensitive_layers,
 )
+from pretrain.checkpoint import torch_save_atomic
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
@@ -220,9 +221,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({tps_new / tps_source:.2f}x)")
 
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "lisa_model.pt.tmp"  # renamed when whole: an interrupted save leaves no model that looks valid
-    torch.save({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers}, tmp)
-    tmp.replace(out / "lisa_model.pt")
+    torch_save_atomic({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers},
+                      out / "lisa_model.pt")
     full = run_config(Path(meta["checkpoint"]))
     if full is not None:
         full.model = new_cfg
