@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from streaming import Stream, StreamingDataLoader, StreamingDataset
+from streaming.base.storage import CloudDownloader
 from streaming.base.util import clean_stale_shared_memory
 
 from pretrain.config import Config, DataSource
@@ -97,6 +99,21 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     )
 
 
+def has_samples(location: dict) -> bool:
+    """Whether a split (from _split_location) has an index listing shards: shards built with
+    --val-fraction 0 have no val split (older builds: an empty index). A remote split's index is read
+    from the cache, else downloaded once (a small file) to a temporary place."""
+    index = Path(location["local"]) / "index.json"
+    if not index.is_file() and location["remote"] is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                CloudDownloader.direct_download(f"{location['remote']}/index.json", os.path.join(tmp, "index.json"))
+            except FileNotFoundError:
+                return False
+            return bool(json.loads(Path(tmp, "index.json").read_text())["shards"])
+    return index.is_file() and bool(json.loads(index.read_text())["shards"])
+
+
 def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
     """Fixed validation sets, one per source with a val split (the same samples at every
     evaluation, split by data-parallel rank): {source name: batches}; "" names data.shards."""
@@ -106,8 +123,7 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
     sets = {}
     for source in cfg.data.sources:
         location = _split_location(cfg, source, "val")
-        index = Path(location["local"]) / "index.json"
-        if location["remote"] is None and (not index.is_file() or not json.loads(index.read_text())["shards"]):
+        if not has_samples(location):
             continue  # no val split (shards built with --val-fraction 0)
         clean_shared_memory_once()
         dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)

@@ -162,8 +162,8 @@ def run(cfg: Config, task: Task | None = None) -> int:
         logger.print(f"resumed from {resume_path} at step {start_step}"
                      + (f" on another layout, through {universal}" if universal else ""))
     trainer = task.trainer(cfg, engine, batches, task.val_sets(cfg), logger, meta, build_callbacks(cfg, model))
-    if resume_path is not None and trainer.spikes is not None and "spikes" in state:
-        trainer.spikes.load_state_dict(state["spikes"])
+    if resume_path is not None:
+        trainer.load_rank_state(state)
     trainer.fit(start_step)
     if env.rank == 0:
         with open(run_dir / "losses.jsonl", "a") as f:

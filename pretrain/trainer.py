@@ -77,6 +77,9 @@ class Trainer:
         # data.document_mask: the EOS id that ends each document of a sample (from the manifest).
         self.document_eos: int | None = meta.get("eos_id") if cfg.data.document_mask else None
         self.spikes: SpikeGuard | None = None
+        # The step whose validation a signal interrupted: saved with its checkpoint, so the resumed
+        # run validates those weights before it trains on.
+        self.validation_due: int | None = None
         if cfg.train.skip_spikes:
             self.spikes = SpikeGuard(cfg.train.spike_window, cfg.train.spike_sigmas)
             zero = engine.optimizer  # DeepSpeed's ZeRO wrapper: it has the global norm before the torch step
@@ -153,6 +156,8 @@ class Trainer:
         rank_state = {"data": self.batches.state_dict()}
         if self.spikes is not None:
             rank_state["spikes"] = self.spikes.state_dict()
+        if self.validation_due == step:
+            rank_state["validation_due"] = step
         path = checkpoint.save(self.engine, checkpoint_format.checkpoint_dir(self.cfg.run.dir), step, self.meta,
                                rank_state, self.cfg.train.keep_last)
         seconds = time.perf_counter() - started
@@ -161,6 +166,12 @@ class Trainer:
             self.logger.scalars(step, {"save_s": seconds, "size_gb": size_gb}, prefix="checkpoint/")
             self.logger.print(f"saved checkpoint step {step} ({size_gb:.2f} GB) in {seconds:.1f} s to {path}")
         self._emit("on_save", step, path)
+
+    def load_rank_state(self, state: dict) -> None:
+        """What save() kept besides the engine's state and the data position."""
+        if self.spikes is not None and "spikes" in state:
+            self.spikes.load_state_dict(state["spikes"])
+        self.validation_due = state.get("validation_due")
 
     def _emit(self, hook: str, *args) -> None:
         for callback in self.callbacks:
@@ -184,7 +195,10 @@ class Trainer:
         self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics, tuple(self.last_metrics)))
 
     def _validate(self, step: int) -> None:
+        if not self.val_batches:
+            return
         val = self.evaluate()
+        self.validation_due = step if val is None else None  # None: a signal interrupted it
         if val is None:
             return
         self.logger.scalars(step, {**val, "perplexity": math.exp(min(val["loss"], 50))}, prefix="val/")
@@ -192,8 +206,9 @@ class Trainer:
         self.logger.print(f"step {step} | val loss {val['loss']:.4f}" + (f" ({per_source})" if per_source else ""))
         self._emit("on_evaluate", step, val)
 
-    def _stop_on_signal(self, step: int, signum: int) -> None:
-        self.save(step)
+    def _stop_on_signal(self, step: int, signum: int, save: bool = True) -> None:
+        if save:
+            self.save(step)
         if dist.get_rank() == 0:
             checkpoint_format.write_stop_marker(self.cfg.run.dir, step, signals.signal_name(signum))
         dist.barrier()
@@ -210,6 +225,13 @@ class Trainer:
             self.logger.print(f"resumed at step {start_step}, at or past train.stop_at_step={t.stop_at_step}: "
                               "nothing to train (raise or unset train.stop_at_step to go on)")
             return step
+        if self.validation_due == start_step:  # the checkpoint's validation, interrupted by the signal
+            self.logger.print(f"step {start_step}: running the validation the stop interrupted")
+            self._validate(start_step)
+            signum = signals.any_rank_received(self.device)
+            if signum:  # interrupted again: the checkpoint still says so; nothing new to save
+                self._stop_on_signal(start_step, signum, save=False)
+                return step
         while step < t.steps:
             self._emit("on_step_begin", step + 1)
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next

@@ -81,3 +81,36 @@ def test_an_empty_val_index_is_no_val_split(tmp_path):
         full = write_synthetic_shards(tmp_path / "full", train=16, val=8)
         cfg.data.shards = f"{full}/shards"
         assert len(load_val_sets(cfg)[""]) == 2
+
+
+def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch):
+    """Remote shards (any URL streaming downloads from) are checked for a val split by their index,
+    as local ones are; here the "remote" is a directory under a URL scheme of the test's own."""
+    from streaming.base.storage import LocalDownloader
+    from streaming.base.storage import download
+
+    from pretrain.config import load_config
+    from pretrain.data import load_val_sets
+    from tests.dist_utils import single_process_group
+
+    class DiskURLDownloader(LocalDownloader):
+        @staticmethod
+        def _client_identifier() -> str:
+            return "disk"
+
+        def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
+            super()._download_file_impl(remote.removeprefix("disk://"), local, timeout)
+
+    monkeypatch.setitem(download.DOWNLOADER_MAPPINGS, "disk", DiskURLDownloader)
+    without = write_synthetic_shards(tmp_path / "without", train=16, val=0)
+    (without / "shards" / "val" / "index.json").unlink(missing_ok=True)  # as --val-fraction 0 builds now
+    full = write_synthetic_shards(tmp_path / "full", train=16, val=8)
+    base = ["train.micro_batch=4", "model.max_seq_len=32", "train.eval_batches=2"]
+    with single_process_group():
+        for shards in (f"disk://{without}/shards", f"disk://{tmp_path}/nowhere"):
+            cfg = load_config(None, [f"data.shards={shards}", f"data.cache={tmp_path}/cache", *base])
+            assert load_val_sets(cfg) == {}, shards
+        remote = load_config(None, [f"data.shards=disk://{full}/shards", f"data.cache={tmp_path}/cache2", *base])
+        local = load_config(None, [f"data.shards={full}/shards", *base])
+        got, want = load_val_sets(remote)[""], load_val_sets(local)[""]
+    assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.dist_utils import train
+from tests.dist_utils import torchrun, train
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
 STEPS = 6
@@ -87,6 +87,64 @@ def test_resume_reproduces_uninterrupted_losses(data, tmp_path):
     assert all(0 <= r["train/data_wait_frac"] < 1 for r in records if "train/loss" in r)
     saves = {r["step"]: r for r in records if "checkpoint/save_s" in r}
     assert sorted(saves) == [4, 8] and all(r["checkpoint/size_gb"] > 0 for r in saves.values())
+
+
+# pretrain.train with a callback that sends SIGUSR1 to rank 1 after the optimizer update of step
+# SIGNAL_AT_STEP (before that step's validation), or as training begins with SIGNAL_AT_BEGIN.
+SIGNALLING_TRAIN = """
+import os, signal, sys
+from pretrain.train import Task, main
+from pretrain.trainer import Callback
+
+class SignalRankOne(Callback):
+    def fire(self):
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def on_train_begin(self, trainer, step):
+        if os.environ.get("SIGNAL_AT_BEGIN"):
+            self.fire()
+
+    def on_optimizer_step(self, trainer, step):
+        if str(step) == os.environ.get("SIGNAL_AT_STEP"):
+            self.fire()
+
+class Signalled(Task):
+    def trainer(self, cfg, engine, batches, val_sets, logger, meta, callbacks):
+        return super().trainer(cfg, engine, batches, val_sets, logger, meta, [*callbacks, SignalRankOne()])
+
+sys.exit(main(sys.argv[1:], Signalled()))
+"""
+
+
+def val_losses(run_dir) -> dict[int, float]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
+
+
+def test_a_validation_interrupted_by_a_signal_runs_after_the_resume(data, tmp_path):
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    script = tmp_path / "signalling_train.py"
+    script.write_text(SIGNALLING_TRAIN)
+    common = {"train.steps": STEPS, "train.log_interval": 100}  # validations at 4 and 6
+    train(2, tiny_overrides(data, straight, **common))
+    # The signal reaches rank 1 just before step 4's validation: every rank leaves it at its first
+    # batch, and the run saves step 4 and stops.
+    first = torchrun(2, [str(script), *tiny_overrides(data, run, **common)], check=False, SIGNAL_AT_STEP="4")
+    assert "stopping at step 4 on SIGUSR1" in first.stdout, first.stdout + first.stderr[-3000:]
+    assert val_losses(run) == {}
+    # The requeue validates step 4's weights first; a signal then interrupts it again: it stops
+    # without saving anything new, and the next requeue validates.
+    again = torchrun(2, [str(script), *tiny_overrides(data, run, **common)], check=False, SIGNAL_AT_BEGIN="1")
+    assert "running the validation the stop interrupted" in again.stdout, again.stdout + again.stderr[-3000:]
+    assert "stopping at step 4 on SIGUSR1" in again.stdout and "saved checkpoint" not in again.stdout
+    assert val_losses(run) == {}
+    last = train(2, tiny_overrides(data, run, **common))
+    assert "step 4: running the validation the stop interrupted" in last.stdout
+    want, got = val_losses(straight), val_losses(run)
+    assert sorted(got) == sorted(want) == [4, 6]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert [losses(run)[s] for s in range(1, STEPS + 1)] == [losses(straight)[s] for s in range(1, STEPS + 1)]
 
 
 def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(data, tmp_path):
