@@ -221,10 +221,6 @@ class Trainer:
         throughput = Throughput(t.micro_batch * t.grad_accum * self.cfg.model.max_seq_len * dp,
                                 self.meta["flops_per_token"], dist.get_world_size())
         step = start_step
-        if 0 < t.stop_at_step <= start_step:  # e.g. a requeue of the job that stopped there
-            self.logger.print(f"resumed at step {start_step}, at or past train.stop_at_step={t.stop_at_step}: "
-                              "nothing to train (raise or unset train.stop_at_step to go on)")
-            return step
         if self.validation_due == start_step:  # the checkpoint's validation, interrupted by the signal
             self.logger.print(f"step {start_step}: running the validation the stop interrupted")
             self._validate(start_step)
@@ -232,6 +228,10 @@ class Trainer:
             if signum:  # interrupted again: the checkpoint still says so; nothing new to save
                 self._stop_on_signal(start_step, signum, save=False)
                 return step
+        if 0 < t.stop_at_step <= start_step:  # e.g. a requeue of the job that stopped there
+            self.logger.print(f"resumed at step {start_step}, at or past train.stop_at_step={t.stop_at_step}: "
+                              "nothing to train (raise or unset train.stop_at_step to go on)")
+            return step
         while step < t.steps:
             self._emit("on_step_begin", step + 1)
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
