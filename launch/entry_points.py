@@ -30,7 +30,8 @@ def _check_posttrain(cfg, world_size: int) -> None:
 def entry_point(post: bool) -> EntryPoint:
     from pretrain.config import Config
 
-    data = (("run", "dir"), ("data", "shards"), ("data", "tokenizer"), ("data", "cache"), ("train", "init_from"))
+    data = (("run", "dir"), ("data", "shards"), ("data", "tokenizer"), ("data", "cache"), ("train", "init_from"),
+            ("eval", "downstream_tasks"))
     if not post:
         return EntryPoint("pretrain.train", Config, _check_pretrain, data)
     from posttrain.config import PostTrainConfig

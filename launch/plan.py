@@ -186,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-gpu", action="store_true",
                         help="one GPU, with the config header's single-GPU layout before the overrides")
     args = parser.parse_intermixed_args(argv)
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                        ("--gpu-mem-gb", args.gpu_mem_gb)):
+        if value <= 0:
+            parser.error(f"{flag} {value} must be positive")
+    if not 0 < args.mfu <= 1:
+        parser.error(f"--mfu {args.mfu} must be a fraction in (0, 1], e.g. 0.4")
     overrides = args.overrides
     try:
         if args.single_gpu:

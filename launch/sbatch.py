@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+from pathlib import Path
 
 # Slurm job states of a job that is still queued or running.
 ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING",
@@ -55,9 +56,20 @@ def sbatch_lines(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def check_repo(repo: Path) -> None:
+    """The jobs run in this checkout (#SBATCH --chdir), a line that cannot hold spaces or '%'."""
+    if re.search(r"[\s%]", str(repo)):
+        raise SubmitError(f"this checkout {repo} has a space or '%' in its path, which #SBATCH --chdir cannot take: "
+                          "move it, or link it from a path without them and run from there")
+
+
 def submit(args_and_script: list[str]) -> str:
     """sbatch --parsable ARGS... SCRIPT; the job id (raises SubmitError with sbatch's message)."""
-    res = subprocess.run(["sbatch", "--parsable", *args_and_script], capture_output=True, text=True, timeout=120)
+    try:
+        res = subprocess.run(["sbatch", "--parsable", *args_and_script], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise SubmitError("sbatch did not answer in 120 s; see with squeue whether the job was queued before "
+                          "submitting again") from None
     if res.returncode != 0:
         raise SubmitError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}")
     return res.stdout.strip().split(";")[0]

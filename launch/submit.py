@@ -15,6 +15,9 @@ log is RUN_DIR/slurm.log across requeues. Exit code 2: nothing was submitted (co
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
+import os
 import re
 import shlex
 import shutil
@@ -26,7 +29,7 @@ import yaml
 
 from launch import slurm_job
 from launch.entry_points import entry_point
-from launch.sbatch import ACTIVE_STATES, SubmitError, parse_time, sbatch_lines, submit
+from launch.sbatch import ACTIVE_STATES, SubmitError, check_repo, parse_time, sbatch_lines, submit
 from pretrain.checkpoint_format import CheckpointError
 from pretrain.config import Config, ConfigError, load_config
 
@@ -67,8 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
-def resolve_config(args: argparse.Namespace) -> tuple[Config, int]:
-    """Load, make paths absolute, validate for the layout; returns (config, processes per node)."""
+def check_args(args: argparse.Namespace, time_s: int) -> int:
+    """Every check of the command line alone, before the config's (which imports torch and reads the
+    data); returns the processes per node."""
     if args.nodes < 1:
         raise SubmitError(f"--nodes {args.nodes} must be >= 1")
     if bool(args.gpus_per_node) == bool(args.cpu_procs_per_node):
@@ -76,6 +80,44 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, int]:
     procs = args.gpus_per_node or args.cpu_procs_per_node
     if procs < 1:
         raise SubmitError("--gpus-per-node / --cpu-procs-per-node must be >= 1")
+    if args.signal_seconds < 1 or args.signal_seconds >= time_s:
+        raise SubmitError(f"--signal-seconds {args.signal_seconds} must be between 1 and the time limit ({time_s} s)")
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 1:
+        raise SubmitError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 1")
+    if args.max_requeues < 0:
+        raise SubmitError("--max-requeues must be >= 0")
+    if "\n" in args.task_wrapper:
+        raise SubmitError("--task-wrapper must be one line")
+    if args.job_name is not None:
+        check_job_name(args.job_name)
+    sbatch_lines(args)  # checks --sbatch-arg
+    check_repo(REPO)
+    return procs
+
+
+def check_job_name(name: str) -> None:
+    if not name or re.search(r"\s", name):
+        raise SubmitError(f"job name {name!r} must be a word without spaces (--job-name, default run.name)")
+
+
+def check_plugins(modules: list[str]) -> None:
+    """The job runs in the repository, so a model.plugins module found here only because it lies in
+    the current directory would be missing there."""
+    cwd = Path.cwd().resolve()
+    on_path = {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p} | {REPO}
+    for name in modules:
+        spec = importlib.util.find_spec(name.split(".")[0])
+        if spec is None:
+            continue  # load_config reported it
+        top = Path(spec.submodule_search_locations[0]) if spec.submodule_search_locations else Path(spec.origin)
+        if top.resolve().parent == cwd and cwd not in on_path:
+            raise SubmitError(f"model.plugins module {name!r} is imported from the current directory {cwd}, but the "
+                              f"job runs in {REPO}: export PYTHONPATH={cwd}${{PYTHONPATH:+:$PYTHONPATH}} before "
+                              "submitting (sbatch passes it on)")
+
+
+def resolve_config(args: argparse.Namespace, procs: int) -> Config:
+    """Load, make paths absolute, validate for the layout."""
     entry = entry_point(args.post)
     cfg = load_config(args.config, args.overrides, entry.config_class)
 
@@ -89,15 +131,18 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, int]:
             setattr(obj, key, [absolute(v) for v in value])
         elif value:
             setattr(obj, key, absolute(value))
+    cfg.data.mix = [dataclasses.replace(source, shards=absolute(source.shards)) for source in cfg.data.mix]
     cfg.train.resume = "auto"
+    if re.search(r"[\s%]", cfg.run.dir):
+        raise SubmitError(f"run.dir={cfg.run.dir!r}: Slurm's --output cannot take a path with spaces or '%'")
+    check_job_name(args.job_name or cfg.run.name)
+    check_plugins(cfg.model.plugins)
     world = args.nodes * procs
     try:
         entry.check(cfg, world)
     except ConfigError as err:
         raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})") from None
-    if re.search(r"[\s%]", cfg.run.dir):
-        raise SubmitError(f"run.dir={cfg.run.dir!r}: Slurm's --output cannot take a path with spaces or '%'")
-    return cfg, procs
+    return cfg
 
 
 def env_lines(args: argparse.Namespace) -> list[str]:
@@ -109,15 +154,9 @@ def env_lines(args: argparse.Namespace) -> list[str]:
             f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (args.cpus_per_task or 1) // args.cpu_procs_per_node)}}}"]
 
 
-def render(cfg: Config, args: argparse.Namespace, procs: int, time_s: int) -> str:
+def render(cfg: Config, args: argparse.Namespace, procs: int) -> str:
     signal_s = args.signal_seconds
-    if signal_s < 1 or signal_s >= time_s:
-        raise SubmitError(f"--signal-seconds {signal_s} must be between 1 and the time limit ({time_s} s)")
     shutdown = args.shutdown_timeout if args.shutdown_timeout is not None else max(signal_s - 30, 10)
-    if shutdown < 1:
-        raise SubmitError(f"--shutdown-timeout {shutdown} must be >= 1")
-    if args.max_requeues < 0:
-        raise SubmitError("--max-requeues must be >= 0")
     run_dir = Path(cfg.run.dir)
     values = {
         "JOB_NAME": args.job_name or cfg.run.name,
@@ -138,10 +177,6 @@ def render(cfg: Config, args: argparse.Namespace, procs: int, time_s: int) -> st
         "TASK_WRAPPER": args.task_wrapper.strip(),
         "MODULE": entry_point(args.post).module,
     }
-    if "\n" in values["TASK_WRAPPER"]:
-        raise SubmitError("--task-wrapper must be one line")
-    if re.search(r"\s", values["JOB_NAME"]):
-        raise SubmitError(f"job name {values['JOB_NAME']!r} must not contain spaces")
     text = TEMPLATE.read_text()
     text = text.replace("# {{NAME}} placeholders are filled in by launch.submit; the rendered script is plain bash.",
                         "# Rendered by launch.submit from slurm/train.sbatch.")
@@ -160,7 +195,11 @@ def active_job(run_dir: Path) -> str | None:
     if not lines:
         return None
     job = lines[-1]
-    res = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    try:
+        res = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise SubmitError(f"squeue did not answer in 60 s about job {job} of {run_dir}; try again, or pass --force "
+                          "once you know it has ended") from None
     state = res.stdout.strip()
     return job if res.returncode == 0 and state in ACTIVE_STATES else None
 
@@ -168,29 +207,26 @@ def active_job(run_dir: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        time_s = parse_time(args.time)
-        cfg, procs = resolve_config(args)
-        script = render(cfg, args, procs, time_s)
+        procs = check_args(args, parse_time(args.time))
+        if not args.dry_run and shutil.which("sbatch") is None:
+            raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
+        cfg = resolve_config(args, procs)
+        script = render(cfg, args, procs)
+        run_dir = Path(cfg.run.dir)
+        job = None if args.force or args.dry_run else active_job(run_dir)
+        if job:
+            raise SubmitError(f"job {job} of {run_dir} is still queued or running; two jobs must not train into one "
+                              f"run dir (scancel {job}, or --force)")
     except (ConfigError, CheckpointError, SubmitError) as err:
         print(f"error: {err}\nnothing was submitted", file=sys.stderr)
         return 2
     config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    run_dir = Path(cfg.run.dir)
     if args.dry_run:
         print(f"##### {run_dir / slurm_job.JOB_SCRIPT}")
         print(script, end="")
         print(f"##### {run_dir / slurm_job.JOB_CONFIG}")
         print(config_text, end="")
         return 0
-    if shutil.which("sbatch") is None:
-        print("error: sbatch not found; run this on a Slurm login node (or use --dry-run)\nnothing was submitted",
-              file=sys.stderr)
-        return 2
-    job = None if args.force else active_job(run_dir)
-    if job:
-        print(f"error: job {job} of {run_dir} is still queued or running; two jobs must not train into one "
-              f"run dir (scancel {job}, or --force)\nnothing was submitted", file=sys.stderr)
-        return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / slurm_job.JOB_CONFIG).write_text(config_text)
     script_path = run_dir / slurm_job.JOB_SCRIPT
@@ -198,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job_id = submit([str(script_path)])
     except SubmitError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        print(f"error: {err}\nnothing was submitted", file=sys.stderr)
+        return 2
     with open(run_dir / slurm_job.JOB_IDS, "a") as f:
         f.write(job_id + "\n")
     print(f"submitted job {job_id}: {args.nodes} nodes x {procs} processes, run dir {run_dir}")

@@ -30,7 +30,7 @@ from pathlib import Path
 from data_prep import dedup
 from data_prep import parts as P
 from data_prep.build_shards import plan_build
-from launch.sbatch import ACTIVE_STATES, SubmitError, parse_time, sbatch_lines, submit
+from launch.sbatch import ACTIVE_STATES, SubmitError, check_repo, parse_time, sbatch_lines, submit
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "prep.sbatch"
@@ -106,7 +106,11 @@ def submit_build(args: argparse.Namespace) -> int:
     if not args.out or not args.tokenizer:
         raise SubmitError("--out and --tokenizer are required (or --status OUT)")
     parse_time(args.time)  # a malformed limit fails here, not in sbatch
+    if args.tasks is not None and args.tasks < 1:
+        raise SubmitError(f"--tasks {args.tasks} must be >= 1")
+    check_repo(REPO)
     out = Path(_absolute(args.out))
+    render(args, out, "", "")  # every check of the scripts' settings, before --overwrite clears anything
     if (out / "manifest.json").is_file() and not args.overwrite:
         print(f"{out} is complete already (manifest.json): nothing to submit (--overwrite builds it again)")
         return 0
@@ -129,9 +133,7 @@ def submit_build(args: argparse.Namespace) -> int:
     if args.overwrite and not args.dry_run:
         previous = []  # a new build: its task count is free again
     n_parts = len(plan["parts"])
-    tasks = args.tasks or (previous[-1]["tasks"] if previous else min(n_parts, 1000))
-    if tasks < 1:
-        raise SubmitError(f"--tasks {tasks} must be >= 1")
+    tasks = args.tasks if args.tasks is not None else (previous[-1]["tasks"] if previous else min(n_parts, 1000))
     tasks = min(tasks, n_parts)
     if previous and previous[-1]["tasks"] != tasks and previous[-1]["plan_id"] == plan["plan_id"]:
         # Parts are dealt to tasks by index modulo the count; keep it within one build.
@@ -179,20 +181,44 @@ def submit_build(args: argparse.Namespace) -> int:
     for name, text in scripts.items():
         (logs / f"{name}.sbatch").write_text(text)
     jobs: dict[str, str] = {}
+    record = {"submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "plan_id": plan["plan_id"], "tasks": tasks,
+              "array": array_of(todo) if todo else "", "jobs": jobs}
     last = None
     for name, array, script in steps:
         options = [f"--array={array}"] if array else []
         if last is not None:  # cancelled, not left pending, when the step before it fails
             options += [f"--dependency=afterok:{last}", "--kill-on-invalid-dep=yes"]
-        last = jobs[name] = submit([*options, str(logs / f"{script}.sbatch")])
-    record = {"submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "plan_id": plan["plan_id"], "tasks": tasks,
-              "array": array_of(todo) if todo else "", "jobs": jobs}
-    P.write_json_atomic(logs / JOBS_FILE, {"jobs": previous + [record]})
+        try:
+            last = jobs[name] = submit([*options, str(logs / f"{script}.sbatch")])
+        except SubmitError as err:
+            if not jobs:
+                raise
+            return cancel_partial_chain(err, name, jobs, logs / JOBS_FILE, previous + [record])
+        # Recorded at once: a later failure (or a kill of this command) must not hide queued jobs.
+        P.write_json_atomic(logs / JOBS_FILE, {"jobs": previous + [record]})
     print(summary)
     print("submitted " + ", ".join(f"{name} job {job}" for name, job in jobs.items()))
     print(f"logs:   {logs}/task-*.log, merge-*.log")
     print(f"status: python -m launch.submit_prep --status {out}")
     return 0
+
+
+def cancel_partial_chain(err: SubmitError, failed: str, jobs: dict[str, str], jobs_file: Path,
+                         records: list[dict]) -> int:
+    """sbatch refused a later job of the chain: cancel the ones queued before it, so nothing of this
+    submission runs (their record is kept if scancel fails too); returns the exit code."""
+    queued = ", ".join(f"{name} job {job}" for name, job in jobs.items())
+    res = subprocess.run(["scancel", *jobs.values()], capture_output=True, text=True, timeout=60)
+    if res.returncode == 0:
+        records[-1]["jobs"] = {}
+        P.write_json_atomic(jobs_file, {"jobs": records})
+        print(f"error: {err} (the {failed} job)\ncancelled the jobs queued before it ({queued}): nothing was "
+              "submitted", file=sys.stderr)
+        return 2
+    print(f"error: {err} (the {failed} job)\nthe jobs queued before it ({queued}) could not be cancelled "
+          f"({res.stderr.strip()}): scancel them before submitting again; they are recorded in {jobs_file}",
+          file=sys.stderr)
+    return 1
 
 
 def _jobs(out: Path) -> list[dict]:

@@ -1,0 +1,129 @@
+"""launch.submit and launch.submit_prep before and around sbatch, with stand-in sbatch/scancel
+commands on PATH (the local Slurm cluster tests run the real ones): cheap checks come before the
+expensive ones and before anything on disk changes, every path the job reads is absolute, and a
+chain of jobs that sbatch refuses half-way leaves nothing queued."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from tests.synthetic import make_text, write_synthetic_shards
+
+
+def stand_in(bin_dir, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def slurm_bin(tmp_path, monkeypatch):
+    """sbatch that queues jobs 1001, 1002, ... and refuses the call numbered $SBATCH_FAIL_AT;
+    scancel that records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "sbatch_calls"
+    stand_in(bin_dir, "sbatch", f'n=$(( $(cat {calls} 2>/dev/null || echo 0) + 1 )); echo $n > {calls}\n'
+                                'if [[ $n == "${SBATCH_FAIL_AT:-0}" ]]; then echo "QOSMaxSubmitJobPerUserLimit" >&2; '
+                                'exit 1; fi\necho $((1000 + n))\n')
+    stand_in(bin_dir, "scancel", f'echo "$@" >> {tmp_path / "scancelled"}\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_submit_checks_the_command_line_before_the_config(tmp_path, capsys):
+    from launch.submit import main
+
+    # The config does not exist: the argument error must come first (no torch import, no data read).
+    code = main([str(tmp_path / "missing.yaml"), "--nodes", "1", "--cpu-procs-per-node", "1",
+                 "--time", "00:10:00", "--signal-seconds", "900", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--signal-seconds 900 must be between 1 and the time limit (600 s)" in err, err
+    code = main([str(tmp_path / "missing.yaml"), "--nodes", "1", "--cpu-procs-per-node", "1",
+                 "--time", "00:10:00", "--job-name", "my run", "--dry-run"])
+    assert code == 2 and "job name 'my run' must be a word without spaces" in capsys.readouterr().err
+
+
+def test_submit_makes_every_path_absolute_and_refuses_plugins_of_the_current_directory(
+        tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from launch.submit import main
+
+    write_synthetic_shards(tmp_path / "web")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"context": "1 2", "choices": ["3", "4"], "label": 0}) + "\n")
+    args = ["configs/tiny_dense.yaml", "data.mix=[{shards: web/shards, name: web}]", "data.tokenizer=web/tokenizer",
+            "model.vocab_size=256", "model.max_seq_len=32", "run.dir=run", "eval.downstream_tasks=[tasks.jsonl]",
+            "eval.downstream_interval=10", "--nodes", "1", "--cpu-procs-per-node", "1", "--time", "00:10:00",
+            "--dry-run"]
+    from tests.dist_utils import REPO
+
+    args[0] = str(REPO / args[0])
+    assert main(args) == 0, capsys.readouterr().err
+    resolved = yaml.safe_load(capsys.readouterr().out.split(f"##### {tmp_path / 'run' / 'slurm_config.yaml'}\n")[1])
+    assert resolved["data"]["mix"][0]["shards"] == str(tmp_path / "web" / "shards")
+    assert resolved["eval"]["downstream_tasks"] == [str(tmp_path / "tasks.jsonl")]
+    assert resolved["run"]["dir"] == str(tmp_path / "run")
+    # A plug-in module importable only because it lies in the current directory: the job, which runs
+    # in the repository, would not find it.
+    (tmp_path / "local_kinds.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert main([*args, "model.plugins=[local_kinds]"]) == 2
+    err = capsys.readouterr().err
+    assert "model.plugins module 'local_kinds' is imported from the current directory" in err, err
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert main([*args, "model.plugins=[local_kinds]"]) == 0, capsys.readouterr().err
+
+
+def prep_args(tmp_path, tok_dir, *extra: str) -> list[str]:
+    import random
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(exist_ok=True)
+    rng = random.Random(0)
+    for i in range(3):
+        (corpus / f"doc{i}.jsonl").write_text("".join(json.dumps({"text": make_text(rng, 4)}) + "\n"
+                                                      for _ in range(20)))
+    return ["--tokenizer", str(tok_dir), "--out", str(tmp_path / "out"), "--sources", str(corpus),
+            "--seq-len", "16", "--part-size", "1kb", "--tasks", "2", "--time", "00:05:00", *extra]
+
+
+def test_prep_overwrite_keeps_a_finished_build_when_an_argument_is_wrong(tmp_path, tok_dir, slurm_bin, capsys):
+    from launch.submit_prep import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    (out / "train").mkdir()
+    code = main(prep_args(tmp_path, tok_dir, "--overwrite", "--job-name", "my prep"))
+    assert code == 2 and "--job-name 'my prep' must not contain spaces" in capsys.readouterr().err
+    assert (out / "manifest.json").is_file() and (out / "train").is_dir()
+    assert main(prep_args(tmp_path, tok_dir, "--tasks", "0")) == 2
+    assert "--tasks 0 must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "sbatch_calls").exists()
+
+
+def test_prep_chain_refused_half_way_is_cancelled(tmp_path, tok_dir, slurm_bin, monkeypatch, capsys):
+    from launch.submit_prep import JOBS_FILE, SLURM_DIR, main
+
+    monkeypatch.setenv("SBATCH_FAIL_AT", "2")  # the hash array is queued, the dedup job refused
+    code = main(prep_args(tmp_path, tok_dir, "--dedup", "exact"))
+    err = capsys.readouterr().err
+    assert code == 2 and "QOSMaxSubmitJobPerUserLimit" in err and "cancelled the jobs queued before it" in err, err
+    assert (tmp_path / "scancelled").read_text().split() == ["1001"]
+    records = json.loads((tmp_path / "out" / SLURM_DIR / JOBS_FILE).read_text())["jobs"]
+    assert records[-1]["jobs"] == {}  # nothing of it left queued, so nothing to wait for
+    # scancel fails too: the queued job stays on record (a rerun then waits for it) and the exit code says so.
+    (tmp_path / "sbatch_calls").unlink()
+    stand_in(tmp_path / "bin", "scancel", 'echo "scancel: error: Unable to contact slurm controller" >&2; exit 1\n')
+    code = main(prep_args(tmp_path, tok_dir, "--dedup", "exact"))
+    err = capsys.readouterr().err
+    assert code == 1 and "could not be cancelled" in err and "hash array job 1001" in err, err
+    records = json.loads((tmp_path / "out" / SLURM_DIR / JOBS_FILE).read_text())["jobs"]
+    assert records[-1]["jobs"] == {"hash array": "1001"}
