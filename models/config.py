@@ -148,6 +148,13 @@ class ModelConfig:
 
     def check_sizes(self, tensor: int = 1) -> None:
         """Sizes that every kind relies on, for a model split over `tensor` ranks."""
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_seq_len",
+                    "vocab_pad_to"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.rope_base <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError(f"model.rope_base={self.rope_base}, model.norm_eps={self.norm_eps} and "
+                              f"model.init_std={self.init_std} must be > 0")
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}")
@@ -259,12 +266,41 @@ def coerce(value, annotation, key: str, parse=None):
         if str(value).lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{key}={value!r}: expected true or false")
-    if hint in (int, float, str):
+    if hint is int:
+        return whole_number(value, key)
+    if hint is float:
         try:
-            return hint(value)
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r}: expected {hint.__name__}") from None
+            raise ConfigError(f"{key}={value!r}: expected float (a number)") from None
+    if hint is str:
+        return str(value)
     return value
+
+
+def whole_number(value, key: str) -> int:
+    """An integer key's value: an int, or a number or text with no fractional part (YAML reads 1e5 as
+    text); never a bool or a fraction, which int() would quietly truncate."""
+    number = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = int(text)
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not float(number).is_integer():
+        raise ConfigError(f"{key}={value!r}: expected a whole number")
+    return int(number)
+
+
+def default_of(obj, name: str):
+    field = next(f for f in dataclasses.fields(obj) if f.name == name)
+    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
 
 
 def apply_values(obj, values: dict, prefix: str = "") -> None:
@@ -277,6 +313,9 @@ def apply_values(obj, values: dict, prefix: str = "") -> None:
         if name not in names:
             raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}")
         current = getattr(obj, name)
+        if value is None and (dataclasses.is_dataclass(current) or hints[name] in (int, float, str, bool)):
+            # An empty YAML value (`init_from:`, a section with every key commented out): the default.
+            value = {} if dataclasses.is_dataclass(current) else default_of(obj, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")

@@ -81,7 +81,7 @@ def resolve_resume(resume: str, run_dir: str) -> Path | None:
     if not (path / COMPLETE).is_file():
         raise CheckpointError(
             f"train.resume={resume}: not a complete checkpoint (no {COMPLETE} marker); "
-            "use train.resume=auto to pick the newest complete one"
+            "use train.resume=auto to pick the newest complete one, or train.resume=none to start afresh"
         )
     return path
 

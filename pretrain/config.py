@@ -113,6 +113,12 @@ class ParallelConfig:
     zero_stage: int = 1
 
 
+def parse_resume(value, key: str) -> str:
+    """train.resume: auto and none in any case (YAML's None too), else a checkpoint path as given."""
+    text = str(value).strip()
+    return text.lower() if text.lower() in ("auto", "none") else text
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -146,7 +152,7 @@ class TrainConfig:
     log_interval: int = 10
     save_interval: int = 100
     keep_last: int = 3
-    resume: str = "auto"  # auto | none | <checkpoint tag directory>
+    resume: str = field(default="auto", metadata={"parse": parse_resume})  # auto | none | <checkpoint tag directory>
     # Weights to start from when there is nothing to resume: a checkpoint of this model at any layout
     # (pretrain.init_from); optimizer, schedule and data start fresh.
     init_from: str = ""
@@ -286,6 +292,17 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
     if t.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = start at the full train.lr)")
+    for key, zero in (("stop_at_step", "run to train.steps"), ("eval_batches", "no validation"),
+                      ("grad_clip", "no clipping"), ("weight_decay", "none")):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0 = {zero})")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} must be > 0 (the peak rate; e.g. 3e-4)")
+    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+        raise ConfigError(f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1) (e.g. 0.9 and 0.95)")
+    if cfg.data.num_workers < 0 or cfg.data.num_canonical_nodes < 1:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0 and data.num_canonical_nodes="
+                          f"{cfg.data.num_canonical_nodes} >= 1")
     if t.skip_spikes:
         if t.spike_sigmas <= 0 or t.spike_window < 20:
             raise ConfigError(f"train.spike_sigmas={t.spike_sigmas} must be > 0 and train.spike_window="
@@ -341,12 +358,14 @@ def _validate_eval(e: EvalConfig) -> None:
     missing = [p for p in e.downstream_tasks if not Path(p).is_file()]
     if e.downstream_interval and missing:
         raise ConfigError(f"eval.downstream_tasks: no such file {', '.join(missing)}")
-    from pretrain.downstream import task_name
+    from pretrain.downstream import empty_task_error, task_name
 
     names = [task_name(p) for p in e.downstream_tasks]
     if len(set(names)) < len(names):
         raise ConfigError(f"eval.downstream_tasks={e.downstream_tasks}: tasks are logged by file name, and two "
                           "share one; give the files distinct names")
+    if e.downstream_interval and (error := empty_task_error(e.downstream_tasks)):
+        raise ConfigError(f"eval.downstream_tasks: {error}")
 
 
 def validate_data(cfg: Config) -> dict:

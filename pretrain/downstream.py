@@ -9,7 +9,7 @@ A task is a local JSON Lines file; each record is one question in any of these s
 
 Each choice is scored by the summed log-probability of its tokens (those of context + " " + choice
 after the context's, as lm-eval takes them) after the context;
-``acc`` picks the highest sum, ``acc_norm`` the highest sum per byte of the choice (lm-eval's
+``acc`` picks the highest sum, ``acc_norm`` the highest sum per character of the choice (lm-eval's
 acc_norm). Requests are spread over the data-parallel ranks, every rank doing the same number of
 forwards (tensor- and expert-parallel collectives); the log-probabilities come from the
 vocab-parallel cross-entropy over the real vocabulary (the padding columns masked, as an export has
@@ -78,6 +78,22 @@ def load_task(path: str | Path, limit: int = 0, report: BadInputReport | None = 
             if limit and len(examples) >= limit:
                 break
     return examples
+
+
+SHAPES = ('{"context", "choices", "gold"}, HellaSwag {"ctx", "endings", "label"}, ARC {"question", '
+          '"choices": {"text", "label"}, "answerKey"} or PIQA {"goal", "sol1", "sol2", "label"}')
+
+
+def empty_task_error(paths: list[str | Path]) -> str | None:
+    """Which task files hold no usable example (each read up to its first one), with the first
+    reason and the accepted shapes; None when every file has one."""
+    for path in paths:
+        report = BadInputReport()
+        if not load_task(path, limit=1, report=report):
+            reasons = "; ".join(line.strip() for line in report.summary().splitlines()[:2])  # the count, the first
+            return (f"{path} holds no usable example ({reasons}); each line must be a JSON object of one of these "
+                    f"shapes: {SHAPES}")
+    return None
 
 
 def task_name(path: str | Path) -> str:
@@ -153,15 +169,16 @@ def choice_logprobs(model, reqs: list[tuple[list[int], int]], batch_size: int, d
 
 
 def accuracy(examples: list[Example], logprobs: torch.Tensor) -> dict[str, float]:
-    """acc (highest summed log-probability) and acc_norm (highest per byte of the choice)."""
+    """acc (highest summed log-probability) and acc_norm (highest per character of the choice, as lm-eval
+    divides; its acc_bytes would divide by UTF-8 bytes)."""
     correct = correct_norm = 0
     offset = 0
     for ex in examples:
         lp = logprobs[offset:offset + len(ex.choices)].tolist()
         offset += len(ex.choices)
-        per_byte = [v / max(len(c.encode("utf-8")), 1) for v, c in zip(lp, ex.choices)]
+        per_char = [v / max(len(c), 1) for v, c in zip(lp, ex.choices)]
         correct += max(range(len(lp)), key=lp.__getitem__) == ex.gold
-        correct_norm += max(range(len(lp)), key=per_byte.__getitem__) == ex.gold
+        correct_norm += max(range(len(lp)), key=per_char.__getitem__) == ex.gold
     n = max(len(examples), 1)
     return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": len(examples)}
 

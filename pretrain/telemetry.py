@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import time
@@ -51,6 +52,16 @@ class Throughput:
         """Time the loop spent waiting for the next batch."""
         self._data_wait_s += seconds
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (validation, evaluation callbacks, checkpoint saves) counts for no
+        interval: the rates describe training steps only."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._t0 += time.perf_counter() - started
+
     def measure(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         tokens_per_s = self._steps * self.tokens_per_step / elapsed
@@ -99,7 +110,8 @@ class Logger:
 def progress_line(step: int, total: int, values: dict[str, float], extra: tuple[str, ...] = ()) -> str:
     """`extra`: names of further values to show (the model's own metrics)."""
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}", f"lr {values['lr']:.2e}",
-             f"gnorm {values.get('grad_norm', float('nan')):.3f}", f"{values['tokens_per_s']:.0f} tok/s",
+             f"gnorm {values['grad_norm']:.3f}" if "grad_norm" in values else "gnorm n/a",
+             f"{values['tokens_per_s']:.0f} tok/s",
              f"{values['tflops_per_device']:.3f} TFLOP/s/dev"]
     if "mfu" in values:
         parts.append(f"MFU {100 * values['mfu']:.1f}%")

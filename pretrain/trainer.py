@@ -185,8 +185,10 @@ class Trainer:
         return step
 
     def _log(self, result: StepResult, lr: float, throughput: Throughput) -> None:
-        result.metrics = {"loss": result.loss, "lr": lr, "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                          **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
+        result.metrics = {"loss": result.loss, "lr": lr, **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
+        norm = self.engine.get_global_grad_norm()  # None where DeepSpeed does not compute it (ZeRO-0 in fp32)
+        if norm is not None:
+            result.metrics["grad_norm"] = float(norm)
         if self.last_metrics:  # one collective for all; every rank has the same names
             result.metrics.update(zip(self.last_metrics, dp_mean(torch.stack(list(self.last_metrics.values())))))
         if self.spikes is not None:
@@ -223,7 +225,8 @@ class Trainer:
         step = start_step
         if self.validation_due == start_step:  # the checkpoint's validation, interrupted by the signal
             self.logger.print(f"step {start_step}: running the validation the stop interrupted")
-            self._validate(start_step)
+            with throughput.paused():
+                self._validate(start_step)
             signum = signals.any_rank_received(self.device)
             if signum:  # interrupted again: the checkpoint still says so; nothing new to save
                 self._stop_on_signal(start_step, signum, save=False)
@@ -257,15 +260,17 @@ class Trainer:
             self.losses.append((step, result.loss))
             if step % t.log_interval == 0 or step == t.steps:
                 self._log(result, lr, throughput)
-            if step % t.eval_interval == 0 or step == t.steps:
-                self._validate(step)
-            self._emit("on_step_end", result)
+            with throughput.paused():
+                if step % t.eval_interval == 0 or step == t.steps:
+                    self._validate(step)
+                self._emit("on_step_end", result)
             signum = signals.any_rank_received(self.device)
             if signum and step < t.steps and step != t.stop_at_step:  # at stop_at_step: the plain stop below
                 self._stop_on_signal(step, signum)
                 return step
             if step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step:
-                self.save(step)
+                with throughput.paused():
+                    self.save(step)
             if step == t.stop_at_step:
                 self.logger.print(f"stopping at train.stop_at_step={step}")
                 return step

@@ -8,6 +8,17 @@ from pretrain.config import ConfigError, load_config, validate, validate_data
 from tests.synthetic import write_synthetic_shards
 
 
+def test_yaml_numbers_and_empty_values(tmp_path):
+    """YAML reads 1e5 as text and an empty value as null: a whole number and the key's default."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 1e5\n  init_from:\n  lr: 1.0e-4\n  resume: None\neval:\nprofile:\n"
+                    "  # start_step: 3\n")
+    cfg = load_config(path)
+    assert cfg.train.steps == 100000 and cfg.train.init_from == "" and cfg.train.lr == 1e-4
+    assert cfg.train.resume == "none"
+    assert cfg.eval.downstream_tasks == [] and cfg.profile.start_step == 0
+
+
 def test_yaml_and_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  num_layers: 3\ntrain:\n  lr: 0.01\n")
@@ -21,6 +32,9 @@ def test_yaml_and_dotted_overrides(tmp_path):
     (["train.lr=fast"], "train.lr='fast': expected float"),
     (["model.tie_embeddings=maybe"], "expected true or false"),
     (["train"], "must look like section.key=value"),
+    (["train.warmup_steps=0.05"], "train.warmup_steps='0.05': expected a whole number"),  # not truncated to 0
+    (["train.eval_interval=true"], "expected a whole number"),
+    (["train.lr=true"], "expected float"),
 ])
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -53,6 +67,13 @@ def test_bad_overrides(override, message):
     (["data.mix=[{shards: a, share: 2}]"], 1, r"data.mix\[0\]=.*give a mapping with shards"),
     (["data.mix=[{shards: x/web}, {shards: y/web}]"], 1, r"names \['web', 'web'\] repeat"),
     (["data.mix=[{shards: a, name: 'web mix'}]"], 1, "must be letters, digits"),
+    (["train.beta1=1.5"], 1, "train.beta1=1.5 and train.beta2=0.95 must be in"),
+    (["train.lr=-1"], 1, "train.lr=-1.0 must be > 0"),
+    (["train.grad_clip=-1"], 1, r"train.grad_clip=-1.0 must be >= 0 \(0 = no clipping\)"),
+    (["train.eval_batches=-3"], 1, "train.eval_batches=-3 must be >= 0"),
+    (["data.num_canonical_nodes=0"], 1, "data.num_canonical_nodes=0 >= 1"),
+    (["model.num_heads=0"], 1, "model.num_heads=0 must be >= 1"),
+    (["model.vocab_pad_to=0"], 1, "model.vocab_pad_to=0 must be >= 1"),
     (["profile.start_step=300", "train.steps=200"], 1, "after the last step"),
     (["profile.start_step=5", "profile.steps=0"], 1, "must be >= 1"),
     (["profile.start_step=5", "profile.ranks=0,8"], 8, "names rank 8, but the world has 8 ranks"),

@@ -27,6 +27,9 @@ def test_task_shapes_and_bad_records():
                      ({"context": "c", "choices": ["a", "b"], "gold": 2}, "not an index")):
         with pytest.raises(ValueError, match=why):
             parse_example(bad)
+    # acc_norm divides by characters, as lm-eval's acc_norm (per UTF-8 byte "é" would win here).
+    scores = accuracy([Example("c", ("é", "ab"), 1)], torch.tensor([-1.5, -2.5], dtype=torch.float64))
+    assert scores["acc"] == 0.0 and scores["acc_norm"] == 1.0
 
 
 def write_task(path, n: int, seed: int = 0) -> list[Example]:
@@ -122,3 +125,9 @@ def test_task_files_must_exist_and_have_distinct_names(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         validate(load_config(None, [f"eval.downstream_tasks=[{tmp_path / 'none.jsonl'}]",
                                     "eval.downstream_interval=10"]), 1)
+    # Winogrande's shape is none of the accepted ones: every record is skipped, so the task would
+    # log accuracy 0 at every interval. It is refused before training, and by tools.evaluate.
+    wino = tmp_path / "winogrande.jsonl"
+    wino.write_text(json.dumps({"sentence": "The _ fell.", "option1": "cup", "option2": "plate", "answer": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"winogrande.jsonl holds no usable example \(bad inputs: 1 skipped"):
+        validate(load_config(None, [f"eval.downstream_tasks=[{wino}]", "eval.downstream_interval=10"]), 1)

@@ -15,7 +15,7 @@ documents when the run trained with data.document_mask). Prints `loss L | perple
 
 --tasks scores JSON Lines multiple-choice tasks (HellaSwag, ARC, PIQA shapes or {"context", "choices",
 "gold"}; pretrain.downstream) as the trainer does with eval.downstream_tasks: acc (summed
-log-likelihood) and acc_norm (per byte), with the run's tokenizer (data.tokenizer in its
+log-likelihood) and acc_norm (per character), with the run's tokenizer (data.tokenizer in its
 config.yaml, or --tokenizer).
 """
 
@@ -32,7 +32,7 @@ from models.attention.masks import document_ids
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples, run_bos, starting_with
-from pretrain.downstream import evaluate_tasks, load_task, task_name
+from pretrain.downstream import empty_task_error, evaluate_tasks, load_task, task_name
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
@@ -130,6 +130,9 @@ def load_tasks(args) -> tuple[dict, object]:
     if len(set(names)) < len(names):
         raise ToolError(f"--tasks {' '.join(args.tasks)}: results are named by file, and two share a name; "
                         "give the files distinct names")
+    error = empty_task_error(args.tasks)
+    if error:
+        raise ToolError(f"--tasks: {error}")
     tasks = {name: load_task(p, args.limit, report) for name, p in zip(names, args.tasks)}
     if report.count:
         print(report.summary(), file=sys.stderr)
