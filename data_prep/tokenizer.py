@@ -27,9 +27,20 @@ def load_tokenizer(tokenizer_dir):
 
     d = Path(tokenizer_dir)
     model, meta_file = d / MODEL_FILE, d / META_FILE
+    imported = f"python -m data_prep.import_tokenizer --model {model} --out TOKENIZER_DIR"
+    if model.is_file() and not meta_file.is_file():
+        raise FileNotFoundError(f"{d} holds a SentencePiece model but no {META_FILE}: import it with {imported}, "
+                                "and give TOKENIZER_DIR")
     if not model.is_file() or not meta_file.is_file():
-        raise FileNotFoundError(f"no tokenizer at {d}: run python -m data_prep.train_tokenizer --out {d}")
-    meta = json.loads(meta_file.read_text())
+        raise FileNotFoundError(f"no tokenizer at {d}: run python -m data_prep.train_tokenizer --out {d} "
+                                "(or data_prep.import_tokenizer for an existing SentencePiece model)")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or "sha256" not in meta:
+        raise ValueError(f"{meta_file} is not this framework's tokenizer record (a Hugging Face tokenizer.json?): "
+                         f"import the SentencePiece model with {imported}, and give TOKENIZER_DIR")
     if meta.get("sha256") != sha256_file(model):
         raise ValueError(f"{model} does not match the sha256 in {meta_file}: the model was replaced "
                          "after training; retrain it with --overwrite")

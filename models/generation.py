@@ -31,13 +31,14 @@ def can_cache(cfg) -> bool:
 
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-             greedy: bool = False, eos_id: int | None = None, generator: torch.Generator | None = None,
+             greedy: bool = False, eos_id: int | list[int] | None = None, generator: torch.Generator | None = None,
              use_cache: bool = True) -> list[int]:
     """New token ids after `prompt`. Only real tokens (ids < model.vocab_size) are drawn. With the KV
     cache (models.attention.kv_cache, where can_cache allows) the prompt runs once and every new token
     alone; once the sequence fills max_seq_len, or without the cache, each token reruns the context
     (the last max_seq_len tokens)."""
     cfg = model.cfg
+    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())  # Llama 3 configs list several
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     device = next(model.parameters()).device
@@ -61,6 +62,6 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
         tokens.append(token)
         new.append(token)
         pending = [token]
-        if eos_id is not None and token == eos_id:
+        if token in stops:
             break
     return new

@@ -73,13 +73,16 @@ def describe_layout(tag_dir: Path, meta: dict) -> dict:
     mp = sorted(int(m.group(1)) for n in names if (m := MP_MODEL.match(n)))
     experts = any(EXPERT_FILE.match(n) for n in names)
     world = int(meta.get("world_size", 1))
-    cfg = run_config(tag_dir)
-    # Without the run's config.yaml: the highest tensor-parallel rank any file is named after.
+    # The size the checkpoint was saved at: its marker's (config.yaml follows the latest start of the
+    # run, perhaps at another layout); markers written before it was recorded: config.yaml, else the
+    # highest tensor-parallel rank any file is named after.
+    cfg = run_config(tag_dir) if "tensor_parallel" not in meta else None
     named = [int(m.group(1)) for n in names if (m := re.search(r"mp_rank_(\d+)_", n))]
-    tensor = cfg.parallel.tensor if cfg is not None else max(named + [0]) + 1
+    tensor = int(meta["tensor_parallel"]) if "tensor_parallel" in meta else \
+        cfg.parallel.tensor if cfg is not None else max(named + [0]) + 1
     if world % tensor:
         raise ConsolidateError(f"{tag_dir}: world size {world} in {COMPLETE} is not divisible by tensor-parallel "
-                               f"size {tensor} (parallel.tensor in {tag_dir.parent.parent / 'config.yaml'})")
+                               f"size {tensor}")
     data = world // tensor
     missing = [f"rank_{r:05d}.pt" for r in range(world) if f"rank_{r:05d}.pt" not in names]
     if zero3:

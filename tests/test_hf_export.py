@@ -133,6 +133,21 @@ def test_export_logits_match_framework(runs, data, dist_env, tmp_path, layout):
     assert ours.std() > 0.05  # a real model, not zeros
 
 
+def test_consolidation_reads_the_layout_of_the_checkpoint_not_of_the_run(runs, data, dist_env, tmp_path):
+    """config.yaml follows the run's latest start: after a resume at TP=1 it says parallel.tensor: 1,
+    while this checkpoint was saved at TP=2."""
+    import yaml
+
+    _, vocab = data
+    run = tmp_path / "run"
+    shutil.copytree(runs["tp2_zero2"], run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["parallel"]["tensor"] = 1
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    tokens = fixed_tokens(vocab)
+    torch.testing.assert_close(framework_logits(run, tokens), framework_logits(runs["tp2_zero2"], tokens))
+
+
 @pytest.mark.slow
 def test_export_bf16_and_sharded(runs, data, dist_env, tmp_path):
     from tools.export import main as export_main
@@ -140,7 +155,8 @@ def test_export_bf16_and_sharded(runs, data, dist_env, tmp_path):
     _, vocab = data
     out = tmp_path / "hf16"
     assert export_main(["--checkpoint", str(runs["tp2_zero2"]), "--out", str(out), "--dtype", "bf16",
-                        "--max-shard-size", "100KB"]) == 0
+                        "--max-shard-size", "100KB", "--no-tokenizer"]) == 0
+    assert not list(out.glob("tokenizer*"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     tokens = fixed_tokens(vocab)
@@ -175,8 +191,40 @@ def test_exported_tokenizer_encodes_like_sentencepiece(data, tmp_path, monkeypat
         assert tok(" leading space")["input_ids"] == sp.encode(" leading space")
         assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (1, 2, 3, 0)
     assert fast.decode(want) == SAMPLE
+    assert "token_type_ids" not in fast(SAMPLE)  # generate(**tok(text)) takes every key
     save_tokenizer(root / "tokenizer", tmp_path / "bos", add_bos=True)  # trained with data.start_with_bos
     assert AutoTokenizer.from_pretrained(tmp_path / "bos")(SAMPLE)["input_ids"] == [1] + want
+
+
+def test_imported_tokenizers_export_exactly_or_not_at_all(tmp_path):
+    """Llama-2's conventions (dummy prefix, identity normalisation, whitespace kept) export to a
+    tokenizer that encodes like SentencePiece; an nmt_nfkc model, which Hugging Face's fast tokenizer
+    does not reproduce, is refused by name; a folder holding a Hugging Face tokenizer.json instead of
+    this framework's record says how to import it."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from data_prep.import_tokenizer import import_tokenizer
+    from data_prep.tokenizer import load_tokenizer
+    from tools.export import ExportError, save_tokenizer, special_ids
+
+    (tmp_path / "corpus.txt").write_text(corpus_text() + "\n" + SAMPLE)
+    for name, normalisation in (("llama2", "identity"), ("nfkc", "nmt_nfkc")):
+        spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / name),
+                                       vocab_size=300, model_type="unigram", pad_id=-1, byte_fallback=True,
+                                       normalization_rule_name=normalisation, remove_extra_whitespaces=False,
+                                       minloglevel=2)
+        import_tokenizer(tmp_path / f"{name}.model", tmp_path / f"{name}_tok")
+    sp, _ = load_tokenizer(tmp_path / "llama2_tok")
+    save_tokenizer(tmp_path / "llama2_tok", tmp_path / "llama2_hf")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "llama2_hf")
+    for text in (SAMPLE, "Hello world", " two  spaces"):
+        assert loaded(text)["input_ids"] == sp.encode(text), text
+    assert special_ids(tmp_path / "llama2_tok")["pad"] is None  # no pad piece: not -1
+    with pytest.raises(ExportError, match="cannot encode like .*nmt_nfkc.*--no-tokenizer"):
+        save_tokenizer(tmp_path / "nfkc_tok", tmp_path / "nfkc_hf")
+    with pytest.raises(ValueError, match="not this framework's tokenizer record.*data_prep.import_tokenizer"):
+        load_tokenizer(tmp_path / "llama2_hf")
 
 
 @pytest.mark.slow
@@ -221,6 +269,16 @@ def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
     prompt = torch.tensor([result["prompt_ids"]])
     ids = hf.generate(prompt, do_sample=False, max_new_tokens=6)[0, prompt.shape[1]:].tolist()
     assert ids == result["ids"]
+    # A run trained with data.start_with_bos: the prompt begins with BOS, as its samples did.
+    bos_run = tmp_path / "bos_run"
+    shutil.copytree(run, bos_run)
+    (bos_run / "config.yaml").write_text((bos_run / "config.yaml").read_text().replace(
+        "start_with_bos: false", "start_with_bos: true"))
+    proc = subprocess.run([sys.executable, "-m", "tools.generate", "--checkpoint", str(bos_run), "--prompt",
+                           "def function_3(", "--greedy", "--max-new-tokens", "2", "--json", "--device", "cpu"],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["prompt_ids"] == [1] + sp.encode("def function_3(")
     model, _, _ = load_model(run)  # sampling: valid ids, reproducible with a seed, top-p restricts
     draws = [generate(model, [5, 6], 8, temperature=1.5, top_p=0.9, eos_id=None,
                       generator=torch.Generator().manual_seed(s)) for s in (0, 0, 1)]
@@ -243,7 +301,8 @@ def imported(data, dist_env, tmp_path_factory):
 
     _, vocab = data
     torch.manual_seed(0)
-    source = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **LLAMA)).eval()
+    source = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, bos_token_id=vocab - 2,
+                                          eos_token_id=vocab - 1, **LLAMA)).eval()
     with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
         for name, p in source.named_parameters():
             if "norm" in name:
@@ -270,7 +329,10 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     assert (hf_logits(back, tokens) - want).abs().max().item() <= 1e-4
     # Grouped-query attention is kept, not expanded: the same K/V heads and parameter count both ways.
     assert "num_kv_heads: 2" in (run / "config.yaml").read_text()
-    assert json.loads((back / "config.json").read_text())["num_key_value_heads"] == 2
+    config = json.loads((back / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2
+    # Without a tokenizer the source config's special ids carry over (not the framework's 1/2/3).
+    assert (config["bos_token_id"], config["eos_token_id"], config.get("pad_token_id")) == (vocab - 2, vocab - 1, None)
     from transformers import LlamaForCausalLM
 
     exported = LlamaForCausalLM.from_pretrained(back, dtype=torch.float32)
@@ -470,6 +532,11 @@ def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, 
         tail = model(tokens[:, 21:], past_key_values=mid.past_key_values, use_cache=True)
     assert tail.past_key_values.get_seq_length() == tokens.shape[1]
     assert (torch.cat([head.logits, mid.logits, tail.logits], 1) - theirs).abs().max().item() <= 1e-4
+    # Padded prompts are refused by generate() (new tokens would follow the padding), with the fix.
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    with pytest.raises(ValueError, match="padded prompts.*one prompt at a time"):
+        model.generate(tokens[:, :5], attention_mask=mask, do_sample=False, max_new_tokens=2)
     if layout == "uoe_ep2":  # the router bias (aux-loss-free balancing) moved and travels with the weights
         from pretrain.consolidate import load_model
 

@@ -45,6 +45,21 @@ def reports_errors(*extra: type[BaseException]):
     return decorate
 
 
+def tool_device(name: str):
+    """--device: auto (the GPU when there is one, else the CPU) or a torch device name."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ToolError(f"--device {name!r}: give auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ToolError(f"--device {name}: this machine has no GPU torch can use; pass --device cpu")
+    return device
+
+
 def run(main: Callable[[], int]) -> NoReturn:
     """Exit with a tool's main(), tearing down any process group it started."""
     from pretrain.distributed import destroy_distributed

@@ -33,7 +33,7 @@ from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples, run_bos, starting_with
 from pretrain.downstream import empty_task_error, evaluate_tasks, load_task, task_name
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.cli import ToolError, argument_parser, reports_errors, run, tool_device
 
 
 def split_dir(shards: str | Path, split: str) -> Path:
@@ -57,7 +57,9 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int, eos_id: int | None
         raise ValueError(f"the shards hold token id {int(rows.max())} >= model.vocab_size={model.cfg.vocab_size}: "
                          "they were built with another tokenizer")
     losses = []
+    device = next(model.parameters()).device
     for batch in rows.split(batch_size):
+        batch = batch.to(device)
         inputs = batch[:, :-1]
         logits = model.logits(inputs, {"document_ids": document_ids(inputs, eos_id)} if eos_id is not None else None)
         losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch[:, 1:]).mean().item())
@@ -78,14 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1, ...")
     args = parser.parse_args(argv)
     if args.batches < 1 or args.batch_size < 1:
         raise ToolError("--batches and --batch-size must be >= 1")
     if not args.shards and not args.tasks:
         raise ToolError("give --shards (validation loss) and/or --tasks (downstream accuracy)")
+    device = tool_device(args.device)
     location = split_dir(args.shards, args.split) if args.shards else None
     tasks, sp = load_tasks(args) if args.tasks else ({}, None)
     model, cfg, meta = load_model(args.checkpoint)
+    model.to(device)
     result = {"checkpoint": meta["checkpoint"], "step": meta.get("step")}
     run = run_config(resolve_checkpoint(args.checkpoint))
     bos = run_bos(run, meta)  # as the run's loader
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(evaluate_rows(model, rows, args.batch_size, eos), shards=str(location),
                       document_mask=eos is not None, start_with_bos=bos is not None)
     if tasks:
-        result["downstream"] = evaluate_tasks(model, tasks, sp, args.batch_size, torch.device("cpu"), bos=bos)
+        result["downstream"] = evaluate_tasks(model, tasks, sp, args.batch_size, device, bos=bos)
     if args.json:
         print(json.dumps(result))
         return 0

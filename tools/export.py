@@ -47,6 +47,7 @@ import functools
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -232,7 +233,10 @@ def run_tokenizer(tag_dir: Path, explicit: str | None, meta: dict):
     return load_tokenizer(tokenizer_dir)[0]
 
 
-def special_ids(tokenizer_dir: Path | None) -> dict:
+def special_ids(tokenizer_dir: Path | None, meta: dict | None = None) -> dict:
+    """{"unk", "bos", "eos", "pad"} ids: the tokenizer's; without one, those an imported model's config
+    named (meta["special_ids"]), else the framework's defaults. A tokenizer without a pad piece
+    (pad_id -1) gives pad None, which Hugging Face reads as "none"."""
     from data_prep.tokenizer import SPECIAL_IDS, load_tokenizer
 
     ids = {"unk": SPECIAL_IDS["unk_id"], "bos": SPECIAL_IDS["bos_id"], "eos": SPECIAL_IDS["eos_id"],
@@ -240,43 +244,68 @@ def special_ids(tokenizer_dir: Path | None) -> dict:
     if tokenizer_dir is not None:
         sp, _ = load_tokenizer(tokenizer_dir)
         ids = {"unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
-    return ids
+    elif meta and meta.get("special_ids"):  # an imported model's config: no pad unless it names one
+        ids.update(pad=None, **meta["special_ids"])
+    return {k: None if isinstance(v, int) and v < 0 else v for k, v in ids.items()}
+
+
+# Strings the exported tokenizer must encode exactly as SentencePiece does before it is written.
+TOKENIZER_PROBES = ("Hello world", "def main(x):\n    return x  # note", " leading space", "  two  spaces ",
+                    "tab\there\n\nnewlines\n", "naïve café — ünïcode ✓ 🙂", "ﬁne Ｆｕｌｌ width", "x")
 
 
 def hf_tokenizer(tokenizer_dir: Path, add_bos: bool = False):
-    """A LlamaTokenizerFast over the SentencePiece model that encodes exactly like it (ids only,
-    no EOS added, no dummy prefix; BOS first with `add_bos`: a model trained with data.start_with_bos)."""
+    """A LlamaTokenizerFast over the SentencePiece model that encodes like it (ids only, no EOS added;
+    BOS first with `add_bos`: a model trained with data.start_with_bos). Models of this framework have
+    no dummy prefix; an imported one with Llama-2's dummy prefix gets Hugging Face's Llama-2 handling."""
     from transformers import LlamaTokenizerFast
 
     from data_prep.tokenizer import MODEL_FILE, load_tokenizer
 
-    sp, _ = load_tokenizer(tokenizer_dir)
+    sp, meta = load_tokenizer(tokenizer_dir)
     piece = sp.id_to_piece
+    prefix = bool(meta.get("add_dummy_prefix", False))
     return LlamaTokenizerFast(
         vocab_file=str(tokenizer_dir / MODEL_FILE),
         unk_token=piece(sp.unk_id()), bos_token=piece(sp.bos_id()), eos_token=piece(sp.eos_id()),
         pad_token=piece(sp.pad_id()) if sp.pad_id() >= 0 else None,
-        add_bos_token=add_bos, add_eos_token=False, legacy=False, add_prefix_space=False,
-        clean_up_tokenization_spaces=False, model_max_length=None,
+        add_bos_token=add_bos, add_eos_token=False, legacy=prefix, add_prefix_space=prefix,
+        clean_up_tokenization_spaces=False, model_max_length=None, from_slow=prefix,
     )
 
 
 def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False) -> None:
     """hf_tokenizer's files in ``out``, loading with AutoTokenizer as PreTrainedTokenizerFast straight
     from tokenizer.json: LlamaTokenizerFast rebuilds itself from the SentencePiece model (which needs
-    protobuf) whenever add_prefix_space is set, and the slow LlamaTokenizer needs that key."""
+    protobuf) whenever add_prefix_space is set, and the slow LlamaTokenizer needs that key. Checked
+    against SentencePiece on TOKENIZER_PROBES as loaded back (raises ExportError on a difference)."""
+    from transformers import AutoTokenizer
+
+    from data_prep.tokenizer import load_tokenizer
+
     hf_tokenizer(tokenizer_dir, add_bos).save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["model_input_names"] = ["input_ids", "attention_mask"]  # no token_type_ids: generate() refuses them
     config_file.write_text(json.dumps(config, indent=2) + "\n")
+    sp, meta = load_tokenizer(tokenizer_dir)
+    loaded = AutoTokenizer.from_pretrained(out)
+    for text in TOKENIZER_PROBES:
+        want, got = sp.encode(text), loaded(text, add_special_tokens=False)["input_ids"]
+        if want != got:
+            raise ExportError(
+                f"the Hugging Face tokenizer cannot encode like {tokenizer_dir} (SentencePiece normalisation "
+                f"{meta.get('normalization', 'identity')!r}, dummy prefix {meta.get('add_dummy_prefix', False)}): "
+                f"{text!r} gives {got} where the model trained on {want}; pass --no-tokenizer to export the model "
+                "without tokenizer files (and encode with the SentencePiece model)")
 
 
 def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir: Path | None,
                  max_shard_size: str, extra_meta: dict) -> None:
     from transformers import GenerationConfig, LlamaForCausalLM
 
-    special = special_ids(tokenizer_dir)
+    special = special_ids(tokenizer_dir, extra_meta)
     if extra_meta["format"] == "llama":
         config, model_class, hf_state = llama_config(cfg, dtype, special), LlamaForCausalLM, to_llama_state(cfg, state)
     else:
@@ -316,7 +345,7 @@ def write_heads(out: Path, heads: dict, meta: dict, dtype: torch.dtype) -> None:
 
 
 def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str | None = None,
-           max_shard_size: str = "5GB", overwrite: bool = False) -> Path:
+           max_shard_size: str = "5GB", overwrite: bool = False, with_tokenizer: bool = True) -> Path:
     out = Path(out)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose {', '.join(DTYPES)}")
@@ -325,14 +354,18 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     tag_dir = resolve_checkpoint(checkpoint)
     meta = read_meta(tag_dir)
     fmt = export_format(ModelConfig.from_dict(meta["model"]))
-    tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta)
+    tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta) if with_tokenizer else None
+    run_cfg = run_config(tag_dir)
+    add_bos = bool(run_cfg is not None and run_cfg.data.start_with_bos)  # as the model trained
+    if tokenizer_dir is not None:  # a tokenizer Hugging Face cannot reproduce fails before the weights load
+        with tempfile.TemporaryDirectory() as tmp:
+            save_tokenizer(tokenizer_dir, Path(tmp), add_bos)
     state, cfg, meta = full_state_dict(tag_dir)
     heads = split_heads(state, meta.get("heads", []))
     info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
             "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
-            "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
-    run_cfg = run_config(tag_dir)
-    info["add_bos_token"] = bool(run_cfg is not None and run_cfg.data.start_with_bos)  # as the model trained
+            "tokenizer": str(tokenizer_dir) if tokenizer_dir else None, "special_ids": meta.get("special_ids")}
+    info["add_bos_token"] = add_bos
     if fmt == "remote" and registry.mlp_kind(cfg.mlp).routed and cfg.moe.capacity_factor > 0:
         info["capacity_factor_dropped"] = cfg.moe.capacity_factor
         print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "
@@ -342,7 +375,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     with directory_in_place(out) as tmp:
         write_folder(tmp, cfg, state, DTYPES[dtype], tokenizer_dir, max_shard_size, info)
         write_heads(tmp, heads, meta, DTYPES[dtype])
-    if tokenizer_dir is None:
+    if tokenizer_dir is None and with_tokenizer:
         print("warning: the run has no SentencePiece tokenizer.model (data.tokenizer); exported the model "
               "without a tokenizer (pass --tokenizer DIR to add one)", file=sys.stderr)
     return out
@@ -357,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
     parser.add_argument("--max-shard-size", default="5GB", help="safetensors shard size, e.g. 2GB")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--no-tokenizer", action="store_true",
+                        help="write no tokenizer files (the model and its config only)")
     args = parser.parse_args(argv)
-    out = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite)
+    out = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size, args.overwrite,
+                 with_tokenizer=not args.no_tokenizer)
     print(f"wrote {out}")
     return 0
 

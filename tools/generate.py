@@ -4,12 +4,14 @@
         [--max-new-tokens 64 --temperature 0.8 --top-p 0.95 --greedy --seed 0]
 
 The checkpoint is consolidated (any TP / DP / ZeRO layout, see pretrain.consolidate) into a model
-at tensor-parallel size 1. The prompt is encoded with the run's SentencePiece tokenizer
-(data.tokenizer in RUN_DIR/config.yaml, or --tokenizer) exactly as the training shards were:
-no BOS, no dummy prefix. --prompt-ids "5,6,7" gives token ids directly (runs without a tokenizer).
-Sampling only draws real tokens (ids < model.vocab_size; the padding rows of the embedding are
-never sampled) and stops at EOS or after --max-new-tokens. The context is cut to the last
-model.max_seq_len tokens (RoPE tables end there). Prints the continuation; --json prints ids too.
+at tensor-parallel size 1, on --device (default: the GPU when there is one). The prompt is encoded
+with the run's SentencePiece tokenizer (data.tokenizer in RUN_DIR/config.yaml, or --tokenizer)
+exactly as the training shards were, and begins with BOS when the run trained with
+data.start_with_bos. --prompt-ids "5,6,7" gives token ids directly (runs without a tokenizer; BOS
+is then yours to give). Sampling only draws real tokens (ids < model.vocab_size; the padding rows
+of the embedding are never sampled) and stops at EOS (the tokenizer's, else the one an imported
+model's config names) or after --max-new-tokens. The context is cut to the last model.max_seq_len
+tokens (RoPE tables end there). Prints the continuation; --json prints ids too.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 from data_prep.tokenizer import SPECIAL_IDS, load_tokenizer
 from models.generation import generate
 from pretrain.checkpoint_format import read_meta, resolve_checkpoint
-from pretrain.consolidate import load_model
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from pretrain.consolidate import load_model, run_config
+from pretrain.data import run_bos
+from tools.cli import ToolError, argument_parser, reports_errors, run, tool_device
 from tools.export import find_tokenizer
 
 
@@ -40,27 +43,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
     parser.add_argument("--json", action="store_true", help="print a JSON object with ids and text")
+    parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:1, ...")
     args = parser.parse_args(argv)
-    if not 0.0 < args.top_p <= 1.0 or args.max_new_tokens < 0:
-        raise ToolError("--top-p must be in (0, 1] and --max-new-tokens >= 0")
+    if not 0.0 < args.top_p <= 1.0 or args.max_new_tokens < 0 or args.temperature < 0:
+        raise ToolError("--top-p must be in (0, 1], --max-new-tokens >= 0 and --temperature >= 0 (0 = greedy)")
+    device = tool_device(args.device)
     tag_dir = resolve_checkpoint(args.checkpoint)
-    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
+    meta = read_meta(tag_dir)
+    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, meta)
     sp = load_tokenizer(tokenizer_dir)[0] if tokenizer_dir is not None else None
     if args.prompt is not None:
         if sp is None:
             raise ToolError("this run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR "
                             "or give --prompt-ids")
         prompt_ids = sp.encode(args.prompt)
+        bos = run_bos(run_config(tag_dir), meta)  # as the run's samples begin
+        if bos is not None and prompt_ids[:1] != [bos]:
+            prompt_ids = [bos] + prompt_ids
     else:
         prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
     model, cfg, _ = load_model(tag_dir)
+    model.to(device)
     bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ToolError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
-    eos = sp.eos_id() if sp is not None else SPECIAL_IDS["eos_id"]
+    eos = sp.eos_id() if sp is not None else meta.get("special_ids", {}).get("eos", SPECIAL_IDS["eos_id"])
     new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, args.greedy, eos,
                    torch.Generator().manual_seed(args.seed))
-    text = sp.decode(new) if sp is not None else None
+    text = sp.decode(new) if sp is not None else None  # BOS was not generated: only the continuation
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": new, "text": text}))
     else:

@@ -155,8 +155,11 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     own = model.state_dict()
     state.update({k: v for k, v in own.items() if k.endswith("_extra_state")})
     model.load_state_dict(state, strict=True)
+    special = {name: hf_cfg.get(f"{name}_token_id") for name in ("bos", "eos", "pad")}
     return checkpoint.save_weights_run(model, cfg, out, {"tokenizer_sha256": tokenizer_sha,
-                                                         "imported_from": str(model_dir.resolve())})
+                                                         "imported_from": str(model_dir.resolve()),
+                                                         "special_ids": {k: v for k, v in special.items()
+                                                                         if v is not None}})
 
 
 @reports_errors(ValueError)

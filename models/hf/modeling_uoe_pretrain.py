@@ -11,7 +11,10 @@ derivations. Inference notes:
   LISA layers their rank-r keys and values (the previous layer's scores for the new rows are
   recomputed from its cache). Models with relu_normalizer "seqlen" do not cache: that normaliser
   changes every earlier row when the sequence grows, so each step reruns the whole sequence;
-* padding must be on the right (causal attention then leaves the real tokens' logits unchanged);
+* padding must be on the right (causal attention then leaves the real tokens' logits unchanged,
+  except with relu_normalizer "seqlen", whose normaliser counts the padded length: score such a
+  model one sequence at a time); generate() takes prompts without padding (one prompt, or prompts
+  of one length: lm-eval's generate_until with --batch_size 1);
 * MoE / UoE layers are dropless: a training capacity factor is not applied.
 """
 
@@ -471,6 +474,10 @@ class UoEPretrainForCausalLM(UoEPretrainPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, past_key_values=None, attention_mask=None,
                                       use_cache: bool | None = None, **kwargs) -> dict:
         """Only the tokens the cache has not seen (all of them when the model does not cache)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("generate() got padded prompts, which this model cannot continue (new tokens would "
+                             "follow the padding): generate one prompt at a time, or prompts of one length "
+                             "(lm-eval: --batch_size 1)")
         cached = past_key_values.get_seq_length() if isinstance(past_key_values, DynamicCache) else 0
         if not self.model.cacheable:
             past_key_values, cached = None, 0
