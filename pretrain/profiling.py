@@ -84,12 +84,15 @@ class ProfilerCallback(Callback):
             self.step_range = record_function(f"ProfilerStep#{step}")
             self.step_range.__enter__()
 
-    def on_step_end(self, trainer, result) -> None:
-        if self.profiler is None:
-            return
+    def on_optimizer_step(self, trainer, step: int) -> None:
+        """The step's range ends with its update: validation and saves after it are not the step's."""
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None
+
+    def on_step_end(self, trainer, result) -> None:
+        if self.profiler is None:
+            return
         if result.step == self.end - 1:
             self._finish(result.step)
 
