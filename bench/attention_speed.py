@@ -72,8 +72,17 @@ def _layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, 
     q, k = (torch.randn(batch, n, seq, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
             for n in (heads, cfg.kv_heads))
 
+    block_mask = None
+    if documents is not None and torch.device(device).type == "cuda":
+        from models.attention.flex import document_block_mask
+
+        block_mask = document_block_mask(documents, seq, seq)  # once, as a model's forward does for all layers
+
     def ctx() -> dict:
-        return {"rotary": rotary, "shared_scores": SharedScores.of_projection(q, k), "document_ids": documents}
+        out = {"rotary": rotary, "shared_scores": SharedScores.of_projection(q, k), "document_ids": documents}
+        if block_mask is not None:
+            out["flex_block_mask"] = block_mask
+        return out
 
     return module, (x, q, k), ctx
 
@@ -84,10 +93,11 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
     module, (x, q, k), ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
     times = []
     for i in range(repeats + 1):
+        inputs = ctx()  # outside the timed region: a model builds them once per forward for all layers
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        module(x, ctx()).sum().backward()
+        module(x, inputs).sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i:  # the first call is warm-up

@@ -2,13 +2,17 @@
 
     bash bench/gpu_check.sh            # or: python -m bench.gpu_check [--steps 10] [--families a,b]
 
-Each throughput row runs in its own process (a failure or leak in one row cannot spoil the next)
-with the micro-batch of its config's `# single-gpu` layout line, and sets the measured peak memory
-beside the planner's estimate. Then one attention layer per kind is timed at the 1B hybrid width,
-forward + backward and decoding with the KV cache, beside softmax (--no-attention skips it).
-`--device cpu` runs the same script on tiny models in fp32: a smoke test of the script itself, not
-a measurement. Without a CUDA device (and no `--device cpu`) it says
-so and exits 0. Writes bench/results/gpu_check-<date>.json and .md.
+Every part runs in a process of its own, with a timeout (a kernel fault, a hang or a leak in one
+cannot spoil the next; this process never touches the GPU): the CPU-vs-GPU losses, the grouped-GEMM,
+Triton ReLU and fused LISA decode checks, then one process per throughput row, with the micro-batch
+of its config's `# single-gpu` layout line and the measured peak memory beside the planner's
+estimate, then one attention layer per kind at the 1B hybrid width, forward + backward and
+decoding with the KV cache, beside softmax (--no-attention skips it; each kind's row is kept as it
+finishes). The report (JSON and markdown) is rewritten after every part, so a run stopped from
+outside keeps what was measured; --deadline SECONDS skips the parts that no longer fit and writes
+the report in time. `--device cpu` runs the same script on tiny models in fp32: a smoke test of the
+script itself, not a measurement. Without a CUDA device (and no `--device cpu`) it says so and exits
+0. Writes bench/results/gpu_check-<date>.json and .md (and -profiles.txt: each row's operator table).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ ATTENTION_SEQS = (2048, 4096)
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
 RESULT = "RESULT "
 PROFILE = "PROFILE "
+ROW = "ROW "  # one attention row, printed as it finishes
 
 
 def tiny(cfg_path: str) -> list[str]:
@@ -266,8 +271,8 @@ def lisa_decode_check(device: str) -> dict:
 def throughput(name: str, steps: int, device: str, micro_batch: int | None, profile_dir: Path | None = None) -> None:
     """Train steps of one family through the DeepSpeed engine (ZeRO-1, one process) and print the
     row's RESULT line. With `profile_dir`, one more step then runs under torch.profiler and a PROFILE
-    line follows (its top operators; the full operator table goes into
-    profile_dir/<report stem>-profile-<row>.txt): a profiler failure cannot cost the row its numbers."""
+    line follows (its top operators; the full operator table is appended to
+    profile_dir/<report stem>-profiles.txt): a profiler failure cannot cost the row its numbers."""
     from launch.plan import plan
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
@@ -337,7 +342,8 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
             step()
             sync()
         profile_dir.mkdir(parents=True, exist_ok=True)
-        (profile_dir / f"{report_stem(device)}-profile-{name.replace(' ', '-')}.txt").write_text(operator_table(prof))
+        with open(profile_dir / f"{report_stem(device)}-profiles.txt", "a") as f:  # one file for every row
+            f.write(f"===== {name} =====\n{operator_table(prof)}\n")
         profiled = {"top_ops": top_operators(prof)}
     except Exception as err:  # noqa: BLE001 - the row keeps its numbers
         profiled = {"profile_error": f"{type(err).__name__}: {err}"}
@@ -348,63 +354,117 @@ def attention_seqs(device: str) -> tuple[int, ...]:
     return (64,) if device == "cpu" else ATTENTION_SEQS
 
 
-def attention_rows(device: str, seq: int) -> dict:
+def attention_rows(device: str, seq: int) -> None:
     """Forward + backward of one attention layer per kind (bf16 on the GPU) and decoding with the KV
-    cache (a softmax layer, then the kind), each beside softmax at sequence `seq`. --device cpu:
-    tiny sizes in fp32, a smoke test."""
+    cache (a softmax layer, then the kind), at sequence `seq`; each kind's ROW line is printed as it
+    finishes (a timeout keeps the rows before it). --device cpu: tiny sizes in fp32, a smoke test."""
     from bench.attention_speed import DECODE_LAYERS, decode_ms_per_token, kept_bytes, time_kind
 
     cpu = device == "cpu"
     dev, dtype = torch.device(device), torch.float32 if cpu else torch.bfloat16
     hidden, heads = (128, 4) if cpu else (2048, 16)
-    rows = {}
     documents = (torch.arange(seq, device=dev) * 4 // seq)[None]
     for kind in ATTENTION_KINDS:
-        row = rows.setdefault(f"{kind} @ {seq}", {"kind": kind, "seq": seq})
+        row = {"kind": kind, "seq": seq}
         base_kind, docs = kind.removesuffix(" docs"), documents if kind.endswith(" docs") else None
         try:
             row["train_ms"] = 1000 * time_kind(base_kind, hidden, heads, seq, 1, 5, dev, docs, dtype=dtype)
             row["kept_mb"] = kept_bytes(base_kind, hidden, heads, seq, 1, dev, docs, dtype=dtype) / 2**20
-            if kind in DECODE_LAYERS:
-                row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
         except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
             row["error"] = f"{type(err).__name__}: {err}"
-        print(f"attention {kind} @ {seq}: {row}", flush=True)
+        if kind in DECODE_LAYERS:
+            try:
+                row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
+            except Exception as err:  # noqa: BLE001 - the training numbers stay
+                row["decode_error"] = f"{type(err).__name__}: {err}"
+        print(ROW + json.dumps(row), flush=True)
+
+
+def with_ratios(rows: dict, seq: int) -> dict:
+    """Each attention row's training and decode time over softmax's (softmax_gqa's for _gqa kinds)."""
     for row in rows.values():
-        base = rows[f"softmax_gqa @ {seq}" if row["kind"].endswith("_gqa") else f"softmax @ {seq}"]
-        if "error" in row or "error" in base:
-            continue
-        row["train_x_softmax"] = row["train_ms"] / base["train_ms"]
-        if "decode_ms_per_token" in row:
+        base = rows.get(f"softmax_gqa @ {seq}" if row["kind"].endswith("_gqa") else f"softmax @ {seq}", {})
+        if "train_ms" in row and "train_ms" in base:
+            row["train_x_softmax"] = row["train_ms"] / base["train_ms"]
+        if "decode_ms_per_token" in row and "decode_ms_per_token" in base:
             row["decode_x_softmax"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
     return rows
 
 
-def run_isolated(name: str, args: argparse.Namespace) -> dict:
-    """One throughput row in a fresh process; a crash or timeout becomes the row's error."""
+def correctness(device: str, names: list[str]) -> dict:
+    """CPU and device losses of each family's tiny fp32 model (the switch rows share their family's)."""
+    result = {}
+    for name in names:
+        cfg_path, overrides = FAMILIES[name]
+        if name.split()[0] in result:
+            continue
+        try:
+            cpu, dev = tiny_losses(cfg_path, overrides, "cpu"), tiny_losses(cfg_path, overrides, device)
+        except Exception as err:  # noqa: BLE001 - reported in the table, the other families still run
+            result[name] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        result[name] = {"cpu": cpu, "device": dev,
+                        "match": all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(cpu, dev))}
+    return result
+
+
+CHECKS = {"correctness": None, "grouped_gemm": grouped_gemm_check, "relu_kernels": relu_kernel_check,
+          "lisa_decode": lisa_decode_check}
+CHECK = "check:"  # run_isolated's name for a check
+
+
+def run_isolated(name: str, args: argparse.Namespace, timeout: float) -> dict:
+    """One part (a check, a throughput row, the attention rows of one length) in a fresh process; a
+    crash or timeout becomes its error, and the attention rows printed before it are kept."""
     from pretrain.distributed import environment_for_child
 
     cmd = [sys.executable, "-m", "bench.gpu_check", "--one", name, "--steps", str(args.steps),
-           "--device", args.device]
+           "--device", args.device, "--families", args.families]
     if args.micro_batch:
         cmd += ["--micro-batch", str(args.micro_batch)]
     cmd += ["--out-dir", args.out_dir, "--profile" if args.profile else "--no-profile"]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout,
-                             env=environment_for_child())
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environment_for_child())
         stdout, stderr, failure = out.stdout, out.stderr, f"exit {out.returncode}"
-    except subprocess.TimeoutExpired as timeout:
+    except subprocess.TimeoutExpired as expired:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        stdout, stderr, failure = text(timeout.stdout), text(timeout.stderr), f"timed out after {args.row_timeout} s"
+        stdout, stderr, failure = text(expired.stdout), text(expired.stderr), f"timed out after {timeout:.0f} s"
     lines = stdout.splitlines()
+    tail = [line for line in (stderr + stdout).splitlines() if line.strip()][-40:]
+    error = {"error": f"{failure}: {tail[-1] if tail else 'no output'}", "log_tail": tail}
+    rows = [json.loads(line[len(ROW):]) for line in lines if line.startswith(ROW)]
+    if name.startswith(ATTENTION_ROW):
+        seq = int(name.removeprefix(ATTENTION_ROW))
+        done = {f"{r['kind']} @ {seq}": r for r in rows}
+        missing = [k for k in ATTENTION_KINDS if f"{k} @ {seq}" not in done]
+        for kind in missing[:1]:  # the kind it was timing when it stopped; the rest never ran
+            done[f"{kind} @ {seq}"] = {"kind": kind, "seq": seq, **error}
+        for kind in missing[1:]:
+            done[f"{kind} @ {seq}"] = {"kind": kind, "seq": seq, "error": "not run: the process ended before it"}
+        return with_ratios(done, seq)
     row = next((json.loads(line[len(RESULT):]) for line in lines if line.startswith(RESULT)), None)
     if row is None:
-        tail = [line for line in (stderr + stdout).splitlines() if line.strip()][-40:]
-        return {"error": f"{failure}: {tail[-1] if tail else 'no output'}", "log_tail": tail}
+        return error
     profiled = next((json.loads(line[len(PROFILE):]) for line in lines if line.startswith(PROFILE)), None)
-    if args.profile:
+    if args.profile and not name.startswith(CHECK):
         row.update(profiled or {"profile_error": f"{failure} while profiling"})
     return row
+
+
+class Deadline:
+    """--deadline: the seconds a part may take, what is left of the run's time (less a reserve for
+    the report), at most its own limit; None once no part fits any more."""
+
+    RESERVE_S, MIN_PART_S = 10, 30
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds if seconds else None
+
+    def budget(self, limit: float) -> float | None:
+        if self.end is None:
+            return limit
+        left = self.end - time.monotonic() - self.RESERVE_S
+        return min(limit, left) if left >= self.MIN_PART_S else None
 
 
 def report_stem(device: str) -> str:
@@ -430,17 +490,17 @@ def markdown(report: dict) -> str:
         else:
             fmt = lambda xs: ", ".join(f"{x:.5f}" for x in xs)  # noqa: E731
             lines.append(f"| {name} | {fmt(c['cpu'])} | {fmt(c['device'])} | {'match' if c['match'] else 'MISMATCH'} |")
-    g = report["grouped_gemm"]
+    g = report.get("grouped_gemm", {"error": "not run"})
     lines += ["", "grouped GEMM vs per-expert loop (bf16, tiny UoE, forward + backward): " + (
         f"ERROR: {g['error']}" if "error" in g else
         f"loss {g['loss_grouped']:.5f} vs {g['loss_per_expert']:.5f}, gradient relative difference "
         f"{g['grad_rel_diff']:.2e} -> {'match' if g['match'] else 'MISMATCH'}")]
-    r = report["relu_kernels"]
+    r = report.get("relu_kernels", {"error": "not run"})
     lines += ["", "Triton ReLU kernels vs the PyTorch path (fp32 against float64, output and gradients): " + (
         f"ERROR: {r['error']}" if "error" in r else
         ", ".join(f"{case} {err:.1e}" for case, err in r["max_rel_error"].items())
         + f" -> {'match' if r['match'] else 'MISMATCH'}")]
-    d = report.get("lisa_decode", {})
+    d = report.get("lisa_decode", {"error": "not run"})
     lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits relative to the "
               "largest; ms per step; the same model with softmax layers only): " + (
                   f"ERROR: {d['error']}" if "error" in d else
@@ -469,8 +529,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {name} | ERROR: {r['error']} | | | | | |")
                 continue
             fmt = lambda key, spec: format(r[key], spec) if key in r else ""  # noqa: E731
+            decode = f"decode ERROR: {r['decode_error']}" if "decode_error" in r else fmt("decode_ms_per_token", ".2f")
             lines.append(f"| {name} | {fmt('train_ms', '.2f')} | {fmt('train_x_softmax', '.2f')} | "
-                         f"{fmt('kept_mb', '.1f')} | {fmt('prefill_ms', '.1f')} | {fmt('decode_ms_per_token', '.2f')} | "
+                         f"{fmt('kept_mb', '.1f')} | {fmt('prefill_ms', '.1f')} | {decode} | "
                          f"{fmt('decode_x_softmax', '.2f')} |")
     profiled = {name: r for name, r in report["throughput"].items() if "top_ops" in r or "profile_error" in r}
     if profiled:
@@ -488,7 +549,12 @@ def main() -> int:
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of: {', '.join(FAMILIES)}")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: tiny fp32 models, a smoke test of this script")
-    parser.add_argument("--row-timeout", type=int, default=300, help="seconds per throughput row")
+    parser.add_argument("--row-timeout", type=int, default=300,
+                        help="seconds per throughput row, and per sequence length of the attention rows")
+    parser.add_argument("--check-timeout", type=int, default=150, help="seconds per correctness or kernel check")
+    parser.add_argument("--deadline", type=float, default=0,
+                        help="seconds the whole check may take (0: no limit); parts that no longer fit are "
+                             "skipped, and the report is written in time")
     parser.add_argument("--out-dir", default="bench/results")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="profile one more step after each row's timed steps (top operators in the report)")
@@ -501,84 +567,82 @@ def main() -> int:
         return 0
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if args.one and args.one.startswith(ATTENTION_ROW):
+    if args.one:
         from pretrain.distributed import destroy_distributed, init_single_process
 
-        init_single_process()
-        rows = attention_rows(args.device, int(args.one.removeprefix(ATTENTION_ROW)))
-        print(RESULT + json.dumps({"rows": rows}), flush=True)
-        destroy_distributed()
-        return 0
-    if args.one:
-        from pretrain.distributed import destroy_distributed
-
-        profile_dir = Path(args.out_dir) if args.profile else None
-        throughput(args.one, args.steps, args.device, args.micro_batch, profile_dir)
+        if args.one.startswith(ATTENTION_ROW):
+            init_single_process()
+            attention_rows(args.device, int(args.one.removeprefix(ATTENTION_ROW)))
+        elif args.one.startswith(CHECK):
+            init_single_process()  # the tiny models build megatron-core layers
+            check = args.one.removeprefix(CHECK)
+            result = (correctness(args.device, args.families.split(",")) if check == "correctness"
+                      else CHECKS[check](args.device))
+            print(RESULT + json.dumps(result), flush=True)
+        else:
+            profile_dir = Path(args.out_dir) if args.profile else None
+            throughput(args.one, args.steps, args.device, args.micro_batch, profile_dir)
         destroy_distributed()
         return 0
     names = args.families.split(",")
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
-    from pretrain.distributed import destroy_distributed, init_single_process
-
-    init_single_process()  # the tiny models below build megatron-core layers
-    report = {"date": datetime.date.today().isoformat(), "environment": environment(args.device),
-              "correctness": {}, "throughput": {}}
-    print(json.dumps(report["environment"], indent=1), flush=True)
-    for name in names:
-        cfg_path, overrides = FAMILIES[name]
-        if name.split()[0] in report["correctness"]:
-            continue  # the switch rows share their family's tiny model
-        try:
-            cpu = tiny_losses(cfg_path, overrides, "cpu")
-            dev = tiny_losses(cfg_path, overrides, args.device)
-        except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
-            report["correctness"][name] = {"error": f"{type(err).__name__}: {err}"}
-            print(f"{name}: ERROR {err}", flush=True)
-            continue
-        ok = all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(cpu, dev))
-        report["correctness"][name] = {"cpu": cpu, "device": dev, "match": ok}
-        print(f"{name}: CPU {cpu} {args.device} {dev} -> {'match' if ok else 'MISMATCH'}", flush=True)
-    try:
-        report["grouped_gemm"] = grouped_gemm_check(args.device)
-    except Exception as err:  # noqa: BLE001 - reported in the table
-        report["grouped_gemm"] = {"error": f"{type(err).__name__}: {err}"}
-    print(f"grouped GEMM vs per-expert (bf16): {report['grouped_gemm']}", flush=True)
-    try:
-        report["relu_kernels"] = relu_kernel_check(args.device)
-    except Exception as err:  # noqa: BLE001 - reported in the table
-        report["relu_kernels"] = {"error": f"{type(err).__name__}: {err}"}
-    print(f"Triton ReLU kernels vs the PyTorch path: {report['relu_kernels']}", flush=True)
-    try:
-        report["lisa_decode"] = lisa_decode_check(args.device)
-    except Exception as err:  # noqa: BLE001 - reported in the table
-        report["lisa_decode"] = {"error": f"{type(err).__name__}: {err}"}
-    print(f"fused LISA decode vs the PyTorch path: {report['lisa_decode']}", flush=True)
-    destroy_distributed()
-    for name in names:
-        report["throughput"][name] = run_isolated(name, args)
-        row = {k: v for k, v in report["throughput"][name].items() if k != "log_tail"}
-        print(name, json.dumps(row), flush=True)
-    if args.attention:  # a process per sequence length too: a kernel fault or timeout costs only its rows
-        report["attention"] = {}
-        for seq in attention_seqs(args.device):
-            result = run_isolated(f"{ATTENTION_ROW}{seq}", args)
-            report["attention"].update(result.get("rows") or {f"all @ {seq}": {"seq": seq, **result}})
-    table = markdown(report)
-    print(table)
+    deadline = Deadline(args.deadline)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = report_stem(args.device)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(table + "\n")
+    (out / f"{stem}-profiles.txt").unlink(missing_ok=True)  # the rows append to it
+    report = {"date": datetime.date.today().isoformat(), "environment": environment(args.device),
+              "correctness": {}, "throughput": {}}
+    if args.attention:
+        report["attention"] = {}
+    print(json.dumps(report["environment"], indent=1), flush=True)
+
+    def save() -> None:  # after every part: a run stopped from outside keeps what was measured
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        (out / f"{stem}.md").write_text(markdown(report) + "\n")
+
+    def part(name: str, limit: float) -> dict:
+        budget = deadline.budget(limit)
+        if budget is None:
+            return {"error": f"skipped: --deadline {args.deadline} s reached"}
+        return run_isolated(name, args, budget)
+
+    save()
+    for check in CHECKS:
+        result = part(CHECK + check, args.check_timeout)
+        if check == "correctness":
+            report["correctness"] = result if "error" not in result else {"all": result}
+        else:
+            report[check] = result
+        print(f"{check}: {json.dumps({k: v for k, v in result.items() if k != 'log_tail'})}", flush=True)
+        save()
+    # What the goals need first, so that a --deadline drops the rest: the families, the attention
+    # kinds at the first length, then the switch rows (compile, grouped GEMM) and the other lengths.
+    seqs = list(attention_seqs(args.device)) if args.attention else []
+    base, switches = [n for n in names if " " not in n], [n for n in names if " " in n]
+    for item in [*base, *seqs[:1], *switches, *seqs[1:]]:
+        if isinstance(item, str):
+            report["throughput"][item] = part(item, args.row_timeout)
+            print(item, json.dumps({k: v for k, v in report["throughput"][item].items() if k != "log_tail"}), flush=True)
+        else:
+            rows = part(f"{ATTENTION_ROW}{item}", args.row_timeout)
+            rows = rows if "error" not in rows else {f"all @ {item}": {"kind": "all", "seq": item, **rows}}
+            report["attention"].update(rows)
+            for name, row in rows.items():
+                print(f"attention {name}: {json.dumps({k: v for k, v in row.items() if k != 'log_tail'})}", flush=True)
+        save()
+    report["throughput"] = {name: report["throughput"][name] for name in names}  # the order asked for
+    print(markdown(report))
     failed = [f"{n} (correctness)" for n, c in report["correctness"].items() if not c.get("match")]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
-    failed += [] if report["grouped_gemm"].get("match") else ["grouped GEMM"]
-    failed += [] if report["relu_kernels"].get("match") else ["Triton ReLU kernels"]
-    failed += [f"attention {n}" for n, r in report.get("attention", {}).items() if "error" in r]
+    failed += [name for check, name in (("grouped_gemm", "grouped GEMM"), ("relu_kernels", "Triton ReLU kernels"),
+                                        ("lisa_decode", "fused LISA decode")) if not report[check].get("match")]
+    failed += [f"attention {n}" for n, r in report.get("attention", {}).items() if "error" in r or "decode_error" in r]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    print(f"wrote {out / stem}.json and .md", flush=True)
     return 1 if failed else 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU validation in one command (under 8 minutes on one H100/H200):
+# GPU validation in one command (pass --deadline to bound it; about 8 minutes on one H100/H200):
 #   environment (GPU, CUDA, NCCL, torch, DeepSpeed), CPU-vs-GPU losses of tiny fp32 models of every
 #   family, then bf16 throughput, TFLOP/s, MFU and peak memory (against the planner's estimate) of
 #   ~1B dense, UoE and hybrid models at seq 2048. Results: bench/results/gpu_check-<date>.{json,md}.
@@ -17,9 +17,10 @@ else
     PY=.venv/bin/python
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if ! "$PY" -c "import deepspeed, megatron.core, yaml" 2>/dev/null; then
-    echo "error: $PY cannot import deepspeed, megatron.core and yaml; install requirements.txt into it" \
-         "(pip install -r requirements.txt) or unset PRETRAIN_PYTHON to use .venv" >&2
+if ! import_error=$("$PY" -c "import deepspeed, megatron.core, yaml" 2>&1); then
+    echo "$import_error" | tail -n 15 >&2
+    echo "error: $PY cannot import deepspeed, megatron.core and yaml (above: why); install requirements.txt" \
+         "into it (pip install -r requirements.txt) or unset PRETRAIN_PYTHON to use .venv" >&2
     exit 2
 fi
 if [[ " $* " != *" --device cpu "* ]] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

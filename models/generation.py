@@ -21,12 +21,9 @@ def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def can_cache(cfg) -> bool:
     """Whether decoding with a KV cache gives what recomputing the context gives: not with ReLU
-    attention's seqlen normaliser (every row's normaliser changes as the sequence grows) nor with
-    expert capacity dropping (which tokens drop depends on the tokens in the forward)."""
-    if cfg.relu_attention.normalizer == "seqlen" and "relu" in cfg.attention_kinds():
-        return False
-    routed = any(cfg.mlp_kind(layer) != "dense" for layer in range(cfg.num_layers))
-    return not (routed and cfg.moe.capacity_factor > 0)
+    attention's seqlen normaliser (every row's normaliser changes as the sequence grows). Expert
+    capacity drops tokens in training only, so it does not matter here."""
+    return not (cfg.relu_attention.normalizer == "seqlen" and "relu" in cfg.attention_kinds())
 
 
 @torch.no_grad()

@@ -165,14 +165,21 @@ class GPT(nn.Module):
         document_ids [batch, seq] (models.attention.masks.document_ids): attend within documents only."""
         logits = self.logits(tokens, {"document_ids": document_ids} if document_ids is not None else None).float()
         z = None
+        metrics = {}
         if self.training and self.z_loss > 0:
             # Before the cross-entropy: megatron's overwrites the logits in place.
             z = self.z_loss * vocab_parallel_logsumexp(logits).square().mean()
-            self.last_metrics = {"z_loss": z.detach()}
+            metrics["z_loss"] = z.detach()
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels).mean()
         if not self.training:
             return loss
-        return loss + self.aux_loss() + (z if z is not None else 0.0)
+        aux = self.aux_loss()
+        if z is not None or torch.is_tensor(aux):
+            # The loss trained on has more parts: the cross-entropy alone compares with val/loss and
+            # with models without them (train/ce_loss).
+            metrics["ce_loss"] = loss.detach()
+        self.last_metrics = metrics
+        return loss + aux + (z if z is not None else 0.0)
 
     def after_optimizer_step(self) -> None:
         """Every layer's own update after an optimizer step (routed layers move their selection

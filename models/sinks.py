@@ -3,7 +3,8 @@
     alpha_1^{l,h} = mean over queries t of A^{l,h}_{t,1}     (weight on the first token)
     Sink_1^eps    = (1/L) sum_l (1/H) sum_h 1(alpha_1^{l,h} > eps),  eps = 0.3
 
-A is the weight each query puts on each value. For softmax it is a probability; for
+A is the weight each query puts on each value. Where the model attends within documents
+(document_ids), "the first token" is the first token of the query's own document. For softmax it is a probability; for
 softmax_sink rows sum to 1 - (weight on the sink logit); for ReLU attention it is the ABSOLUTE
 weight ReLU(s)/n_i. For kernels whose rows need not sum to one the share of the row on the first
 token would call a head that outputs ~0 a sink, so alpha_1 is the absolute weight and the mean
@@ -34,43 +35,61 @@ class SinkStats:
         return (self.alpha1 > eps).float().mean(-1)
 
 
-def head_stats(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(alpha1, row_total, share1), each [heads], from weights [batch, heads, q, k] (or [heads, q, k])."""
+def head_stats(weights: torch.Tensor, starts: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(alpha1, row_total, share1), each [heads], from weights [batch, heads, q, k] (or [heads, q, k]);
+    starts [batch, q]: the key each query counts as its first (its document's start), else key 0."""
     w = weights.float()
     if w.dim() == 3:
         w = w.unsqueeze(0)
-    first = w[..., 0]  # [batch, heads, q]
+    if starts is None:
+        first = w[..., 0]  # [batch, heads, q]
+    else:
+        index = starts[:, None, -w.shape[-2]:, None].expand(*w.shape[:-1], 1)
+        first = w.gather(-1, index.to(w.device)).squeeze(-1)
     total = w.sum(-1)
     share = first / total.clamp_min(1e-12)
     return first.mean((0, 2)), total.mean((0, 2)), share.mean((0, 2))
 
 
-def sink_stats(maps: dict[int, torch.Tensor]) -> SinkStats:
+def sink_stats(maps: dict[int, torch.Tensor], starts: torch.Tensor | None = None) -> SinkStats:
     """Stats over captured maps {layer: [batch, heads, q, k]} (heads as held by this rank)."""
     layers = sorted(maps)
-    per = [head_stats(maps[layer]) for layer in layers]
+    per = [head_stats(maps[layer], starts) for layer in layers]
     return SinkStats(*(torch.stack([p[i] for p in per]) for i in range(3)), layers=layers)
 
 
 @torch.no_grad()
-def capture_attention(model, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Run model.logits on tokens [batch, seq] with capture on; returns {layer: weights} of the
-    layers whose kind exposes its weights (all built-in kinds do). Under tensor parallelism every
-    rank of the group must call it (it runs the forward)."""
+def capture_attention(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+                      ) -> dict[int, torch.Tensor]:
+    """Run model.logits on tokens [batch, seq] with capture on (within documents with
+    document_ids); returns {layer: weights} of the layers whose kind exposes its weights (all
+    built-in kinds do). Under tensor parallelism every rank of the group must call it (it runs the
+    forward)."""
     ctx = {"capture_attention": True}
+    if document_ids is not None:
+        ctx["document_ids"] = document_ids
     model.logits(tokens, ctx)
     return ctx.get("attention_maps", {})
 
 
-def measure(model, tokens: torch.Tensor) -> SinkStats | None:
-    """Sink statistics of the layers that expose their weights; None when none does."""
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] -> the position where each position's document begins (ids never decrease)."""
+    return torch.searchsorted(document_ids.contiguous(), document_ids.contiguous())
+
+
+def measure(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> SinkStats | None:
+    """Sink statistics of the layers that expose their weights; None when none does. With
+    document_ids (a model trained within documents) it attends as trained, and alpha_1 is each
+    query's weight on its own document's first token."""
     was_training = model.training
     model.eval()
     try:
-        maps = capture_attention(model, tokens)
+        maps = capture_attention(model, tokens, document_ids)
     finally:
         model.train(was_training)
-    return sink_stats(maps) if maps else None
+    starts = document_starts(document_ids) if document_ids is not None else None
+    return sink_stats(maps, starts) if maps else None
 
 
 def gather_heads(t: torch.Tensor) -> torch.Tensor:

@@ -296,8 +296,8 @@ def validate(cfg: Config, world_size: int) -> None:
                       ("grad_clip", "no clipping"), ("weight_decay", "none")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0 = {zero})")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} must be > 0 (the peak rate; e.g. 3e-4)")
+    if t.lr < 0:
+        raise ConfigError(f"train.lr={t.lr} must be >= 0 (the peak rate, e.g. 3e-4; 0 keeps the weights)")
     if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
         raise ConfigError(f"train.beta1={t.beta1} and train.beta2={t.beta2} must be in [0, 1) (e.g. 0.9 and 0.95)")
     if cfg.data.num_workers < 0 or cfg.data.num_canonical_nodes < 1:

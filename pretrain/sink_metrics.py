@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from models.attention.masks import document_ids
 from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, gathered, measure, scalars
 from pretrain.trainer import Callback
 
@@ -18,6 +19,7 @@ class SinkMetricsCallback(Callback):
     def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
         seq = min(self.seq, trainer.cfg.model.max_seq_len)
         tokens = trainer.probe_tokens(seq)
-        stats = measure(trainer.model, tokens)  # the same on every rank: all or none of them have maps
+        documents = document_ids(tokens, trainer.document_eos) if trainer.document_eos is not None else None
+        stats = measure(trainer.model, tokens, documents)  # the same on every rank: all or none have maps
         if stats is not None:
             trainer.logger.scalars(step, scalars(gathered(stats), self.eps, self.per_head), prefix="sinks/")

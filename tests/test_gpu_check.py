@@ -30,8 +30,9 @@ def test_cpu_smoke_run_writes_report(tmp_path):
         shares = [op["share"] for op in row["top_ops"]]
         assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9, row["top_ops"]
         assert any("mm" in op["op"] for op in row["top_ops"]), row["top_ops"]  # the model's matmuls
-        profile = report_file.name.replace(".json", f"-profile-{name.replace(' ', '-')}.txt")
-        assert "Self CPU" in (tmp_path / profile).read_text()
+    profiles = (tmp_path / report_file.name.replace(".json", "-profiles.txt")).read_text()
+    assert [line for line in profiles.splitlines() if line.startswith("=====")] == [f"===== {n} =====" for n in names]
+    assert profiles.count("Self CPU") >= len(names)
     assert report["throughput"]["uoe-1b grouped-gemm"]["params_active"] < \
         report["throughput"]["uoe-1b grouped-gemm"]["params_total"]
     assert report["grouped_gemm"]["match"], report["grouped_gemm"]
@@ -53,6 +54,41 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert "| lisa @ 64 |" in table
     assert all(f"| {name} |" in table for name in names)
     assert all(f"- {name}: " in table for name in names)  # the profiled step's top operators
+
+
+def test_a_deadline_skips_what_no_longer_fits_and_still_writes_the_report(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--families", "dense-1b",
+                          "--deadline", "1", "--out-dir", str(tmp_path)], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "failed:" in out.stderr, out.stderr[-2000:]
+    [report_file] = tmp_path.glob("gpu_check-*-cpu-smoke.json")
+    report = json.loads(report_file.read_text())
+    skipped = "skipped: --deadline 1.0 s reached"
+    assert report["throughput"]["dense-1b"]["error"] == skipped and report["lisa_decode"]["error"] == skipped
+    assert "ERROR: skipped" in (tmp_path / report_file.name.replace(".json", ".md")).read_text()
+
+
+def test_attention_rows_finished_before_a_timeout_are_kept(monkeypatch):
+    """The attention process is stopped while timing its third kind: the first two keep their
+    numbers and ratios, the third carries the timeout, the others say they never ran."""
+    import argparse
+
+    from bench import gpu_check
+
+    kinds = gpu_check.ATTENTION_KINDS
+    printed = "".join(gpu_check.ROW + json.dumps({"kind": kind, "seq": 64, "train_ms": ms}) + "\n"
+                      for kind, ms in ((kinds[0], 2.0), (kinds[1], 3.0)))
+
+    def stopped(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"], output=printed.encode(), stderr=b"compiling\n")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", stopped)
+    args = argparse.Namespace(steps=1, device="cpu", families="dense-1b", micro_batch=None, out_dir="/tmp",
+                              profile=False)
+    rows = gpu_check.run_isolated(gpu_check.ATTENTION_ROW + "64", args, timeout=5)
+    assert rows[f"{kinds[0]} @ 64"]["train_x_softmax"] == 1.0 and rows[f"{kinds[1]} @ 64"]["train_ms"] == 3.0
+    assert rows[f"{kinds[2]} @ 64"]["error"].startswith("timed out after 5 s")
+    assert all(rows[f"{k} @ 64"]["error"].startswith("not run") for k in kinds[3:])
 
 
 def test_unknown_family_is_rejected_before_any_work(tmp_path):

@@ -257,6 +257,15 @@ def _reference_suite(rank: int) -> None:
     check_against_reference("moe")
     check_against_reference("moe", shared_hidden_size=0, top_k=1)
     assert check_against_reference("moe", tokens=16, capacity_factor=0.75) > 0
+    # Capacity is a training device: in evaluation the same layer routes every token, as dropless.
+    for kind in ("uoe", "moe"):
+        x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(5))
+        dropping, dropless = build(kind, make_cfg(kind, capacity_factor=0.75)), build(kind, make_cfg(kind))
+        assert dropping(x) is not None and dropping.last_dropped > 0  # training: it drops
+        dropping.eval(), dropless.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(dropping(x), dropless(x))
+        assert dropping.last_dropped == 0
 
 
 def _parallel_suite(rank: int) -> None:

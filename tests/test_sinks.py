@@ -20,6 +20,18 @@ def causal_uniform(t: int) -> torch.Tensor:
     return torch.ones(t, t).tril() / torch.arange(1, t + 1).unsqueeze(1)
 
 
+def test_alpha1_within_documents_reads_each_documents_first_token():
+    from models.sinks import document_starts
+
+    assert document_starts(torch.tensor([[0, 0, 1, 1, 1, 2]])).tolist() == [[0, 0, 2, 2, 2, 5]]
+    # Query 2 begins a new document and puts all its weight on itself: its document's first token.
+    w = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])[None, None]  # [batch, heads, q, k]
+    alpha_plain, _, _ = head_stats(w)
+    alpha_docs, _, _ = head_stats(w, torch.tensor([[0, 0, 2]]))
+    torch.testing.assert_close(alpha_plain, torch.tensor([0.5]))
+    torch.testing.assert_close(alpha_docs, torch.tensor([2.5 / 3]))
+
+
 def test_alpha1_of_known_maps():
     t = 8
     full_sink = torch.zeros(t, t)

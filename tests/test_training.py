@@ -68,6 +68,9 @@ def test_tensor_parallel_training_matches_single_process(data, tmp_path):
           if "train/z_loss" in r} for run in (ref_run, tp_run)]
     assert sorted(z[0]) == list(range(1, STEPS + 1)) and all(v > 0 for v in z[0].values())
     assert z[1] == pytest.approx(z[0], rel=1e-5)
+    for r in map(json.loads, (ref_run / "metrics.jsonl").read_text().splitlines()):  # the loss's parts
+        if "train/loss" in r:
+            assert r["train/ce_loss"] + r["train/z_loss"] == pytest.approx(r["train/loss"], rel=1e-6)
 
 
 def test_resume_reproduces_uninterrupted_losses(data, tmp_path):

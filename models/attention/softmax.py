@@ -27,16 +27,24 @@ def causal_softmax(scores: torch.Tensor, documents: torch.Tensor | None = None) 
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
+# FlexAttention's GPU kernels hold a block of queries and keys in shared memory: wider heads (LISA's
+# score features without grouped-query attention, 528 at the 1B hybrid width) run out of it, so
+# they take the boolean-mask path.
+FLEX_MAX_HEAD_DIM = 256
+
+
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       documents: torch.Tensor | None = None, scale: float | None = None,
                       block_mask=None) -> torch.Tensor:
     """Causal SDPA; k/v may hold fewer (grouped-query) heads than q; scale defaults to
     1 / sqrt(head_dim). Within documents: FlexAttention on GPU when `block_mask` (a function giving
-    the forward's block mask) is passed, else a boolean mask, which the memory-efficient kernels take."""
+    the forward's block mask) is passed and heads are at most FLEX_MAX_HEAD_DIM wide, else a boolean
+    mask, which the memory-efficient kernels take."""
     gqa = k.shape[1] != q.shape[1]
     if documents is None and q.shape[-2] == k.shape[-2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if documents is not None and block_mask is not None and q.is_cuda and q.shape[-2] == k.shape[-2]:
+    if (documents is not None and block_mask is not None and q.is_cuda and q.shape[-2] == k.shape[-2]
+            and q.shape[-1] <= FLEX_MAX_HEAD_DIM):
         return flex_document_attention(q, k, v, block_mask(), scale=scale)
     mask = visible(q.shape[-2], k.shape[-2], q.device, documents)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

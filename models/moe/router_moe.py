@@ -1,7 +1,8 @@
-"""Classic top-k MoE: a learned fp32 linear router, optional shared expert, routed SwiGLU experts.
+"""Classic top-k MoE: a learned linear router (logits in fp32), optional shared expert, routed SwiGLU experts.
 
-Router: logits = x W_r^T in fp32, p = softmax(logits) over all N experts, top-k on p (+ the
-aux-loss-free bias when enabled), weights = the k selected probabilities renormalised to sum to 1
+Router: logits = x W_r^T in fp32 (W_r in the training precision, bf16 on GPUs), p = softmax(logits)
+over all N experts, top-k on log p (+ the aux-loss-free bias when enabled: it multiplies p by e^bias
+for selection), weights = the k selected probabilities renormalised to sum to 1
 (identical to softmax over the k selected logits). The Switch aux loss uses p; the optional router
 z-loss (model.moe.router_z_loss_coef) is coef x mean over tokens of logsumexp(logits)^2.
 The router weight is replicated over tensor-parallel ranks (every TP rank routes the same tokens);

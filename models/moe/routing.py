@@ -47,7 +47,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0  # router MoE: coef x mean(logsumexp(router logits)^2); 0 = off
     bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 = off
-    capacity_factor: float = 0.0  # 0 = dropless
+    capacity_factor: float = 0.0  # training only: 0 = dropless (evaluation and inference always are)
     moe_layers: str = "all"  # "all" or comma-separated layer indices
     grouped_gemm: bool = False  # run each rank's experts as grouped GEMMs (torch._grouped_mm)
 
@@ -215,7 +215,7 @@ class RoutedLayer(nn.Module):
             self.aux_loss = None
         expert_ids = selected
         dropped = 0
-        if self.capacity_factor > 0:
+        if self.capacity_factor > 0 and self.training:  # evaluation and inference route every token
             capacity = math.ceil(T * self.top_k / self.num_experts * self.capacity_factor)
             keep = capacity_mask(selected.reshape(-1), self.num_experts, capacity).view_as(selected)
             expert_ids = torch.where(keep, selected, torch.full_like(selected, -1))

@@ -135,6 +135,15 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
             "model.mlp=uoe needs routing neurons: set model.moe.routing_neurons, or "
             f"model.moe.shared_hidden_size >= num_experts={moe.num_experts} (N_s = shared // experts)"
         )
+    if not moe.routing_neurons and moe.shared_hidden_size % moe.num_experts:
+        raise ConfigError(
+            f"model.moe.shared_hidden_size={moe.shared_hidden_size} is not a multiple of num_experts="
+            f"{moe.num_experts}, so N_s = shared // experts would quietly narrow the virtual shared expert to "
+            f"{routing * moe.num_experts}: choose a multiple, or set model.moe.routing_neurons"
+        )
+    if moe.router_z_loss_coef:
+        raise ConfigError(f"model.moe.router_z_loss_coef={moe.router_z_loss_coef}: UoE has no router; it applies "
+                          "to model.mlp=moe only (set it to 0)")
     if routing * moe.num_experts % sizes.tensor:
         raise ConfigError(
             f"UoE virtual shared expert width {routing * moe.num_experts} (num_experts x routing neurons) "
