@@ -84,20 +84,24 @@ def environment(device: str) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
-           "versions": {name: {"running": versions[name], "pinned": pins.get(name)} for name in PINNED},
-           "code_paths": {"grouped-GEMM experts (torch._grouped_mm)": hasattr(torch, "_grouped_mm"),
-                          "torch.compile": hasattr(torch, "compile")}}
-    if device == "cuda":
-        env.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(),
-                   memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30)
-        try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception as err:  # noqa: BLE001 - reported, not fatal
-            env["nccl"] = f"unavailable ({err})"
-    else:
-        env["gpu"] = f"cpu ({platform.processor() or platform.machine()})"
-    return env
+    return {"python": platform.python_version(), "torch": torch.__version__, "device": device,
+            "versions": {name: {"running": versions[name], "pinned": pins.get(name)} for name in PINNED},
+            "code_paths": {"grouped-GEMM experts (torch._grouped_mm)": hasattr(torch, "_grouped_mm"),
+                           "torch.compile": hasattr(torch, "compile")}}
+
+
+def device_info(device: str) -> dict:
+    """The device, CUDA and NCCL (queried in a part of its own: the orchestrating process never
+    starts CUDA)."""
+    if device != "cuda":
+        return {"gpu": f"cpu ({platform.processor() or platform.machine()})"}
+    info = {"cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+            "memory_gb": torch.cuda.get_device_properties(0).total_memory / 2**30}
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as err:  # noqa: BLE001 - reported, not fatal
+        info["nccl"] = f"unavailable ({err})"
+    return info
 
 
 def tiny_losses(cfg_path: str, overrides: list[str], device: str, steps: int = 3) -> list[float]:
@@ -409,7 +413,7 @@ def correctness(device: str, names: list[str]) -> dict:
 
 
 CHECKS = {"correctness": None, "grouped_gemm": grouped_gemm_check, "relu_kernels": relu_kernel_check,
-          "lisa_decode": lisa_decode_check}
+          "lisa_decode": lisa_decode_check}  # each a part of its own, in this order, after device_info
 CHECK = "check:"  # run_isolated's name for a check
 
 
@@ -480,27 +484,32 @@ def markdown(report: dict) -> str:
     versions = ", ".join(f"{name} {v['running']}" + (f" (pinned {v['pinned']})" if v["running"] != v["pinned"] else "")
                          for name, v in env["versions"].items())
     paths = ", ".join(f"{name}: {'yes' if there else 'no'}" for name, there in env["code_paths"].items())
-    lines = [f"# GPU check {report['date']} on {env['gpu']}", "",
+    lines = [f"# GPU check {report['date']} on {env.get('gpu', 'unknown')}", "",
              f"CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, Python {env['python']}; {versions}", "",
              f"version-dependent code paths: {paths}", "",
              "| correctness (fp32, 3 AdamW steps) | CPU losses | device losses | |", "|---|---|---|---|"]
     for name, c in report["correctness"].items():
-        if "error" in c:
+        if "skipped" in c:
+            lines.append(f"| {name} | | | skipped: {c['skipped']} |")
+        elif "error" in c:
             lines.append(f"| {name} | | | ERROR: {c['error']} |")
         else:
             fmt = lambda xs: ", ".join(f"{x:.5f}" for x in xs)  # noqa: E731
             lines.append(f"| {name} | {fmt(c['cpu'])} | {fmt(c['device'])} | {'match' if c['match'] else 'MISMATCH'} |")
     g = report.get("grouped_gemm", {"error": "not run"})
+    g = {"error": "skipped: " + g["skipped"]} if "skipped" in g else g
     lines += ["", "grouped GEMM vs per-expert loop (bf16, tiny UoE, forward + backward): " + (
         f"ERROR: {g['error']}" if "error" in g else
         f"loss {g['loss_grouped']:.5f} vs {g['loss_per_expert']:.5f}, gradient relative difference "
         f"{g['grad_rel_diff']:.2e} -> {'match' if g['match'] else 'MISMATCH'}")]
     r = report.get("relu_kernels", {"error": "not run"})
+    r = {"error": "skipped: " + r["skipped"]} if "skipped" in r else r
     lines += ["", "Triton ReLU kernels vs the PyTorch path (fp32 against float64, output and gradients): " + (
         f"ERROR: {r['error']}" if "error" in r else
         ", ".join(f"{case} {err:.1e}" for case, err in r["max_rel_error"].items())
         + f" -> {'match' if r['match'] else 'MISMATCH'}")]
     d = report.get("lisa_decode", {"error": "not run"})
+    d = {"error": "skipped: " + d["skipped"]} if "skipped" in d else d
     lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits relative to the "
               "largest; ms per step; the same model with softmax layers only): " + (
                   f"ERROR: {d['error']}" if "error" in d else
@@ -511,6 +520,9 @@ def markdown(report: dict) -> str:
     lines += ["", "| model | params (active) | micro-batch x seq | tokens/s | TFLOP/s | MFU | peak mem GB | "
               "planned GB (plan/meas) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["throughput"].items():
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | | |")
+            continue
         if "error" in r:
             lines.append(f"| {name} | ERROR: {r['error']} | | | | | | |")
             continue
@@ -525,6 +537,9 @@ def markdown(report: dict) -> str:
                   "| kind @ seq | train ms | x softmax | kept MB | prefill ms | decode ms/token | x softmax |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in attention.items():
+            if "skipped" in r:
+                lines.append(f"| {name} | skipped: {r['skipped']} | | | | | |")
+                continue
             if "error" in r:
                 lines.append(f"| {name} | ERROR: {r['error']} | | | | | |")
                 continue
@@ -577,7 +592,7 @@ def main() -> int:
             init_single_process()  # the tiny models build megatron-core layers
             check = args.one.removeprefix(CHECK)
             result = (correctness(args.device, args.families.split(",")) if check == "correctness"
-                      else CHECKS[check](args.device))
+                      else device_info(args.device) if check == "device_info" else CHECKS[check](args.device))
             print(RESULT + json.dumps(result), flush=True)
         else:
             profile_dir = Path(args.out_dir) if args.profile else None
@@ -597,7 +612,6 @@ def main() -> int:
               "correctness": {}, "throughput": {}}
     if args.attention:
         report["attention"] = {}
-    print(json.dumps(report["environment"], indent=1), flush=True)
 
     def save() -> None:  # after every part: a run stopped from outside keeps what was measured
         (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
@@ -606,20 +620,24 @@ def main() -> int:
     def part(name: str, limit: float) -> dict:
         budget = deadline.budget(limit)
         if budget is None:
-            return {"error": f"skipped: --deadline {args.deadline} s reached"}
+            return {"skipped": f"--deadline {args.deadline} s reached"}
         return run_isolated(name, args, budget)
 
+    info = part(CHECK + "device_info", 60)
+    report["environment"].update({k: v for k, v in info.items() if k != "log_tail"} if "gpu" in info
+                                 else {"gpu": f"unknown ({info.get('error') or info.get('skipped')})"})
+    print(json.dumps(report["environment"], indent=1), flush=True)
     save()
     for check in CHECKS:
         result = part(CHECK + check, args.check_timeout)
         if check == "correctness":
-            report["correctness"] = result if "error" not in result else {"all": result}
+            report["correctness"] = result if not {"error", "skipped"} & set(result) else {"all": result}
         else:
             report[check] = result
         print(f"{check}: {json.dumps({k: v for k, v in result.items() if k != 'log_tail'})}", flush=True)
         save()
-    # What the goals need first, so that a --deadline drops the rest: the families, the attention
-    # kinds at the first length, then the switch rows (compile, grouped GEMM) and the other lengths.
+    # Under a --deadline the last parts drop: first the families, the attention kinds at the first
+    # length, then the switch rows (compile, grouped GEMM) and the other lengths.
     seqs = list(attention_seqs(args.device)) if args.attention else []
     base, switches = [n for n in names if " " not in n], [n for n in names if " " in n]
     for item in [*base, *seqs[:1], *switches, *seqs[1:]]:
@@ -628,17 +646,24 @@ def main() -> int:
             print(item, json.dumps({k: v for k, v in report["throughput"][item].items() if k != "log_tail"}), flush=True)
         else:
             rows = part(f"{ATTENTION_ROW}{item}", args.row_timeout)
-            rows = rows if "error" not in rows else {f"all @ {item}": {"kind": "all", "seq": item, **rows}}
+            rows = rows if not {"error", "skipped"} & set(rows) else {f"all @ {item}": {"kind": "all", "seq": item, **rows}}
             report["attention"].update(rows)
             for name, row in rows.items():
                 print(f"attention {name}: {json.dumps({k: v for k, v in row.items() if k != 'log_tail'})}", flush=True)
         save()
     report["throughput"] = {name: report["throughput"][name] for name in names}  # the order asked for
     print(markdown(report))
-    failed = [f"{n} (correctness)" for n, c in report["correctness"].items() if not c.get("match")]
+    # What ran and failed (parts a --deadline skipped are listed apart).
+    failed = [f"{n} (correctness)" for n, c in report["correctness"].items()
+              if not c.get("match") and "skipped" not in c]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
     failed += [name for check, name in (("grouped_gemm", "grouped GEMM"), ("relu_kernels", "Triton ReLU kernels"),
-                                        ("lisa_decode", "fused LISA decode")) if not report[check].get("match")]
+                                        ("lisa_decode", "fused LISA decode"))
+               if not report[check].get("match") and "skipped" not in report[check]]
+    skipped = [name for name, r in [*report["throughput"].items(), *report.get("attention", {}).items(),
+                                    *((c, report[c]) for c in CHECKS if c != "correctness")] if "skipped" in r]
+    if skipped:
+        print(f"skipped (--deadline): {', '.join(skipped)}", flush=True)
     failed += [f"attention {n}" for n, r in report.get("attention", {}).items() if "error" in r or "decode_error" in r]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -19,6 +19,10 @@ class SubmitError(ValueError):
     pass
 
 
+class SubmitUnknown(SubmitError):
+    """sbatch gave no answer: the job may or may not be queued."""
+
+
 def parse_time(text: str) -> int:
     """Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
@@ -56,11 +60,20 @@ def sbatch_lines(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def check_slurm_path(path, what: str) -> None:
+    """A path that goes on an #SBATCH line (--output, --chdir), which cannot hold spaces or '%'."""
+    if re.search(r"[\s%]", str(path)):
+        raise SubmitError(f"{what} {path}: an #SBATCH line cannot take a path with spaces or '%'")
+
+
 def check_repo(repo: Path) -> None:
-    """The jobs run in this checkout (#SBATCH --chdir), a line that cannot hold spaces or '%'."""
-    if re.search(r"[\s%]", str(repo)):
-        raise SubmitError(f"this checkout {repo} has a space or '%' in its path, which #SBATCH --chdir cannot take: "
-                          "move it, or link it from a path without them and run from there")
+    """The jobs run in this checkout (#SBATCH --chdir)."""
+    check_slurm_path(repo, "this checkout (move it, or link it from a path without spaces and run from there):")
+
+
+def check_job_name(name: str, flag: str = "--job-name") -> None:
+    if not name or re.search(r"\s", name):
+        raise SubmitError(f"{flag} {name!r} must be a word without spaces")
 
 
 def submit(args_and_script: list[str]) -> str:
@@ -68,8 +81,8 @@ def submit(args_and_script: list[str]) -> str:
     try:
         res = subprocess.run(["sbatch", "--parsable", *args_and_script], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        raise SubmitError("sbatch did not answer in 120 s; see with squeue whether the job was queued before "
-                          "submitting again") from None
+        raise SubmitUnknown("sbatch did not answer in 120 s, so the job may be queued: look with squeue "
+                            "before submitting again") from None
     if res.returncode != 0:
         raise SubmitError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}")
     return res.stdout.strip().split(";")[0]

@@ -29,7 +29,8 @@ import yaml
 
 from launch import slurm_job
 from launch.entry_points import entry_point
-from launch.sbatch import ACTIVE_STATES, SubmitError, check_repo, parse_time, sbatch_lines, submit
+from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
+                           parse_time, sbatch_lines, submit)
 from pretrain.checkpoint_format import CheckpointError
 from pretrain.config import Config, ConfigError, load_config
 
@@ -95,11 +96,6 @@ def check_args(args: argparse.Namespace, time_s: int) -> int:
     return procs
 
 
-def check_job_name(name: str) -> None:
-    if not name or re.search(r"\s", name):
-        raise SubmitError(f"job name {name!r} must be a word without spaces (--job-name, default run.name)")
-
-
 def check_plugins(modules: list[str]) -> None:
     """The job runs in the repository, so a model.plugins module found here only because it lies in
     the current directory would be missing there."""
@@ -133,9 +129,8 @@ def resolve_config(args: argparse.Namespace, procs: int) -> Config:
             setattr(obj, key, absolute(value))
     cfg.data.mix = [dataclasses.replace(source, shards=absolute(source.shards)) for source in cfg.data.mix]
     cfg.train.resume = "auto"
-    if re.search(r"[\s%]", cfg.run.dir):
-        raise SubmitError(f"run.dir={cfg.run.dir!r}: Slurm's --output cannot take a path with spaces or '%'")
-    check_job_name(args.job_name or cfg.run.name)
+    check_slurm_path(cfg.run.dir, "run.dir=")
+    check_job_name(args.job_name or cfg.run.name, "--job-name" if args.job_name else "the job name (run.name)")
     check_plugins(cfg.model.plugins)
     world = args.nodes * procs
     try:
@@ -233,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     script_path.write_text(script)
     try:
         job_id = submit([str(script_path)])
+    except SubmitUnknown as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except SubmitError as err:
         print(f"error: {err}\nnothing was submitted", file=sys.stderr)
         return 2

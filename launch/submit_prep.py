@@ -30,7 +30,8 @@ from pathlib import Path
 from data_prep import dedup
 from data_prep import parts as P
 from data_prep.build_shards import plan_build
-from launch.sbatch import ACTIVE_STATES, SubmitError, check_repo, parse_time, sbatch_lines, submit
+from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
+                           parse_time, sbatch_lines, submit)
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "prep.sbatch"
@@ -77,10 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def render(args: argparse.Namespace, out: Path, command: str, log: str) -> str:
-    if re.search(r"[\s%]", str(out)):
-        raise SubmitError(f"--out {out}: Slurm's --output cannot take a path with spaces or '%'")
-    if re.search(r"\s", args.job_name):
-        raise SubmitError(f"--job-name {args.job_name!r} must not contain spaces")
+    check_slurm_path(out, "--out")
+    check_job_name(args.job_name)
     values = {"JOB_NAME": args.job_name, "TIME": args.time, "LOG": log, "REPO": str(REPO),
               "REPO_Q": shlex.quote(str(REPO)), "SBATCH_EXTRA": "\n".join(sbatch_lines(args)), "COMMAND": command}
     text = TEMPLATE.read_text().replace(
@@ -190,6 +189,11 @@ def submit_build(args: argparse.Namespace) -> int:
             options += [f"--dependency=afterok:{last}", "--kill-on-invalid-dep=yes"]
         try:
             last = jobs[name] = submit([*options, str(logs / f"{script}.sbatch")])
+        except SubmitUnknown as err:
+            queued = ", ".join(f"{n} job {j}" for n, j in jobs.items()) or "none"
+            print(f"error: {err} (the {name} job; queued before it: {queued}, recorded in {logs / JOBS_FILE})",
+                  file=sys.stderr)
+            return 1
         except SubmitError as err:
             if not jobs:
                 raise
@@ -208,15 +212,19 @@ def cancel_partial_chain(err: SubmitError, failed: str, jobs: dict[str, str], jo
     """sbatch refused a later job of the chain: cancel the ones queued before it, so nothing of this
     submission runs (their record is kept if scancel fails too); returns the exit code."""
     queued = ", ".join(f"{name} job {job}" for name, job in jobs.items())
-    res = subprocess.run(["scancel", *jobs.values()], capture_output=True, text=True, timeout=60)
-    if res.returncode == 0:
+    try:
+        res = subprocess.run(["scancel", *jobs.values()], capture_output=True, text=True, timeout=60)
+        cancelled, why = res.returncode == 0, res.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as scancel_err:
+        cancelled, why = False, str(scancel_err)
+    if cancelled:
         records[-1]["jobs"] = {}
         P.write_json_atomic(jobs_file, {"jobs": records})
         print(f"error: {err} (the {failed} job)\ncancelled the jobs queued before it ({queued}): nothing was "
               "submitted", file=sys.stderr)
         return 2
     print(f"error: {err} (the {failed} job)\nthe jobs queued before it ({queued}) could not be cancelled "
-          f"({res.stderr.strip()}): scancel them before submitting again; they are recorded in {jobs_file}",
+          f"({why}): scancel them before submitting again; they are recorded in {jobs_file}",
           file=sys.stderr)
     return 1
 

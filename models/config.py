@@ -313,8 +313,12 @@ def apply_values(obj, values: dict, prefix: str = "") -> None:
         if name not in names:
             raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}")
         current = getattr(obj, name)
-        if value is None and (dataclasses.is_dataclass(current) or hints[name] in (int, float, str, bool)):
-            # An empty YAML value (`init_from:`, a section with every key commented out): the default.
+        if value is None:
+            # An empty YAML value (`init_from:`, a section with every key commented out): the default,
+            # unless the field says an empty value is ambiguous.
+            field = next((f for f in dataclasses.fields(obj) if f.name == name), None)
+            if field is not None and field.metadata.get("empty"):
+                raise ConfigError(f"{key} is empty: {field.metadata['empty']}")
             value = {} if dataclasses.is_dataclass(current) else default_of(obj, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

@@ -114,7 +114,7 @@ class ParallelConfig:
 
 
 def parse_resume(value, key: str) -> str:
-    """train.resume: auto and none in any case (YAML's None too), else a checkpoint path as given."""
+    """train.resume: auto and none in any case (the text None too), else a checkpoint path as given."""
     text = str(value).strip()
     return text.lower() if text.lower() in ("auto", "none") else text
 
@@ -152,7 +152,9 @@ class TrainConfig:
     log_interval: int = 10
     save_interval: int = 100
     keep_last: int = 3
-    resume: str = field(default="auto", metadata={"parse": parse_resume})  # auto | none | <checkpoint tag directory>
+    resume: str = field(default="auto", metadata={  # auto | none | <checkpoint tag directory>
+        "parse": parse_resume,
+        "empty": "give auto (the newest checkpoint), none (start afresh) or a checkpoint directory"})
     # Weights to start from when there is nothing to resume: a checkpoint of this model at any layout
     # (pretrain.init_from); optimizer, schedule and data start fresh.
     init_from: str = ""

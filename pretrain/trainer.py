@@ -228,7 +228,7 @@ class Trainer:
             with throughput.paused():
                 self._validate(start_step)
             signum = signals.any_rank_received(self.device)
-            if signum:  # interrupted again: the checkpoint still says so; nothing new to save
+            if signum and self.validation_due is not None:  # interrupted again: the checkpoint says so still
                 self._stop_on_signal(start_step, signum, save=False)
                 return step
         if 0 < t.stop_at_step <= start_step:  # e.g. a requeue of the job that stopped there

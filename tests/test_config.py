@@ -16,6 +16,12 @@ def test_yaml_numbers_and_empty_values(tmp_path):
     cfg = load_config(path)
     assert cfg.train.steps == 100000 and cfg.train.init_from == "" and cfg.train.lr == 1e-4
     assert cfg.train.resume == "none"
+    (tmp_path / "null.yaml").write_text("model:\n  attention:\n  plugins:\ntrain:\n  resume:\n")
+    with pytest.raises(ConfigError, match="train.resume is empty: give auto"):  # resume or start afresh?
+        load_config(tmp_path / "null.yaml")
+    (tmp_path / "null.yaml").write_text("model:\n  attention:\n  plugins:\n")
+    empty = load_config(tmp_path / "null.yaml")
+    assert empty.model.attention_kinds() == ["softmax", "softmax"] and empty.model.plugins == []
     assert cfg.eval.downstream_tasks == [] and cfg.profile.start_step == 0
 
 

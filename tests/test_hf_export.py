@@ -302,7 +302,7 @@ def imported(data, dist_env, tmp_path_factory):
     _, vocab = data
     torch.manual_seed(0)
     source = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, bos_token_id=vocab - 2,
-                                          eos_token_id=vocab - 1, **LLAMA)).eval()
+                                          eos_token_id=vocab - 1, pad_token_id=vocab - 3, **LLAMA)).eval()
     with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
         for name, p in source.named_parameters():
             if "norm" in name:
@@ -332,7 +332,7 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     config = json.loads((back / "config.json").read_text())
     assert config["num_key_value_heads"] == 2
     # Without a tokenizer the source config's special ids carry over (not the framework's 1/2/3).
-    assert (config["bos_token_id"], config["eos_token_id"], config.get("pad_token_id")) == (vocab - 2, vocab - 1, None)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (vocab - 2, vocab - 1, vocab - 3)
     from transformers import LlamaForCausalLM
 
     exported = LlamaForCausalLM.from_pretrained(back, dtype=torch.float32)

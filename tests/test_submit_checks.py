@@ -45,7 +45,7 @@ def test_submit_checks_the_command_line_before_the_config(tmp_path, capsys):
     assert code == 2 and "--signal-seconds 900 must be between 1 and the time limit (600 s)" in err, err
     code = main([str(tmp_path / "missing.yaml"), "--nodes", "1", "--cpu-procs-per-node", "1",
                  "--time", "00:10:00", "--job-name", "my run", "--dry-run"])
-    assert code == 2 and "job name 'my run' must be a word without spaces" in capsys.readouterr().err
+    assert code == 2 and "--job-name 'my run' must be a word without spaces" in capsys.readouterr().err
 
 
 def test_submit_makes_every_path_absolute_and_refuses_plugins_of_the_current_directory(
@@ -102,11 +102,35 @@ def test_prep_overwrite_keeps_a_finished_build_when_an_argument_is_wrong(tmp_pat
     (out / "manifest.json").write_text("{}")
     (out / "train").mkdir()
     code = main(prep_args(tmp_path, tok_dir, "--overwrite", "--job-name", "my prep"))
-    assert code == 2 and "--job-name 'my prep' must not contain spaces" in capsys.readouterr().err
+    assert code == 2 and "--job-name 'my prep' must be a word without spaces" in capsys.readouterr().err
     assert (out / "manifest.json").is_file() and (out / "train").is_dir()
     assert main(prep_args(tmp_path, tok_dir, "--tasks", "0")) == 2
     assert "--tasks 0 must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "sbatch_calls").exists()
+
+
+def test_prep_chain_with_an_unanswered_sbatch_keeps_the_queued_jobs_on_record(tmp_path, tok_dir, slurm_bin,
+                                                                              monkeypatch, capsys):
+    import subprocess
+
+    from launch import sbatch
+    from launch.submit_prep import JOBS_FILE, SLURM_DIR, main
+
+    calls, real_run = [], subprocess.run
+
+    def second_times_out(cmd, **kwargs):
+        calls.append(cmd)
+        if len(calls) == 2:
+            raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(sbatch.subprocess, "run", second_times_out)
+    code = main(prep_args(tmp_path, tok_dir, "--dedup", "exact"))
+    err = capsys.readouterr().err
+    assert code == 1 and "may be queued: look with squeue" in err and "hash array job 1001" in err, err
+    assert not (tmp_path / "scancelled").exists()  # the unanswered job may be running: nothing cancelled
+    records = json.loads((tmp_path / "out" / SLURM_DIR / JOBS_FILE).read_text())["jobs"]
+    assert records[-1]["jobs"] == {"hash array": "1001"}
 
 
 def test_prep_chain_refused_half_way_is_cancelled(tmp_path, tok_dir, slurm_bin, monkeypatch, capsys):

@@ -245,7 +245,7 @@ def special_ids(tokenizer_dir: Path | None, meta: dict | None = None) -> dict:
         sp, _ = load_tokenizer(tokenizer_dir)
         ids = {"unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
     elif meta and meta.get("special_ids"):  # an imported model's config: no pad unless it names one
-        ids.update(pad=None, **meta["special_ids"])
+        ids.update({"pad": None, **meta["special_ids"]})
     return {k: None if isinstance(v, int) and v < 0 else v for k, v in ids.items()}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from models.attention.masks import document_ids
 from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, SinkStats, measure
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import Config
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = resolve_checkpoint(args.checkpoint)
     model, cfg, meta = load_model(ckpt)
     tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
-    stats = measure(model, tokens)
+    full = run_config(ckpt)
+    eos = meta.get("eos_id") if full is not None and full.data.document_mask else None
+    stats = measure(model, tokens, document_ids(tokens, eos) if eos is not None else None)  # as training attended
     if stats is None:
         raise ToolError(f"no attention layer of this model ({cfg.attention}) exposes its weights; "
                         "nothing to report")
