@@ -636,8 +636,8 @@ def main() -> int:
             report[check] = result
         print(f"{check}: {json.dumps({k: v for k, v in result.items() if k != 'log_tail'})}", flush=True)
         save()
-    # Under a --deadline the last parts drop: first the families, the attention kinds at the first
-    # length, then the switch rows (compile, grouped GEMM) and the other lengths.
+    # In this order, so that a --deadline drops the last parts: the families, the attention kinds at
+    # the first length, then the switch rows (compile, grouped GEMM) and the other lengths.
     seqs = list(attention_seqs(args.device)) if args.attention else []
     base, switches = [n for n in names if " " not in n], [n for n in names if " " in n]
     for item in [*base, *seqs[:1], *switches, *seqs[1:]]:
