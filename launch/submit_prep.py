@@ -77,9 +77,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def render(args: argparse.Namespace, out: Path, command: str, log: str) -> str:
+def check_script_settings(args: argparse.Namespace, out: Path) -> None:
+    """What the scripts' #SBATCH lines take from the command line."""
     check_slurm_path(out, "--out")
     check_job_name(args.job_name)
+    sbatch_lines(args)  # checks --sbatch-arg
+
+
+def render(args: argparse.Namespace, out: Path, command: str, log: str) -> str:
+    check_script_settings(args, out)
     values = {"JOB_NAME": args.job_name, "TIME": args.time, "LOG": log, "REPO": str(REPO),
               "REPO_Q": shlex.quote(str(REPO)), "SBATCH_EXTRA": "\n".join(sbatch_lines(args)), "COMMAND": command}
     text = TEMPLATE.read_text().replace(
@@ -109,7 +115,7 @@ def submit_build(args: argparse.Namespace) -> int:
         raise SubmitError(f"--tasks {args.tasks} must be >= 1")
     check_repo(REPO)
     out = Path(_absolute(args.out))
-    render(args, out, "", "")  # every check of the scripts' settings, before --overwrite clears anything
+    check_script_settings(args, out)  # before --overwrite clears anything
     if (out / "manifest.json").is_file() and not args.overwrite:
         print(f"{out} is complete already (manifest.json): nothing to submit (--overwrite builds it again)")
         return 0

@@ -298,34 +298,35 @@ def whole_number(value, key: str) -> int:
     return int(number)
 
 
-def default_of(obj, name: str):
-    field = next(f for f in dataclasses.fields(obj) if f.name == name)
+def empty_value(field: dataclasses.Field | None, key: str, section: bool):
+    """What an empty YAML value (`init_from:`, a section with every key commented out) sets: the
+    default, unless the field says an empty value is ambiguous (metadata "empty": the fix)."""
+    if section:
+        return {}
+    if field.metadata.get("empty"):
+        raise ConfigError(f"{key} is empty: {field.metadata['empty']}")
     return field.default if field.default is not dataclasses.MISSING else field.default_factory()
 
 
 def apply_values(obj, values: dict, prefix: str = "") -> None:
     """Set a config dataclass tree from nested {key: value}; sections recurse."""
     hints = typing.get_type_hints(type(obj))
-    parsers = {f.name: f.metadata.get("parse") for f in dataclasses.fields(obj)}
+    fields = {f.name: f for f in dataclasses.fields(obj)}  # registered model sections are not among them
     names = config_keys(obj)
     for name, value in values.items():
         key = f"{prefix}{name}"
         if name not in names:
             raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}")
         current = getattr(obj, name)
+        section = dataclasses.is_dataclass(current)
         if value is None:
-            # An empty YAML value (`init_from:`, a section with every key commented out): the default,
-            # unless the field says an empty value is ambiguous.
-            field = next((f for f in dataclasses.fields(obj) if f.name == name), None)
-            if field is not None and field.metadata.get("empty"):
-                raise ConfigError(f"{key} is empty: {field.metadata['empty']}")
-            value = {} if dataclasses.is_dataclass(current) else default_of(obj, name)
-        if dataclasses.is_dataclass(current):
+            value = empty_value(fields.get(name), key, section)
+        if section:
             if not isinstance(value, dict):
                 raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
             apply_values(current, value, key + ".")
         else:
-            setattr(obj, name, coerce(value, hints[name], key, parsers.get(name)))
+            setattr(obj, name, coerce(value, hints[name], key, fields[name].metadata.get("parse")))
 
 
 def normalise(obj, prefix: str = "") -> None:

@@ -104,14 +104,18 @@ def has_samples(location: dict) -> bool:
     --val-fraction 0 have no val split (older builds: an empty index). A remote split's index is read
     from the cache, else downloaded once (a small file) to a temporary place."""
     index = Path(location["local"]) / "index.json"
-    if not index.is_file() and location["remote"] is not None:
+    if index.is_file():
+        text = index.read_text()
+    elif location["remote"] is None:
+        return False
+    else:
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 CloudDownloader.direct_download(f"{location['remote']}/index.json", os.path.join(tmp, "index.json"))
             except FileNotFoundError:
                 return False
-            return bool(json.loads(Path(tmp, "index.json").read_text())["shards"])
-    return index.is_file() and bool(json.loads(index.read_text())["shards"])
+            text = Path(tmp, "index.json").read_text()
+    return bool(json.loads(text)["shards"])
 
 
 def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:

@@ -227,9 +227,8 @@ class Trainer:
             self.logger.print(f"step {start_step}: running the validation the stop interrupted")
             with throughput.paused():
                 self._validate(start_step)
-            signum = signals.any_rank_received(self.device)
-            if signum and self.validation_due is not None:  # interrupted again: the checkpoint says so still
-                self._stop_on_signal(start_step, signum, save=False)
+            if self.validation_due is not None:  # a signal interrupted it again: the checkpoint says so still
+                self._stop_on_signal(start_step, signals.any_rank_received(self.device), save=False)
                 return step
         if 0 < t.stop_at_step <= start_step:  # e.g. a requeue of the job that stopped there
             self.logger.print(f"resumed at step {start_step}, at or past train.stop_at_step={t.stop_at_step}: "

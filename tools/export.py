@@ -47,7 +47,6 @@ import functools
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -254,15 +253,15 @@ TOKENIZER_PROBES = ("Hello world", "def main(x):\n    return x  # note", " leadi
                     "tab\there\n\nnewlines\n", "naïve café — ünïcode ✓ 🙂", "ﬁne Ｆｕｌｌ width", "x")
 
 
-def hf_tokenizer(tokenizer_dir: Path, add_bos: bool = False):
-    """A LlamaTokenizerFast over the SentencePiece model that encodes like it (ids only, no EOS added;
-    BOS first with `add_bos`: a model trained with data.start_with_bos). Models of this framework have
-    no dummy prefix; an imported one with Llama-2's dummy prefix gets Hugging Face's Llama-2 handling."""
+def hf_tokenizer(tokenizer_dir: Path, sp, meta: dict, add_bos: bool = False):
+    """A LlamaTokenizerFast over the SentencePiece model `sp` of tokenizer_dir (its record `meta`) that
+    encodes like it (ids only, no EOS added; BOS first with `add_bos`: a model trained with
+    data.start_with_bos). Models of this framework have no dummy prefix; an imported one with
+    Llama-2's dummy prefix gets Hugging Face's Llama-2 handling."""
     from transformers import LlamaTokenizerFast
 
-    from data_prep.tokenizer import MODEL_FILE, load_tokenizer
+    from data_prep.tokenizer import MODEL_FILE
 
-    sp, meta = load_tokenizer(tokenizer_dir)
     piece = sp.id_to_piece
     prefix = bool(meta.get("add_dummy_prefix", False))
     return LlamaTokenizerFast(
@@ -283,13 +282,13 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False) -> Non
 
     from data_prep.tokenizer import load_tokenizer
 
-    hf_tokenizer(tokenizer_dir, add_bos).save_pretrained(out)
+    sp, meta = load_tokenizer(tokenizer_dir)
+    hf_tokenizer(tokenizer_dir, sp, meta, add_bos).save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config["model_input_names"] = ["input_ids", "attention_mask"]  # no token_type_ids: generate() refuses them
     config_file.write_text(json.dumps(config, indent=2) + "\n")
-    sp, meta = load_tokenizer(tokenizer_dir)
     loaded = AutoTokenizer.from_pretrained(out)
     for text in TOKENIZER_PROBES:
         want, got = sp.encode(text), loaded(text, add_special_tokens=False)["input_ids"]
@@ -327,8 +326,6 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     if extra_meta["format"] == "remote":
         shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)
-    if tokenizer_dir is not None:
-        save_tokenizer(tokenizer_dir, out, extra_meta.get("add_bos_token", False))
     (out / "export_info.json").write_text(json.dumps(extra_meta, indent=1, default=str))
 
 
@@ -357,28 +354,33 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta) if with_tokenizer else None
     run_cfg = run_config(tag_dir)
     add_bos = bool(run_cfg is not None and run_cfg.data.start_with_bos)  # as the model trained
-    if tokenizer_dir is not None:  # a tokenizer Hugging Face cannot reproduce fails before the weights load
-        with tempfile.TemporaryDirectory() as tmp:
-            save_tokenizer(tokenizer_dir, Path(tmp), add_bos)
-    state, cfg, meta = full_state_dict(tag_dir)
-    heads = split_heads(state, meta.get("heads", []))
-    info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
-            "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
-            "tokenizer": str(tokenizer_dir) if tokenizer_dir else None, "special_ids": meta.get("special_ids")}
-    info["add_bos_token"] = add_bos
-    if fmt == "remote" and registry.mlp_kind(cfg.mlp).routed and cfg.moe.capacity_factor > 0:
-        info["capacity_factor_dropped"] = cfg.moe.capacity_factor
-        print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "
-              "routes every token (dropless), as inference does", file=sys.stderr)
     from pretrain.checkpoint import directory_in_place
 
     with directory_in_place(out) as tmp:
-        write_folder(tmp, cfg, state, DTYPES[dtype], tokenizer_dir, max_shard_size, info)
-        write_heads(tmp, heads, meta, DTYPES[dtype])
+        if tokenizer_dir is not None:  # first: one Hugging Face cannot reproduce fails before the weights load
+            save_tokenizer(tokenizer_dir, tmp, add_bos)
+        write_model(tmp, tag_dir, fmt, dtype, tokenizer_dir, max_shard_size, add_bos)
     if tokenizer_dir is None and with_tokenizer:
         print("warning: the run has no SentencePiece tokenizer.model (data.tokenizer); exported the model "
               "without a tokenizer (pass --tokenizer DIR to add one)", file=sys.stderr)
     return out
+
+
+def write_model(out: Path, tag_dir: Path, fmt: str, dtype: str, tokenizer_dir: Path | None, max_shard_size: str,
+                add_bos: bool) -> None:
+    """The checkpoint's weights (and heads) in Hugging Face's layout, with export_info.json."""
+    state, cfg, meta = full_state_dict(tag_dir)
+    heads = split_heads(state, meta.get("heads", []))
+    info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
+            "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
+            "tokenizer": str(tokenizer_dir) if tokenizer_dir else None, "special_ids": meta.get("special_ids"),
+            "add_bos_token": add_bos}
+    if fmt == "remote" and registry.mlp_kind(cfg.mlp).routed and cfg.moe.capacity_factor > 0:
+        info["capacity_factor_dropped"] = cfg.moe.capacity_factor
+        print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "
+              "routes every token (dropless), as inference does", file=sys.stderr)
+    write_folder(out, cfg, state, DTYPES[dtype], tokenizer_dir, max_shard_size, info)
+    write_heads(out, heads, meta, DTYPES[dtype])
 
 
 @reports_errors()
