@@ -37,6 +37,7 @@ import queue
 import shutil
 import sys
 import time
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -47,7 +48,8 @@ import numpy as np
 
 from data_prep import dedup
 from data_prep import parts as P
-from data_prep.sources import BadInputReport, as_sources, list_files, require_documents
+from data_prep.readers import FileReadError
+from data_prep.sources import ALL_SUFFIXES, BadInputReport, as_sources, list_files, require_documents
 from data_prep.tokenizer import load_tokenizer
 
 SPLITS = ("train", "val")
@@ -61,6 +63,24 @@ PLAN_SETTINGS = ("sources", "text_field", "tokenizer", "tokenizer_sha256", "voca
                  "seed", "compression", "shard_size_limit", "part_bytes", "dedup")
 
 
+# Shard compressions streaming's MDSWriter takes, with their levels ("zstd:7"); checked here, before
+# --overwrite clears a build, without importing streaming (and torch) at planning time.
+COMPRESSION_LEVELS = {"br": range(0, 12), "bz2": range(1, 10), "gz": range(0, 10), "snappy": None,
+                      "zstd": range(1, 23)}
+
+
+def check_compression(compression: str | None) -> str | None:
+    """The shard compression to write with (None: none), or a ValueError naming the choices."""
+    if compression in (None, "", "none"):
+        return None
+    name, _, level = compression.partition(":")
+    levels = COMPRESSION_LEVELS.get(name)
+    if name in COMPRESSION_LEVELS and (not level or (levels is not None and level.isdigit() and int(level) in levels)):
+        return compression
+    choices = ", ".join(f"{n}[:{r.start}-{r.stop - 1}]" if r else n for n, r in COMPRESSION_LEVELS.items())
+    raise ValueError(f"--compression {compression!r}: choose none or one of {choices}")
+
+
 def assign_split(origin: str, seed: int, val_fraction: float) -> str:
     """'val' for a seeded-hash-chosen ``val_fraction`` of origins, else 'train'.
 
@@ -69,7 +89,7 @@ def assign_split(origin: str, seed: int, val_fraction: float) -> str:
     """
     if val_fraction <= 0:
         return "train"
-    h = hashlib.blake2b(f"{seed}\0{origin}".encode(), digest_size=8).digest()
+    h = hashlib.blake2b(f"{seed}\0{origin}".encode("utf-8", "surrogateescape"), digest_size=8).digest()
     return "val" if int.from_bytes(h, "big") / 2**64 < val_fraction else "train"
 
 
@@ -143,9 +163,11 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
     if dedup_mode not in dedup.DEDUP_MODES:
         raise ValueError(f"dedup {dedup_mode!r}: choose one of {', '.join(dedup.DEDUP_MODES)}")
     shard_size = P.parse_size(shard_size_limit)
+    compression = check_compression(compression)
     sp, tok = load_tokenizer(tokenizer_dir)
     srcs = as_sources(sources)
-    files = list_files(srcs)
+    skipped = Counter()
+    files = list_files(srcs, skipped)
     require_documents(srcs, text_field=text_field)
     total = sum(P.file_bytes(f) for f in files)
     part_bytes = P.auto_part_bytes(total) if str(part_size) == "auto" else P.parse_size(part_size)
@@ -154,10 +176,10 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
         "tokenizer_sha256": tok["sha256"], "vocab_size": sp.get_piece_size(), "eos_id": sp.eos_id(),
         "bos_id": sp.bos_id(), "tokenizer_model_type": tok.get("model_type"), "seq_len": seq_len,
         "val_fraction": val_fraction, "seed": seed,
-        "compression": None if compression in (None, "", "none") else compression,
+        "compression": compression,
         "shard_size_limit": shard_size, "part_bytes": part_bytes, "dedup": dedup_mode,
     }
-    plan = {"settings": settings, "files": len(files), "bytes": total,
+    plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common()),
             "parts": [p.to_dict() for p in P.plan_parts(files, part_bytes)]}
     plan["plan_id"] = P.plan_id(plan)
 
@@ -190,18 +212,6 @@ def _tail_path(out_dir: Path, part: P.Part) -> Path:
     return Path(out_dir) / P.MARKER_DIR / f"{part.name}.tail.npz"
 
 
-def _first_occurrences(docs, keep: np.ndarray, dropped: list[int]):
-    """The documents the dedup index keeps (``keep`` is in reading order); counts the others."""
-    for i, doc in enumerate(docs):
-        if i >= len(keep):
-            raise ValueError(f"the source files changed since they were hashed for --dedup exact (more documents "
-                             f"than the {len(keep)} hashed): rebuild with --overwrite")
-        if keep[i]:
-            yield doc
-        else:
-            dropped[0] += 1
-
-
 def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[int, int], None] | None = None) -> dict:
     """Tokenize, pack and write one part; its marker, written last, is returned."""
     from streaming import MDSWriter  # pulls in torch: imported only when shards are written
@@ -225,7 +235,7 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
     docs = P.iter_part_documents(part, s["text_field"], report)
     duplicates = [0]
     if s.get("dedup", "none") == "exact":
-        docs = _first_occurrences(docs, dedup.keep_mask(out_dir, part), duplicates)
+        docs = dedup.first_occurrences(out_dir, part, docs, duplicates)
     for texts, splits in _batches(docs, s["seed"], s["val_fraction"]):
         ids = sp.encode(texts, num_threads=1)  # one thread: the parallelism is across parts
         for x in ids:
@@ -277,11 +287,12 @@ def _load_plan_tokenizer(plan: dict):
 def _init_worker(out_dir: str, plan: dict, progress_queue) -> None:
     # Loaded once per process: the tokenizer cannot be pickled with each task.
     progress_queue.cancel_join_thread()  # progress only: a worker may exit with messages unread
-    _worker.update(out_dir=Path(out_dir), plan=plan, sp=_load_plan_tokenizer(plan), queue=progress_queue)
+    _worker.update(out_dir=Path(out_dir), plan=plan, parts=P.parts_of(plan), sp=_load_plan_tokenizer(plan),
+                   queue=progress_queue)
 
 
 def _in_worker(job: str, index: int):
-    part = P.parts_of(_worker["plan"])[index]
+    part = _worker["parts"][index]
     if job == "hash":
         return dedup.hash_part(_worker["out_dir"], _worker["plan"], part)
     q = _worker["queue"]
@@ -482,6 +493,7 @@ def merge_parts(out_dir) -> dict:
         "documents": sum(stats[x]["documents"] for x in SPLITS),
         "splits": {x: {"path": x, **stats[x]} for x in SPLITS},
         "bad_inputs": report.to_dict(),
+        "skipped_files": plan.get("skipped_files", {}),
     }
     P.write_json_atomic(out_dir / "manifest.json", manifest)
     return manifest
@@ -579,13 +591,17 @@ def main(argv=None) -> int:
                           compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                           text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
                           overwrite=args.overwrite)
+        if plan["skipped_files"]:
+            kinds = ", ".join(f"{suffix} {n}" for suffix, n in plan["skipped_files"].items())
+            print(f"skipped {sum(plan['skipped_files'].values())} files no reader takes ({kinds}); readers take "
+                  f"{' '.join(ALL_SUFFIXES)}")
         if args.plan_only:
             print(f"planned {len(plan['parts'])} parts of {plan['files']} files ({plan['bytes']:,} bytes) "
                   f"in {out / P.PLAN_FILE}")
             return 0
         build_parts(out, workers=args.workers, progress=not args.no_progress, log=log if args.no_progress else None)
         _print_manifest(merge_parts(out), out, time.time() - start)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, FileReadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

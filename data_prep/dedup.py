@@ -8,7 +8,7 @@ Three steps, so that parts can still be built anywhere and in any order:
    (``parts/part-NNNNN.keep.npy``, ``parts/dedup.json`` written last);
 3. building a part skips the documents its mask drops.
 
-Memory of step 2: 16 bytes per document of the corpus (a billion documents: 16 GB).
+Memory of step 2: about 48 bytes per document of the corpus (a billion documents: 48 GB).
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from data_prep import parts as P
+from data_prep.readers import Document
 from data_prep.sources import BadInputReport
 
 INDEX_FILE = "dedup.json"
@@ -59,6 +61,18 @@ def index_done(out_dir: Path, plan: dict) -> bool:
     return marker is not None and marker.get("plan_id") == plan["plan_id"]
 
 
+def first_of_each(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """True at the first occurrence of each (hi, lo) pair. A stable sort by (hi, lo) puts equal
+    pairs together in their original order, so each run's first member is the one to keep."""
+    order = np.lexsort((lo, hi))
+    keep = np.zeros(len(order), dtype=bool)
+    if len(order):
+        sorted_hi, sorted_lo = hi[order], lo[order]
+        keep[order[0]] = True
+        keep[order[1:]] = (sorted_hi[1:] != sorted_hi[:-1]) | (sorted_lo[1:] != sorted_lo[:-1])
+    return keep
+
+
 def build_index(out_dir: Path, plan: dict) -> dict:
     """Step 2: the keep masks of all parts (first occurrence in part order wins); returns the counts."""
     parts = P.parts_of(plan)
@@ -67,20 +81,37 @@ def build_index(out_dir: Path, plan: dict) -> dict:
         raise ValueError(f"{len(missing)} parts of {out_dir} have no document hashes yet (parts "
                          f"{', '.join(map(str, missing[:20]))}): hash them first (build_shards --task)")
     hashes = [np.load(_path(out_dir, p, "hashes")) for p in parts]
+    lengths = [len(h) for h in hashes]
     everything = np.concatenate(hashes) if hashes else np.empty((0, 2), np.uint64)
-    _, first = np.unique(everything.view([("hi", np.uint64), ("lo", np.uint64)]).ravel(), return_index=True)
-    keep = np.zeros(len(everything), dtype=bool)
-    keep[first] = True
+    del hashes
+    keep = first_of_each(everything[:, 0], everything[:, 1])
     offset = 0
-    for part, h in zip(parts, hashes):
-        _save(_path(out_dir, part, "keep"), np.packbits(keep[offset: offset + len(h)]))
-        offset += len(h)
+    for part, n in zip(parts, lengths):
+        _save(_path(out_dir, part, "keep"), np.packbits(keep[offset: offset + n]))
+        offset += n
     counts = {"plan_id": plan["plan_id"], "documents": int(len(keep)), "duplicates": int((~keep).sum())}
     P.write_json_atomic(Path(out_dir) / P.MARKER_DIR / INDEX_FILE, counts)
     return counts
 
 
-def keep_mask(out_dir: Path, part: P.Part) -> np.ndarray:
-    """Step 3: True for the documents of ``part`` to keep, in reading order."""
-    count = len(np.load(_path(out_dir, part, "hashes")))
-    return np.unpackbits(np.load(_path(out_dir, part, "keep")), count=count).astype(bool)
+def first_occurrences(out_dir: Path, part: P.Part, docs: Iterable[Document], dropped: list[int]
+                      ) -> Iterator[Document]:
+    """Step 3: the documents of ``part`` its keep mask keeps, counting the others in dropped[0]. Each
+    document must be the one hashed at its place: a file that changed, or failed to read in one pass
+    and not in the other, would shift every later document against the mask."""
+    hashes = np.load(_path(out_dir, part, "hashes"))
+    keep = np.unpackbits(np.load(_path(out_dir, part, "keep")), count=len(hashes)).astype(bool)
+    stale = (f"{part.name} of {out_dir} reads differently than when it was hashed for --dedup exact "
+             "(a file changed, or one could not be read in one of the passes)")
+    count = 0
+    for count, doc in enumerate(docs, start=1):
+        if count > len(hashes) or text_hash(doc.text) != hashes[count - 1].tobytes():
+            raise ValueError(f"{stale}: document {count} ({doc.origin}) is not the one hashed; if the files "
+                             "are back as they were, rerun the part, else rebuild with --overwrite")
+        if keep[count - 1]:
+            yield doc
+        else:
+            dropped[0] += 1
+    if count != len(hashes):
+        raise ValueError(f"{stale}: {count} documents read, {len(hashes)} hashed; if the files are back as "
+                         "they were, rerun the part, else rebuild with --overwrite")

@@ -11,12 +11,10 @@ pretraining of an imported model needs shards built with its own tokenizer.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
-from data_prep.tokenizer import META_FILE, MODEL_FILE, sha256_file
+from data_prep.tokenizer import MODEL_FILE, install, sha256_file
 
 
 class NotSentencePiece(ValueError):
@@ -64,11 +62,8 @@ def import_tokenizer(model, out_dir, *, overwrite: bool = False) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (MODEL_FILE + ".tmp")
     tmp.write_bytes(model.read_bytes())
-    os.replace(tmp, out_dir / MODEL_FILE)
-    meta.update(sha256=sha256_file(out_dir / MODEL_FILE), imported_from=str(model.resolve()))
-    tmp = out_dir / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, out_dir / META_FILE)
+    meta.update(sha256=sha256_file(tmp), imported_from=str(model.resolve()))
+    install(out_dir, tmp, meta)
     return meta
 
 

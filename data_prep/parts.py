@@ -167,7 +167,7 @@ def marker_path(out_dir: Path, part: Part) -> Path:
 def read_marker(out_dir: Path, part: Part, plan: dict) -> dict | None:
     """The completed part's counts, or None when it is not (or not for this plan) complete."""
     marker = read_json(marker_path(out_dir, part))
-    return marker if marker is not None and marker.get("plan_id") == plan_id(plan) else None
+    return marker if marker is not None and marker.get("plan_id") == plan["plan_id"] else None
 
 
 def tasks_parts(parts: Sequence[Part], task: int, tasks: int) -> list[Part]:

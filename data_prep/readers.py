@@ -9,10 +9,14 @@ row group at a time), so memory stays flat whatever the file size. A bad record 
 a missing, null or non-string text field, bytes that are not UTF-8, a text that is not valid
 Unicode such as a lone surrogate escape) is counted in the report and skipped; a bad file (unreadable,
 truncated, corrupt) is counted once at the place where it broke, and the records before it are kept.
+An input/output error of the file system (EIO, ESTALE, a file gone since it was listed: the
+storage, not the data) raises FileReadError instead, so the caller can try again rather than lose
+the file's documents; a broken link and a file without read permission count as bad files.
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import json
@@ -28,6 +32,26 @@ ALL_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 # Records are read this many rows at a time from a Parquet row group.
 PARQUET_BATCH_ROWS = 1024
+
+
+class FileReadError(RuntimeError):
+    """The file system failed to read a corpus file that is there (see the module doc)."""
+
+
+# Errors that say the file itself cannot be read, whenever it is tried: counted as bad input.
+LASTING_ERRNOS = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG, errno.EISDIR)
+
+
+def check_io(error: BaseException, path: Path) -> None:
+    """Raise FileReadError for a file-system failure on `path`; return for what is the file's own
+    (corrupt data raises OSErrors without an errno, e.g. gzip's BadGzipFile)."""
+    if not isinstance(error, OSError) or error.errno is None or error.errno in LASTING_ERRNOS:
+        return
+    if error.errno == errno.ENOENT and path.is_symlink() and not path.exists():
+        return  # a broken link
+    raise FileReadError(f"could not read {path}: {error.strerror or error} (errno {error.errno}), a failure of the "
+                        "file system, not of the file: run the command again (build_shards retries the parts not "
+                        "complete; if the file is gone for good, plan again with --overwrite)") from error
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,7 @@ def read_text_file(path: Path, report) -> Iterator[Document]:
     try:
         data = path.read_bytes()
     except OSError as e:
+        check_io(e, path)
         report.add(str(path), f"unreadable ({e.strerror or type(e).__name__})")
         return
     try:
@@ -160,6 +185,7 @@ def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
                     continue
                 yield value, where, raw
     except _stream_errors() as e:
+        check_io(e, path)
         # Unopenable file, or a truncated/corrupt compressed stream partway through.
         where = f"{path}:{lineno + 1}" if lineno else str(path)
         report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
@@ -207,6 +233,7 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
         try:
             pf = pq.ParquetFile(path)
         except (OSError, ValueError) as e:
+            check_io(e, path)
             report.add(str(path), f"unreadable ({e})")
             return
         row = 0
@@ -219,6 +246,7 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
                     else:  # every row has every column: a null one is a field this row does not have
                         yield {k: v for k, v in rec.items() if v is not None}, f"{path}:{row}"
         except (OSError, ValueError) as e:
+            check_io(e, path)
             report.add(f"{path}:{row + 1}", f"unreadable ({e})")
         return
     if not has_suffix(path.name, JSONL_SUFFIXES):
@@ -253,6 +281,7 @@ def read_parquet_file(path: Path, text_field: str, report,
     try:
         pf = pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) on a bad footer
+        check_io(e, path)
         report.add(str(path), f"unreadable ({e})")
         return
     schema = pf.schema_arrow
@@ -276,6 +305,7 @@ def read_parquet_file(path: Path, text_field: str, report,
                     elif text:
                         yield Document(text, f"{path}:{row}")
         except (OSError, ValueError) as e:
+            check_io(e, path)
             report.add(f"{path}:{row + 1}", f"unreadable ({e})")
             return
 

@@ -110,9 +110,11 @@ def as_sources(sources: Iterable[str | os.PathLike | Source] | str | os.PathLike
     return out
 
 
-def list_files(sources) -> list[Path]:
+def list_files(sources, skipped: Counter | None = None) -> list[Path]:
     """All corpus files of ``sources`` in a deterministic order, each once (sources that overlap, such
     as a folder and a file or subfolder inside it, would otherwise train on those files twice).
+    Symlinked folders are followed (each real folder once). ``skipped`` counts, by suffix, the files
+    of a folder given with the default suffixes that no reader takes.
 
     A source path that does not exist, or a single file of an unsupported type, is
     an error right away: it is almost always a typo, and finding out after an hour
@@ -122,10 +124,22 @@ def list_files(sources) -> list[Path]:
     for src in as_sources(sources):
         p = src.path
         if p.is_dir():
-            for dirpath, dirnames, filenames in os.walk(p):
-                # Sorting in place also fixes the order os.walk descends in.
-                dirnames[:] = sorted(d for d in dirnames if d not in src.exclude_dirs)
-                files += [Path(dirpath) / f for f in sorted(filenames) if has_suffix(f, src.suffixes)]
+            seen = {os.path.realpath(p)}
+            for dirpath, dirnames, filenames in os.walk(p, followlinks=True):
+                # Sorting in place also fixes the order os.walk descends in; a folder reached again
+                # through a link (a link to an ancestor would loop) is left out.
+                kept = []
+                for d in sorted(dirnames):
+                    real = os.path.realpath(os.path.join(dirpath, d))
+                    if d not in src.exclude_dirs and real not in seen:
+                        seen.add(real)
+                        kept.append(d)
+                dirnames[:] = kept
+                for f in sorted(filenames):
+                    if has_suffix(f, src.suffixes):
+                        files.append(Path(dirpath) / f)
+                    elif skipped is not None and src.suffixes == ALL_SUFFIXES:
+                        skipped["".join(Path(f).suffixes[-2:]) or f] += 1
         elif p.exists() or p.is_symlink():
             if not has_suffix(p.name, ALL_SUFFIXES):
                 raise ValueError(f"unsupported corpus file {p}: expected one of {', '.join(ALL_SUFFIXES)}")

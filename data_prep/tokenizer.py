@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 MODEL_FILE = "tokenizer.model"
@@ -19,6 +20,20 @@ SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 
 def sha256_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def install(out_dir: Path, model_tmp: Path, meta: dict) -> None:
+    """Move a model written to model_tmp into out_dir with its record, the record last: an interrupted
+    install leaves no record beside a model it does not describe (load_tokenizer then says so)."""
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    os.replace(model_tmp, out_dir / MODEL_FILE)
+    write_atomic(out_dir / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
 
 
 def load_tokenizer(tokenizer_dir):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import json
 import random
 import sys
 import time
@@ -35,8 +34,9 @@ from typing import Iterable, Iterator
 
 import sentencepiece as spm
 
+from data_prep.readers import FileReadError
 from data_prep.sources import BadInputReport, Document, as_sources, iter_documents, require_documents
-from data_prep.tokenizer import META_FILE, MODEL_FILE, SPECIAL_IDS, sha256_file
+from data_prep.tokenizer import META_FILE, MODEL_FILE, SPECIAL_IDS, install, sha256_file, write_atomic
 
 # SentencePiece silently drops training sentences longer than this many bytes.
 MAX_SENTENCE_BYTES = 4192
@@ -137,19 +137,18 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
                          f"({stats['sentences']} lines read): {e}") from e
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Write to a temporary name first so an interrupted run never leaves a
-    # half-written model that later looks valid.
+    # The model under a temporary name until install() moves it in with its record.
     tmp = out_dir / (MODEL_FILE + ".tmp")
     tmp.write_bytes(model.getvalue())
-    tmp.replace(out_dir / MODEL_FILE)
-    origins = "".join(d.origin + "\n" for d in sample)
-    (out_dir / SAMPLE_FILE).write_text(origins)
-    sp = spm.SentencePieceProcessor(model_file=str(out_dir / MODEL_FILE))
+    # surrogateescape: file names that are not UTF-8 come back as they were listed
+    origins = "".join(d.origin + "\n" for d in sample).encode("utf-8", "surrogateescape")
+    write_atomic(out_dir / SAMPLE_FILE, origins)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp))
     meta = {
         "vocab_size": sp.get_piece_size(),
         "unk_id": sp.unk_id(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id(), "pad_id": sp.pad_id(),
         "model_type": model_type,
-        "sha256": sha256_file(out_dir / MODEL_FILE),
+        "sha256": sha256_file(tmp),
         "byte_fallback": True,
         "normalization": "identity",
         "add_dummy_prefix": False,
@@ -158,10 +157,10 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
         "training": {**stats, "max_sentences": max_sentences, "max_doc_chars": max_doc_chars, "seed": seed,
                      "sample": {"method": "reservoir", "size": sample_docs, "documents": len(sample),
                                 "origins": SAMPLE_FILE,
-                                "origins_sha256": hashlib.sha256(origins.encode()).hexdigest()}},
+                                "origins_sha256": hashlib.sha256(origins).hexdigest()}},
         "bad_inputs": report.to_dict(),
     }
-    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    install(out_dir, tmp, meta)
     return meta
 
 
@@ -193,7 +192,7 @@ def main(argv=None) -> int:
                                max_doc_chars=args.max_doc_chars,
                                seed=args.seed, overwrite=args.overwrite, text_field=args.text_field,
                                bad_inputs=report, progress=not args.no_progress)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, FileReadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t = meta["training"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -64,10 +65,31 @@ def collate_fn(cfg: Config):
 
 
 def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
+    """Where a StreamingDataset reads a source's split: remote shards into the local cache; local
+    compressed shards into the cache too (decompressed there, see compressed_split), and local
+    uncompressed shards in place."""
+    cache_root = Path(cfg.data.cache or os.path.join("/tmp/pretrain-cache", cfg.run.name))
     if "://" in source.shards:
-        cache = Path(cfg.data.cache or os.path.join("/tmp/pretrain-cache", cfg.run.name)) / source.name / split
-        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(cache)}
-    return {"remote": None, "local": str(Path(source.shards) / split)}
+        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(cache_root / source.name / split)}
+    directory = Path(source.shards) / split
+    fingerprint = compressed_split(directory)
+    if fingerprint:
+        return {"remote": str(directory), "local": str(cache_root / f"{source.name}-{fingerprint}" / split)}
+    return {"remote": None, "local": str(directory)}
+
+
+def compressed_split(directory: Path) -> str | None:
+    """A fingerprint of a local split's index when its shards are compressed, else None. Read in
+    place, streaming would decompress each shard next to it: into the dataset's folder, which may
+    be read-only, and from every node at once under one temporary name. Such a split is read
+    through the cache instead (node-local, under a name that changes when the shards are rebuilt)."""
+    index = directory / "index.json"
+    if not index.is_file():
+        return None
+    text = index.read_bytes()
+    if not any(shard.get("compression") for shard in json.loads(text).get("shards", [])):
+        return None
+    return hashlib.sha256(text + str(index.stat().st_mtime_ns).encode()).hexdigest()[:12]
 
 
 def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
@@ -104,14 +126,17 @@ def has_samples(location: dict) -> bool:
     --val-fraction 0 have no val split (older builds: an empty index). A remote split's index is read
     from the cache, else downloaded once (a small file) to a temporary place."""
     index = Path(location["local"]) / "index.json"
+    remote = location["remote"]
+    if not index.is_file() and remote is not None and "://" not in remote:
+        index = Path(remote) / "index.json"  # local shards read through the cache
     if index.is_file():
         text = index.read_text()
-    elif location["remote"] is None:
+    elif remote is None or "://" not in remote:
         return False
     else:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                CloudDownloader.direct_download(f"{location['remote']}/index.json", os.path.join(tmp, "index.json"))
+                CloudDownloader.direct_download(f"{remote}/index.json", os.path.join(tmp, "index.json"))
             except FileNotFoundError:
                 return False
             text = Path(tmp, "index.json").read_text()
@@ -151,13 +176,16 @@ def load_val_batches(cfg: Config) -> list[torch.Tensor]:
 
 def read_samples(location: str | Path, count: int) -> torch.Tensor:
     """The first `count` samples [count, seq + 1] of one split directory, in order, wrapping
-    around a small split (for tools that read shards outside training)."""
+    around a small split (for tools that read shards outside training). Compressed shards are
+    decompressed into a temporary folder, not next to themselves."""
     clean_shared_memory_once()
-    dataset = StreamingDataset(local=str(location), shuffle=False, batch_size=1)
-    n = len(dataset)
-    if n == 0:
-        raise ValueError(f"{location} holds no samples")
-    return _collate([dataset[i % n] for i in range(count)])
+    with tempfile.TemporaryDirectory(prefix="pretrain-samples-") as tmp:
+        where = {"remote": str(location), "local": tmp} if compressed_split(Path(location)) else {"local": str(location)}
+        dataset = StreamingDataset(**where, shuffle=False, batch_size=1)
+        n = len(dataset)
+        if n == 0:
+            raise ValueError(f"{location} holds no samples")
+        return _collate([dataset[i % n] for i in range(count)])
 
 
 def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

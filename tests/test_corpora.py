@@ -329,6 +329,13 @@ def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, to
     assert bs.main(args + ["--task", "1"]) == 0
     assert bs.main(["--out", str(out), "--dedup-index"]) == 0
     assert "4 of 9 documents are duplicates" in capsys.readouterr().out
+    # A file that reads differently than when hashed fails its part instead of shifting the mask.
+    f0 = corpus / "f0.jsonl"
+    hashed = f0.read_text()
+    f0.write_text("".join(json.dumps({"text": t}) + "\n" for t in (a, c)))
+    assert bs.main(args + ["--task", "0"]) != 0
+    assert "document 2 (" in capsys.readouterr().err and P.status(out)["done"] == []
+    f0.write_text(hashed)
     for task in ("0", "1"):
         assert bs.main(args + ["--task", task]) == 0
     assert bs.main(["--out", str(out), "--merge"]) == 0

@@ -114,3 +114,30 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
         local = load_config(None, [f"data.shards={full}/shards", *base])
         got, want = load_val_sets(remote)[""], load_val_sets(local)[""]
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_local_compressed_shards_decompress_into_the_cache(tmp_path):
+    """Read in place, streaming would write each decompressed shard next to its .zstd file (a
+    read-only dataset fails; nodes sharing the folder race on one temporary name). They go to the
+    cache, under a name that changes when the shards are rebuilt."""
+    import shutil
+
+    from pretrain.config import load_config
+    from pretrain.data import build_loader, load_val_sets, read_samples
+    from tests.dist_utils import single_process_group
+
+    root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
+    shards = root / "shards"
+    cfg = load_config(None, [f"data.shards={shards}", "train.micro_batch=4", "model.max_seq_len=32",
+                             "train.eval_batches=2", f"data.cache={tmp_path}/cache"])
+    with single_process_group():
+        first = torch.cat(list(build_loader(cfg, "train", shuffle=False)))
+        val = torch.cat(load_val_sets(cfg)[""])
+    assert torch.equal(read_samples(shards / "val", 8), val)
+    assert first.shape == (16, 33) and len(list(shards.rglob("*.mds.zstd"))) == 2
+    assert not list(shards.rglob("*.mds")) and len(list((tmp_path / "cache").rglob("*.mds"))) == 2
+    shutil.rmtree(shards)
+    write_synthetic_shards(tmp_path / "data", train=16, val=8, seed=500)  # rebuilt in place
+    with single_process_group():
+        again = torch.cat(list(build_loader(cfg, "train", shuffle=False)))
+    assert again.shape == first.shape and not torch.equal(again, first)

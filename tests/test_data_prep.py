@@ -2,8 +2,10 @@
 
 import gzip
 import json
+import os
 import random
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -281,3 +283,86 @@ def test_existing_shards_need_overwrite(tmp_path, tok_dir):
     again = bs.build_shards([src], tok_dir, out, overwrite=True, **kw)
     assert again == first and not (out / "train" / "stale.mds").exists()
     assert len(read_split(out / "train")) == first["splits"]["train"]["samples"]
+
+
+def test_file_names_that_are_not_utf8(tmp_path, tok_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # origins "corpus/NAME": the split below does not depend on tmp_path
+    corpus = Path("corpus")
+    corpus.mkdir()
+    rng = random.Random(3)
+    names = [os.fsdecode(b"caf\xe9.txt"), "plain.txt"]  # a Latin-1 name, as old archives have
+    for i, name in enumerate(names):
+        (corpus / name).write_text(make_text(rng, 30) + f" doc{i}\n")
+    seed = next(s for s in range(100) if {bs.assign_split(f"corpus/{n}", s, 0.5) for n in names} == {"train", "val"})
+    m = bs.build_shards([corpus], tok_dir, "out", seq_len=8, val_fraction=0.5, seed=seed, workers=1)
+    assert m["documents"] == 2 and m["bad_inputs"]["count"] == 0
+    meta = tt.train_tokenizer([corpus], "tok", vocab_size=300, num_threads=1)
+    origins = Path("tok", tt.SAMPLE_FILE).read_bytes()
+    assert b"corpus/caf\xe9.txt\n" in origins and meta["training"]["sample"]["documents"] == 2
+    tok.load_tokenizer("tok")
+
+
+def test_bad_compression_refused_before_overwrite(tmp_path, tok_dir):
+    src = tmp_path / "a.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    out = tmp_path / "out"
+    first = bs.build_shards([src], tok_dir, out, seq_len=8, val_fraction=0, workers=1, compression="zstd:7")
+    for bad in ("zst", "zstd:30", "gz:x"):
+        with pytest.raises(ValueError, match=f"--compression '{bad}': choose none or one of .*zstd"):
+            bs.build_shards([src], tok_dir, out, seq_len=8, val_fraction=0, workers=1, compression=bad,
+                            overwrite=True)
+    assert json.loads((out / "manifest.json").read_text()) == first  # the finished build is kept
+
+
+def test_symlinked_folders_followed_and_other_files_counted(tmp_path, tok_dir, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    rng = random.Random(4)
+    (real / "a.jsonl").write_text(json.dumps({"text": make_text(rng, 30)}) + "\n")
+    (real / "b.json").write_text("{}")
+    (real / "c.jsonl.bz2").write_bytes(b"BZh")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "web").symlink_to(real)
+    (corpus / "web-again").symlink_to(real)  # the same folder twice: listed once
+    (corpus / "loop").symlink_to(corpus)  # a link to an ancestor must not loop
+    (corpus / "d.txt").write_text(make_text(rng, 30))
+    skipped = Counter()
+    assert list_files([corpus], skipped) == [corpus / "d.txt", corpus / "web" / "a.jsonl"]
+    assert skipped == {".json": 1, ".jsonl.bz2": 1}
+    out = tmp_path / "out"
+    assert bs.main(["--sources", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", "8",
+                    "--val-fraction", "0", "--workers", "1", "--no-progress"]) == 0
+    assert "skipped 2 files no reader takes (.json 1, .jsonl.bz2 1)" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["documents"] == 2 and manifest["skipped_files"] == {".json": 1, ".jsonl.bz2": 1}
+
+
+def test_a_file_system_error_fails_the_part_for_a_rerun(tmp_path, tok_dir, monkeypatch, capsys):
+    import errno
+
+    from data_prep import parts as P
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(6)
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).write_text(make_text(rng, 30))
+    flaky = corpus / "b.txt"
+    real_read = Path.read_bytes
+
+    def failing_read(path):
+        if path == flaky:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", failing_read)
+    args = ["--sources", str(corpus), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "out"), "--seq-len", "8",
+            "--val-fraction", "0", "--workers", "1", "--no-progress"]
+    assert bs.main(args) == 2
+    assert f"could not read {flaky}: Input/output error" in capsys.readouterr().err
+    assert P.status(tmp_path / "out")["done"] == []  # not complete: its documents are not lost
+    monkeypatch.setattr(Path, "read_bytes", real_read)
+    assert bs.main(args) == 0  # the same command retries it
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["documents"] == 2 and manifest["bad_inputs"]["count"] == 0
