@@ -89,6 +89,12 @@ def validate_post(cfg: PostTrainConfig) -> None:
     # Pretraining keys the post-training loss does not apply: refused rather than ignored.
     if cfg.train.z_loss:
         raise ConfigError(f"train.z_loss={cfg.train.z_loss} is not applied in post-training; set train.z_loss=0")
+    if cfg.data.start_with_bos and not p.add_bos:
+        raise ConfigError("data.start_with_bos=true: post-training starts its examples with BOS by post.add_bos; "
+                          "set post.add_bos=true (as the pretraining samples began) or data.start_with_bos=false")
+    if "relu" in cfg.model.attention_kinds() and cfg.model.relu_attention.normalizer == "seqlen":
+        raise ConfigError("model.relu_attention.normalizer=seqlen divides by the padded row length, so an example's "
+                          "loss would depend on the others in its micro-batch; post-train with prefix or content")
     if cfg.data.document_mask:
         raise ConfigError("data.document_mask=true is for pretraining shards; post-training masks each example "
                           "itself (post.packing): set data.document_mask=false")

@@ -40,7 +40,7 @@ TURN_MARK = "<extra_id_1>"
 def _rating(value, low: int, high: int, name: str) -> float:
     try:
         rating = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer too large for a float
         raise BadRecord(f"{name} rating {value!r} is not a number") from None
     if not low <= rating <= high:
         raise BadRecord(f"{name} rating {rating:g} is outside {low}-{high}")

@@ -44,6 +44,7 @@ class PostTrainModel(GPT):
     def forward(self, batch: dict) -> torch.Tensor:
         metrics: dict[str, torch.Tensor] = {}
         trained = batch["trained"][:, 1:]
+        prompt_aux = None
         if self.method == "sft":
             loss = losses.sft_loss(self._logprobs(self, batch), trained)
         else:
@@ -53,6 +54,7 @@ class PostTrainModel(GPT):
                                         batch["scores"])
                 loss = loss + self.mse_weight * mse
                 metrics["value_mse"] = mse.detach()
+                prompt_aux = self.aux_loss()  # the routers' balance on the prompts; the next forward replaces it
             policy = losses.sequence_logprobs(self._logprobs(self, batch), trained)
             with torch.no_grad():
                 reference = losses.sequence_logprobs(self._logprobs(self._reference[0], batch), trained)
@@ -63,5 +65,6 @@ class PostTrainModel(GPT):
             metrics.update(dpo_loss=dpo.detach(), **dpo_metrics)
         if self.training:
             self.last_metrics = metrics
-            return loss + self.aux_loss()
+            aux = self.aux_loss()
+            return loss + (aux if prompt_aux is None else (prompt_aux + aux) / 2)
         return loss

@@ -204,7 +204,7 @@ class Pruner:
 
     def beam(self) -> tuple[State, list[dict]]:
         """Keep the beam_width best acceptable states; each step expands every one into `branches`
-        candidates (its ranking's first, second, ... slice)."""
+        candidates (its ranking's first, second, ... slice). Returns the best state any step found."""
         started = time.perf_counter()
         base = self.score_state(self.empty())
         history: list[dict] = []
@@ -226,6 +226,10 @@ class Pruner:
                 break
             children.sort(key=lambda s: s.scores["objective"])  # stable: ties keep the expansion order
             beams = children[:self.config.beam_width]
+            if beams[0].scores["objective"] >= best.scores["objective"]:
+                # Every child improves on its parent, not always on the best state of an earlier step.
+                self.log(f"step {step}: no state better than the best so far; the beam searches on")
+                continue
             best = beams[0]
             self.apply(best)
             if self._done(self._record(history, step, best, started)):

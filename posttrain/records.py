@@ -93,8 +93,9 @@ def scored_preference(rec: dict) -> Pair:
         raise BadRecord("'scores' must map each objective to a number in [0, 1]")
     checked = {}
     for name, value in scores.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not 0 <= value <= 1:
+        # The range first: an integer too large for a float (JSON allows one) makes isfinite raise.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1 \
+                or not math.isfinite(value):
             raise BadRecord(f"scores[{name!r}]={value!r} is not a number in [0, 1]")
         checked[str(name)] = float(value)
     return Pair(pair.prompt, pair.chosen, pair.rejected, checked)

@@ -64,7 +64,12 @@ class PostTrainTask(Task):
             raise ConfigError(f"post.add_bos=true but the tokenizer {cfg.data.tokenizer} has no BOS; set post.add_bos=false")
         # What the run started from: on a resume the reference and objectives the run began with.
         resume = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
-        resumed = checkpoint_format.read_meta(resume).get("posttrain", {}) if resume is not None else {}
+        resumed_meta = checkpoint_format.read_meta(resume) if resume is not None else {}
+        if resume is not None and "posttrain" not in resumed_meta and resumed_meta.get("optimizer_state") is not False:
+            raise ConfigError(f"run.dir={cfg.run.dir} holds a pretraining run ({resume.name}): post-training would "
+                              "resume its optimizer, learning-rate schedule and step; give that checkpoint as "
+                              "train.init_from and choose a new run.dir")
+        resumed = resumed_meta.get("posttrain", {})
         start = Path(resumed["reference"]) if resumed.get("reference") else \
             check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
         self.reference = start
@@ -82,12 +87,20 @@ class PostTrainTask(Task):
                               f"on each data-parallel rank ({cfg.train.micro_batch} x {dp}); add examples or lower "
                               "train.micro_batch")
         if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
-            raise ConfigError(f"post.data (or post.max_len, post.packing, the chat or score format) differs from what the "
+            raise ConfigError(f"post.data (or post.max_len, post.packing, train.seed, the chat or score format) differs "
+                              "from what the "
                               f"run in {cfg.run.dir} was training on, so it cannot resume its position; restore them, "
                               "or start a new run.dir")
         self.val_data = Examples(cfg, cfg.post.val_data, encoder, self.train_data.objectives)
+        if cfg.post.val_data and not self.val_data.units:
+            raise ConfigError(f"post.val_data={cfg.post.val_data} holds no usable {cfg.post.method} example "
+                              f"({self.val_data.too_long} too long for post.max_len; {self.val_data.report.summary()})")
         self.pad_id = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
-        return {"tokenizer_sha256": tokenizer["sha256"], "eos_id": sp.eos_id()}
+        # Examples start with BOS: recorded as pretraining records it, so generate, evaluate and export
+        # (which read data.start_with_bos and the checkpoint's bos_id) add it too.
+        cfg.data.start_with_bos = cfg.post.add_bos
+        return {"tokenizer_sha256": tokenizer["sha256"], "eos_id": sp.eos_id(),
+                **({"bos_id": sp.bos_id()} if cfg.post.add_bos else {})}
 
     def build_model(self, cfg: PostTrainConfig) -> torch.nn.Module:
         from posttrain.model import PostTrainModel
@@ -150,11 +163,15 @@ class PostTrainTask(Task):
     def trainer(self, cfg, engine, batches, val_sets, logger, meta, callbacks):
         from pretrain.distributed import device
 
-        data = self.train_data
-        logger.print(f"{cfg.post.method}: {len(data.units)} training "
-                     f"{'rows' if cfg.post.method == 'sft' else 'pairs'} from {', '.join(cfg.post.data)} "
-                     f"({data.too_long} longer than {example_length(cfg) - 1} tokens dropped); {data.report.summary()}"
-                     + (f"; objectives {', '.join(data.objectives)}" if cfg.post.method == "sga" else ""))
+        kind = "rows" if cfg.post.method == "sft" else "pairs"
+        for name, data, files in (("training", self.train_data, cfg.post.data), ("validation", self.val_data,
+                                                                                cfg.post.val_data)):
+            if files:
+                logger.print(f"{cfg.post.method}: {len(data.units)} {name} {kind} from {', '.join(files)} "
+                             f"({data.too_long} longer than {example_length(cfg) - 1} tokens dropped); "
+                             f"{data.report.summary()}")
+        if cfg.post.method == "sga":
+            logger.print(f"sga: objectives {', '.join(self.train_data.objectives)}")
         return PostTrainer(cfg, engine, batches, val_sets, logger, device(), meta, callbacks)
 
 

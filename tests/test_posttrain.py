@@ -202,6 +202,29 @@ def test_sga_value_head_loss_and_conditioning_text():
     assert model.last_metrics["dpo_loss"].item() != pytest.approx(math.log(2), abs=1e-4)
 
 
+def test_sga_of_a_moe_model_balances_the_routers_on_both_forwards():
+    from models.gpt import GPT
+    from posttrain.model import PostTrainModel
+    from pretrain.config import load_config
+
+    batch = collate_pairs([_pair(random.Random(2), 4, 3, 2, (0.25, 0.5)), _pair(random.Random(3), 6, 2, 5, (1.0, 0.0))],
+                          pad_id=3)
+    head = {"hidden_size": 64, "objectives": ["length", "keyword"], "layers": 2, "width": 32, "dropout": 0.0}
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**MODEL, **UOE, "model.moe.aux_loss_coef": 0.5}.items()]).model
+    with single_process_group():
+        torch.manual_seed(4)
+        model = PostTrainModel(cfg, "sga", beta=0.1, dpo_weight=0.5, mse_weight=10.0, value_head=head)
+        model.set_reference(GPT(cfg))
+        loss = model(batch)
+        without_aux = 0.5 * model.last_metrics["dpo_loss"] + 10.0 * model.last_metrics["value_mse"]
+        model.predict_scores(batch["prompt_tokens"], batch["prompt_last"])
+        on_prompts = model.aux_loss()
+        model._logprobs(model, batch)
+        on_pairs = model.aux_loss()
+    assert float((on_prompts - on_pairs).detach().abs()) > 1e-4  # two different balances
+    torch.testing.assert_close(loss, without_aux + (on_prompts + on_pairs) / 2, rtol=1e-5, atol=1e-6)
+
+
 def other_rank_next(units, collate, state):
     rank0 = ExampleBatches(units, collate, micro_batch=3, dp_rank=0, dp_size=2, seed=5)
     rank0.load_state_dict(state)
@@ -245,6 +268,46 @@ def test_config_errors_name_the_key(files):
     assert "post.packing" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.packing=true")
     assert "post.method" in check(f"train.init_from={files / 'init.pt'}", "post.method=ppo")
     assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{score}>")
+    assert "post.add_bos=true" in check(f"train.init_from={files / 'init.pt'}", "data.start_with_bos=true")
+    assert "normalizer=seqlen" in check(f"train.init_from={files / 'init.pt'}", "model.attention=sr",
+                                        "model.relu_attention.normalizer=seqlen")
+
+
+def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records_bos(files, tok_dir, tmp_path):
+    from posttrain.config import PostTrainConfig
+    from posttrain.train import PostTrainTask
+    from pretrain.checkpoint import save_weights_run
+    from pretrain.checkpoint_format import COMPLETE
+    from pretrain.config import load_config
+
+    base = [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}", f"post.data={files / 'sft.jsonl'}",
+                                                     f"train.init_from={files / 'init.pt'}"]
+
+    def check(*extra):
+        cfg = load_config(None, base + list(extra), PostTrainConfig)
+        return cfg, PostTrainTask().check(cfg, 1)
+
+    cfg, meta = check(f"run.dir={tmp_path / 'bos'}", "post.add_bos=true")
+    assert cfg.data.start_with_bos and meta["bos_id"] == 1  # what generate, evaluate and export read
+    assert "bos_id" not in check(f"run.dir={tmp_path / 'plain'}")[1]
+    (tmp_path / "bad.jsonl").write_text("{broken\n")
+    with pytest.raises(ConfigError, match="post.val_data=.* holds no usable sft example"):
+        check(f"run.dir={tmp_path / 'val'}", f"post.val_data={tmp_path / 'bad.jsonl'}")
+    pretrained = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}"])
+    with single_process_group():
+        tag = save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "pretrained", {})
+    marker = json.loads((tag / COMPLETE).read_text())
+    check(f"run.dir={tmp_path / 'pretrained'}")  # weights without an optimizer (a pruned model) resume
+    (tag / COMPLETE).write_text(json.dumps({k: v for k, v in marker.items() if k != "optimizer_state"}))
+    with pytest.raises(ConfigError, match="holds a pretraining run .*train.init_from"):
+        check(f"run.dir={tmp_path / 'pretrained'}")
+
+
+def build_gpt(cfg):
+    from models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(cfg)
 
 
 # ---- converters
@@ -268,6 +331,8 @@ def test_helpsteer2_pairs_ties_and_bad_rows(tmp_path):
          "verbosity": 3},
         {"prompt": "A", "response": "too high", "helpfulness": 5, "correctness": 3, "coherence": 3,
          "complexity": 3, "verbosity": 3},
+        {"prompt": "A", "response": "huge", "helpfulness": 10**400, "correctness": 3, "coherence": 3,
+         "complexity": 3, "verbosity": 3},  # valid JSON, too large for a float
         {"prompt": "Hi<extra_id_1>Assistant\nHello!<extra_id_1>User\nTell me more", "response": "m1",
          "helpfulness": 4, "correctness": 4, "coherence": 4, "complexity": 2, "verbosity": 2},
         {"prompt": "Hi<extra_id_1>Assistant\nHello!<extra_id_1>User\nTell me more", "response": "m2",
@@ -279,7 +344,11 @@ def test_helpsteer2_pairs_ties_and_bad_rows(tmp_path):
     result = convert("helpsteer2", [str(src)], tmp_path / "out.jsonl")
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert result["pairs"] == 2 and result["ties"] == 1 and result["single_response"] == 1
-    assert result["bad"]["count"] == 3  # non-numeric, out of range, malformed JSON
+    assert result["bad"]["count"] == 4  # non-numeric, out of range, too large, malformed JSON
+    from posttrain.records import BadRecord, scored_preference
+
+    with pytest.raises(BadRecord, match=r"scores\['h'\]=.* is not a number in \[0, 1\]"):
+        scored_preference({"prompt": "p", "chosen": "a", "rejected": "b", "scores": {"h": 10**400}})
     first = out[0]
     assert (first["prompt"], first["chosen"], first["rejected"]) == ("A", "a-best", "a-worst")
     assert first["scores"] == {"helpfulness": 1.0, "correctness": 1.0, "coherence": 1.0, "complexity": 0.25,
@@ -483,5 +552,9 @@ def test_sga_objectives_keep_the_starting_checkpoints_order(files, encoder, tmp_
     assert ordered.units[1].scores.tolist() == [0.5, 0.25]
     assert ordered.units[0].scores.tolist() == [rows[0]["scores"]["keyword"], rows[0]["scores"]["length"]]
     assert ordered.report.count == 1 and "not the objectives" in ordered.report.examples[0]
+    # The pairs the policy is trained on carry the scores; the value head's raw prompt does not.
+    unit, sp = ordered.units[1], encoder.sp
+    assert "scores: <keyword_score:0.5> and <length_score:0.25>" in sp.decode(unit.chosen.ids.tolist())
+    assert "scores:" not in sp.decode(unit.raw_prompt) and len(unit.raw_prompt) < len(unit.chosen.ids)
     first = Examples(cfg, [str(data)], encoder, None)  # without a checkpoint's: the first record's order
     assert first.objectives == ["length", "keyword"] and first.fingerprint() != ordered.fingerprint()

@@ -71,7 +71,7 @@ def test_experts_are_attributed_from_the_rows_routed_to_them():
         norms = InputNorms(model)
         rms = norms.collect(model, [batch])
         tokens = {t.name: t.tokens for t in norms.targets}
-    responses = int(batch["trained"][:, :-1].sum())
+    responses = int(batch["trained"][:, 1:].sum())  # inputs whose next token is trained
     experts = [n for n in rms if ".deepspeed_experts." in n]
     assert len(experts) == 2 * 2 * 4  # 2 layers x 4 experts x (w_in, w_out)
     # top-2 routing: every response token reaches two experts of each layer
@@ -126,6 +126,48 @@ def test_beam_of_width_one_is_greedy_and_steps_keep_their_promises():
     # The first beam step ranks the greedy step among its children: it is at least as good.
     assert wide_history[1]["objective"] <= greedy_history[1]["objective"] + 1e-9
     assert isinstance(wide_state, State) and wide_state.pruned() == wide_history[-1]["pruned"]
+
+
+class ScriptedPruner(Pruner):
+    """Pruner's search over a scripted tree instead of a model: step k's branch b prunes weight
+    2k + b, and `objectives` gives each state (the weights it prunes) its objective; a state not
+    listed is worse than its parent (not acceptable)."""
+
+    def __init__(self, objectives: dict[tuple, float], config: SearchConfig):
+        self.config, self.log, self.measure_unsafe, self.objectives = config, lambda *a: None, None, objectives
+        self.originals = {"w": torch.zeros(8)}
+        self.total = 8
+
+    def apply(self, state):
+        pass
+
+    def ranking(self, state):
+        return {}
+
+    def score_state(self, state):
+        pruned = tuple(state.masks["w"].nonzero().flatten().tolist())
+        objective = self.objectives.get(pruned, 10.0)
+        state.scores = {"ce_safe": 1.0, "ce_unsafe": -objective, "utility": 1.0, "objective": objective,
+                        "sparsity": len(pruned) / 8}
+        return state
+
+
+def test_beam_returns_the_best_state_of_any_step(monkeypatch):
+    import posttrain.pruning as pruning
+
+    def scripted_select(ranking, masks, count, skip, layer_cap):
+        w = masks["w"].clone()
+        w[2 * int(w.sum()) + skip] = True
+        return {"w": w}
+
+    monkeypatch.setattr(pruning, "select", scripted_select)
+    # Step 1: A = (0,) 0.5 and B = (1,) 0.6. Step 2: A's children are rejected, B's child (1, 2)
+    # improves on B (0.55) but not on A, which stays the best.
+    objectives = {(): 1.0, (0,): 0.5, (1,): 0.6, (1, 2): 0.55}
+    config = SearchConfig(step_ratio=0.1, steps=2, beam_width=2, branches=2)
+    best, history = ScriptedPruner(objectives, config).beam()
+    assert best.masks["w"].nonzero().flatten().tolist() == [0]
+    assert [h["objective"] for h in history] == [1.0, 0.5]
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +315,8 @@ def test_evaluation_batches_are_never_padded_past_the_model_positions():
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--utility", "no_such_chat.jsonl"], "no such file: --utility no_such_chat.jsonl"),
     (["--target-unsafe-rate", "0.05"], "--target-unsafe-rate measures the answers to prompts"),
+    (["--one-shot", "0.3", "--pool", "0.2"], "--one-shot 0.3 cannot be reached within --pool 0.2"),
+    (["--shards", "no_shards"], "--shards no_shards: neither"),
 ])
 def test_prune_unsafe_refuses_bad_arguments_before_loading(tmp_path, capsys, extra, message):
     from tools.prune_unsafe import main
@@ -284,3 +328,23 @@ def test_prune_unsafe_refuses_bad_arguments_before_loading(tmp_path, capsys, ext
     assert main(argv + extra) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_prune_unsafe_refuses_to_delete_its_source_and_an_empty_utility_set(tmp_path, tok_dir, capsys):
+    from data_prep.tokenizer import load_tokenizer
+    from pretrain.checkpoint import save_weights_run
+    from pretrain.config import load_config
+    from tools.prune_unsafe import main
+
+    cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}"])
+    with single_process_group():
+        save_weights_run(build(seed=4), cfg, tmp_path / "base", {"tokenizer_sha256": load_tokenizer(tok_dir)[1]["sha256"]})
+    responses = tmp_path / "r.jsonl"
+    responses.write_text(json.dumps({"prompt": "p", "response": "r", "label": "safe"}) + "\n")
+    argv = ["--checkpoint", str(tmp_path / "base"), "--responses", str(responses)]
+    assert main(argv + ["--out", str(tmp_path), "--overwrite"]) == 2
+    assert "holds the checkpoint being pruned" in capsys.readouterr().err
+    assert (tmp_path / "base").is_dir()
+    (tmp_path / "chat.jsonl").write_text("{not json\n" + json.dumps({"messages": "none"}) + "\n")
+    assert main(argv + ["--out", str(tmp_path / "out"), "--utility", str(tmp_path / "chat.jsonl")]) == 2
+    assert "holds no usable example" in capsys.readouterr().err

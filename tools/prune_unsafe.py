@@ -144,12 +144,25 @@ def main(argv: list[str] | None = None) -> int:
                         "FILE (and a labeller), or leave --target-unsafe-rate at 0")
     if not 0 < args.step_ratio < 1 or not 0 < args.layer_cap <= 1 or not 0 < args.pool <= 1:
         raise ToolError("--step-ratio must be in (0, 1), --layer-cap and --pool in (0, 1]")
+    # One shot takes its ranking's first weights: at most --pool of each layer, at most --layer-cap.
+    limits = [f"--{flag} {getattr(args, flag.replace('-', '_'))}" for flag in ("pool", "layer-cap")
+              if args.one_shot > getattr(args, flag.replace("-", "_"))]
+    if limits and args.method != "random":
+        raise ToolError(f"--one-shot {args.one_shot} cannot be reached within {' and '.join(limits)} (each layer's "
+                        "share that may be pruned): raise them, or lower --one-shot")
+    if args.shards:
+        from tools.evaluate import split_dir
+
+        split_dir(args.shards, "val")  # checked before the model loads and the answers are sampled
     config = SearchConfig(args.method, args.pool, args.step_ratio, args.layer_cap, args.steps,
                           args.beam_width if args.search == "beam" else 1,
                           args.branches if args.search == "beam" else 1, args.safe_budget, args.utility_budget,
                           args.target_unsafe_rate, args.objective)
     started = time.perf_counter()
     tag_dir = resolve_checkpoint(args.checkpoint)
+    if args.overwrite and out.resolve() in (tag_dir.resolve(), *tag_dir.resolve().parents):
+        raise ToolError(f"--out {out} holds the checkpoint being pruned ({tag_dir}); --overwrite would delete it: "
+                        "choose another directory")
     meta = read_meta(tag_dir)
     sp = run_tokenizer(tag_dir, args.tokenizer, meta)
     chat = meta.get("posttrain", {}).get("chat")
@@ -178,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             labelled += [(m, r, label, half) for (m, r), label in zip(answers, sampler.label(answers))]
     if args.eval_prompts:
         heldout_prompts = labels.read_prompts(args.eval_prompts, report)
+        if not heldout_prompts:
+            raise ToolError(f"--eval-prompts {' '.join(args.eval_prompts)} holds no usable prompt ({report.summary()})")
     sets = {"calibration": {"unsafe": [], "safe": []}, "heldout": {"unsafe": [], "safe": []}}
     for messages, response, label, half in labelled:
         kind = "unsafe" if label == "unsafe" else "safe"
@@ -189,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     utility_rows = [r for r in utility_rows if len(r.ids) <= cfg.max_seq_len + 1]
     if too_long:
         print(f"--utility: {len(too_long)} examples longer than model.max_seq_len={cfg.max_seq_len} left out")
+    if args.utility and not utility_rows:
+        raise ToolError(f"--utility {' '.join(args.utility)} holds no usable example within model.max_seq_len="
+                        f"{cfg.max_seq_len} ({report.summary()}): the utility guard would be left out")
     counts = {split: {k: len(v) for k, v in part.items()} for split, part in sets.items()}
     if min(min(c.values()) for c in counts.values()) == 0:
         raise ToolError(f"need unsafe and safe responses in both halves, got {counts}; "
