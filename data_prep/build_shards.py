@@ -73,9 +73,8 @@ def check_compression(compression: str | None) -> str | None:
     """The shard compression to write with (None: none), or a ValueError naming the choices."""
     if compression in (None, "", "none"):
         return None
-    name, _, level = compression.partition(":")
-    levels = COMPRESSION_LEVELS.get(name)
-    if name in COMPRESSION_LEVELS and (not level or (levels is not None and level.isdigit() and int(level) in levels)):
+    known = {f"{name}:{level}" for name, levels in COMPRESSION_LEVELS.items() for level in levels or ()}
+    if compression in COMPRESSION_LEVELS or compression in known:
         return compression
     choices = ", ".join(f"{n}[:{r.start}-{r.stop - 1}]" if r else n for n, r in COMPRESSION_LEVELS.items())
     raise ValueError(f"--compression {compression!r}: choose none or one of {choices}")
@@ -179,7 +178,7 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
         "compression": compression,
         "shard_size_limit": shard_size, "part_bytes": part_bytes, "dedup": dedup_mode,
     }
-    plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common()),
+    plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common(20)),
             "parts": [p.to_dict() for p in P.plan_parts(files, part_bytes)]}
     plan["plan_id"] = P.plan_id(plan)
 
@@ -212,8 +211,11 @@ def _tail_path(out_dir: Path, part: P.Part) -> Path:
     return Path(out_dir) / P.MARKER_DIR / f"{part.name}.tail.npz"
 
 
-def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[int, int], None] | None = None) -> dict:
-    """Tokenize, pack and write one part; its marker, written last, is returned."""
+def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[int, int], None] | None = None,
+               skip_unreadable: bool = False) -> dict:
+    """Tokenize, pack and write one part; its marker, written last, is returned. A file-system error
+    reading a file raises FileReadError (the part is left incomplete), or with ``skip_unreadable``
+    counts the file as unreadable."""
     from streaming import MDSWriter  # pulls in torch: imported only when shards are written
 
     s = plan["settings"]
@@ -222,7 +224,7 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
     eos = s["eos_id"]
     marker_file = P.marker_path(out_dir, part)
     marker_file.unlink(missing_ok=True)
-    report = BadInputReport()
+    report = BadInputReport(count_io_errors=skip_unreadable)
     stats = {split: {"documents": 0, "tokens": 0, "samples": 0} for split in SPLITS}
     packers = {split: SamplePacker(sample_len, dtype) for split in SPLITS}
     writers = {}
@@ -284,28 +286,29 @@ def _load_plan_tokenizer(plan: dict):
     return sp
 
 
-def _init_worker(out_dir: str, plan: dict, progress_queue) -> None:
+def _init_worker(out_dir: str, plan: dict, progress_queue, skip_unreadable: bool) -> None:
     # Loaded once per process: the tokenizer cannot be pickled with each task.
     progress_queue.cancel_join_thread()  # progress only: a worker may exit with messages unread
     _worker.update(out_dir=Path(out_dir), plan=plan, parts=P.parts_of(plan), sp=_load_plan_tokenizer(plan),
-                   queue=progress_queue)
+                   queue=progress_queue, skip_unreadable=skip_unreadable)
 
 
 def _in_worker(job: str, index: int):
-    part = _worker["parts"][index]
+    part, skip = _worker["parts"][index], _worker["skip_unreadable"]
     if job == "hash":
-        return dedup.hash_part(_worker["out_dir"], _worker["plan"], part)
+        return dedup.hash_part(_worker["out_dir"], _worker["plan"], part, skip)
     q = _worker["queue"]
-    return build_part(_worker["out_dir"], _worker["plan"], part, _worker["sp"], lambda d, t: q.put((d, t)))
+    return build_part(_worker["out_dir"], _worker["plan"], part, _worker["sp"], lambda d, t: q.put((d, t)), skip)
 
 
-def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, bar, done: Callable) -> None:
+def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, bar, done: Callable,
+         skip_unreadable: bool) -> None:
     """``job`` (hash | build) for each part of ``todo`` in ``workers`` processes; ``done`` gets each result."""
     if workers == 1:
         sp = _load_plan_tokenizer(plan) if job == "build" else None
         for part in todo:
-            done(dedup.hash_part(out_dir, plan, part) if job == "hash"
-                 else build_part(out_dir, plan, part, sp, lambda d, t: bar.update(t)))
+            done(dedup.hash_part(out_dir, plan, part, skip_unreadable) if job == "hash"
+                 else build_part(out_dir, plan, part, sp, lambda d, t: bar.update(t), skip_unreadable))
         return
     _load_plan_tokenizer(plan)  # here, so that a bad tokenizer is reported as such, not as a broken pool
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -313,7 +316,7 @@ def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, 
     # An executor, not a Pool: a worker that dies (the OOM killer) breaks it with an error, where a
     # Pool would wait for that task forever.
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(str(out_dir), plan, progress_queue))
+                               initargs=(str(out_dir), plan, progress_queue, skip_unreadable))
     try:
         pending = {pool.submit(_in_worker, job, p.index): p.index for p in todo}
         while pending:
@@ -340,7 +343,8 @@ def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, 
 
 
 def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | None = None,
-                progress: bool = False, log: Callable[[str], None] | None = None) -> list[int]:
+                progress: bool = False, log: Callable[[str], None] | None = None,
+                skip_unreadable: bool = False) -> list[int]:
     """Build the parts ``indices`` (default: all) of the plan in ``out_dir`` that are not complete yet,
     in ``workers`` processes; returns the indices built. ``log`` gets one line per finished part.
 
@@ -360,7 +364,8 @@ def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | Non
     if plan["settings"].get("dedup", "none") == "exact" and not dedup.index_done(out_dir, plan):
         to_hash = [p for p in chosen if not dedup.hashes_done(out_dir, p)]
         with tqdm(total=len(to_hash), unit="part", desc="hashing", disable=not progress) as bar:
-            _run("hash", out_dir, plan, to_hash, min(workers, max(len(to_hash), 1)), bar, lambda n: bar.update(1))
+            _run("hash", out_dir, plan, to_hash, min(workers, max(len(to_hash), 1)), bar, lambda n: bar.update(1),
+                 skip_unreadable)
         if log:
             log(f"hashed the documents of {len(to_hash)} parts ({len(chosen) - len(to_hash)} were done)")
         if indices is not None:
@@ -385,7 +390,7 @@ def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | Non
     finished.count = 0
 
     with tqdm(unit="tok", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
-        _run("build", out_dir, plan, todo, min(workers, len(todo)), bar, finished)
+        _run("build", out_dir, plan, todo, min(workers, len(todo)), bar, finished, skip_unreadable)
     return [p.index for p in todo]
 
 
@@ -503,13 +508,14 @@ def build_shards(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/sha
                  val_fraction: float = 0.01, *, workers: int | None = None, overwrite: bool = False,
                  compression: str | None = "zstd", shard_size_limit: int | str = "64mb", seed: int = 0,
                  text_field: str = "text", part_size: int | str = "auto", dedup_mode: str = "none",
+                 skip_unreadable: bool = False,
                  progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Plan, build every part on this machine and merge: ``sources`` (None = default corpus) into
     ``out_dir``; returns the manifest."""
     plan_build(sources, tokenizer_dir, out_dir, seq_len, val_fraction, compression=compression,
                shard_size_limit=shard_size_limit, seed=seed, text_field=text_field, part_size=part_size,
                dedup_mode=dedup_mode, overwrite=overwrite)
-    build_parts(out_dir, workers=workers, progress=progress, log=log)
+    build_parts(out_dir, workers=workers, progress=progress, log=log, skip_unreadable=skip_unreadable)
     return merge_parts(out_dir)
 
 
@@ -548,6 +554,8 @@ def main(argv=None) -> int:
     p.add_argument("--dedup", choices=dedup.DEDUP_MODES, default="none",
                    help="exact: drop documents whose text appeared before (in part order), across the whole build")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--skip-unreadable", action="store_true",
+                   help="count a file the file system fails to read (EIO...) as unreadable instead of stopping")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--plan-only", action="store_true", help="write plan.json and stop (for a cluster build)")
     mode.add_argument("--task", type=int, default=None,
@@ -572,7 +580,8 @@ def main(argv=None) -> int:
                 raise FileNotFoundError(f"no {P.PLAN_FILE} in {out}: plan the build first with --plan-only")
             mine = P.tasks_parts(P.parts_of(plan), args.task, args.tasks)
             log(f"task {args.task} of {args.tasks}: parts {[x.index for x in mine]}")
-            build_parts(out, [x.index for x in mine], workers=args.workers, progress=False, log=log)
+            build_parts(out, [x.index for x in mine], workers=args.workers, progress=False, log=log,
+                        skip_unreadable=args.skip_unreadable)
             return 0
         if args.merge:
             _print_manifest(merge_parts(out), out, time.time() - start)
@@ -593,15 +602,23 @@ def main(argv=None) -> int:
                           overwrite=args.overwrite)
         if plan["skipped_files"]:
             kinds = ", ".join(f"{suffix} {n}" for suffix, n in plan["skipped_files"].items())
-            print(f"skipped {sum(plan['skipped_files'].values())} files no reader takes ({kinds}); readers take "
-                  f"{' '.join(ALL_SUFFIXES)}")
+            print(f"skipped files no reader takes, by suffix ({kinds}); readers take {' '.join(ALL_SUFFIXES)}")
         if args.plan_only:
             print(f"planned {len(plan['parts'])} parts of {plan['files']} files ({plan['bytes']:,} bytes) "
                   f"in {out / P.PLAN_FILE}")
             return 0
-        build_parts(out, workers=args.workers, progress=not args.no_progress, log=log if args.no_progress else None)
+        build_parts(out, workers=args.workers, progress=not args.no_progress, log=log if args.no_progress else None,
+                    skip_unreadable=args.skip_unreadable)
         _print_manifest(merge_parts(out), out, time.time() - start)
-    except (FileNotFoundError, FileExistsError, ValueError, FileReadError) as e:
+    except FileReadError as e:
+        plan = P.read_plan(out) or {}
+        skip = ("rerun with --skip-unreadable to count it as unreadable" if plan.get("settings", {}).get("dedup")
+                != "exact" else "rebuild with --overwrite --skip-unreadable (with --dedup exact the documents "
+                "were hashed, and a file skipped now would no longer match)")
+        print(f"error: {e}; the parts not complete are retried then. A file that fails every time: restore it, "
+              f"or {skip}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

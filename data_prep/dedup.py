@@ -48,10 +48,11 @@ def hashes_done(out_dir: Path, part: P.Part) -> bool:
     return _path(out_dir, part, "hashes").is_file()
 
 
-def hash_part(out_dir: Path, plan: dict, part: P.Part) -> int:
+def hash_part(out_dir: Path, plan: dict, part: P.Part, skip_unreadable: bool = False) -> int:
     """Step 1 for one part; returns its document count. Bad records are counted when it is built."""
+    report = BadInputReport(count_io_errors=skip_unreadable)
     digests = b"".join(text_hash(doc.text) for doc in
-                       P.iter_part_documents(part, plan["settings"]["text_field"], BadInputReport()))
+                       P.iter_part_documents(part, plan["settings"]["text_field"], report))
     _save(_path(out_dir, part, "hashes"), np.frombuffer(digests, dtype=np.uint64).reshape(-1, 2))
     return len(digests) // 16
 

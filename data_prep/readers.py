@@ -34,6 +34,12 @@ ALL_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 PARQUET_BATCH_ROWS = 1024
 
 
+def printable(text: str) -> str:
+    """`text` with the bytes of a file name that is not UTF-8 (surrogate escapes) as \\xNN, so that it
+    prints and serialises anywhere."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 class FileReadError(RuntimeError):
     """The file system failed to read a corpus file that is there (see the module doc)."""
 
@@ -42,16 +48,16 @@ class FileReadError(RuntimeError):
 LASTING_ERRNOS = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG, errno.EISDIR)
 
 
-def check_io(error: BaseException, path: Path) -> None:
+def check_io(error: BaseException, path: Path, report) -> None:
     """Raise FileReadError for a file-system failure on `path`; return for what is the file's own
-    (corrupt data raises OSErrors without an errno, e.g. gzip's BadGzipFile)."""
+    (corrupt data raises OSErrors without an errno, e.g. gzip's BadGzipFile), and for every error
+    when the report counts them (report.count_io_errors)."""
     if not isinstance(error, OSError) or error.errno is None or error.errno in LASTING_ERRNOS:
         return
-    if error.errno == errno.ENOENT and path.is_symlink() and not path.exists():
-        return  # a broken link
-    raise FileReadError(f"could not read {path}: {error.strerror or error} (errno {error.errno}), a failure of the "
-                        "file system, not of the file: run the command again (build_shards retries the parts not "
-                        "complete; if the file is gone for good, plan again with --overwrite)") from error
+    if (error.errno == errno.ENOENT and path.is_symlink() and not path.exists()) or report.count_io_errors:
+        return  # a broken link; or counted as asked
+    raise FileReadError(f"could not read {printable(str(path))}: {error.strerror or error} (errno {error.errno}), a "
+                        "failure of the file system, not of the file: run the command again") from error
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ def read_text_file(path: Path, report) -> Iterator[Document]:
     try:
         data = path.read_bytes()
     except OSError as e:
-        check_io(e, path)
+        check_io(e, path, report)
         report.add(str(path), f"unreadable ({e.strerror or type(e).__name__})")
         return
     try:
@@ -185,7 +191,7 @@ def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
                     continue
                 yield value, where, raw
     except _stream_errors() as e:
-        check_io(e, path)
+        check_io(e, path, report)
         # Unopenable file, or a truncated/corrupt compressed stream partway through.
         where = f"{path}:{lineno + 1}" if lineno else str(path)
         report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
@@ -233,7 +239,7 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
         try:
             pf = pq.ParquetFile(path)
         except (OSError, ValueError) as e:
-            check_io(e, path)
+            check_io(e, path, report)
             report.add(str(path), f"unreadable ({e})")
             return
         row = 0
@@ -246,7 +252,7 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
                     else:  # every row has every column: a null one is a field this row does not have
                         yield {k: v for k, v in rec.items() if v is not None}, f"{path}:{row}"
         except (OSError, ValueError) as e:
-            check_io(e, path)
+            check_io(e, path, report)
             report.add(f"{path}:{row + 1}", f"unreadable ({e})")
         return
     if not has_suffix(path.name, JSONL_SUFFIXES):
@@ -281,7 +287,7 @@ def read_parquet_file(path: Path, text_field: str, report,
     try:
         pf = pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) on a bad footer
-        check_io(e, path)
+        check_io(e, path, report)
         report.add(str(path), f"unreadable ({e})")
         return
     schema = pf.schema_arrow
@@ -305,7 +311,7 @@ def read_parquet_file(path: Path, text_field: str, report,
                     elif text:
                         yield Document(text, f"{path}:{row}")
         except (OSError, ValueError) as e:
-            check_io(e, path)
+            check_io(e, path, report)
             report.add(f"{path}:{row + 1}", f"unreadable ({e})")
             return
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from data_prep.readers import ALL_SUFFIXES, Document, has_suffix, read_file
+from data_prep.readers import ALL_SUFFIXES, Document, has_suffix, printable, read_file
 
 __all__ = ["ALL_SUFFIXES", "BadInputReport", "Document", "EmptyCorpusError", "Source", "as_sources",
-           "default_corpus", "iter_documents", "list_files", "require_documents"]
+           "default_corpus", "iter_documents", "list_files", "printable", "require_documents"]
 
 # Directories of the standard library left out of the default corpus: installed
 # third-party packages are not part of Python, and the test suites are large
@@ -52,18 +52,21 @@ class Source:
 
 @dataclass
 class BadInputReport:
-    """Counts skipped inputs and keeps the first ``max_examples`` for the summary."""
+    """Counts skipped inputs and keeps the first ``max_examples`` for the summary.
+    ``count_io_errors``: a file-system error reading a file counts it as unreadable too, instead of
+    raising FileReadError (data_prep.readers)."""
 
     max_examples: int = 5
     count: int = 0
     by_reason: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    count_io_errors: bool = False
 
     def add(self, where: str, reason: str) -> None:
         self.count += 1
         self.by_reason[reason] += 1
         if len(self.examples) < self.max_examples:
-            self.examples.append(f"{where}: {reason}")
+            self.examples.append(f"{printable(where)}: {reason}")
 
     def to_dict(self) -> dict:
         return {"count": self.count, "by_reason": dict(sorted(self.by_reason.items())),
@@ -113,8 +116,8 @@ def as_sources(sources: Iterable[str | os.PathLike | Source] | str | os.PathLike
 def list_files(sources, skipped: Counter | None = None) -> list[Path]:
     """All corpus files of ``sources`` in a deterministic order, each once (sources that overlap, such
     as a folder and a file or subfolder inside it, would otherwise train on those files twice).
-    Symlinked folders are followed (each real folder once). ``skipped`` counts, by suffix, the files
-    of a folder given with the default suffixes that no reader takes.
+    Symlinked folders are followed (each real folder once). ``skipped`` counts, by last suffix, the
+    files of a folder given with the default suffixes that no reader takes.
 
     A source path that does not exist, or a single file of an unsupported type, is
     an error right away: it is almost always a typo, and finding out after an hour
@@ -139,7 +142,8 @@ def list_files(sources, skipped: Counter | None = None) -> list[Path]:
                     if has_suffix(f, src.suffixes):
                         files.append(Path(dirpath) / f)
                     elif skipped is not None and src.suffixes == ALL_SUFFIXES:
-                        skipped["".join(Path(f).suffixes[-2:]) or f] += 1
+                        suffix = printable(Path(f).suffix)
+                        skipped[suffix if 1 < len(suffix) <= 12 else "(no suffix)" if not suffix else "(other)"] += 1
         elif p.exists() or p.is_symlink():
             if not has_suffix(p.name, ALL_SUFFIXES):
                 raise ValueError(f"unsupported corpus file {p}: expected one of {', '.join(ALL_SUFFIXES)}")

@@ -28,10 +28,13 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def install(out_dir: Path, model_tmp: Path, meta: dict) -> None:
-    """Move a model written to model_tmp into out_dir with its record, the record last: an interrupted
-    install leaves no record beside a model it does not describe (load_tokenizer then says so)."""
+def install(out_dir: Path, model_tmp: Path, meta: dict, files: dict[str, bytes] | None = None) -> None:
+    """Move a model written to model_tmp into out_dir with its record and other `files` (name: bytes),
+    the record last: an interrupted install leaves no record beside files it does not describe
+    (load_tokenizer then says so)."""
     (out_dir / META_FILE).unlink(missing_ok=True)
+    for name, data in (files or {}).items():
+        write_atomic(out_dir / name, data)
     os.replace(model_tmp, out_dir / MODEL_FILE)
     write_atomic(out_dir / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
 

@@ -36,7 +36,7 @@ import sentencepiece as spm
 
 from data_prep.readers import FileReadError
 from data_prep.sources import BadInputReport, Document, as_sources, iter_documents, require_documents
-from data_prep.tokenizer import META_FILE, MODEL_FILE, SPECIAL_IDS, install, sha256_file, write_atomic
+from data_prep.tokenizer import META_FILE, MODEL_FILE, SPECIAL_IDS, install, sha256_file
 
 # SentencePiece silently drops training sentences longer than this many bytes.
 MAX_SENTENCE_BYTES = 4192
@@ -142,7 +142,6 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
     tmp.write_bytes(model.getvalue())
     # surrogateescape: file names that are not UTF-8 come back as they were listed
     origins = "".join(d.origin + "\n" for d in sample).encode("utf-8", "surrogateescape")
-    write_atomic(out_dir / SAMPLE_FILE, origins)
     sp = spm.SentencePieceProcessor(model_file=str(tmp))
     meta = {
         "vocab_size": sp.get_piece_size(),
@@ -160,7 +159,7 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
                                 "origins_sha256": hashlib.sha256(origins).hexdigest()}},
         "bad_inputs": report.to_dict(),
     }
-    install(out_dir, tmp, meta)
+    install(out_dir, tmp, meta, {SAMPLE_FILE: origins})
     return meta
 
 

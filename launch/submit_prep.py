@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     build.add_argument("--dedup", choices=dedup.DEDUP_MODES, default="none",
                        help="exact: drop repeated documents across the build (adds a hash array and an index job)")
     build.add_argument("--overwrite", action="store_true", help="discard an existing build in --out and plan again")
+    build.add_argument("--skip-unreadable", action="store_true",
+                       help="tasks count a file the file system fails to read as unreadable instead of failing")
     slurm = p.add_argument_group("slurm")
     slurm.add_argument("--tasks", type=int, default=None, help="array tasks (default: one per part, at most 1000)")
     slurm.add_argument("--max-running", type=int, default=None, help="run at most this many tasks at once (%%K)")
@@ -152,7 +154,8 @@ def submit_build(args: argparse.Namespace) -> int:
     # The same task script hashes (while a dedup index is missing) or builds its parts.
     scripts = {
         "task": render(args, out, f'exec {py} -m data_prep.build_shards --out {out_q} '
-                                  f'--task "$SLURM_ARRAY_TASK_ID" --tasks {tasks} --no-progress',
+                                  f'--task "$SLURM_ARRAY_TASK_ID" --tasks {tasks} --no-progress'
+                                  + (" --skip-unreadable" if args.skip_unreadable else ""),
                        str(logs / "task-%A_%a.log")),
         "dedup": render(args, out, f"exec {py} -m data_prep.build_shards --out {out_q} --dedup-index",
                         str(logs / "dedup-%j.log")),

@@ -94,7 +94,8 @@ def validate_post(cfg: PostTrainConfig) -> None:
                           "set post.add_bos=true (as the pretraining samples began) or data.start_with_bos=false")
     if "relu" in cfg.model.attention_kinds() and cfg.model.relu_attention.normalizer == "seqlen":
         raise ConfigError("model.relu_attention.normalizer=seqlen divides by the padded row length, so an example's "
-                          "loss would depend on the others in its micro-batch; post-train with prefix or content")
+                          "loss would depend on the others in its micro-batch: a model trained with it cannot be "
+                          "post-trained here (prefix and content can)")
     if cfg.data.document_mask:
         raise ConfigError("data.document_mask=true is for pretraining shards; post-training masks each example "
                           "itself (post.packing): set data.document_mask=false")

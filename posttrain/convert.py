@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from data_prep.readers import read_records
+from data_prep.readers import FileReadError, read_records
 from data_prep.sources import BadInputReport
 from posttrain.records import BadRecord, text_field
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = convert(args.format, args.input, Path(args.out), args.overwrite)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
+    except (ValueError, FileExistsError, FileNotFoundError, FileReadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {result['pairs']} pairs to {args.out} ({result['rows']} rows, {result['prompts']} prompts; "

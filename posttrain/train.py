@@ -21,6 +21,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from data_prep.readers import FileReadError  # noqa: E402
 from models.config import ConfigError  # noqa: E402
 from posttrain.batches import ExampleBatches, collate_pairs, collate_rows, fixed_batches  # noqa: E402
 from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat  # noqa: E402
@@ -76,7 +77,11 @@ class PostTrainTask(Task):
         started = resumed or (checkpoint_format.read_meta(start).get("posttrain", {}) if start.is_dir() else {})
         objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
         encoder = ChatEncoder(sp, ChatFormat.from_config(cfg.post))
-        self.train_data = Examples(cfg, cfg.post.data, encoder, objectives)
+        try:
+            self.train_data = Examples(cfg, cfg.post.data, encoder, objectives)
+            self.val_data = Examples(cfg, cfg.post.val_data, encoder, self.train_data.objectives)
+        except FileReadError as err:
+            raise ConfigError(f"post.data / post.val_data: {err}") from None
         if not self.train_data.units:
             raise ConfigError(f"post.data={cfg.post.data} holds no usable {cfg.post.method} example "
                               f"({self.train_data.too_long} too long for post.max_len; "
@@ -91,7 +96,6 @@ class PostTrainTask(Task):
                               "from what the "
                               f"run in {cfg.run.dir} was training on, so it cannot resume its position; restore them, "
                               "or start a new run.dir")
-        self.val_data = Examples(cfg, cfg.post.val_data, encoder, self.train_data.objectives)
         if cfg.post.val_data and not self.val_data.units:
             raise ConfigError(f"post.val_data={cfg.post.val_data} holds no usable {cfg.post.method} example "
                               f"({self.val_data.too_long} too long for post.max_len; {self.val_data.report.summary()})")

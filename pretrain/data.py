@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -64,18 +65,31 @@ def collate_fn(cfg: Config):
     return functools.partial(_collate, bos=sample_bos(cfg))
 
 
+def cache_root(cfg: Config) -> Path:
+    """data.cache, else /tmp/pretrain-cache/RUN_NAME-<hash of run.dir>: one per run, so that runs of
+    one config on one node (a sweep) do not share it."""
+    if cfg.data.cache:
+        return Path(cfg.data.cache)
+    run = hashlib.sha256(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]
+    return Path("/tmp/pretrain-cache") / f"{cfg.run.name}-{run}"
+
+
 def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
     """Where a StreamingDataset reads a source's split: remote shards into the local cache; local
     compressed shards into the cache too (decompressed there, see compressed_split), and local
     uncompressed shards in place."""
-    cache_root = Path(cfg.data.cache or os.path.join("/tmp/pretrain-cache", cfg.run.name))
+    name = source.name or "shards"
     if "://" in source.shards:
-        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(cache_root / source.name / split)}
+        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(cache_root(cfg) / name / split)}
     directory = Path(source.shards) / split
     fingerprint = compressed_split(directory)
-    if fingerprint:
-        return {"remote": str(directory), "local": str(cache_root / f"{source.name}-{fingerprint}" / split)}
-    return {"remote": None, "local": str(directory)}
+    if not fingerprint:
+        return {"remote": None, "local": str(directory)}
+    copy = cache_root(cfg) / name / f"{split}-{fingerprint}"
+    for stale in copy.parent.glob(f"{split}-*"):  # copies of this split before its shards were rebuilt
+        if stale != copy:
+            shutil.rmtree(stale, ignore_errors=True)
+    return {"remote": str(directory), "local": str(copy)}
 
 
 def compressed_split(directory: Path) -> str | None:

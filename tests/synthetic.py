@@ -63,6 +63,7 @@ def tiny_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
         "model.num_layers": 2, "model.ffn_hidden_size": 128, "train.micro_batch": 4, "train.steps": 8,
         "train.warmup_steps": 2, "train.log_interval": 1, "train.eval_interval": 4, "train.eval_batches": 2,
         "train.save_interval": 4, "train.lr": 3e-3, "run.dir": run_dir, "run.name": run_dir.name,
+        "data.cache": Path(run_dir).parent / f"{Path(run_dir).name}-cache",  # decompressed shards, not in /tmp
         **extra,
     }
     return [f"{k}={v}" for k, v in values.items()]

@@ -75,7 +75,7 @@ def test_an_empty_val_index_is_no_val_split(tmp_path):
 
     root = write_synthetic_shards(tmp_path / "data", train=16, val=0)
     cfg = load_config(None, [f"data.shards={root}/shards", "train.micro_batch=4", "model.max_seq_len=32",
-                             "train.eval_batches=2"])
+                             "train.eval_batches=2", f"data.cache={tmp_path}/cache"])
     with single_process_group():
         assert load_val_sets(cfg) == {}
         full = write_synthetic_shards(tmp_path / "full", train=16, val=8)
@@ -111,7 +111,7 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
             cfg = load_config(None, [f"data.shards={shards}", f"data.cache={tmp_path}/cache", *base])
             assert load_val_sets(cfg) == {}, shards
         remote = load_config(None, [f"data.shards=disk://{full}/shards", f"data.cache={tmp_path}/cache2", *base])
-        local = load_config(None, [f"data.shards={full}/shards", *base])
+        local = load_config(None, [f"data.shards={full}/shards", f"data.cache={tmp_path}/cache3", *base])
         got, want = load_val_sets(remote)[""], load_val_sets(local)[""]
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
 
@@ -141,3 +141,4 @@ def test_local_compressed_shards_decompress_into_the_cache(tmp_path):
     with single_process_group():
         again = torch.cat(list(build_loader(cfg, "train", shuffle=False)))
     assert again.shape == first.shape and not torch.equal(again, first)
+    assert len(list((tmp_path / "cache" / "shards").glob("train-*"))) == 1  # the old copy is gone

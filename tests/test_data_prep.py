@@ -296,6 +296,10 @@ def test_file_names_that_are_not_utf8(tmp_path, tok_dir, monkeypatch):
     seed = next(s for s in range(100) if {bs.assign_split(f"corpus/{n}", s, 0.5) for n in names} == {"train", "val"})
     m = bs.build_shards([corpus], tok_dir, "out", seq_len=8, val_fraction=0.5, seed=seed, workers=1)
     assert m["documents"] == 2 and m["bad_inputs"]["count"] == 0
+    (corpus / os.fsdecode(b"bad\xff.txt")).write_bytes(b"\xff\xfe not UTF-8")  # reported with its name escaped
+    report = BadInputReport()
+    list(iter_documents([corpus], report=report))
+    assert report.examples == ["corpus/bad\\xff.txt: not UTF-8 (byte 0)"] and report.summary().encode("utf-8")
     meta = tt.train_tokenizer([corpus], "tok", vocab_size=300, num_threads=1)
     origins = Path("tok", tt.SAMPLE_FILE).read_bytes()
     assert b"corpus/caf\xe9.txt\n" in origins and meta["training"]["sample"]["documents"] == 2
@@ -307,7 +311,7 @@ def test_bad_compression_refused_before_overwrite(tmp_path, tok_dir):
     src.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
     out = tmp_path / "out"
     first = bs.build_shards([src], tok_dir, out, seq_len=8, val_fraction=0, workers=1, compression="zstd:7")
-    for bad in ("zst", "zstd:30", "gz:x"):
+    for bad in ("zst", "zstd:30", "gz:x", "zstd:", "zstd:07"):
         with pytest.raises(ValueError, match=f"--compression '{bad}': choose none or one of .*zstd"):
             bs.build_shards([src], tok_dir, out, seq_len=8, val_fraction=0, workers=1, compression=bad,
                             overwrite=True)
@@ -327,15 +331,19 @@ def test_symlinked_folders_followed_and_other_files_counted(tmp_path, tok_dir, c
     (corpus / "web-again").symlink_to(real)  # the same folder twice: listed once
     (corpus / "loop").symlink_to(corpus)  # a link to an ancestor must not loop
     (corpus / "d.txt").write_text(make_text(rng, 30))
+    for i in range(22):  # many kinds: the 20 most common are kept
+        (real / f"note.x{i:02d}").write_text("")
+    (real / "README").write_text("")
     skipped = Counter()
     assert list_files([corpus], skipped) == [corpus / "d.txt", corpus / "web" / "a.jsonl"]
-    assert skipped == {".json": 1, ".jsonl.bz2": 1}
+    assert skipped == {".json": 1, ".bz2": 1, "(no suffix)": 1, **{f".x{i:02d}": 1 for i in range(22)}}
     out = tmp_path / "out"
     assert bs.main(["--sources", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", "8",
                     "--val-fraction", "0", "--workers", "1", "--no-progress"]) == 0
-    assert "skipped 2 files no reader takes (.json 1, .jsonl.bz2 1)" in capsys.readouterr().out
+    assert "skipped files no reader takes, by suffix ((no suffix) 1, .json 1, .bz2 1, .x00 1" in capsys.readouterr().out
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["documents"] == 2 and manifest["skipped_files"] == {".json": 1, ".jsonl.bz2": 1}
+    assert manifest["documents"] == 2 and len(manifest["skipped_files"]) == 20
+    assert list(manifest["skipped_files"])[:3] == ["(no suffix)", ".json", ".bz2"]  # in listing order
 
 
 def test_a_file_system_error_fails_the_part_for_a_rerun(tmp_path, tok_dir, monkeypatch, capsys):
@@ -362,6 +370,9 @@ def test_a_file_system_error_fails_the_part_for_a_rerun(tmp_path, tok_dir, monke
     assert bs.main(args) == 2
     assert f"could not read {flaky}: Input/output error" in capsys.readouterr().err
     assert P.status(tmp_path / "out")["done"] == []  # not complete: its documents are not lost
+    assert bs.main(args[:5] + [str(tmp_path / "counted")] + args[6:] + ["--skip-unreadable"]) == 0  # when asked
+    counted = json.loads((tmp_path / "counted" / "manifest.json").read_text())["bad_inputs"]
+    assert counted["by_reason"] == {"unreadable (Input/output error)": 1}
     monkeypatch.setattr(Path, "read_bytes", real_read)
     assert bs.main(args) == 0  # the same command retries it
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())

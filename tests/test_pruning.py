@@ -330,7 +330,10 @@ def test_prune_unsafe_refuses_bad_arguments_before_loading(tmp_path, capsys, ext
     assert not (tmp_path / "out").exists()
 
 
-def test_prune_unsafe_refuses_to_delete_its_source_and_an_empty_utility_set(tmp_path, tok_dir, capsys):
+def test_prune_unsafe_refuses_to_delete_its_source_and_empty_inputs_before_loading(tmp_path, tok_dir, capsys,
+                                                                                     monkeypatch):
+    import pretrain.consolidate
+
     from data_prep.tokenizer import load_tokenizer
     from pretrain.checkpoint import save_weights_run
     from pretrain.config import load_config
@@ -342,9 +345,19 @@ def test_prune_unsafe_refuses_to_delete_its_source_and_an_empty_utility_set(tmp_
     responses = tmp_path / "r.jsonl"
     responses.write_text(json.dumps({"prompt": "p", "response": "r", "label": "safe"}) + "\n")
     argv = ["--checkpoint", str(tmp_path / "base"), "--responses", str(responses)]
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(pretrain.consolidate, "load_model", no_loading)
     assert main(argv + ["--out", str(tmp_path), "--overwrite"]) == 2
     assert "holds the checkpoint being pruned" in capsys.readouterr().err
     assert (tmp_path / "base").is_dir()
     (tmp_path / "chat.jsonl").write_text("{not json\n" + json.dumps({"messages": "none"}) + "\n")
     assert main(argv + ["--out", str(tmp_path / "out"), "--utility", str(tmp_path / "chat.jsonl")]) == 2
     assert "holds no usable example" in capsys.readouterr().err
+    (tmp_path / "rules.json").write_text(json.dumps({"unsafe": ["forbidden"]}))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": ""}) + "\n")
+    assert main(argv + ["--out", str(tmp_path / "out"), "--eval-prompts", str(tmp_path / "prompts.jsonl"),
+                        "--rules", str(tmp_path / "rules.json")]) == 2
+    assert "holds no usable prompt" in capsys.readouterr().err

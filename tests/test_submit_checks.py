@@ -109,6 +109,13 @@ def test_prep_overwrite_keeps_a_finished_build_when_an_argument_is_wrong(tmp_pat
     assert not (tmp_path / "sbatch_calls").exists()
 
 
+def test_prep_tasks_take_skip_unreadable(tmp_path, tok_dir, slurm_bin, capsys):
+    from launch.submit_prep import main
+
+    assert main(prep_args(tmp_path, tok_dir, "--skip-unreadable", "--dry-run")) == 0
+    assert '--tasks 2 --no-progress --skip-unreadable' in capsys.readouterr().out
+
+
 def test_prep_chain_with_an_unanswered_sbatch_keeps_the_queued_jobs_on_record(tmp_path, tok_dir, slurm_bin,
                                                                               monkeypatch, capsys):
     import subprocess

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from data_prep.readers import FileReadError
 from models.config import ConfigError
 from pretrain.checkpoint_format import CheckpointError
 
@@ -18,7 +19,7 @@ class ToolError(RuntimeError):
 
 
 # Problems with what the user gave, as opposed to bugs: reported in one line.
-INPUT_ERRORS = (ToolError, CheckpointError, ConfigError, FileNotFoundError)
+INPUT_ERRORS = (ToolError, CheckpointError, ConfigError, FileNotFoundError, FileReadError)
 
 
 def argument_parser(module: str, doc: str) -> argparse.ArgumentParser:

@@ -169,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     encoder = ChatEncoder(sp, ChatFormat(**chat) if chat else ChatFormat())
     report = BadInputReport()
     utility_rows = [Row(*encoder.conversation(m)) for m, _ in records.read(args.utility, sft_messages, report)]
+    if args.utility and not utility_rows:
+        raise ToolError(f"--utility {' '.join(args.utility)} holds no usable example ({report.summary()}): the "
+                        "utility guard would be left out")
+    eval_prompts = labels.read_prompts(args.eval_prompts, report) if args.eval_prompts else []
+    if args.eval_prompts and not eval_prompts:
+        raise ToolError(f"--eval-prompts {' '.join(args.eval_prompts)} holds no usable prompt ({report.summary()})")
 
     from pretrain.consolidate import load_model, run_config
 
@@ -190,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             answers = sampler.answers(part, args.samples)
             labelled += [(m, r, label, half) for (m, r), label in zip(answers, sampler.label(answers))]
     if args.eval_prompts:
-        heldout_prompts = labels.read_prompts(args.eval_prompts, report)
-        if not heldout_prompts:
-            raise ToolError(f"--eval-prompts {' '.join(args.eval_prompts)} holds no usable prompt ({report.summary()})")
+        heldout_prompts = eval_prompts
     sets = {"calibration": {"unsafe": [], "safe": []}, "heldout": {"unsafe": [], "safe": []}}
     for messages, response, label, half in labelled:
         kind = "unsafe" if label == "unsafe" else "safe"
@@ -205,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if too_long:
         print(f"--utility: {len(too_long)} examples longer than model.max_seq_len={cfg.max_seq_len} left out")
     if args.utility and not utility_rows:
-        raise ToolError(f"--utility {' '.join(args.utility)} holds no usable example within model.max_seq_len="
-                        f"{cfg.max_seq_len} ({report.summary()}): the utility guard would be left out")
+        raise ToolError(f"--utility {' '.join(args.utility)}: every example is longer than model.max_seq_len="
+                        f"{cfg.max_seq_len}: the utility guard would be left out")
     counts = {split: {k: len(v) for k, v in part.items()} for split, part in sets.items()}
     if min(min(c.values()) for c in counts.values()) == 0:
         raise ToolError(f"need unsafe and safe responses in both halves, got {counts}; "
