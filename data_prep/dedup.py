@@ -14,7 +14,7 @@ Memory of step 2: about 48 bytes per document of the corpus (a billion documents
 from __future__ import annotations
 
 import hashlib
-import os
+import io
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -37,11 +37,9 @@ def _path(out_dir: Path, part: P.Part, kind: str) -> Path:
 
 
 def _save(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    P.write_atomic(path, buffer.getvalue())
 
 
 def hashes_done(out_dir: Path, part: P.Part) -> bool:
@@ -104,15 +102,14 @@ def first_occurrences(out_dir: Path, part: P.Part, docs: Iterable[Document], dro
     keep = np.unpackbits(np.load(_path(out_dir, part, "keep")), count=len(hashes)).astype(bool)
     stale = (f"{part.name} of {out_dir} reads differently than when it was hashed for --dedup exact "
              "(a file changed, or one could not be read in one of the passes)")
+    fix = "if the files are back as they were, rerun the part, else rebuild with --overwrite"
     count = 0
     for count, doc in enumerate(docs, start=1):
         if count > len(hashes) or text_hash(doc.text) != hashes[count - 1].tobytes():
-            raise ValueError(f"{stale}: document {count} ({doc.origin}) is not the one hashed; if the files "
-                             "are back as they were, rerun the part, else rebuild with --overwrite")
+            raise ValueError(f"{stale}: document {count} ({doc.origin}) is not the one hashed; {fix}")
         if keep[count - 1]:
             yield doc
         else:
             dropped[0] += 1
     if count != len(hashes):
-        raise ValueError(f"{stale}: {count} documents read, {len(hashes)} hashed; if the files are back as "
-                         "they were, rerun the part, else rebuild with --overwrite")
+        raise ValueError(f"{stale}: {count} documents read, {len(hashes)} hashed; {fix}")

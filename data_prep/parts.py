@@ -137,11 +137,16 @@ def plan_id(plan: dict) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` as `path`, whole or not at all (written beside it, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    write_atomic(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def read_json(path: Path) -> dict | None:

@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from data_prep.parts import write_atomic, write_json_atomic
+
 MODEL_FILE = "tokenizer.model"
 META_FILE = "tokenizer.json"
 # Fixed special ids the training code and the exported models rely on.
@@ -22,12 +24,6 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def install(out_dir: Path, model_tmp: Path, meta: dict, files: dict[str, bytes] | None = None) -> None:
     """Move a model written to model_tmp into out_dir with its record and other `files` (name: bytes),
     the record last: an interrupted install leaves no record beside files it does not describe
@@ -36,7 +32,7 @@ def install(out_dir: Path, model_tmp: Path, meta: dict, files: dict[str, bytes] 
     for name, data in (files or {}).items():
         write_atomic(out_dir / name, data)
     os.replace(model_tmp, out_dir / MODEL_FILE)
-    write_atomic(out_dir / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    write_json_atomic(out_dir / META_FILE, meta)
 
 
 def load_tokenizer(tokenizer_dir):

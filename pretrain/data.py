@@ -78,14 +78,14 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
     """Where a StreamingDataset reads a source's split: remote shards into the local cache; local
     compressed shards into the cache too (decompressed there, see compressed_split), and local
     uncompressed shards in place."""
-    name = source.name or "shards"
+    name, root = source.name or "shards", cache_root(cfg)
     if "://" in source.shards:
-        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(cache_root(cfg) / name / split)}
+        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(root / name / split)}
     directory = Path(source.shards) / split
     fingerprint = compressed_split(directory)
     if not fingerprint:
         return {"remote": None, "local": str(directory)}
-    copy = cache_root(cfg) / name / f"{split}-{fingerprint}"
+    copy = root / name / f"{split}-{fingerprint}"
     for stale in copy.parent.glob(f"{split}-*"):  # copies of this split before its shards were rebuilt
         if stale != copy:
             shutil.rmtree(stale, ignore_errors=True)
