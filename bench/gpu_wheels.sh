@@ -52,7 +52,7 @@ echo "[gpu_wheels] downloading ${#binary[@]} wheels for $tag into $out" >&2
     "${platforms[@]}" -d "$out" "${binary[@]}"
 echo "[gpu_wheels] building ${build[*]} (pure Python, no compiled ops)" >&2
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$out" "${build[@]}"
-count=$(find "$out" -name '*.whl' | wc -l)
+count=$(find "$out" -maxdepth 1 -type f -name '*.whl' | wc -l)
 bytes=$(du -cb "$out"/*.whl | tail -1 | cut -f1)
 if (( count != ${#entries[@]} )); then
     echo "error: $out holds $count wheels, bench/gpu_wheels.txt names ${#entries[@]}; empty $out and rerun" >&2
