@@ -62,12 +62,14 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
     local = len(experts)
     if local * ep != num_experts:
         raise ValueError(f"{local} local experts x expert-parallel size {ep} != {num_experts} experts")
+    # Gathers by index_select: its backward is an index_add, where indexing's (index_put with
+    # accumulate) sorts the indices first: 16% of a UoE step on an H200.
     kept = (expert_ids.reshape(-1) >= 0).nonzero().squeeze(1)  # assignment ids (token-major); one host sync
-    flat_ids, flat_w = expert_ids.reshape(-1)[kept], weights.reshape(-1)[kept]
+    flat_ids, flat_w = expert_ids.reshape(-1)[kept], weights.reshape(-1).index_select(0, kept)
     order = torch.argsort(flat_ids, stable=True)  # expert-major (rank-major too)
     sorted_ids, sorted_tokens = flat_ids[order], kept[order] // K
     counts = torch.bincount(sorted_ids, minlength=num_experts)
-    send = x[sorted_tokens]
+    send = x.index_select(0, sorted_tokens)
     if ep > 1:
         # How many tokens each source rank sends to each of my local experts: [ep, local].
         recv_counts = torch.empty_like(counts)
@@ -81,7 +83,7 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
         row_expert = seg_expert.repeat_interleave(recv_counts.reshape(-1))
         regroup = torch.argsort(row_expert, stable=True)
         per_expert = recv_counts.sum(0).tolist()
-        inputs = received[regroup]
+        inputs = received.index_select(0, regroup)
     else:
         per_expert = counts.tolist()
         inputs = send
@@ -94,5 +96,5 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
         restored = torch.empty_like(out)
         restored = restored.index_copy(0, regroup, out) if out.numel() else out
         out = all_to_all(restored, in_splits, out_splits, group)
-    out = out * flat_w[order].to(out.dtype).unsqueeze(-1)
+    out = out * flat_w.index_select(0, order).to(out.dtype).unsqueeze(-1)
     return x.new_zeros(T, out.shape[-1]).index_add(0, sorted_tokens, out)

@@ -90,7 +90,7 @@ class UnionOfExperts(RoutedLayer):
         if self.vse_mode == "overlap":  # kept assignments only: a capacity-dropped one adds no scale
             kept = expert_ids >= 0
             scale = torch.ones_like(scores).scatter_add(1, expert_ids.clamp(min=0), weights * kept)
-            h = h * scale[:, self.neuron_expert].to(h.dtype)
+            h = h * scale.index_select(1, self.neuron_expert).to(h.dtype)  # see dispatch_combine's gathers
         y_vse, _ = self.vse_out(h)
         routed_in = copy_to_tensor_model_parallel_region(x) if tp_size() > 1 else x
         y_r = self.experts(routed_in, expert_ids, weights)
