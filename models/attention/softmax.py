@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.attention.base import ProjectedAttention, projected_activations, projected_params
 from models.attention.flex import block_mask_for, flex_document_attention
@@ -32,6 +33,12 @@ def causal_softmax(scores: torch.Tensor, documents: torch.Tensor | None = None) 
 # they take the boolean-mask path.
 FLEX_MAX_HEAD_DIM = 256
 
+# cuDNN's SDPA builds an execution graph per sequence length, so decoding, whose keys grow by one
+# each step, would build one per token (the likely cause of 41 ms per token for a three-layer softmax
+# model on an H200, against 4 ms with two of its layers LISA). One new query goes to the kernels that
+# take any length.
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       documents: torch.Tensor | None = None, scale: float | None = None,
@@ -41,6 +48,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the forward's block mask) is passed and heads are at most FLEX_MAX_HEAD_DIM wide, else a boolean
     mask, which the memory-efficient kernels take."""
     gqa = k.shape[1] != q.shape[1]
+    if documents is None and q.shape[-2] == 1:  # one new query sees every cached key: no mask
+        with sdpa_kernel(DECODE_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if documents is None and q.shape[-2] == k.shape[-2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if (documents is not None and block_mask is not None and q.is_cuda and q.shape[-2] == k.shape[-2]
