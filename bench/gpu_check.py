@@ -208,9 +208,11 @@ def lisa_decode_check(device: str) -> dict:
     """The fused LISA decode kernel (models.attention.kernels.lisa_decode_triton) against the PyTorch
     path on the same model (model.lisa.kernel auto / naive): a softmax layer feeding two LISA layers
     (FFN alignment in groups of 4, grouped-query heads; random alignment and low-rank weights), the
-    same tokens decoded one at a time after a prefill. Per batch: the logits' largest difference
-    relative to the largest logit, and the median ms per decode step of both paths and of the same
-    model with softmax layers only. --device cpu: under Triton's interpreter at tiny sizes."""
+    same tokens decoded one at a time after a prefill. Per batch: each path's logits against the
+    PyTorch path in fp32 (largest difference relative to the largest logit: in bf16 the paths round
+    differently, so the fused one passes when its error is at most twice the PyTorch path's, or
+    within 3e-2), and the median ms per decode step of both paths and of the same model with softmax
+    layers only. --device cpu: under Triton's interpreter at tiny sizes, in fp32."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return interpreted("lisa_decode_check")
     from models.attention.kv_cache import KVCache
@@ -223,19 +225,23 @@ def lisa_decode_check(device: str) -> dict:
     dtype, dev = torch.float32 if cpu else torch.bfloat16, torch.device(device)
     sizes = dict(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
                  ffn_hidden_size=4 * hidden, max_seq_len=context + steps)
-    gen = torch.Generator().manual_seed(0)
-    models = {}
-    for name, attention in (("lisa", "sll"), ("softmax", "sss")):
+
+    def build(attention: str) -> GPT:
         cfg = ModelConfig(attention=attention, **sizes)
         cfg.lisa.keep_full_layers, cfg.lisa.align_group = 1, 4
         torch.manual_seed(0)
-        model = GPT(cfg)
+        model, noise = GPT(cfg), torch.Generator().manual_seed(1)
         with torch.no_grad():
             for block in model.blocks:
-                if isinstance(block.attn, LISAAttention):  # the zero-initialised pieces too
-                    for param in (block.attn.qk.weight, *block.attn.align.parameters()):
-                        param.add_(torch.randn(param.shape, generator=gen) * 0.2)
-        models[name] = model.to(dev, dtype).eval()
+                if isinstance(block.attn, LISAAttention):  # the zero-initialised pieces too, at their scale
+                    block.attn.qk.weight.add_(torch.randn(block.attn.qk.weight.shape, generator=noise) * 0.02)
+                    for param in block.attn.align.parameters():
+                        param.add_(torch.randn(param.shape, generator=noise) * 0.2)
+        return model.to(dev).eval()
+
+    reference = build("sll")  # in fp32: the PyTorch path's logits as the reference for both paths
+    models = {"lisa": build("sll").to(dtype), "softmax": build("sss").to(dtype)}
+    gen = torch.Generator().manual_seed(0)
 
     def sync():
         if dev.type == "cuda":
@@ -254,20 +260,27 @@ def lisa_decode_check(device: str) -> dict:
             times.append(time.perf_counter() - t0)
         return torch.cat(logits, 1), 1000 * statistics.median(times[1:])
 
+    def use_kernel(model, kernel: str):
+        for block in model.blocks:
+            if isinstance(block.attn, LISAAttention):
+                block.attn.kernel = kernel
+        return model
+
     result, ok = {}, True
     for batch in batches:
         tokens = torch.randint(0, 512, (batch, context + steps), generator=gen).to(dev)
         row = {}
+        want, _ = decode(use_kernel(reference, "naive"), tokens)
         for kernel in ("auto", "naive"):
-            for block in models["lisa"].blocks:
-                if isinstance(block.attn, LISAAttention):
-                    block.attn.kernel = kernel
-            row[kernel], row[f"{'fused' if kernel == 'auto' else 'pytorch'}_ms"] = decode(models["lisa"], tokens)
+            row[kernel], row[f"{'fused' if kernel == 'auto' else 'pytorch'}_ms"] = decode(
+                use_kernel(models["lisa"], kernel), tokens)
         _, row["softmax_ms"] = decode(models["softmax"], tokens)
-        fused, reference = row.pop("auto"), row.pop("naive")
-        row["max_rel_diff"] = float((fused - reference).abs().max() / reference.abs().max())
+        fused, naive = row.pop("auto"), row.pop("naive")
+        scale = want.abs().max()
+        row["max_rel_diff"] = float((fused - naive).abs().max() / scale)
+        row["fused_error"], row["pytorch_error"] = (float((got - want).abs().max() / scale) for got in (fused, naive))
         row["fused_x_pytorch"] = row["pytorch_ms"] / row["fused_ms"]
-        ok &= row["max_rel_diff"] < (1e-4 if cpu else 3e-2)
+        ok &= row["fused_error"] < (1e-4 if cpu else max(3e-2, 2 * row["pytorch_error"]))
         result[f"batch {batch} x {context}"] = row
     return {"rows": result, "match": ok}
 
@@ -510,10 +523,13 @@ def markdown(report: dict) -> str:
         + f" -> {'match' if r['match'] else 'MISMATCH'}")]
     d = report.get("lisa_decode", {"error": "not run"})
     d = {"error": "skipped: " + d["skipped"]} if "skipped" in d else d
-    lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits relative to the "
-              "largest; ms per step; the same model with softmax layers only): " + (
+    lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits' error against the "
+              "PyTorch path in fp32, relative to the largest; ms per step; the same model with softmax layers "
+              "only): " + (
                   f"ERROR: {d['error']}" if "error" in d else
-                  "; ".join(f"{case}: diff {r['max_rel_diff']:.1e}, fused {r['fused_ms']:.2f} ms, PyTorch "
+                  "; ".join(f"{case}: error fused {r.get('fused_error', float('nan')):.1e}, PyTorch "
+                            f"{r.get('pytorch_error', float('nan')):.1e} (between them {r['max_rel_diff']:.1e}), "
+                            f"fused {r['fused_ms']:.2f} ms, PyTorch "
                             f"{r['pytorch_ms']:.2f} ms ({r['fused_x_pytorch']:.2f}x), softmax-only {r['softmax_ms']:.2f} ms"
                             for case, r in d.get("rows", {}).items())
                   + f" -> {'match' if d.get('match') else 'MISMATCH'}")]
