@@ -26,6 +26,7 @@ SIZES = {  # name: (hidden, layers, heads, kv_heads, ffn, seq, micro_batch)
     "h512-l8-hybrid": (512, 8, 8, 8, 1408, 512, 4),
     "h512-l8-hybrid-naive": (512, 8, 8, 8, 1408, 512, 4),
     "h512-l8-hybrid-keep": (512, 8, 8, 8, 1408, 512, 4),
+    "h512-l8-uoe": (512, 8, 8, 8, 1408, 256, 8),
 }
 # Hybrid attention as in configs/hybrid_*.yaml (LISA with the FFN alignment in groups of 4): its
 # scores built by query blocks (kernel auto), also with the LISA chains' scores kept (keep), or
@@ -63,6 +64,10 @@ def measure(name: str, steps: int) -> dict:
                             num_kv_heads=kv_heads, ffn_hidden_size=ffn, max_seq_len=seq)
     cfg.train.micro_batch, cfg.train.steps, cfg.train.warmup_steps = micro, 100, 1
     cfg.train.activation_checkpointing = {"ckpt": "full", "sel": "selective"}.get(name.rsplit("-", 1)[-1], "none")
+    if name.endswith("-uoe"):  # 8 experts of 384 neurons (48 of them routing neurons), top-2
+        cfg.model.mlp = "uoe"
+        moe = cfg.model.moe
+        moe.num_experts, moe.top_k, moe.expert_hidden_size, moe.routing_neurons = 8, 2, 384, 48
     if name in HYBRID:
         cfg.model.attention = "sskllrll"
         cfg.model.lisa.align_group, cfg.model.lisa.kernel = 4, HYBRID[name]

@@ -70,7 +70,7 @@ def test_bad_layout_is_a_config_error(capsys):
     assert "num_heads=16 is not divisible by parallel.tensor=3" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("size", ["h512-l8", "h512-l8-gqa", "h512-l8-ckpt", "h512-l8-sel"])
+@pytest.mark.parametrize("size", ["h512-l8", "h512-l8-gqa", "h512-l8-ckpt", "h512-l8-sel", "h512-l8-uoe"])
 def test_memory_estimate_within_20_percent_of_measured(size):
     env = {**child_env(), **measurement_env()}
     out = subprocess.run([sys.executable, "-m", "bench.memory_plan", "--one", size], cwd=REPO, env=env,

@@ -22,7 +22,14 @@ from torch import nn
 from models.config import ConfigError, ModelConfig
 from models.layers import SwiGLU, tp_size
 from models.moe.experts import ExpertContainer
-from models.moe.routing import RoutedLayer, expert_params, is_sparse_layer, recomputing, validate_routed
+from models.moe.routing import (
+    RoutedLayer,
+    dispatch_activations,
+    expert_params,
+    is_sparse_layer,
+    recomputing,
+    validate_routed,
+)
 from models.registry import MLPKind, ParallelSizes, register_mlp
 
 
@@ -80,6 +87,6 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 register_mlp(MLPKind(
     name="moe", module=RouterMoE, params=params, expert_params=expert_params, routed=True,
     activations=lambda cfg, tensor: 4 * (cfg.moe.top_k * cfg.moe.expert_hidden_size
-                                         + cfg.moe.shared_hidden_size) / tensor,
+                                         + cfg.moe.shared_hidden_size) / tensor + dispatch_activations(cfg),
     applies_to=is_sparse_layer, validate=validate, hf_remote=True,
 ))

@@ -72,6 +72,13 @@ register_section("moe", MoEConfig, training_only=("aux_loss_coef", "router_z_los
                                                   "capacity_factor", "grouped_gemm"))
 
 
+def dispatch_activations(cfg: ModelConfig) -> float:
+    """Elements per token that dispatch_combine keeps for backward: the gathered expert inputs and
+    the expert outputs before their routing weights, top_k rows of hidden_size each (whole on
+    every tensor-parallel rank)."""
+    return 2 * cfg.moe.top_k * cfg.hidden_size
+
+
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether `layer` takes the routed MLP (model.moe.moe_layers) or stays dense."""
     wanted = cfg.moe.listed_layers()

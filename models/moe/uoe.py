@@ -40,6 +40,7 @@ from models.layers import column_linear, gate_and_up, row_linear, tp_size
 from models.moe.experts import ExpertContainer
 from models.moe.routing import (
     RoutedLayer,
+    dispatch_activations,
     expert_params,
     is_sparse_layer,
     recomputing,
@@ -156,9 +157,18 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
         )
 
 
+def activations(cfg: ModelConfig, tensor: int) -> float:
+    """Elements per token kept for backward: the routed experts' 4 per active neuron (gate/up output,
+    activation, product) and the dispatch's copies; per routing neuron 8: those 4, the fp32 squares
+    that score the experts (2) and, in overlap mode, the routing weights spread over the neurons and
+    the weighted product."""
+    moe = cfg.moe
+    routed = 4 * moe.top_k * moe.rest_neurons() + 8 * moe.num_experts * moe.resolved_routing_neurons()
+    return routed / tensor + dispatch_activations(cfg)
+
+
 register_mlp(MLPKind(
     name="uoe", module=UnionOfExperts, params=params, expert_params=rest_params, routed=True,
-    activations=lambda cfg, tensor: 4 * (cfg.moe.top_k * cfg.moe.rest_neurons()
-                                         + cfg.moe.num_experts * cfg.moe.resolved_routing_neurons()) / tensor,
+    activations=activations,
     applies_to=is_sparse_layer, validate=validate, hf_remote=True,
 ))
