@@ -22,7 +22,10 @@ cut into samples of ``seq_len + 1`` ids, so a sample gives ``seq_len`` inputs an
 targets; the tokens after the last complete sample of each part are packed together at the merge,
 so only the last incomplete sample of each split is dropped (counted in the manifest).
 Documents go to train or val by a seeded hash of their origin, so the split is reproducible and never
-cuts a document in two.
+cuts a document in two. The origin is hashed with its file's path relative to the corpus source that
+holds it (``--split-key relative``, the default), so a copy of the corpus elsewhere (another machine,
+the folder submit_prep copies to) splits the same; ``--split-key path`` hashes the path as given
+(builds planned before the option).
 """
 
 from __future__ import annotations
@@ -49,7 +52,14 @@ import numpy as np
 from data_prep import dedup
 from data_prep import parts as P
 from data_prep.readers import FileReadError
-from data_prep.sources import ALL_SUFFIXES, BadInputReport, as_sources, list_files, require_documents
+from data_prep.sources import (
+    ALL_SUFFIXES,
+    BadInputReport,
+    as_sources,
+    list_files,
+    require_documents,
+    source_relative,
+)
 from data_prep.tokenizer import load_tokenizer
 
 SPLITS = ("train", "val")
@@ -60,7 +70,8 @@ BATCH_CHARS = 1 << 20
 BATCH_DOCS = 512
 # Settings a part's output depends on; a plan made with other values is another build.
 PLAN_SETTINGS = ("sources", "text_field", "tokenizer", "tokenizer_sha256", "vocab_size", "seq_len", "val_fraction",
-                 "seed", "compression", "shard_size_limit", "part_bytes", "dedup")
+                 "seed", "compression", "shard_size_limit", "part_bytes", "dedup", "split_key")
+SPLIT_KEYS = ("relative", "path")  # what a document's split is hashed from (see the module docstring)
 
 
 # Shard compressions streaming's MDSWriter takes, with their levels ("zstd:7"); checked here, before
@@ -117,12 +128,34 @@ class SamplePacker:
         return samples
 
 
-def _batches(docs, seed: int, val_fraction: float) -> Iterator[tuple[list[str], list[str]]]:
+class SplitKeys:
+    """What each document of a part, taken in the part's order, has its split hashed from: its origin,
+    or with split_key relative the origin with the file's path relative to its corpus source."""
+
+    def __init__(self, part: P.Part, settings: dict):
+        self.relative = _setting(settings, "split_key") == "relative"
+        self.pieces = [(str(Path(p.path)), source_relative(p.path, settings["sources"]) if self.relative else "")
+                       for p in part.pieces]
+        self.at = 0
+
+    def __call__(self, origin: str) -> str:
+        if not self.relative:
+            return origin
+        while self.at < len(self.pieces):  # "path" or "path:N" of the current file, else of a later one
+            path, name = self.pieces[self.at]
+            rest = origin[len(path):]
+            if origin.startswith(path) and (not rest or (rest[0] == ":" and rest[1:].isdigit())):
+                return name + rest
+            self.at += 1
+        raise ValueError(f"document {origin} is from none of this part's files")
+
+
+def _batches(docs, split_of: Callable[[str], str]) -> Iterator[tuple[list[str], list[str]]]:
     """Group documents into (texts, splits) batches for one encode call."""
     texts, splits, chars = [], [], 0
     for doc in docs:
         texts.append(doc.text)
-        splits.append(assign_split(doc.origin, seed, val_fraction))
+        splits.append(split_of(doc.origin))
         chars += len(doc.text)
         if chars >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
             yield texts, splits
@@ -133,8 +166,14 @@ def _batches(docs, seed: int, val_fraction: float) -> Iterator[tuple[list[str], 
 
 # --- planning -------------------------------------------------------------------
 
+def _setting(settings: dict, key: str):
+    """A plan setting; a plan made before split_key existed hashed the paths as given."""
+    return settings.get(key, "path" if key == "split_key" else None)
+
+
 def _settings_diff(old: dict, new: dict) -> str:
-    return ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in PLAN_SETTINGS if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {_setting(old, k)!r} there, {_setting(new, k)!r} now" for k in PLAN_SETTINGS
+                     if _setting(old, k) != _setting(new, k))
 
 
 def _clear(out_dir: Path) -> None:
@@ -147,7 +186,8 @@ def _clear(out_dir: Path) -> None:
 def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shards", seq_len: int = 512,
                val_fraction: float = 0.01, *, compression: str | None = "zstd", shard_size_limit: int | str = "64mb",
                seed: int = 0, text_field: str = "text", part_size: int | str = "auto",
-               dedup_mode: str = "none", overwrite: bool = False, dry_run: bool = False) -> dict:
+               dedup_mode: str = "none", split_key: str = "relative", overwrite: bool = False,
+               dry_run: bool = False) -> dict:
     """Check everything that can be checked cheaply, cut the corpus into parts, write ``plan.json``
     (``dry_run``: change nothing on disk).
 
@@ -159,6 +199,8 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if split_key not in SPLIT_KEYS:
+        raise ValueError(f"split_key {split_key!r}: choose one of {', '.join(SPLIT_KEYS)}")
     if dedup_mode not in dedup.DEDUP_MODES:
         raise ValueError(f"dedup {dedup_mode!r}: choose one of {', '.join(dedup.DEDUP_MODES)}")
     shard_size = P.parse_size(shard_size_limit)
@@ -178,6 +220,8 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
         "compression": compression,
         "shard_size_limit": shard_size, "part_bytes": part_bytes, "dedup": dedup_mode,
     }
+    if split_key != "path":  # absent: hashed by path, as plans made before the setting (their plan_id kept)
+        settings["split_key"] = split_key
     plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common(20)),
             "parts": [p.to_dict() for p in P.plan_parts(files, part_bytes)]}
     plan["plan_id"] = P.plan_id(plan)
@@ -238,7 +282,8 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
     duplicates = [0]
     if s.get("dedup", "none") == "exact":
         docs = dedup.first_occurrences(out_dir, part, docs, duplicates)
-    for texts, splits in _batches(docs, s["seed"], s["val_fraction"]):
+    keys = SplitKeys(part, s)
+    for texts, splits in _batches(docs, lambda origin: assign_split(keys(origin), s["seed"], s["val_fraction"])):
         ids = sp.encode(texts, num_threads=1)  # one thread: the parallelism is across parts
         for x in ids:
             x.append(eos)
@@ -489,6 +534,7 @@ def merge_parts(out_dir) -> dict:
         "sample_len": sample_len,
         "val_fraction": s["val_fraction"],
         "seed": s["seed"],
+        "split_key": _setting(s, "split_key"),
         "compression": s["compression"],
         "shard_size_limit": s["shard_size_limit"],
         "parts": len(parts),
@@ -508,13 +554,13 @@ def build_shards(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/sha
                  val_fraction: float = 0.01, *, workers: int | None = None, overwrite: bool = False,
                  compression: str | None = "zstd", shard_size_limit: int | str = "64mb", seed: int = 0,
                  text_field: str = "text", part_size: int | str = "auto", dedup_mode: str = "none",
-                 skip_unreadable: bool = False,
+                 split_key: str = "relative", skip_unreadable: bool = False,
                  progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Plan, build every part on this machine and merge: ``sources`` (None = default corpus) into
     ``out_dir``; returns the manifest."""
     plan_build(sources, tokenizer_dir, out_dir, seq_len, val_fraction, compression=compression,
                shard_size_limit=shard_size_limit, seed=seed, text_field=text_field, part_size=part_size,
-               dedup_mode=dedup_mode, overwrite=overwrite)
+               dedup_mode=dedup_mode, split_key=split_key, overwrite=overwrite)
     build_parts(out_dir, workers=workers, progress=progress, log=log, skip_unreadable=skip_unreadable)
     return merge_parts(out_dir)
 
@@ -550,6 +596,9 @@ def main(argv=None) -> int:
     p.add_argument("--part-size", default="auto",
                    help="input bytes per part, e.g. 256mb (default auto: about 256 parts, 1 MiB to 256 MiB each)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split")
+    p.add_argument("--split-key", choices=SPLIT_KEYS, default="relative",
+                   help="hash each document's path relative to its corpus source (the same split wherever the "
+                        "corpus lies) or as given (builds planned before this option)")
     p.add_argument("--text-field", default="text", help="JSON field or Parquet column holding the text")
     p.add_argument("--dedup", choices=dedup.DEDUP_MODES, default="none",
                    help="exact: drop documents whose text appeared before (in part order), across the whole build")
@@ -599,7 +648,7 @@ def main(argv=None) -> int:
         plan = plan_build(args.sources, args.tokenizer, out, args.seq_len, args.val_fraction,
                           compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                           text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
-                          overwrite=args.overwrite)
+                          split_key=args.split_key, overwrite=args.overwrite)
         if plan["skipped_files"]:
             kinds = ", ".join(f"{suffix} {n}" for suffix, n in plan["skipped_files"].items())
             print(f"skipped files no reader takes, by suffix ({kinds}); readers take {' '.join(ALL_SUFFIXES)}")

@@ -20,12 +20,12 @@ import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from data_prep.readers import ALL_SUFFIXES, Document, has_suffix, printable, read_file
 
 __all__ = ["ALL_SUFFIXES", "BadInputReport", "Document", "EmptyCorpusError", "Source", "as_sources",
-           "default_corpus", "iter_documents", "list_files", "printable", "require_documents"]
+           "default_corpus", "iter_documents", "list_files", "printable", "require_documents", "source_relative"]
 
 # Directories of the standard library left out of the default corpus: installed
 # third-party packages are not part of Python, and the test suites are large
@@ -154,6 +154,18 @@ def list_files(sources, skipped: Counter | None = None) -> list[Path]:
     for f in files:
         firsts.setdefault(f.resolve(), f)
     return list(firsts.values())
+
+
+def source_relative(path: str | os.PathLike, sources: Sequence[str | os.PathLike]) -> str:
+    """``path`` relative to the first of ``sources`` that holds it (a file given as a source: its
+    name), the same wherever the corpus lies; a ValueError if none holds it."""
+    for src in map(Path, sources):
+        if Path(path) == src:
+            return src.name
+        rel = os.path.relpath(path, src)
+        if rel != ".." and not rel.startswith(".." + os.sep):
+            return rel
+    raise ValueError(f"{path} lies in none of the corpus sources {[str(s) for s in sources]}")
 
 
 def iter_documents(sources=None, *, text_field: str = "text", report: BadInputReport | None = None,

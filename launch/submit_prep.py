@@ -29,7 +29,7 @@ from pathlib import Path
 
 from data_prep import dedup
 from data_prep import parts as P
-from data_prep.build_shards import plan_build
+from data_prep.build_shards import SPLIT_KEYS, plan_build
 from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
                            parse_time, sbatch_lines, submit)
 
@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     build.add_argument("--shard-size-limit", default="64mb")
     build.add_argument("--part-size", default="auto")
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--split-key", choices=SPLIT_KEYS, default="relative",
+                       help="what a document's split is hashed from (as data_prep.build_shards)")
     build.add_argument("--text-field", default="text")
     build.add_argument("--dedup", choices=dedup.DEDUP_MODES, default="none",
                        help="exact: drop repeated documents across the build (adds a hash array and an index job)")
@@ -136,7 +138,7 @@ def submit_build(args: argparse.Namespace) -> int:
     plan = plan_build(sources, _absolute(args.tokenizer), out, args.seq_len, args.val_fraction,
                       compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                       text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
-                      overwrite=args.overwrite, dry_run=args.dry_run)
+                      split_key=args.split_key, overwrite=args.overwrite, dry_run=args.dry_run)
     if args.overwrite and not args.dry_run:
         previous = []  # a new build: its task count is free again
     n_parts = len(plan["parts"])

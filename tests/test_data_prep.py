@@ -192,12 +192,32 @@ def test_split_deterministic_disjoint_and_counted(tmp_path, tok_dir):
         stream = np.concatenate(read_split(tmp_path / "a" / split))
         assert len(stream) == m1["splits"][split]["samples"] * 17
         seen[split] = {sp.decode(d)[:6] for d in split_docs(stream, sp.eos_id())}
-        want = {f"doc{i:03d}" for i in range(80) if bs.assign_split(f"{src}:{i + 1}", 7, 0.3) == split}
+        want = {f"doc{i:03d}" for i in range(80) if bs.assign_split(f"docs.jsonl:{i + 1}", 7, 0.3) == split}
         assert seen[split] and seen[split] <= want
     assert not seen["train"] & seen["val"]
     # The seed really picks the split.
-    picks = [{i for i in range(80) if bs.assign_split(f"{src}:{i + 1}", seed, 0.3) == "val"} for seed in (7, 8)]
+    picks = [{i for i in range(80) if bs.assign_split(f"docs.jsonl:{i + 1}", seed, 0.3) == "val"} for seed in (7, 8)]
     assert picks[0] != picks[1]
+
+
+def test_split_same_wherever_the_corpus_lies(tmp_path, tok_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    here, moved = Path("here/corpus"), tmp_path / "moved" / "elsewhere"
+    for root in (here, moved):  # the same files, given relative here and absolute there
+        (root / "sub").mkdir(parents=True)
+        for i in range(40):
+            (root / ("sub" if i % 2 else "") / f"d{i:02d}.txt").write_text(f"doc{i:02d} the quick brown fox\n")
+    kw = dict(seq_len=8, val_fraction=0.3, seed=1, workers=1)
+    val = {}
+    for name, root, key in (("here", here, "relative"), ("moved", moved, "relative"), ("path", here, "path")):
+        manifest = bs.build_shards([root], tok_dir, name, split_key=key, **kw)
+        assert manifest["split_key"] == key and 0 < manifest["splits"]["val"]["documents"] < 40
+        val[name] = np.concatenate(read_split(Path(name) / "val"))
+    assert np.array_equal(val["here"], val["moved"])
+    assert not np.array_equal(val["here"], val["path"])  # "here/corpus/d00.txt" hashed, not "d00.txt"
+    assert "split_key" not in json.loads(Path("path/plan.json").read_text())["settings"]  # as older plans
+    with pytest.raises(ValueError, match="split_key 'name': choose one of relative, path"):
+        bs.plan_build([here], tok_dir, "other", split_key="name", dry_run=True)
 
 
 def test_bad_inputs_counted_and_reported(tmp_path, tok_dir, capsys):
@@ -293,7 +313,7 @@ def test_file_names_that_are_not_utf8(tmp_path, tok_dir, monkeypatch):
     names = [os.fsdecode(b"caf\xe9.txt"), "plain.txt"]  # a Latin-1 name, as old archives have
     for i, name in enumerate(names):
         (corpus / name).write_text(make_text(rng, 30) + f" doc{i}\n")
-    seed = next(s for s in range(100) if {bs.assign_split(f"corpus/{n}", s, 0.5) for n in names} == {"train", "val"})
+    seed = next(s for s in range(100) if {bs.assign_split(n, s, 0.5) for n in names} == {"train", "val"})
     m = bs.build_shards([corpus], tok_dir, "out", seq_len=8, val_fraction=0.5, seed=seed, workers=1)
     assert m["documents"] == 2 and m["bad_inputs"]["count"] == 0
     (corpus / os.fsdecode(b"bad\xff.txt")).write_bytes(b"\xff\xfe not UTF-8")  # reported with its name escaped
