@@ -570,6 +570,9 @@ def markdown(report: dict) -> str:
         lines += [f"- {name}: " + (", ".join(f"{op['op']} {100 * op['share']:.0f}%" for op in r["top_ops"][:6])
                                    if "top_ops" in r else f"profile failed: {r['profile_error']}")
                   for name, r in profiled.items()]
+    if report.get("part_seconds"):
+        lines += ["", "Seconds per part (its process's start included): "
+                  + ", ".join(f"{name.removeprefix(CHECK)} {s:.0f}" for name, s in report["part_seconds"].items())]
     return "\n".join(lines)
 
 
@@ -625,7 +628,7 @@ def main() -> int:
     stem = report_stem(args.device)
     (out / f"{stem}-profiles.txt").unlink(missing_ok=True)  # the rows append to it
     report = {"date": datetime.date.today().isoformat(), "environment": environment(args.device),
-              "correctness": {}, "throughput": {}}
+              "correctness": {}, "throughput": {}, "part_seconds": {}}
     if args.attention:
         report["attention"] = {}
 
@@ -637,7 +640,10 @@ def main() -> int:
         budget = deadline.budget(limit)
         if budget is None:
             return {"skipped": f"--deadline {args.deadline} s reached"}
-        return run_isolated(name, args, budget)
+        start = time.monotonic()
+        result = run_isolated(name, args, budget)
+        report["part_seconds"][name] = round(time.monotonic() - start, 1)  # to size the next run's --deadline
+        return result
 
     info = part(CHECK + "device_info", 60)
     report["environment"].update({k: v for k, v in info.items() if k != "log_tail"} if "gpu" in info
