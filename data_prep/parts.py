@@ -1,7 +1,9 @@
 """A corpus cut into deterministic parts, the unit of work of a shard build.
 
-A part is a run of whole files in listing order, closed once it holds ``part_bytes`` of input, or a
-run of row groups of one large Parquet file. The cut depends on the files alone (their order and
+A part is a run of whole files in listing order, closed once it holds ``part_bytes`` of input, a
+run of row groups of one large Parquet file, or a range of lines of one large uncompressed JSON Lines
+file (cut at line starts; planning reads such a file once to count its lines, so that each range
+knows its first line number and its documents keep their "path:line" origin, whatever the part size). The cut depends on the files alone (their order and
 sizes), never on how many processes or Slurm tasks build it, so every way of building a corpus
 gives the same parts and therefore the same samples.
 
@@ -29,10 +31,14 @@ MIN_AUTO_PART_BYTES = 1 << 20
 MAX_AUTO_PART_BYTES = 256 << 20
 
 
+JSONL_SCAN_BYTES = 16 << 20  # read at a time when counting a large JSON Lines file's lines
+
+
 @dataclass(frozen=True)
 class Piece:
     path: str
     row_groups: tuple[int, ...] | None = None  # None: the whole file
+    lines: tuple[int, int, int] | None = None  # a .jsonl's bytes [start, end) and the line number at start
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,15 @@ class Part:
         return f"part-{self.index:05d}"
 
     def to_dict(self) -> dict:
-        return {"pieces": [[p.path, list(p.row_groups) if p.row_groups is not None else None] for p in self.pieces],
+        return {"pieces": [[p.path, list(p.row_groups) if p.row_groups is not None else None]
+                           + ([list(p.lines)] if p.lines is not None else []) for p in self.pieces],
                 "bytes": self.bytes}
 
     @classmethod
     def from_dict(cls, index: int, d: dict) -> "Part":
-        return cls(index, tuple(Piece(path, tuple(groups) if groups is not None else None)
-                                for path, groups in d["pieces"]), d["bytes"])
+        return cls(index, tuple(Piece(path, tuple(groups) if groups is not None else None,
+                                      tuple(lines[0]) if lines else None)
+                                for path, groups, *lines in d["pieces"]), d["bytes"])
 
 
 def parse_size(text: int | str) -> int:
@@ -87,6 +95,29 @@ def file_bytes(path: Path) -> int:
         return 0  # broken link or unreadable: the reader reports it when the part is built
 
 
+def jsonl_line_ranges(path: Path, part_bytes: int) -> list[tuple[int, int, int]]:
+    """(start, end, first line number) of consecutive byte ranges of about ``part_bytes`` each, cut
+    after a newline: the whole file in one read pass."""
+    ranges, start, first_line, newlines, offset = [], 0, 1, 0, 0
+    target = part_bytes
+    with open(path, "rb") as f:
+        while chunk := f.read(JSONL_SCAN_BYTES):
+            searched = 0
+            while offset + len(chunk) > target:
+                cut = chunk.find(b"\n", max(searched, target - offset))
+                if cut < 0:
+                    break  # the line goes on into the next chunk
+                newlines += chunk.count(b"\n", searched, cut + 1)
+                ranges.append((start, offset + cut + 1, first_line))
+                start, first_line, searched = offset + cut + 1, newlines + 1, cut + 1
+                target = start + part_bytes
+            newlines += chunk.count(b"\n", searched)
+            offset += len(chunk)
+    if start < offset:
+        ranges.append((start, offset, first_line))
+    return ranges
+
+
 def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
     """Cut ``files`` (in order) into parts of about ``part_bytes`` of input each."""
     parts: list[Part] = []
@@ -116,6 +147,15 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
                 if run:
                     parts.append(Part(len(parts), (Piece(str(path), tuple(run)),), run_bytes))
                 continue
+        if path.name.endswith(".jsonl") and n > part_bytes:  # compressed streams cannot be entered midway
+            try:
+                ranges = jsonl_line_ranges(path, part_bytes)
+            except OSError:
+                ranges = []  # the reader reports the file when its part is built
+            if len(ranges) > 1:
+                close()
+                parts += [Part(len(parts) + i, (Piece(str(path), lines=r),), r[1] - r[0]) for i, r in enumerate(ranges)]
+                continue
         pieces.append(Piece(str(path)))
         size += n
         if size >= part_bytes:
@@ -126,7 +166,7 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
 
 def iter_part_documents(part: Part, text_field: str, report) -> Iterator[Document]:
     for piece in part.pieces:
-        yield from read_file(Path(piece.path), text_field, report, piece.row_groups)
+        yield from read_file(Path(piece.path), text_field, report, piece.row_groups, piece.lines)
 
 
 # --- the parts of a build on disk -------------------------------------------------

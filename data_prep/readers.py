@@ -168,13 +168,22 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
-def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
-    """(parsed value, origin "path:line", raw line) of each non-blank line that is UTF-8 JSON."""
-    lineno = 0
+def _json_lines(path: Path, report, lines: tuple[int, int, int] | None = None
+                ) -> Iterator[tuple[object, str, bytes]]:
+    """(parsed value, origin "path:line", raw line) of each non-blank line that is UTF-8 JSON; with
+    ``lines`` (start, end, first line number) those of bytes [start, end) of an uncompressed file."""
+    start, end, first_line = lines or (0, None, 1)
+    lineno = first_line - 1
     try:
         # Binary lines so one bad line costs only that line, not the whole file.
         with _opener(path)() as f:
-            for lineno, raw in enumerate(f, start=1):
+            if start:
+                f.seek(start)
+            position = start
+            for lineno, raw in enumerate(f, start=first_line):
+                if end is not None and position >= end:
+                    break
+                position += len(raw)
                 where = f"{path}:{lineno}"
                 if not raw.strip():
                     continue  # blank lines are harmless padding, not errors
@@ -193,12 +202,13 @@ def _json_lines(path: Path, report) -> Iterator[tuple[object, str, bytes]]:
     except _stream_errors() as e:
         check_io(e, path, report)
         # Unopenable file, or a truncated/corrupt compressed stream partway through.
-        where = f"{path}:{lineno + 1}" if lineno else str(path)
+        where = f"{path}:{lineno + 1}" if lineno >= first_line else str(path)
         report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
 
 
-def read_jsonl_file(path: Path, text_field: str, report) -> Iterator[Document]:
-    for rec, where, raw in _json_lines(path, report):
+def read_jsonl_file(path: Path, text_field: str, report, lines: tuple[int, int, int] | None = None
+                    ) -> Iterator[Document]:
+    for rec, where, raw in _json_lines(path, report, lines):
         text = rec.get(text_field) if isinstance(rec, dict) else None
         if not isinstance(text, str):
             report.add(where, f"missing or non-string {text_field!r} field")
@@ -316,10 +326,12 @@ def read_parquet_file(path: Path, text_field: str, report,
             return
 
 
-def read_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None) -> Iterator[Document]:
-    """The documents of one corpus file, by its suffix (``row_groups`` only for Parquet)."""
+def read_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None,
+              lines: tuple[int, int, int] | None = None) -> Iterator[Document]:
+    """The documents of one corpus file, by its suffix (``row_groups`` only for Parquet, ``lines``,
+    a byte range and its first line number, only for uncompressed JSON Lines)."""
     if has_suffix(path.name, PARQUET_SUFFIXES):
         return read_parquet_file(path, text_field, report, row_groups)
     if has_suffix(path.name, JSONL_SUFFIXES):
-        return read_jsonl_file(path, text_field, report)
+        return read_jsonl_file(path, text_field, report, lines)
     return read_text_file(path, report)

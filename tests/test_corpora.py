@@ -22,6 +22,7 @@ from data_prep import parts as P
 from data_prep import train_tokenizer as tt
 from data_prep.import_tokenizer import import_tokenizer
 from data_prep.import_tokenizer import main as import_main
+from data_prep.readers import read_file
 from data_prep.sources import BadInputReport, iter_documents
 from data_prep.tokenizer import load_tokenizer
 from tests.synthetic import make_text
@@ -180,6 +181,31 @@ def test_parts_are_cut_by_the_corpus_alone(tmp_path):
         P.parse_size("lots")
 
 
+def test_a_large_json_lines_file_is_cut_at_line_starts(tmp_path, tok_dir):
+    rng = random.Random(5)
+    lines = [json.dumps({"text": make_text(rng, rng.randrange(1, 9))}) for _ in range(120)]
+    lines[70] = "{broken"  # in a later range: reported with its line number all the same
+    src = tmp_path / "big.jsonl"
+    src.write_text("".join(line + "\n" for line in lines))
+    data, size = src.read_bytes(), src.stat().st_size
+    ranges = P.jsonl_line_ranges(src, size // 5)
+    assert len(ranges) >= 4 and ranges[0][0] == 0 and ranges[-1][1] == size
+    for (start, end, first), (after, *_) in zip(ranges, ranges[1:] + [(size,)]):
+        assert end == after and data[end - 1:end] == b"\n" and first == data[:start].count(b"\n") + 1
+    whole = list(read_file(src, "text", BadInputReport()))
+    assert [d for r in ranges for d in read_file(src, "text", BadInputReport(), lines=r)] == whole
+    kw = dict(seq_len=16, val_fraction=0.3, workers=1)
+    one = bs.build_shards([src], tok_dir, tmp_path / "one", part_size=size + 1, **kw)
+    cut = bs.build_shards([src], tok_dir, tmp_path / "cut", part_size=size // 5, **kw)
+    assert one["parts"] == 1 and cut["parts"] == len(ranges)
+    assert cut["bad_inputs"] == one["bad_inputs"] and one["bad_inputs"]["examples"] == [f"{src}:71: malformed JSON"]
+    for split in ("train", "val"):  # the same documents in each split (their line numbers keyed the split)
+        assert {k: cut["splits"][split][k] for k in ("documents", "tokens")} == \
+            {k: one["splits"][split][k] for k in ("documents", "tokens")}
+    plan = json.loads((tmp_path / "cut" / P.PLAN_FILE).read_text())
+    assert [P.Part.from_dict(i, d).pieces[0].lines for i, d in enumerate(plan["parts"])] == ranges
+
+
 def test_worker_count_does_not_change_the_samples(tmp_path, tok_dir):
     make_corpus(tmp_path / "corpus")
     kw = dict(seq_len=16, val_fraction=0.2, part_size="2kb")
@@ -303,9 +329,14 @@ def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, to
     a, b, c, d, e = (make_text(rng, 6) for _ in range(5))
     corpus = tmp_path / "corpus"
     corpus.mkdir()
+
+    def write(name: str, docs: list[str]) -> None:  # compressed: one part per file (no line ranges)
+        with gzip.open(corpus / f"{name}.jsonl.gz", "wt") as f:
+            f.write("".join(json.dumps({"text": t}) + "\n" for t in docs))
+
     for name, docs in (("f0", [a, b, c]), ("f1", [b, d]), ("f2", [a, a, e]), ("f3", [c])):
-        (corpus / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    kw = dict(seq_len=8, val_fraction=0, part_size="100b", dedup_mode="exact")
+        write(name, docs)
+    kw = dict(seq_len=8, val_fraction=0, part_size="60b", dedup_mode="exact")
     m = bs.build_shards([corpus], tok_dir, tmp_path / "local", workers=1, **kw)
     assert m["parts"] == 4 and m["dedup"] == {"method": "exact", "dropped_documents": 4}
     assert m["documents"] == 5 and m["splits"]["train"]["documents"] == 5
@@ -321,7 +352,7 @@ def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, to
     out = tmp_path / "cluster"
     args = ["--out", str(out), "--tasks", "2", "--workers", "1"]
     assert bs.main(["--sources", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", "8",
-                    "--val-fraction", "0", "--part-size", "100b", "--dedup", "exact", "--plan-only"]) == 0
+                    "--val-fraction", "0", "--part-size", "60b", "--dedup", "exact", "--plan-only"]) == 0
     assert bs.main(args + ["--task", "0"]) == 0
     assert P.status(out)["done"] == []  # hashed, not built
     assert bs.main(["--out", str(out), "--dedup-index"]) == 2
@@ -330,12 +361,12 @@ def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, to
     assert bs.main(["--out", str(out), "--dedup-index"]) == 0
     assert "4 of 9 documents are duplicates" in capsys.readouterr().out
     # A file that reads differently than when hashed fails its part instead of shifting the mask.
-    f0 = corpus / "f0.jsonl"
-    hashed = f0.read_text()
-    f0.write_text("".join(json.dumps({"text": t}) + "\n" for t in (a, c)))
+    f0 = corpus / "f0.jsonl.gz"
+    hashed = f0.read_bytes()
+    write("f0", [a, c])
     assert bs.main(args + ["--task", "0"]) != 0
     assert "document 2 (" in capsys.readouterr().err and P.status(out)["done"] == []
-    f0.write_text(hashed)
+    f0.write_bytes(hashed)
     for task in ("0", "1"):
         assert bs.main(args + ["--task", task]) == 0
     assert bs.main(["--out", str(out), "--merge"]) == 0
