@@ -210,9 +210,9 @@ def lisa_decode_check(device: str) -> dict:
     (FFN alignment in groups of 4, grouped-query heads; random alignment and low-rank weights), the
     same tokens decoded one at a time after a prefill. Per batch: each path's logits against the
     PyTorch path in fp32 (largest difference relative to the largest logit: in bf16 the paths round
-    differently, so the fused one passes when its error is at most twice the PyTorch path's, or
-    within 3e-2), and the median ms per decode step of both paths and of the same model with softmax
-    layers only. --device cpu: under Triton's interpreter at tiny sizes, in fp32."""
+    differently, so the fused one passes when its error is under twice the PyTorch path's, or under
+    3e-2, and under 0.1 in any case), and the median ms per decode step of both paths and of the same
+    model with softmax layers only. --device cpu: under Triton's interpreter at tiny sizes, in fp32."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return interpreted("lisa_decode_check")
     from models.attention.kv_cache import KVCache
@@ -280,7 +280,7 @@ def lisa_decode_check(device: str) -> dict:
         row["max_rel_diff"] = float((fused - naive).abs().max() / scale)
         row["fused_error"], row["pytorch_error"] = (float((got - want).abs().max() / scale) for got in (fused, naive))
         row["fused_x_pytorch"] = row["pytorch_ms"] / row["fused_ms"]
-        ok &= row["fused_error"] < (1e-4 if cpu else max(3e-2, 2 * row["pytorch_error"]))
+        ok &= row["fused_error"] < (1e-4 if cpu else min(0.1, max(3e-2, 2 * row["pytorch_error"])))
         result[f"batch {batch} x {context}"] = row
     return {"rows": result, "match": ok}
 

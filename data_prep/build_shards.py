@@ -222,11 +222,16 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
     }
     if split_key != "path":  # absent: hashed by path, as plans made before the setting (their plan_id kept)
         settings["split_key"] = split_key
+    old = P.read_plan(out_dir)
+    if (old is not None and not overwrite and old["settings"] == settings and old.get("bytes") == total
+            and P.planned_files(old) == [str(f) for f in files]):
+        parts = old["parts"]  # an unfinished build resumes as it was cut, its large files not read again
+    else:
+        parts = [p.to_dict() for p in P.plan_parts(files, part_bytes)]
     plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common(20)),
-            "parts": [p.to_dict() for p in P.plan_parts(files, part_bytes)]}
+            "parts": parts}
     plan["plan_id"] = P.plan_id(plan)
 
-    old = P.read_plan(out_dir)
     finished = (out_dir / "manifest.json").is_file()
     if overwrite:
         if not dry_run:

@@ -38,7 +38,8 @@ JSONL_SCAN_BYTES = 16 << 20  # read at a time when counting a large JSON Lines f
 class Piece:
     path: str
     row_groups: tuple[int, ...] | None = None  # None: the whole file
-    lines: tuple[int, int, int] | None = None  # a .jsonl's bytes [start, end) and the line number at start
+    # A .jsonl's bytes [start, end), the line number at start and the file's size when planned.
+    lines: tuple[int, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,9 @@ def file_bytes(path: Path) -> int:
         return 0  # broken link or unreadable: the reader reports it when the part is built
 
 
-def jsonl_line_ranges(path: Path, part_bytes: int) -> list[tuple[int, int, int]]:
-    """(start, end, first line number) of consecutive byte ranges of about ``part_bytes`` each, cut
-    after a newline: the whole file in one read pass."""
+def jsonl_line_ranges(path: Path, part_bytes: int) -> list[tuple[int, int, int, int]]:
+    """(start, end, first line number, file size) of consecutive byte ranges of about ``part_bytes``
+    each, cut after a newline: the whole file in one read pass."""
     ranges, start, first_line, newlines, offset = [], 0, 1, 0, 0
     target = part_bytes
     with open(path, "rb") as f:
@@ -115,7 +116,7 @@ def jsonl_line_ranges(path: Path, part_bytes: int) -> list[tuple[int, int, int]]
             offset += len(chunk)
     if start < offset:
         ranges.append((start, offset, first_line))
-    return ranges
+    return [(*r, offset) for r in ranges]
 
 
 def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
@@ -150,7 +151,7 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
         if path.name.endswith(".jsonl") and n > part_bytes:  # compressed streams cannot be entered midway
             try:
                 ranges = jsonl_line_ranges(path, part_bytes)
-            except OSError:
+            except (PermissionError, FileNotFoundError):
                 ranges = []  # the reader reports the file when its part is built
             if len(ranges) > 1:
                 close()
@@ -162,6 +163,11 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
             close()
     close()
     return parts
+
+
+def planned_files(plan: dict) -> list[str]:
+    """The files a plan's parts read, in order, each once."""
+    return list(dict.fromkeys(piece[0] for part in plan["parts"] for piece in part["pieces"]))
 
 
 def iter_part_documents(part: Part, text_field: str, report) -> Iterator[Document]:

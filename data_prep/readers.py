@@ -20,6 +20,7 @@ import errno
 import gzip
 import io
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,22 +169,32 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
-def _json_lines(path: Path, report, lines: tuple[int, int, int] | None = None
+def _lines_until(f, position: int, end: int) -> Iterator[bytes]:
+    """The lines of ``f`` from ``position`` (a line start) up to byte ``end``."""
+    while position < end and (raw := f.readline()):
+        position += len(raw)
+        yield raw
+
+
+def _json_lines(path: Path, report, lines: tuple[int, int, int, int] | None = None
                 ) -> Iterator[tuple[object, str, bytes]]:
     """(parsed value, origin "path:line", raw line) of each non-blank line that is UTF-8 JSON; with
-    ``lines`` (start, end, first line number) those of bytes [start, end) of an uncompressed file."""
-    start, end, first_line = lines or (0, None, 1)
+    ``lines`` (start, end, first line number, file size when planned) those of bytes [start, end)
+    of an uncompressed file (a ValueError if the file changed since)."""
+    start, end, first_line, planned_bytes = lines or (0, None, 1, None)
     lineno = first_line - 1
     try:
         # Binary lines so one bad line costs only that line, not the whole file.
         with _opener(path)() as f:
-            if start:
-                f.seek(start)
-            position = start
-            for lineno, raw in enumerate(f, start=first_line):
-                if end is not None and position >= end:
-                    break
-                position += len(raw)
+            if lines is not None:
+                size = os.fstat(f.fileno()).st_size
+                if start:
+                    f.seek(start - 1)
+                if size != planned_bytes or (start and f.read(1) != b"\n"):
+                    raise ValueError(f"{printable(str(path))} changed since the build was planned ({planned_bytes} "
+                                     f"bytes then, {size} now), so its planned line ranges no longer fit it: plan "
+                                     "the build again (--overwrite)")
+            for lineno, raw in enumerate(f if end is None else _lines_until(f, start, end), start=first_line):
                 where = f"{path}:{lineno}"
                 if not raw.strip():
                     continue  # blank lines are harmless padding, not errors
@@ -202,11 +213,11 @@ def _json_lines(path: Path, report, lines: tuple[int, int, int] | None = None
     except _stream_errors() as e:
         check_io(e, path, report)
         # Unopenable file, or a truncated/corrupt compressed stream partway through.
-        where = f"{path}:{lineno + 1}" if lineno >= first_line else str(path)
+        where = f"{path}:{lineno + 1}" if lineno >= first_line or start else str(path)
         report.add(where, f"unreadable ({getattr(e, 'strerror', None) or e})")
 
 
-def read_jsonl_file(path: Path, text_field: str, report, lines: tuple[int, int, int] | None = None
+def read_jsonl_file(path: Path, text_field: str, report, lines: tuple[int, int, int, int] | None = None
                     ) -> Iterator[Document]:
     for rec, where, raw in _json_lines(path, report, lines):
         text = rec.get(text_field) if isinstance(rec, dict) else None
@@ -327,9 +338,10 @@ def read_parquet_file(path: Path, text_field: str, report,
 
 
 def read_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None,
-              lines: tuple[int, int, int] | None = None) -> Iterator[Document]:
+              lines: tuple[int, int, int, int] | None = None) -> Iterator[Document]:
     """The documents of one corpus file, by its suffix (``row_groups`` only for Parquet, ``lines``,
-    a byte range and its first line number, only for uncompressed JSON Lines)."""
+    a byte range, its first line number and the file's planned size, only for uncompressed JSON
+    Lines)."""
     if has_suffix(path.name, PARQUET_SUFFIXES):
         return read_parquet_file(path, text_field, report, row_groups)
     if has_suffix(path.name, JSONL_SUFFIXES):

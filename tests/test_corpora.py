@@ -185,25 +185,40 @@ def test_a_large_json_lines_file_is_cut_at_line_starts(tmp_path, tok_dir):
     rng = random.Random(5)
     lines = [json.dumps({"text": make_text(rng, rng.randrange(1, 9))}) for _ in range(120)]
     lines[70] = "{broken"  # in a later range: reported with its line number all the same
+    lines[100] = lines[10]  # a duplicate in another range, for --dedup exact
     src = tmp_path / "big.jsonl"
     src.write_text("".join(line + "\n" for line in lines))
     data, size = src.read_bytes(), src.stat().st_size
     ranges = P.jsonl_line_ranges(src, size // 5)
     assert len(ranges) >= 4 and ranges[0][0] == 0 and ranges[-1][1] == size
-    for (start, end, first), (after, *_) in zip(ranges, ranges[1:] + [(size,)]):
+    for (start, end, first, planned), (after, *_) in zip(ranges, ranges[1:] + [(size,)]):
         assert end == after and data[end - 1:end] == b"\n" and first == data[:start].count(b"\n") + 1
+        assert planned == size
     whole = list(read_file(src, "text", BadInputReport()))
     assert [d for r in ranges for d in read_file(src, "text", BadInputReport(), lines=r)] == whole
-    kw = dict(seq_len=16, val_fraction=0.3, workers=1)
+    kw = dict(seq_len=16, val_fraction=0.3, workers=1, dedup_mode="exact")
     one = bs.build_shards([src], tok_dir, tmp_path / "one", part_size=size + 1, **kw)
     cut = bs.build_shards([src], tok_dir, tmp_path / "cut", part_size=size // 5, **kw)
-    assert one["parts"] == 1 and cut["parts"] == len(ranges)
+    assert one["parts"] == 1 and cut["parts"] == len(ranges) and cut["dedup"]["dropped_documents"] == 1
     assert cut["bad_inputs"] == one["bad_inputs"] and one["bad_inputs"]["examples"] == [f"{src}:71: malformed JSON"]
     for split in ("train", "val"):  # the same documents in each split (their line numbers keyed the split)
         assert {k: cut["splits"][split][k] for k in ("documents", "tokens")} == \
             {k: one["splits"][split][k] for k in ("documents", "tokens")}
     plan = json.loads((tmp_path / "cut" / P.PLAN_FILE).read_text())
     assert [P.Part.from_dict(i, d).pieces[0].lines for i, d in enumerate(plan["parts"])] == ranges
+
+    # An unfinished build planned before files were cut into lines resumes with its own parts.
+    out, kw = tmp_path / "older", dict(seq_len=16, val_fraction=0.3, part_size=size // 5)
+    older = bs.plan_build([src], tok_dir, out, **kw)
+    older["parts"] = [{"pieces": [[str(src), None]], "bytes": size}]
+    older["plan_id"] = P.plan_id(older)
+    (out / P.PLAN_FILE).write_text(json.dumps(older))
+    assert bs.plan_build([src], tok_dir, out, **kw)["plan_id"] == older["plan_id"]
+    # A file changed after planning fails its part with the reason, instead of being misread.
+    bs.plan_build([src], tok_dir, tmp_path / "changed", **kw)
+    src.write_text(json.dumps({"text": "one more"}) + "\n" + data.decode())
+    with pytest.raises(ValueError, match="big.jsonl changed since the build was planned"):
+        bs.build_parts(tmp_path / "changed", workers=1)
 
 
 def test_worker_count_does_not_change_the_samples(tmp_path, tok_dir):

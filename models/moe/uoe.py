@@ -159,11 +159,12 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 
 def activations(cfg: ModelConfig, tensor: int) -> float:
     """Elements per token kept for backward: the routed experts' 4 per active neuron (gate/up output,
-    activation, product) and the dispatch's copies; per routing neuron 8: those 4, the fp32 squares
-    that score the experts (2) and, in overlap mode, the routing weights spread over the neurons and
-    the weighted product."""
+    activation, product) and the dispatch's copies; per routing neuron 6: those 4 and the fp32 squares
+    that score the experts, and 2 more in overlap mode (the routing weights spread over the neurons
+    and the weighted product)."""
     moe = cfg.moe
-    routed = 4 * moe.top_k * moe.rest_neurons() + 8 * moe.num_experts * moe.resolved_routing_neurons()
+    per_routing_neuron = 6 + 2 * (moe.vse_mode == "overlap")
+    routed = 4 * moe.top_k * moe.rest_neurons() + per_routing_neuron * moe.num_experts * moe.resolved_routing_neurons()
     return routed / tensor + dispatch_activations(cfg)
 
 
