@@ -278,7 +278,8 @@ def lisa_decode_check(device: str) -> dict:
         fused, naive = row.pop("auto"), row.pop("naive")
         scale = want.abs().max()
         row["max_rel_diff"] = float((fused - naive).abs().max() / scale)
-        row["fused_error"], row["pytorch_error"] = (float((got - want).abs().max() / scale) for got in (fused, naive))
+        row["fused_error"], row["pytorch_error"] = (float((got - want).abs().max() / scale)
+                                                    for got in (fused, naive))
         row["fused_x_pytorch"] = row["pytorch_ms"] / row["fused_ms"]
         ok &= row["fused_error"] < (1e-4 if cpu else min(0.1, max(3e-2, 2 * row["pytorch_error"])))
         result[f"batch {batch} x {context}"] = row
@@ -523,12 +524,13 @@ def markdown(report: dict) -> str:
         + f" -> {'match' if r['match'] else 'MISMATCH'}")]
     d = report.get("lisa_decode", {"error": "not run"})
     d = {"error": "skipped: " + d["skipped"]} if "skipped" in d else d
-    lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits' error against the "
-              "PyTorch path in fp32, relative to the largest; ms per step; the same model with softmax layers "
-              "only): " + (
+    lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits' error against "
+              "the PyTorch path in fp32, relative to the largest; ms per step; the same model with softmax "
+              "layers only): " + (
                   f"ERROR: {d['error']}" if "error" in d else
                   "; ".join(f"{case}: error fused {r.get('fused_error', float('nan')):.1e}, PyTorch "
-                            f"{r.get('pytorch_error', float('nan')):.1e} (between them {r['max_rel_diff']:.1e}), "
+                            f"{r.get('pytorch_error', float('nan')):.1e} "
+                            f"(between them {r['max_rel_diff']:.1e}), "
                             f"fused {r['fused_ms']:.2f} ms, PyTorch "
                             f"{r['pytorch_ms']:.2f} ms ({r['fused_x_pytorch']:.2f}x), softmax-only {r['softmax_ms']:.2f} ms"
                             for case, r in d.get("rows", {}).items())
@@ -571,8 +573,9 @@ def markdown(report: dict) -> str:
                                    if "top_ops" in r else f"profile failed: {r['profile_error']}")
                   for name, r in profiled.items()]
     if report.get("part_seconds"):
+        seconds = report["part_seconds"].items()
         lines += ["", "Seconds per part (its process's start included): "
-                  + ", ".join(f"{name.removeprefix(CHECK)} {s:.0f}" for name, s in report["part_seconds"].items())]
+                  + ", ".join(f"{name.removeprefix(CHECK)} {s:.0f}" for name, s in seconds)]
     return "\n".join(lines)
 
 

@@ -134,7 +134,8 @@ class SplitKeys:
 
     def __init__(self, part: P.Part, settings: dict):
         self.relative = _setting(settings, "split_key") == "relative"
-        self.pieces = [(str(Path(p.path)), source_relative(p.path, settings["sources"]) if self.relative else "")
+        self.pieces = [(str(Path(p.path)),
+                        source_relative(p.path, settings["sources"]) if self.relative else "")
                        for p in part.pieces]
         self.at = 0
 
@@ -288,7 +289,11 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
     if s.get("dedup", "none") == "exact":
         docs = dedup.first_occurrences(out_dir, part, docs, duplicates)
     keys = SplitKeys(part, s)
-    for texts, splits in _batches(docs, lambda origin: assign_split(keys(origin), s["seed"], s["val_fraction"])):
+
+    def split_of(origin: str) -> str:
+        return assign_split(keys(origin), s["seed"], s["val_fraction"])
+
+    for texts, splits in _batches(docs, split_of):
         ids = sp.encode(texts, num_threads=1)  # one thread: the parallelism is across parts
         for x in ids:
             x.append(eos)

@@ -3,9 +3,10 @@
 A part is a run of whole files in listing order, closed once it holds ``part_bytes`` of input, a
 run of row groups of one large Parquet file, or a range of lines of one large uncompressed JSON Lines
 file (cut at line starts; planning reads such a file once to count its lines, so that each range
-knows its first line number and its documents keep their "path:line" origin, whatever the part size). The cut depends on the files alone (their order and
-sizes), never on how many processes or Slurm tasks build it, so every way of building a corpus
-gives the same parts and therefore the same samples.
+knows its first line number and its documents keep their "path:line" origin, whatever the part
+size). The cut depends on the files alone (their order and sizes), never on how many processes or
+Slurm tasks build it, so every way of building a corpus gives the same parts and therefore the same
+samples.
 
 On disk, under the output directory of a build::
 
@@ -29,8 +30,6 @@ PLAN_FILE = "plan.json"
 MARKER_DIR = "parts"
 MIN_AUTO_PART_BYTES = 1 << 20
 MAX_AUTO_PART_BYTES = 256 << 20
-
-
 JSONL_SCAN_BYTES = 16 << 20  # read at a time when counting a large JSON Lines file's lines
 
 
@@ -155,7 +154,8 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
                 ranges = []  # the reader reports the file when its part is built
             if len(ranges) > 1:
                 close()
-                parts += [Part(len(parts) + i, (Piece(str(path), lines=r),), r[1] - r[0]) for i, r in enumerate(ranges)]
+                parts += [Part(len(parts) + i, (Piece(str(path), lines=r),), r[1] - r[0])
+                          for i, r in enumerate(ranges)]
                 continue
         pieces.append(Piece(str(path)))
         size += n

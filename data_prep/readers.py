@@ -191,9 +191,9 @@ def _json_lines(path: Path, report, lines: tuple[int, int, int, int] | None = No
                 if start:
                     f.seek(start - 1)
                 if size != planned_bytes or (start and f.read(1) != b"\n"):
-                    raise ValueError(f"{printable(str(path))} changed since the build was planned ({planned_bytes} "
-                                     f"bytes then, {size} now), so its planned line ranges no longer fit it: plan "
-                                     "the build again (--overwrite)")
+                    raise ValueError(f"{printable(str(path))} changed since the build was planned "
+                                     f"({planned_bytes} bytes then, {size} now), so its planned line ranges "
+                                     "no longer fit it: plan the build again (--overwrite)")
             for lineno, raw in enumerate(f if end is None else _lines_until(f, start, end), start=first_line):
                 where = f"{path}:{lineno}"
                 if not raw.strip():

@@ -25,7 +25,8 @@ from typing import Iterable, Iterator, Sequence
 from data_prep.readers import ALL_SUFFIXES, Document, has_suffix, printable, read_file
 
 __all__ = ["ALL_SUFFIXES", "BadInputReport", "Document", "EmptyCorpusError", "Source", "as_sources",
-           "default_corpus", "iter_documents", "list_files", "printable", "require_documents", "source_relative"]
+           "default_corpus", "iter_documents", "list_files", "printable", "require_documents",
+           "source_relative"]
 
 # Directories of the standard library left out of the default corpus: installed
 # third-party packages are not part of Python, and the test suites are large

@@ -200,7 +200,8 @@ def test_a_large_json_lines_file_is_cut_at_line_starts(tmp_path, tok_dir):
     one = bs.build_shards([src], tok_dir, tmp_path / "one", part_size=size + 1, **kw)
     cut = bs.build_shards([src], tok_dir, tmp_path / "cut", part_size=size // 5, **kw)
     assert one["parts"] == 1 and cut["parts"] == len(ranges) and cut["dedup"]["dropped_documents"] == 1
-    assert cut["bad_inputs"] == one["bad_inputs"] and one["bad_inputs"]["examples"] == [f"{src}:71: malformed JSON"]
+    assert cut["bad_inputs"] == one["bad_inputs"]
+    assert one["bad_inputs"]["examples"] == [f"{src}:71: malformed JSON"]
     for split in ("train", "val"):  # the same documents in each split (their line numbers keyed the split)
         assert {k: cut["splits"][split][k] for k in ("documents", "tokens")} == \
             {k: one["splits"][split][k] for k in ("documents", "tokens")}

@@ -196,7 +196,8 @@ def test_split_deterministic_disjoint_and_counted(tmp_path, tok_dir):
         assert seen[split] and seen[split] <= want
     assert not seen["train"] & seen["val"]
     # The seed really picks the split.
-    picks = [{i for i in range(80) if bs.assign_split(f"docs.jsonl:{i + 1}", seed, 0.3) == "val"} for seed in (7, 8)]
+    picks = [{i for i in range(80) if bs.assign_split(f"docs.jsonl:{i + 1}", seed, 0.3) == "val"}
+             for seed in (7, 8)]
     assert picks[0] != picks[1]
 
 

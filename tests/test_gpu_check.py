@@ -24,7 +24,8 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert list(report["throughput"]) == names
     seconds = report["part_seconds"]  # every part that ran, in its order
     assert list(seconds)[:2] == ["check:device_info", "check:correctness"] and names[0] in seconds, seconds
-    assert all(s > 0 for s in seconds.values()) and "Seconds per part" in report_file.with_suffix(".md").read_text()
+    assert all(s > 0 for s in seconds.values())
+    assert "Seconds per part" in report_file.with_suffix(".md").read_text()
     for name in names:
         row = report["throughput"][name]
         assert "error" not in row, row

@@ -164,7 +164,8 @@ def activations(cfg: ModelConfig, tensor: int) -> float:
     and the weighted product)."""
     moe = cfg.moe
     per_routing_neuron = 6 + 2 * (moe.vse_mode == "overlap")
-    routed = 4 * moe.top_k * moe.rest_neurons() + per_routing_neuron * moe.num_experts * moe.resolved_routing_neurons()
+    routing_neurons = moe.num_experts * moe.resolved_routing_neurons()
+    routed = 4 * moe.top_k * moe.rest_neurons() + per_routing_neuron * routing_neurons
     return routed / tensor + dispatch_activations(cfg)
 
 
