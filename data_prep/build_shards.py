@@ -128,27 +128,22 @@ class SamplePacker:
         return samples
 
 
-class SplitKeys:
-    """What each document of a part, taken in the part's order, has its split hashed from: its origin,
-    or with split_key relative the origin with the file's path relative to its corpus source."""
+def split_keys(part: P.Part, settings: dict) -> Callable[[str], str]:
+    """What a document of ``part`` has its split hashed from, by its origin ("path" or "path:N"): the
+    origin itself, or with split_key relative its file's path relative to its corpus source."""
+    if _setting(settings, "split_key") != "relative":
+        return lambda origin: origin
+    names = {str(Path(p.path)): source_relative(p.path, settings["sources"]) for p in part.pieces}
 
-    def __init__(self, part: P.Part, settings: dict):
-        self.relative = _setting(settings, "split_key") == "relative"
-        self.pieces = [(str(Path(p.path)),
-                        source_relative(p.path, settings["sources"]) if self.relative else "")
-                       for p in part.pieces]
-        self.at = 0
-
-    def __call__(self, origin: str) -> str:
-        if not self.relative:
-            return origin
-        while self.at < len(self.pieces):  # "path" or "path:N" of the current file, else of a later one
-            path, name = self.pieces[self.at]
-            rest = origin[len(path):]
-            if origin.startswith(path) and (not rest or (rest[0] == ":" and rest[1:].isdigit())):
-                return name + rest
-            self.at += 1
+    def key(origin: str) -> str:
+        path, _, line = origin.rpartition(":")
+        if line.isdigit() and path in names:
+            return f"{names[path]}:{line}"
+        if origin in names:
+            return names[origin]
         raise ValueError(f"document {origin} is from none of this part's files")
+
+    return key
 
 
 def _batches(docs, split_of: Callable[[str], str]) -> Iterator[tuple[list[str], list[str]]]:
@@ -288,10 +283,10 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
     duplicates = [0]
     if s.get("dedup", "none") == "exact":
         docs = dedup.first_occurrences(out_dir, part, docs, duplicates)
-    keys = SplitKeys(part, s)
+    key = split_keys(part, s)
 
     def split_of(origin: str) -> str:
-        return assign_split(keys(origin), s["seed"], s["val_fraction"])
+        return assign_split(key(origin), s["seed"], s["val_fraction"])
 
     for texts, splits in _batches(docs, split_of):
         ids = sp.encode(texts, num_threads=1)  # one thread: the parallelism is across parts

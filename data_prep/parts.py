@@ -167,7 +167,7 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
 
 def planned_files(plan: dict) -> list[str]:
     """The files a plan's parts read, in order, each once."""
-    return list(dict.fromkeys(piece[0] for part in plan["parts"] for piece in part["pieces"]))
+    return list(dict.fromkeys(piece.path for part in parts_of(plan) for piece in part.pieces))
 
 
 def iter_part_documents(part: Part, text_field: str, report) -> Iterator[Document]:
