@@ -87,7 +87,7 @@ class DataConfig:
     # exceeds its size); validation reports every source's val split on its own. `name` defaults to
     # the directory name.
     mix: list[DataSource] = field(default_factory=list, metadata={"parse": parse_mix})
-    cache: str = ""  # node-local cache when `shards` is remote or compressed (default /tmp/pretrain-cache/RUN_NAME-HASH)
+    cache: str = ""  # for remote or compressed shards, a folder per node (default: see README)
     tokenizer: str = "data/tokenizer"
     num_workers: int = 0
     shuffle_seed: int = 1234

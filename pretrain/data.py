@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -65,13 +66,22 @@ def collate_fn(cfg: Config):
     return functools.partial(_collate, bos=sample_bos(cfg))
 
 
+def node_name() -> str:
+    """This node's name: Slurm's (nodes of one host, as in a test cluster, differ), else the host's."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def cache_root(cfg: Config) -> Path:
-    """data.cache, else /tmp/pretrain-cache/RUN_NAME-<hash of run.dir>: one per run, so that runs of
-    one config on one node (a sweep) do not share it."""
+    """data.cache, else /tmp/pretrain-cache/RUN_NAME-<hash of run.dir> (one per run, so that runs of
+    one config on one node, a sweep, do not share it), then a folder per node: each node's leader
+    decompresses the shards it reads, and two nodes writing one folder (a cache on a shared file
+    system) would remove each other's files mid-read."""
     if cfg.data.cache:
-        return Path(cfg.data.cache)
-    run = hashlib.sha256(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]
-    return Path("/tmp/pretrain-cache") / f"{cfg.run.name}-{run}"
+        base = Path(cfg.data.cache)
+    else:
+        run = hashlib.sha256(str(Path(cfg.run.dir).resolve()).encode()).hexdigest()[:8]
+        base = Path("/tmp/pretrain-cache") / f"{cfg.run.name}-{run}"
+    return base / node_name()
 
 
 def _split_location(cfg: Config, source: DataSource, split: str) -> dict:

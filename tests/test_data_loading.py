@@ -116,16 +116,17 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def test_local_compressed_shards_decompress_into_the_cache(tmp_path):
+def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch):
     """Read in place, streaming would write each decompressed shard next to its .zstd file (a
     read-only dataset fails; nodes sharing the folder race on one temporary name). They go to the
-    cache, under a name that changes when the shards are rebuilt."""
+    cache, in the node's own folder, under a name that changes when the shards are rebuilt."""
     import shutil
 
     from pretrain.config import load_config
     from pretrain.data import build_loader, load_val_sets, read_samples
     from tests.dist_utils import single_process_group
 
+    monkeypatch.setenv("SLURMD_NODENAME", "n7")
     root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
     shards = root / "shards"
     cfg = load_config(None, [f"data.shards={shards}", "train.micro_batch=4", "model.max_seq_len=32",
@@ -141,4 +142,4 @@ def test_local_compressed_shards_decompress_into_the_cache(tmp_path):
     with single_process_group():
         again = torch.cat(list(build_loader(cfg, "train", shuffle=False)))
     assert again.shape == first.shape and not torch.equal(again, first)
-    assert len(list((tmp_path / "cache" / "shards").glob("train-*"))) == 1  # the old copy is gone
+    assert len(list((tmp_path / "cache" / "n7" / "shards").glob("train-*"))) == 1  # the old copy is gone
