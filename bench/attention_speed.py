@@ -6,7 +6,8 @@ Times one attention module (projections + core + output projection) in one proce
 whatever device is present. Kinds: softmax (SDPA), softmax_gqa (one K/V head for all query heads),
 softmax_sink (SDPA with a sink column), relu (the fused Triton kernels on a GPU, else blocked
 PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer hands over, align
-FFN + low-rank Q/K, built by query blocks), lisa_linear (model.lisa.align_hidden = 0: linear head
+FFN + low-rank Q/K, built by query blocks; the alignment fused on a GPU), lisa_torch (the same with
+the PyTorch alignment, model.lisa.kernel=torch), lisa_linear (model.lisa.align_hidden = 0: linear head
 mixing, attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose
 one K/V head serves the alignment group: features of width head_dim + rank), lisa_naive
 (lisa_linear on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-KINDS = ["softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_linear", "lisa_linear_gqa",
-         "lisa_naive", "lisa_ffn_naive", "softmax+publish"]
+KINDS = ["softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch", "lisa_linear",
+         "lisa_linear_gqa", "lisa_naive", "lisa_ffn_naive", "softmax+publish"]
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
@@ -48,8 +49,8 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     cfg.lisa.align_group = min(4, heads)  # as in configs/hybrid_*.yaml
     if kind.startswith("lisa"):
         cfg.attention = "softmax,lisa"
-        cfg.lisa.align_hidden = cfg.lisa.align_hidden if kind in ("lisa", "lisa_ffn_naive") else 0
-        cfg.lisa.kernel = "naive" if kind.endswith("_naive") else "auto"
+        cfg.lisa.align_hidden = cfg.lisa.align_hidden if kind in ("lisa", "lisa_torch", "lisa_ffn_naive") else 0
+        cfg.lisa.kernel = "naive" if kind.endswith("_naive") else "torch" if kind == "lisa_torch" else "auto"
         return build_attention(cfg, 1), cfg
     cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu", "softmax_gqa": "softmax"}.get(kind, kind)
     cfg.relu_attention.kernel = "torch" if kind == "relu_torch" else "auto"

@@ -46,9 +46,9 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
         "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
-# _gqa: one K/V head, against softmax_gqa (bench.attention_speed); lisa_bs256: query blocks of 256 rows
-# instead of the default 128, chosen on CPU; docs: within 4 documents (FlexAttention, Triton on GPU).
-ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_bs256",
+# _gqa: one K/V head, against softmax_gqa (bench.attention_speed); lisa_torch: lisa with the PyTorch
+# alignment instead of the fused kernel; docs: within 4 documents (FlexAttention, Triton on GPU).
+ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch",
                    "lisa_ffn_naive", "lisa_linear", "lisa_linear_gqa", "softmax+publish", "softmax docs",
                    "softmax_sink docs", "relu docs", "lisa_linear docs")
 ATTENTION_SEQS = (2048, 4096)
@@ -200,6 +200,42 @@ def relu_kernel_check(device: str) -> dict:
         want = (ref, *torch.autograd.grad(ref, (qd, kd, vd), grad_out.double()))
         case = f"{d_qk}/{d_v} {'docs' if docs is not None else 'causal'} {normalizer} {str(dtype)[6:]}"
         errors[case] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+        ok &= errors[case] < tolerance[dtype]
+    return {"max_rel_error": errors, "match": ok}
+
+
+def lisa_align_check(device: str) -> dict:
+    """The fused LISA alignment kernel (models.attention.kernels.lisa_align_triton; fp32, and bf16 as
+    training runs it) against HeadAlign in float64: output and the gradients of the scores and of
+    every alignment weight, groups of 4 at the 1B hybrid's hidden width 16 and of 3 at width 5.
+    --device cpu runs it under Triton's interpreter at tiny sizes."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return interpreted("lisa_align_check")
+    from models.attention.kernels.lisa_align_triton import fused_align
+    from models.attention.lisa import HeadAlign
+
+    rows, keys = (5, 40) if device == "cpu" else (128, 1000)
+    cases = [(16, 4, 16, torch.float32), (6, 3, 5, torch.float32)]
+    if device != "cpu":
+        cases.append((16, 4, 16, torch.bfloat16))
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest entry
+    errors, ok = {}, True
+    gen = torch.Generator().manual_seed(0)
+    for heads, group, hidden, dtype in cases:
+        align = HeadAlign(heads, heads, group, hidden).double()
+        with torch.no_grad():
+            for p in align.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+        scores = torch.randn(2, heads, rows, keys, generator=gen, dtype=torch.float64)
+        grad_out = torch.randn(scores.shape, generator=gen, dtype=torch.float64)
+        ref = align(scores.requires_grad_(), recompute_rows=False)
+        params = [align.mix, align.w1, align.b1, align.w2, align.b2]
+        want = (ref, *torch.autograd.grad(ref, [scores, *params], grad_out))
+        inputs = [t.detach().to(device, dtype).requires_grad_() for t in (scores, *params)]
+        out = fused_align(*inputs)
+        got = (out, *torch.autograd.grad(out, inputs, grad_out.to(device, dtype)))
+        case = f"{group}x{hidden} {str(dtype)[6:]}"
+        errors[case] = max(float((a.double().cpu() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
         ok &= errors[case] < tolerance[dtype]
     return {"max_rel_error": errors, "match": ok}
 
@@ -427,7 +463,7 @@ def correctness(device: str, names: list[str]) -> dict:
 
 
 CHECKS = {"correctness": None, "grouped_gemm": grouped_gemm_check, "relu_kernels": relu_kernel_check,
-          "lisa_decode": lisa_decode_check}  # each a part of its own, in this order, after device_info
+          "lisa_align": lisa_align_check, "lisa_decode": lisa_decode_check}  # each a part of its own, in this order, after device_info
 CHECK = "check:"  # run_isolated's name for a check
 
 
@@ -522,6 +558,12 @@ def markdown(report: dict) -> str:
         f"ERROR: {r['error']}" if "error" in r else
         ", ".join(f"{case} {err:.1e}" for case, err in r["max_rel_error"].items())
         + f" -> {'match' if r['match'] else 'MISMATCH'}")]
+    a = report.get("lisa_align", {"error": "not run"})
+    a = {"error": "skipped: " + a["skipped"]} if "skipped" in a else a
+    lines += ["", "Fused LISA alignment kernel vs HeadAlign (against float64, output and gradients): " + (
+        f"ERROR: {a['error']}" if "error" in a else
+        ", ".join(f"{case} {err:.1e}" for case, err in a["max_rel_error"].items())
+        + f" -> {'match' if a['match'] else 'MISMATCH'}")]
     d = report.get("lisa_decode", {"error": "not run"})
     d = {"error": "skipped: " + d["skipped"]} if "skipped" in d else d
     lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits' error against "
@@ -683,7 +725,7 @@ def main() -> int:
               if not c.get("match") and "skipped" not in c]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
     failed += [name for check, name in (("grouped_gemm", "grouped GEMM"), ("relu_kernels", "Triton ReLU kernels"),
-                                        ("lisa_decode", "fused LISA decode"))
+                                        ("lisa_align", "fused LISA alignment"), ("lisa_decode", "fused LISA decode"))
                if not report[check].get("match") and "skipped" not in report[check]]
     skipped = [name for name, r in [*report["throughput"].items(), *report.get("attention", {}).items(),
                                     *((c, report[c]) for c in CHECKS if c != "correctness")] if "skipped" in r]

@@ -41,6 +41,7 @@ def test_cpu_smoke_run_writes_report(tmp_path):
         report["throughput"]["uoe-1b grouped-gemm"]["params_total"]
     assert report["grouped_gemm"]["match"], report["grouped_gemm"]
     assert report["relu_kernels"]["match"] and len(report["relu_kernels"]["max_rel_error"]) == 2, report["relu_kernels"]
+    assert report["lisa_align"]["match"] and len(report["lisa_align"]["max_rel_error"]) == 2, report["lisa_align"]
     decode = report["lisa_decode"]
     assert decode["match"] and len(decode["rows"]) == 2, decode
     assert all(r["fused_ms"] > 0 and r["pytorch_ms"] > 0 and r["softmax_ms"] > 0 for r in decode["rows"].values())

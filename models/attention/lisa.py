@@ -20,7 +20,7 @@ rank). Groups never straddle tensor-parallel ranks, so the group must divide the
 (num_heads / parallel.tensor).
 
 Scores arrive as query/key features (models.attention.shared_scores), so the layer they come from
-keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors for backward:
+keeps its fused kernel. With model.lisa.kernel=auto (or torch) no layer keeps seq^2 tensors for backward:
 - Linear head mixing (align_hidden 0): the whole score is such a feature product and the layer
   attends with the memory-efficient kernels (after relu layers the Triton ReLU kernels on a GPU,
   which take queries and keys wider than the values up to 256 once padded; wider, the blocked
@@ -33,7 +33,9 @@ keeps its fused kernel. With model.lisa.kernel=auto no layer keeps seq^2 tensors
   The layer hands its own scores on lazily (AlignedScores), so a following LISA layer builds them
   by rows too (rebuilding this layer's rows for each of its blocks: a chain of n such layers aligns
   the first one's rows n times), or, with model.lisa.keep_chain_scores, keeps the rows it built
-  (KeptRows: about heads x seq^2 / 2 per sequence until backward) and hands those on.
+  (KeptRows: about heads x seq^2 / 2 per sequence until backward) and hands those on. On a GPU
+  the FFN alignment of a block runs as one Triton kernel, forward and backward
+  (kernels/lisa_align_triton.py); kernel=torch keeps the PyTorch path there.
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
 Decoding one token after cached keys, the layer before hands over its explicit new score row
 (built once, for itself and this layer: ProjectedAttention.explicit), and this layer aligns it: on
@@ -84,7 +86,8 @@ class LISAConfig:
     align_group: int = 0
     keep_full_layers: int = 2  # the first layers never share attention
     # auto: linear alignment attends over the shared scores as features, the FFN alignment builds
-    # them by query blocks (no seq^2 tensors either way); naive: always build the explicit scores.
+    # them by query blocks (no seq^2 tensors either way), on a GPU through the fused alignment and
+    # decode kernels; torch: the same without Triton kernels; naive: always the explicit scores.
     kernel: str = "auto"
     # Query rows per block: of the scores when kernel=auto builds them by blocks, and of the FFN's
     # hidden layer on explicit scores. 128 rather than 256: less of the diagonal block's masked half
@@ -102,7 +105,7 @@ class LISAConfig:
         return self.align_group or num_heads
 
 
-KERNELS = ("auto", "naive")
+KERNELS = ("auto", "torch", "naive")
 
 registry.register_section("lisa", LISAConfig, training_only=("kernel", "block_size", "keep_chain_scores"))
 
@@ -160,7 +163,7 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
 
 
 def builds_by_rows(cfg: ModelConfig) -> bool:
-    """Whether kernel=auto builds the LISA scores by query blocks (the FFN alignment, or groups
+    """Whether kernel=auto / torch builds the LISA scores by query blocks (the FFN alignment, or groups
     that do not line up with the K/V groups) rather than attending over score features."""
     _, group, _ = lisa_sizes(cfg)
     return bool(cfg.lisa.align_hidden) or not groups_line_up(cfg.num_heads // cfg.kv_heads, group)
@@ -175,7 +178,7 @@ def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float
     """Elements per token a LISA layer keeps for the next one: with keep_chain_scores, where the
     scores are built by query blocks, the kept rows of each LISA layer a LISA layer follows; the
     mean over the LISA layers, so the planner's sum over layers is exact."""
-    if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel == "auto" and builds_by_rows(cfg)):
+    if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel != "naive" and builds_by_rows(cfg)):
         return 0.0
     kinds = cfg.attention_kinds()
     chained = len(chained_lisa_layers(kinds)) / kinds.count("lisa")
@@ -195,9 +198,11 @@ HIDDEN_PIECE_BYTES = 2 << 20  # the head-alignment FFN's hidden activations per 
 class HeadAlign(nn.Module):
     """Pointwise FFN over the head axis, one per group of g heads (this rank's groups only)."""
 
-    def __init__(self, num_heads: int, local_heads: int, group: int, hidden: int, row_block: int = 256):
+    def __init__(self, num_heads: int, local_heads: int, group: int, hidden: int, row_block: int = 256,
+                 fused: bool = False):
         super().__init__()
         self.row_block = row_block
+        self.fused = fused  # the FFN alignment as one Triton kernel where it runs (fused_here)
         assert local_heads % group == 0, f"align_group {group} straddles TP ranks ({local_heads} heads)"
         self.group = group
         groups, local = num_heads // group, local_heads // group
@@ -228,6 +233,12 @@ class HeadAlign(nn.Module):
         parts = [w2 @ F.gelu(w1 @ part + b1[..., None]) + b2[..., None] for part in flat.split(piece, dim=-1)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(s.shape)
 
+    def fused_here(self, scores: torch.Tensor) -> bool:
+        """Whether the FFN alignment of these scores runs as the fused kernel: with fused, on a GPU
+        in 16/32-bit floats, or under Triton's interpreter (the tests)."""
+        return bool(self.fused and self.hidden) and (
+            (scores.is_cuda and scores.dtype != torch.float64) or triton_interpreted())
+
     def forward(self, scores: torch.Tensor, recompute_rows: bool = True) -> torch.Tensor:
         """scores [batch, local_heads, q, k] -> same shape, heads mixed within groups.
 
@@ -236,6 +247,10 @@ class HeadAlign(nn.Module):
         layer is align_hidden times the size of the scores, so it runs in blocks of row_block query
         rows and, when gradients are on, is recomputed in backward (only the scores are kept);
         recompute_rows=False for callers that recompute a block of rows themselves."""
+        if self.fused_here(scores):  # keeps only the scores for backward: no blocks to recompute
+            from models.attention.kernels.lisa_align_triton import fused_align
+
+            return fused_align(scores, self.mix, self.w1, self.b1, self.w2, self.b2)
         b, h, sq, sk = scores.shape
         s = scores.reshape(b, h // self.group, self.group, sq, sk)
         out = (self.mix.to(s.dtype) @ s.flatten(3)).view(s.shape)
@@ -332,7 +347,8 @@ class LISAAttention(nn.Module):
             self.qk.weight.view(self.local_heads, 2, self.rank, d)[:, 1].zero_()
         self.v = column_linear(cfg, d, cfg.kv_width)
         self.out = row_linear(cfg, d, d)
-        self.align = HeadAlign(cfg.num_heads, self.local_heads, group, hidden, cfg.lisa.block_size)
+        self.align = HeadAlign(cfg.num_heads, self.local_heads, group, hidden, cfg.lisa.block_size,
+                               fused=cfg.lisa.kernel == "auto")
         self.rotary = Rotary(self.rank, cfg.max_seq_len, cfg.rope_base)
 
     def shared_scores(self, ctx: dict) -> torch.Tensor | SharedScores:
@@ -353,7 +369,7 @@ class LISAAttention(nn.Module):
         return self.rotary(q, offset) / math.sqrt(self.rank), self.rotary(k, offset)
 
     def factored(self, shared: torch.Tensor | SharedScores, ctx: dict) -> bool:
-        """Whether this forward attends over score features (kernel auto, linear alignment). Decoding
+        """Whether this forward attends over score features (kernel auto / torch, linear alignment). Decoding
         after cached keys takes the explicit new score rows instead: a few rows cost less than
         concatenating every cached key's features at each step."""
         return (self.lazy(shared, ctx) and not self.align.hidden and isinstance(shared, SharedScores)
@@ -361,8 +377,8 @@ class LISAAttention(nn.Module):
 
     def lazy(self, shared, ctx: dict) -> bool:
         """Whether this forward leaves the scores lazy: over features where factored(), else by query
-        blocks (kernel auto; not when capturing the weights or decoding after cached keys)."""
-        return (self.kernel == "auto" and not isinstance(shared, torch.Tensor) and shared.square
+        blocks (kernel auto / torch; not when capturing the weights or decoding after cached keys)."""
+        return (self.kernel != "naive" and not isinstance(shared, torch.Tensor) and shared.square
                 and not ctx.get("capture_attention"))
 
     def weights(self, scores: torch.Tensor, documents: torch.Tensor | None, seq_len: int | None = None
