@@ -183,7 +183,7 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
                val_fraction: float = 0.01, *, compression: str | None = "zstd", shard_size_limit: int | str = "64mb",
                seed: int = 0, text_field: str = "text", part_size: int | str = "auto",
                dedup_mode: str = "none", split_key: str = "relative", overwrite: bool = False,
-               dry_run: bool = False) -> dict:
+               dry_run: bool = False, progress: bool = False) -> dict:
     """Check everything that can be checked cheaply, cut the corpus into parts, write ``plan.json``
     (``dry_run``: change nothing on disk).
 
@@ -223,7 +223,7 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
             and P.planned_files(old) == [str(f) for f in files]):
         parts = old["parts"]  # an unfinished build resumes as it was cut, its large files not read again
     else:
-        parts = [p.to_dict() for p in P.plan_parts(files, part_bytes)]
+        parts = [p.to_dict() for p in P.plan_parts(files, part_bytes, progress)]
     plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common(20)),
             "parts": parts}
     plan["plan_id"] = P.plan_id(plan)
@@ -565,7 +565,7 @@ def build_shards(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/sha
     ``out_dir``; returns the manifest."""
     plan_build(sources, tokenizer_dir, out_dir, seq_len, val_fraction, compression=compression,
                shard_size_limit=shard_size_limit, seed=seed, text_field=text_field, part_size=part_size,
-               dedup_mode=dedup_mode, split_key=split_key, overwrite=overwrite)
+               dedup_mode=dedup_mode, split_key=split_key, overwrite=overwrite, progress=progress)
     build_parts(out_dir, workers=workers, progress=progress, log=log, skip_unreadable=skip_unreadable)
     return merge_parts(out_dir)
 
@@ -653,7 +653,7 @@ def main(argv=None) -> int:
         plan = plan_build(args.sources, args.tokenizer, out, args.seq_len, args.val_fraction,
                           compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                           text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
-                          split_key=args.split_key, overwrite=args.overwrite)
+                          split_key=args.split_key, overwrite=args.overwrite, progress=not args.no_progress)
         if plan["skipped_files"]:
             kinds = ", ".join(f"{suffix} {n}" for suffix, n in plan["skipped_files"].items())
             print(f"skipped files no reader takes, by suffix ({kinds}); readers take {' '.join(ALL_SUFFIXES)}")

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from tqdm import tqdm
+
 from data_prep.readers import PARQUET_SUFFIXES, Document, has_suffix, parquet_row_groups, read_file
 
 PLAN_FILE = "plan.json"
@@ -95,13 +97,16 @@ def file_bytes(path: Path) -> int:
         return 0  # broken link or unreadable: the reader reports it when the part is built
 
 
-def jsonl_line_ranges(path: Path, part_bytes: int) -> list[tuple[int, int, int, int]]:
+def jsonl_line_ranges(path: Path, part_bytes: int, progress: bool = False) -> list[tuple[int, int, int, int]]:
     """(start, end, first line number, file size) of consecutive byte ranges of about ``part_bytes``
-    each, cut after a newline: the whole file in one read pass."""
+    each, cut after a newline: the whole file in one read pass (about a minute per 100 GB; with
+    progress, a bar on stderr)."""
     ranges, start, first_line, newlines, offset = [], 0, 1, 0, 0
     target = part_bytes
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, tqdm(total=file_bytes(path), unit="B", unit_scale=True, leave=False,
+                                     desc=f"planning: lines of {path.name}", disable=not progress) as bar:
         while chunk := f.read(JSONL_SCAN_BYTES):
+            bar.update(len(chunk))
             searched = 0
             while offset + len(chunk) > target:
                 cut = chunk.find(b"\n", max(searched, target - offset))
@@ -118,8 +123,9 @@ def jsonl_line_ranges(path: Path, part_bytes: int) -> list[tuple[int, int, int, 
     return [(*r, offset) for r in ranges]
 
 
-def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
-    """Cut ``files`` (in order) into parts of about ``part_bytes`` of input each."""
+def plan_parts(files: Sequence[Path], part_bytes: int, progress: bool = False) -> list[Part]:
+    """Cut ``files`` (in order) into parts of about ``part_bytes`` of input each (progress: a bar
+    while a large .jsonl file's lines are counted)."""
     parts: list[Part] = []
     pieces: list[Piece] = []
     size = 0
@@ -149,7 +155,7 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[Part]:
                 continue
         if path.name.endswith(".jsonl") and n > part_bytes:  # compressed streams cannot be entered midway
             try:
-                ranges = jsonl_line_ranges(path, part_bytes)
+                ranges = jsonl_line_ranges(path, part_bytes, progress)
             except (PermissionError, FileNotFoundError):
                 ranges = []  # the reader reports the file when its part is built
             if len(ranges) > 1:

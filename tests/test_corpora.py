@@ -181,7 +181,7 @@ def test_parts_are_cut_by_the_corpus_alone(tmp_path):
         P.parse_size("lots")
 
 
-def test_a_large_json_lines_file_is_cut_at_line_starts(tmp_path, tok_dir):
+def test_a_large_json_lines_file_is_cut_at_line_starts(tmp_path, tok_dir, capsys):
     rng = random.Random(5)
     lines = [json.dumps({"text": make_text(rng, rng.randrange(1, 9))}) for _ in range(120)]
     lines[70] = "{broken"  # in a later range: reported with its line number all the same
@@ -191,6 +191,8 @@ def test_a_large_json_lines_file_is_cut_at_line_starts(tmp_path, tok_dir):
     data, size = src.read_bytes(), src.stat().st_size
     ranges = P.jsonl_line_ranges(src, size // 5)
     assert len(ranges) >= 4 and ranges[0][0] == 0 and ranges[-1][1] == size
+    assert P.jsonl_line_ranges(src, size // 5, progress=True) == ranges
+    assert "planning: lines of big.jsonl" in capsys.readouterr().err  # counting a huge file shows progress
     for (start, end, first, planned), (after, *_) in zip(ranges, ranges[1:] + [(size,)]):
         assert end == after and data[end - 1:end] == b"\n" and first == data[:start].count(b"\n") + 1
         assert planned == size
