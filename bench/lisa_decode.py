@@ -4,6 +4,8 @@ speed with the KV cache, prefill, training step time, held-out perplexity and Q/
     python -m bench.lisa_decode [--checkpoint RUN] [--fractions 0.25 0.5 0.75] [--steps 200]
     python -m bench.lisa_decode --source-overrides model.num_kv_heads=1 --align-hidden 0 \
         --runs runs/bench_lisa_decode_gqa --out bench/results/lisa_decode_gqa.json   # LISA on score features
+    python -m bench.lisa_decode --speed-only bench/results/lisa_decode.json --device cuda \
+        --speed-hidden 2048 --out lisa_decode_gpu.json    # the speed part alone, on a GPU in bf16
 
 Without --checkpoint it first trains configs/tiny_dense.yaml at 8 layers (--train-steps, seed 0).
 Each fraction runs tools.convert_lisa with --layers sensitivity (the least sensitive layers, the
@@ -27,6 +29,11 @@ in the bytes the source's cache takes at --equal-memory-batch sequences, after e
 --equal-memory-contexts positions, and tokens/s counts them all. The
 models take turns within every repeat and each ratio to the source is taken per repeat (median and
 range reported), so the machine's drift hits all of them alike. Writes bench/results/lisa_decode.json.
+
+The speed part runs on --device (cuda in --dtype, default bf16, where a GPU is present) with
+--speed-only RESULTS: the layouts an earlier run chose (its rows' attention kinds, on
+configs/tiny_dense.yaml with its --source-overrides and --align-hidden), no training or
+conversion, so a GPU session measures them in a few minutes.
 """
 
 from __future__ import annotations
@@ -121,6 +128,11 @@ def wide_config(cfg, hidden: int, max_seq_len: int):
     return ModelConfig.from_dict(values)
 
 
+def synchronized(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 @torch.no_grad()
 def cached_decode(model, hf, context: int, new: int, vocab: int, batch: int) -> tuple[dict, int]:
     """Timers (seconds of `new` greedy cached steps of `batch` sequences) after one untimed prefill of
@@ -130,16 +142,20 @@ def cached_decode(model, hf, context: int, new: int, vocab: int, batch: int) -> 
 
     from models.attention.kv_cache import KVCache
 
-    prompt = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(context))
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(context)
+    prompt = torch.randint(0, vocab, (batch, context), generator=generator).to(device)
     cache = KVCache(context + new)  # sized as generate sizes it
     first = model.logits(prompt, {"kv_cache": cache})[:, -1:, :vocab].argmax(-1)
 
     @torch.no_grad()
     def framework() -> float:
         held, token = cache.copy(), first
+        synchronized(device)
         t0 = time.perf_counter()
         for _ in range(new):
             token = model.logits(token, {"kv_cache": held})[:, -1:, :vocab].argmax(-1)
+        synchronized(device)
         return time.perf_counter() - t0
 
     per_position = cache.nbytes() // (batch * context)
@@ -151,10 +167,12 @@ def cached_decode(model, hf, context: int, new: int, vocab: int, batch: int) -> 
     @torch.no_grad()
     def hf_decode() -> float:
         held, token = copy.deepcopy(hf_cache), hf_first
+        synchronized(device)
         t0 = time.perf_counter()
         for _ in range(new):
             out = hf(token, past_key_values=held, use_cache=True)
             held, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        synchronized(device)
         return time.perf_counter() - t0
 
     return {f"framework_decode@{context}": framework, f"hf_decode@{context}": hf_decode}, per_position
@@ -168,13 +186,15 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
     range reported."""
     from models.gpt import GPT
 
+    device, dtype = speed_device(args)
     models, out = {}, {}
     for name, cfg in layouts:
         wide = wide_config(cfg, args.speed_hidden,
                            max(max(args.speed_contexts) + args.speed_new, args.speed_train_seq))
         torch.manual_seed(0)
         model = GPT(wide).eval()
-        models[name] = (model, hf_model(model, wide), wide)
+        hf = hf_model(model, wide).to(device, dtype)
+        models[name] = (model.to(device, dtype), hf, wide)
         out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters())}
         print(f"speed: built {name} ({out[name]['params'] / 1e6:.1f}M parameters)", flush=True)
     samples = {name: {} for name in models}
@@ -215,7 +235,7 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
         from bench.lisa_train_step import step_seconds
 
         generator = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, vocab, (1, args.speed_train_seq + 1), generator=generator)
+        tokens = torch.randint(0, vocab, (1, args.speed_train_seq + 1), generator=generator).to(device)
         model.train()
         try:
             return step_seconds(model, tokens)
@@ -240,10 +260,42 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
         print(f"{key:<28}" + "".join(f"{x:>8.2f} [{low:.2f}-{high:.2f}]" for x, low, high in cells))
     print(f"{'KV cache x source':<28}" + "".join(f"{row['cache_bytes_per_position'] / source_bytes:>20.2f}"
                                                   for row in out.values()))
-    return {"hidden": args.speed_hidden, "contexts": args.speed_contexts, "batches": args.speed_batches,
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "dtype": str(dtype)[6:], "hidden": args.speed_hidden, "contexts": args.speed_contexts, "batches": args.speed_batches,
             "new": args.speed_new, "equal_memory_batch": args.equal_memory_batch,
             "equal_memory_contexts": args.equal_memory_contexts,
             "train_seq": args.speed_train_seq, "repeats": args.repeats, "models": out}
+
+
+def speed_device(args) -> tuple[torch.device, torch.dtype]:
+    """Where the speed part runs and in what: --device, --dtype (bf16 on a GPU, else fp32)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU here (choose --device cpu)")
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return device, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+
+def layouts_of(results: Path) -> list[tuple[str, object]]:
+    """The source and converted layouts of an earlier run's results file: its rows' attention kinds on
+    configs/tiny_dense.yaml (8 layers, as the source is trained here) with that run's
+    --source-overrides and --align-hidden, the first layer kept full as the conversion keeps it."""
+    from pretrain.config import load_config
+
+    saved = json.loads(results.read_text())
+    meta, rows = saved["meta"], saved.get("rows") or []
+    if not rows:
+        raise SystemExit(f"{results} holds no rows (layouts) of a conversion run; run bench.lisa_decode "
+                         "without --speed-only first")
+    layouts = []
+    for row in rows:
+        overrides = ["model.num_layers=8", *meta["source_overrides"]]
+        cfg = load_config(str(REPO / "configs/tiny_dense.yaml"), overrides).model
+        cfg.attention, cfg.lisa.keep_full_layers = row["attention"], 1
+        if meta.get("align_hidden") is not None:
+            cfg.lisa.align_hidden = meta["align_hidden"]
+        layouts.append((row["model"], cfg))
+    return layouts
 
 
 def qk_params(model, cfg) -> int:
@@ -293,7 +345,24 @@ def main() -> None:
     parser.add_argument("--speed-new", type=int, default=16, help="decode steps timed per context")
     parser.add_argument("--speed-train-seq", type=int, default=512, help="sequence of the timed training step")
     parser.add_argument("--out", default="bench/results/lisa_decode.json")
+    parser.add_argument("--speed-only", metavar="RESULTS", type=Path,
+                        help="only the speed part, of the layouts in an earlier run's results file")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the speed part runs (default: cuda where a GPU is present)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"],
+                        help="the speed part's (default bf16 on cuda, else fp32)")
     args = parser.parse_args()
+    if args.speed_only:
+        from pretrain.distributed import init_single_process
+
+        init_single_process()  # the models' layers read megatron-core's (single-process) groups
+        speed = speed_table(layouts_of(args.speed_only), args)
+        meta = {"layouts_from": str(args.speed_only), "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "machine": platform.machine()}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": None, "speed": speed}, indent=1))
+        print(f"wrote {args.out}")
+        return
     from models.config import ModelConfig
     from models.gpt import GPT
     from pretrain.consolidate import load_model

@@ -170,3 +170,29 @@ def test_gpu_wheel_list_covers_what_the_carried_packages_need():
     assert not missing, missing
     bad = subprocess.run(["bash", "bench/gpu_wheels.sh", "latest"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "usage: bash bench/gpu_wheels.sh PYTHON_VERSION" in bad.stderr
+
+
+def test_lisa_decode_speed_part_runs_alone_on_earlier_layouts(tmp_path):
+    """bench.lisa_decode --speed-only (what gpu_run.sh --lisa-decode runs on a GPU in bf16), here on
+    CPU at a tiny width: the layouts of the committed results, each timed against the source, their
+    KV caches smaller by the LISA layers' rank-r keys."""
+    results = REPO / "bench/results/lisa_decode.json"
+    out = tmp_path / "speed.json"
+    run = subprocess.run([sys.executable, "-m", "bench.lisa_decode", "--speed-only", str(results), "--speed-hidden",
+                          "256", "--speed-contexts", "16", "--speed-batches", "1", "--equal-memory-batch", "2",
+                          "--equal-memory-contexts", "16", "--speed-new", "2", "--speed-train-seq", "32",
+                          "--repeats", "1", "--out", str(out)],
+                         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    speed = json.loads(out.read_text())["speed"]
+    rows = json.loads(results.read_text())["rows"]
+    assert (speed["device"], speed["dtype"], speed["hidden"]) == ("cpu", "float32", 256)
+    assert list(speed["models"]) == [r["model"] for r in rows]
+    source = speed["models"]["source"]
+    for name, row in zip(speed["models"], rows):
+        model = speed["models"][name]
+        assert model["attention"] == row["attention"]
+        for key in ("framework_decode@16", "hf_decode@16", "equal_memory_decode@16", "train_step"):
+            assert model[key]["median_s"] > 0 and model[key]["x_source"] > 0, (name, key, model[key])
+        shared = row["attention"].count("lisa")
+        assert (model["cache_bytes_per_position"] < source["cache_bytes_per_position"]) == (shared > 0), name
