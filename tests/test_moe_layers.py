@@ -1,6 +1,6 @@
 """UoE and router-MoE layers against plain per-token references, on real gloo process groups:
 single process (both VSE modes x all three scores, capacity dropping, bias, aux loss),
-EP=2 vs EP=1 with the same weights, EP=2 x DP=2 and EP=2 x TP=2 on 4 processes, and dispatch
+EP=2 vs EP=1 with the same weights, EP=2 x DP=2, EP=2 x TP=2 and TP=4 on 4 processes, and dispatch
 edge cases (an expert with no tokens, every token to one expert, one token on a rank)."""
 
 from __future__ import annotations
@@ -197,13 +197,13 @@ def check_against_reference(kind: str, tokens: int = 10, bias=None, **moe) -> in
     m = cfg.moe
     if kind == "uoe" and m.sizing == "carved":
         assert layer.routing_neurons + layer.experts.width == m.expert_hidden_size
-        yr, auxr, dropped = carved_reference(xr, w, N, m.top_k, layer.routing_neurons, m.vse_mode,
+        yr, auxr, dropped = carved_reference(xr, w, m.num_experts, m.top_k, layer.routing_neurons, m.vse_mode,
                                              m.aux_loss_coef)
     elif kind == "uoe":
-        yr, auxr, dropped = uoe_reference(xr, w, N, m.top_k, layer.routing_neurons, m.score, m.vse_mode, m.aux_loss_coef, bias,
-                                          m.capacity_factor)
+        yr, auxr, dropped = uoe_reference(xr, w, m.num_experts, m.top_k, layer.routing_neurons, m.score, m.vse_mode,
+                                          m.aux_loss_coef, bias, m.capacity_factor)
     else:
-        yr, auxr, dropped = moe_reference(xr, w, N, m.top_k, m.aux_loss_coef, m.capacity_factor)
+        yr, auxr, dropped = moe_reference(xr, w, m.num_experts, m.top_k, m.aux_loss_coef, m.capacity_factor)
     ((yr * g.reshape(-1, D)).sum() + auxr).backward()
 
     torch.testing.assert_close(y.reshape(-1, D), yr, atol=ATOL, rtol=1e-4)
@@ -475,6 +475,15 @@ def _four_proc_suite(rank: int) -> None:
     assert ps.get_tensor_model_parallel_world_size() == 2 and ps.get_expert_data_parallel_world_size() == 1
     _parallel_suite(rank)
     _deepspeed_groups(rank)
+    # TP=4: UoE's routing neurons split so that ranks hold parts of experts (6 experts x 2 neurons,
+    # 3 per rank: scored through index_add) or whole experts (4 x 3 neurons: through a per-expert view).
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=4)
+    for experts, whole in ((6, False), (4, True)):
+        moe = dict(num_experts=experts, routing_neurons=12 // experts, shared_hidden_size=0)
+        assert build("uoe", make_cfg("uoe", **moe)).whole_experts == whole
+        for mode in ("overlap", "disjoint"):
+            check_against_reference("uoe", vse_mode=mode, **moe)
 
 
 def test_four_processes_dp_and_tp():

@@ -328,19 +328,18 @@ class UnionOfExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        n = self.router_bias.numel()
-        neuron_expert = torch.arange(n * self.routing_neurons, device=x.device) // self.routing_neurons
+        tokens, n = x.shape[0], self.router_bias.numel()
         gate_up = self.vse_in(x).unflatten(-1, (-1, 2))
         z = gate_up[..., 0]
         h = F.silu(z) * gate_up[..., 1]
         a = {"h": h, "silu": F.silu(z), "z": z}[self.score]
-        sq = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device).index_add(1, neuron_expert,
-                                                                                        a.float().pow(2))
+        # an expert's routing neurons are consecutive
+        sq = a.float().pow(2).view(tokens, n, self.routing_neurons).sum(-1)
         scores = torch.sqrt(sq + 1e-6)
         selected, weights = top_k(scores, self.router_bias, self.top_k)
         if self.vse_mode == "overlap":
-            scale = torch.ones_like(scores).scatter_add(1, selected, weights)
-            h = h * scale[:, neuron_expert].to(h.dtype)
+            scale = torch.ones_like(scores).scatter_add(1, selected, weights).to(h.dtype)
+            h = (h.view(tokens, n, self.routing_neurons) * scale[..., None]).view(h.shape)
         return (self.vse_out(h) + self.experts(x, selected, weights)).view(shape)
 
 
