@@ -248,9 +248,12 @@ class HeadAlign(nn.Module):
         rows and, when gradients are on, is recomputed in backward (only the scores are kept);
         recompute_rows=False for callers that recompute a block of rows themselves."""
         if self.fused_here(scores):  # keeps only the scores for backward: no blocks to recompute
-            from models.attention.kernels.lisa_align_triton import fused_align
-
-            return fused_align(scores, self.mix, self.w1, self.b1, self.w2, self.b2)
+            try:
+                from models.attention.kernels.lisa_align_triton import fused_align
+            except ImportError:  # no Triton on this machine
+                self.fused = False
+            else:
+                return fused_align(scores, self.mix, self.w1, self.b1, self.w2, self.b2)
         b, h, sq, sk = scores.shape
         s = scores.reshape(b, h // self.group, self.group, sq, sk)
         out = (self.mix.to(s.dtype) @ s.flatten(3)).view(s.shape)

@@ -9,9 +9,11 @@ hidden activations, align_hidden / g times the scores' size: about twenty passes
 forward and again in backward (recomputed), where this kernel reads the scores once and writes
 the output once. A program takes a block of positions of one group: the scores [g, block] (g
 padded to 16 with zeros, as tl.dot needs) go through three 16-wide tl.dot products kept in
-registers. Backward recomputes the hidden layer from the scores, writes their gradient and each
-program's partial sums of the weights' gradients, which are summed after the kernel. Under
-TRITON_INTERPRET=1 both run on CPU tensors (how the tests check them).
+registers. Backward recomputes the hidden layer from the scores and writes their gradient; each
+program sums the weights' gradients over several blocks in registers and writes them once, and
+those partial sums are added up after the kernel. Blocks of positions are the grid's first axis
+(CUDA allows 65535 programs on the others). Under TRITON_INTERPRET=1 both run on CPU tensors (how
+the tests check them).
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ def _load_weights(MIX, W1, B1, W2, n, G, HID, ACC: tl.constexpr, GP: tl.constexp
 @triton.jit
 def _align_forward(S, OUT, MIX, W1, B1, W2, B2, P, G, HID, GROUPS, IEEE: tl.constexpr, ACC: tl.constexpr,
                    GP: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr):
-    bg = tl.program_id(0).to(tl.int64)  # (batch, group): its g heads' scores are consecutive [g, P]
+    bg = tl.program_id(1).to(tl.int64)  # (batch, group): its g heads' scores are consecutive [g, P]
     n = bg % GROUPS
-    gs, cols = tl.arange(0, GP), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    gs, cols = tl.arange(0, GP), tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     where = bg * G * P + gs[:, None] * P + cols[None, :]
     ok = (gs[:, None] < G) & (cols[None, :] < P)
     s = tl.load(S + where, mask=ok, other=0.0).to(ACC)
@@ -69,31 +71,41 @@ def _align_forward(S, OUT, MIX, W1, B1, W2, B2, P, G, HID, GROUPS, IEEE: tl.cons
 
 
 @triton.jit
-def _align_backward(S, DOUT, DS, MIX, W1, B1, W2, PARTS, P, G, HID, GROUPS, BLOCKS, IEEE: tl.constexpr,
-                    ACC: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr):
-    bg, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+def _align_backward(S, DOUT, DS, MIX, W1, B1, W2, PARTS, P, G, HID, GROUPS, PROGRAMS, IEEE: tl.constexpr,
+                    ACC: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr,
+                    STEPS: tl.constexpr):
+    program, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n = bg % GROUPS
-    gs, hs, cols = tl.arange(0, GP), tl.arange(0, HP), block * BLOCK + tl.arange(0, BLOCK)
-    where = bg * G * P + gs[:, None] * P + cols[None, :]
-    ok = (gs[:, None] < G) & (cols[None, :] < P)
-    s = tl.load(S + where, mask=ok, other=0.0).to(ACC)
-    dout = tl.load(DOUT + where, mask=ok, other=0.0).to(ACC)  # zero outside: no gradient from padding
+    gs, hs = tl.arange(0, GP), tl.arange(0, HP)
     mix, w1, b1, w2 = _load_weights(MIX, W1, B1, W2, n, G, HID, ACC, GP, HP)
-    hidden, slope = _gelu_and_slope(_dot(w1, s, IEEE) + b1[:, None])
-    dpre = _dot(tl.trans(w2), dout, IEEE) * slope  # [HP, BLOCK]: gradient before the GELU
-    ds = _dot(tl.trans(mix), dout, IEEE) + _dot(tl.trans(w1), dpre, IEEE)
-    tl.store(DS + where, ds.to(DS.dtype.element_ty), mask=ok)
-    # This program's share of the weights' gradients: [M | W2 | b2] rows per head, [W1 | b1] per hidden unit.
-    part = PARTS + (bg * BLOCKS + block) * (GP * (GP + HP + 1) + HP * (GP + 1))
-    tl.store(part + gs[:, None] * GP + gs[None, :], _dot(dout, tl.trans(s), IEEE))
+    dmix, dw2, db2 = tl.zeros([GP, GP], ACC), tl.zeros([GP, HP], ACC), tl.zeros([GP], ACC)
+    dw1, db1 = tl.zeros([HP, GP], ACC), tl.zeros([HP], ACC)
+    for step in range(STEPS):  # this program's STEPS blocks of positions
+        cols = (program * STEPS + step) * BLOCK + tl.arange(0, BLOCK)
+        where = bg * G * P + gs[:, None] * P + cols[None, :]
+        ok = (gs[:, None] < G) & (cols[None, :] < P)
+        s = tl.load(S + where, mask=ok, other=0.0).to(ACC)
+        dout = tl.load(DOUT + where, mask=ok, other=0.0).to(ACC)  # zero outside: no gradient from padding
+        hidden, slope = _gelu_and_slope(_dot(w1, s, IEEE) + b1[:, None])
+        dpre = _dot(tl.trans(w2), dout, IEEE) * slope  # [HP, BLOCK]: gradient before the GELU
+        ds = _dot(tl.trans(mix), dout, IEEE) + _dot(tl.trans(w1), dpre, IEEE)
+        tl.store(DS + where, ds.to(DS.dtype.element_ty), mask=ok)
+        dmix += _dot(dout, tl.trans(s), IEEE)
+        dw2 += _dot(dout, tl.trans(hidden), IEEE)
+        db2 += tl.sum(dout, axis=1)
+        dw1 += _dot(dpre, tl.trans(s), IEEE)
+        db1 += tl.sum(dpre, axis=1)
+    # [M | W2 | b2] rows per head, then [W1 | b1] per hidden unit
+    part = PARTS + (bg * PROGRAMS + program) * (GP * (GP + HP + 1) + HP * (GP + 1))
+    tl.store(part + gs[:, None] * GP + gs[None, :], dmix)
     part += GP * GP
-    tl.store(part + gs[:, None] * HP + hs[None, :], _dot(dout, tl.trans(hidden), IEEE))
+    tl.store(part + gs[:, None] * HP + hs[None, :], dw2)
     part += GP * HP
-    tl.store(part + gs, tl.sum(dout, axis=1))
+    tl.store(part + gs, db2)
     part += GP
-    tl.store(part + hs[:, None] * GP + gs[None, :], _dot(dpre, tl.trans(s), IEEE))
+    tl.store(part + hs[:, None] * GP + gs[None, :], dw1)
     part += HP * GP
-    tl.store(part + hs, tl.sum(dpre, axis=1))
+    tl.store(part + hs, db1)
 
 
 def _sizes(scores: torch.Tensor, mix: torch.Tensor, w1: torch.Tensor) -> dict:
@@ -114,7 +126,7 @@ class _FusedAlign(torch.autograd.Function):
         positions = scores[0, 0].numel()
         out = torch.empty_like(scores)
         block = 32 if k["interpreted"] else 256
-        grid = (batch * heads // k["group"], triton.cdiv(positions, block))
+        grid = (triton.cdiv(positions, block), batch * heads // k["group"])
         _align_forward[grid](scores, out, mix.contiguous(), w1.contiguous(), b1.contiguous(), w2.contiguous(),
                              b2.contiguous(), positions, k["group"], k["hidden"], k["groups"], IEEE=k["IEEE"],
                              ACC=k["ACC"], GP=k["GP"], HP=k["HP"], BLOCK=block)
@@ -128,17 +140,19 @@ class _FusedAlign(torch.autograd.Function):
         gp, hp, group, hidden, groups = k["GP"], k["HP"], k["group"], k["hidden"], k["groups"]
         batch, heads = scores.shape[:2]
         positions = scores[0, 0].numel()
-        block = 32 if k["interpreted"] else 128
-        blocks = triton.cdiv(positions, block)
+        # Blocks of positions per program: the weights' partial sums (800 floats at 16 x 16) then take
+        # about a fifth of the bf16 scores' bytes at groups of 4; the interpreter's two test the loop.
+        block, steps = (32, 2) if k["interpreted"] else (128, 16)
+        programs = triton.cdiv(positions, block * steps)
         acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
         width = gp * (gp + hp + 1) + hp * (gp + 1)
-        parts = torch.empty(batch * heads // group, blocks, width, dtype=acc, device=scores.device)
+        parts = torch.empty(batch * heads // group, programs, width, dtype=acc, device=scores.device)
         dscores = torch.empty_like(scores)
-        _align_backward[(batch * heads // group, blocks)](
+        _align_backward[(programs, batch * heads // group)](
             scores, dout.contiguous(), dscores, mix.contiguous(), w1.contiguous(), b1.contiguous(),
-            w2.contiguous(), parts, positions, group, hidden, groups, blocks, IEEE=k["IEEE"], ACC=k["ACC"],
-            GP=gp, HP=hp, BLOCK=block)
-        total = parts.view(batch, groups, blocks, width).sum((0, 2))  # per group
+            w2.contiguous(), parts, positions, group, hidden, groups, programs, IEEE=k["IEEE"], ACC=k["ACC"],
+            GP=gp, HP=hp, BLOCK=block, STEPS=steps)
+        total = parts.view(batch, groups, programs, width).sum((0, 2))  # per group
         dmix, dw2, db2, dw1, db1 = total.split([gp * gp, gp * hp, gp, hp * gp, hp], dim=1)
         grads = (dmix.view(groups, gp, gp)[:, :group, :group], dw1.view(groups, hp, gp)[:, :hidden, :group],
                  db1[:, :hidden], dw2.view(groups, gp, hp)[:, :group, :hidden], db2[:, :group])
