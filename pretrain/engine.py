@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -22,6 +24,23 @@ def use_fused_optimizer(cfg: Config) -> bool:
     return cfg.train.fused_optimizer == "true"
 
 
+def vetoes_invalid_norms(cfg: Config) -> bool:
+    """Whether a step with a non-finite gradient is refused by its global gradient norm instead of by
+    DeepSpeed's overflow scan: in bf16 (no loss scale to adjust) under ZeRO 1/2 with clipping, that
+    norm is computed anyway and is non-finite whenever a gradient is, while the scan runs four small
+    kernels per parameter tensor (a 1B UoE has 611 tensors; the H200 profile of its step had 10% in
+    elementwise multiplies). The step is then vetoed by SkipStepAdamW (invalid_global_norm)."""
+    return use_bf16(cfg) and cfg.train.grad_clip > 0 and cfg.parallel.zero_stage in (1, 2)
+
+
+def invalid_global_norm(zero) -> bool:
+    """Whether DeepSpeed's ZeRO optimizer found the global gradient norm of this step non-finite
+    (reported as inf, or as -1 where its helpers mask it)."""
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+
+    return zero._global_grad_norm is not None and is_invalid_grad_norm(zero._global_grad_norm)
+
+
 def deepspeed_config(cfg: Config) -> dict:
     t = cfg.train
     adamw = {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": 1e-8, "weight_decay": t.weight_decay,
@@ -34,7 +53,7 @@ def deepspeed_config(cfg: Config) -> dict:
         "gradient_clipping": t.grad_clip,
         "steps_per_print": 10**9,  # the trainer prints its own progress line
         "wall_clock_breakdown": False,
-        "bf16": {"enabled": use_bf16(cfg)},
+        "bf16": {"enabled": use_bf16(cfg), "check_grad_overflow": not vetoes_invalid_norms(cfg)},
         "zero_optimization": {
             "stage": cfg.parallel.zero_stage,
             "contiguous_gradients": True,
@@ -65,8 +84,8 @@ def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False):
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     optimizer = None
-    if cfg.train.skip_spikes:
-        # The same torch AdamW, built here so that pretrain.spikes can veto a step.
+    if cfg.train.skip_spikes or vetoes_invalid_norms(cfg):
+        # The same torch AdamW, built here so that a step can be vetoed (pretrain.spikes, invalid norms).
         from deepspeed.moe.utils import configure_moe_param_groups, has_moe_layers
 
         from pretrain.spikes import SkipStepAdamW
@@ -86,15 +105,16 @@ def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False):
         mpu=MegatronCoreMPU(),
         lr_scheduler=client_scheduler(cfg.train),
     )
+    if vetoes_invalid_norms(cfg):  # the trainer's spike guard, where on, replaces it (and skips these too)
+        engine.basic_optimizer.should_skip = functools.partial(invalid_global_norm, engine.optimizer)
     return engine
 
 
-def describe_optimizer(engine) -> str:
+def describe_optimizer(engine, skips_spikes: bool) -> str:
     """The torch optimizer under DeepSpeed's ZeRO/bf16 wrappers, e.g. "AdamW (fused)"."""
     optimizer = engine.basic_optimizer
     from pretrain.spikes import SkipStepAdamW
 
     name = "AdamW" if isinstance(optimizer, SkipStepAdamW) else type(optimizer).__name__
-    notes = [n for n, on in (("fused", optimizer.defaults.get("fused")),
-                             ("skips spikes", isinstance(optimizer, SkipStepAdamW))) if on]
+    notes = [n for n, on in (("fused", optimizer.defaults.get("fused")), ("skips spikes", skips_spikes)) if on]
     return name + (f" ({', '.join(notes)})" if notes else "")

@@ -146,7 +146,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
-                 f"ZeRO-{cfg.parallel.zero_stage}, {describe_optimizer(engine)}")
+                 f"ZeRO-{cfg.parallel.zero_stage}, {describe_optimizer(engine, cfg.train.skip_spikes)}")
     if cfg.data.mix:
         sources = cfg.data.sources
         total = sum(source.weight for source in sources)

@@ -19,6 +19,7 @@ from pretrain import checkpoint, checkpoint_format, signals
 from pretrain.config import Config
 from pretrain.data import Batches, all_batches, split_batch
 from pretrain.distributed import dp_mean
+from pretrain.engine import invalid_global_norm
 from pretrain.spikes import SpikeGuard
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
 
@@ -83,7 +84,8 @@ class Trainer:
         if cfg.train.skip_spikes:
             self.spikes = SpikeGuard(cfg.train.spike_window, cfg.train.spike_sigmas)
             zero = engine.optimizer  # DeepSpeed's ZeRO wrapper: it has the global norm before the torch step
-            engine.basic_optimizer.should_skip = lambda: self.spikes.skip(float(zero._global_grad_norm or 0.0))
+            engine.basic_optimizer.should_skip = lambda: self.spikes.skip(
+                float("nan") if invalid_global_norm(zero) else float(zero._global_grad_norm or 0.0))
 
     @property
     def model(self):
@@ -187,8 +189,8 @@ class Trainer:
     def _log(self, result: StepResult, lr: float, throughput: Throughput) -> None:
         result.metrics = {"loss": result.loss, "lr": lr, **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
         norm = self.engine.get_global_grad_norm()  # None where DeepSpeed does not compute it (ZeRO-0 in fp32)
-        if norm is not None:
-            result.metrics["grad_norm"] = float(norm)
+        if norm is not None:  # a non-finite norm (the step was not applied) may come as -1
+            result.metrics["grad_norm"] = float(norm) if float(norm) >= 0 else float("nan")
         if self.last_metrics:  # one collective for all; every rank has the same names
             result.metrics.update(zip(self.last_metrics, dp_mean(torch.stack(list(self.last_metrics.values())))))
         if self.spikes is not None:

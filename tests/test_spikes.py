@@ -105,3 +105,39 @@ def test_skip_spikes_builds_for_an_expert_model(tmp_path):
     out = train(1, tiny_overrides(data, run, **{"train.steps": 2, "train.warmup_steps": 1, "train.skip_spikes": "true", "model.mlp": "uoe",
                                                 "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 16}))
     assert "AdamW (skips spikes)" in out.stdout and (run / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+
+
+def test_bf16_refuses_a_non_finite_gradient_by_its_norm_without_the_overflow_scan(tmp_path):
+    """bf16 under ZeRO-1 with clipping: DeepSpeed's per-tensor overflow scan is off, and a step whose
+    gradients hold a NaN is refused by the global gradient norm (parameters unchanged); the next
+    clean step applies. Without clipping there is no norm, and the scan stays on."""
+    from models.gpt import GPT
+    from pretrain.config import load_config
+    from pretrain.engine import build_engine, deepspeed_config, invalid_global_norm
+    from tests.dist_utils import single_process_group
+
+    overrides = tiny_overrides(tmp_path, tmp_path / "run", **{"train.precision": "bf16", "parallel.zero_stage": 1})
+    cfg = load_config(None, overrides)
+    assert deepspeed_config(cfg)["bf16"]["check_grad_overflow"] is False
+    assert deepspeed_config(load_config(None, overrides + ["train.grad_clip=0"]))["bf16"]["check_grad_overflow"]
+    with single_process_group():
+        torch.manual_seed(0)
+        engine = build_engine(cfg, GPT(cfg.model))
+        assert engine.optimizer.check_grad_overflow is False
+        tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
+        weight = engine.module.blocks[0].mlp.w_in.weight
+
+        def step(poison: bool) -> torch.Tensor:
+            """Which fp32 master weights (ZeRO's partitions, one per parameter group) the step changed."""
+            hook = weight.register_hook(lambda g: g * float("nan")) if poison else None
+            masters = engine.optimizer.single_partition_of_fp32_groups
+            before = [m.detach().clone() for m in masters]
+            engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+            engine.step()
+            if hook is not None:
+                hook.remove()
+            return torch.stack([(m != b).any() for m, b in zip(masters, before)])
+
+        assert step(poison=False).all()
+        assert not step(poison=True).any() and invalid_global_norm(engine.optimizer)  # refused by its norm
+        assert step(poison=False).all()
