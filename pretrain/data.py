@@ -96,7 +96,8 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
     if not fingerprint:
         return {"remote": None, "local": str(directory)}
     copy = root / name / f"{split}-{fingerprint}"
-    for stale in copy.parent.glob(f"{split}-*"):  # copies of this split before its shards were rebuilt
+    # Copies of this split before its shards were rebuilt, and from before caches had a folder per node.
+    for stale in [*copy.parent.glob(f"{split}-*"), *(root.parent / name).glob(f"{split}-*")]:
         if stale != copy:
             shutil.rmtree(stale, ignore_errors=True)
     return {"remote": str(directory), "local": str(copy)}

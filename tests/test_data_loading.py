@@ -127,6 +127,7 @@ def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch
     from tests.dist_utils import single_process_group
 
     monkeypatch.setenv("SLURMD_NODENAME", "n7")
+    (tmp_path / "cache" / "shards" / "train-0123456789ab").mkdir(parents=True)  # from before node folders
     root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
     shards = root / "shards"
     cfg = load_config(None, [f"data.shards={shards}", "train.micro_batch=4", "model.max_seq_len=32",
@@ -137,6 +138,7 @@ def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch
     assert torch.equal(read_samples(shards / "val", 8), val)
     assert first.shape == (16, 33) and len(list(shards.rglob("*.mds.zstd"))) == 2
     assert not list(shards.rglob("*.mds")) and len(list((tmp_path / "cache").rglob("*.mds"))) == 2
+    assert not (tmp_path / "cache" / "shards").exists() or not list((tmp_path / "cache" / "shards").iterdir())
     shutil.rmtree(shards)
     write_synthetic_shards(tmp_path / "data", train=16, val=8, seed=500)  # rebuilt in place
     with single_process_group():
