@@ -552,18 +552,14 @@ def markdown(report: dict) -> str:
         f"ERROR: {g['error']}" if "error" in g else
         f"loss {g['loss_grouped']:.5f} vs {g['loss_per_expert']:.5f}, gradient relative difference "
         f"{g['grad_rel_diff']:.2e} -> {'match' if g['match'] else 'MISMATCH'}")]
-    r = report.get("relu_kernels", {"error": "not run"})
-    r = {"error": "skipped: " + r["skipped"]} if "skipped" in r else r
-    lines += ["", "Triton ReLU kernels vs the PyTorch path (fp32 against float64, output and gradients): " + (
-        f"ERROR: {r['error']}" if "error" in r else
-        ", ".join(f"{case} {err:.1e}" for case, err in r["max_rel_error"].items())
-        + f" -> {'match' if r['match'] else 'MISMATCH'}")]
-    a = report.get("lisa_align", {"error": "not run"})
-    a = {"error": "skipped: " + a["skipped"]} if "skipped" in a else a
-    lines += ["", "Fused LISA alignment kernel vs HeadAlign (against float64, output and gradients): " + (
-        f"ERROR: {a['error']}" if "error" in a else
-        ", ".join(f"{case} {err:.1e}" for case, err in a["max_rel_error"].items())
-        + f" -> {'match' if a['match'] else 'MISMATCH'}")]
+    for check, title in (("relu_kernels", "Triton ReLU kernels vs the PyTorch path (fp32 against float64"),
+                         ("lisa_align", "Fused LISA alignment kernel vs HeadAlign (against float64")):
+        r = report.get(check, {"error": "not run"})
+        r = {"error": "skipped: " + r["skipped"]} if "skipped" in r else r
+        lines += ["", f"{title}, output and gradients): " + (
+            f"ERROR: {r['error']}" if "error" in r else
+            ", ".join(f"{case} {err:.1e}" for case, err in r["max_rel_error"].items())
+            + f" -> {'match' if r['match'] else 'MISMATCH'}")]
     d = report.get("lisa_decode", {"error": "not run"})
     d = {"error": "skipped: " + d["skipped"]} if "skipped" in d else d
     lines += ["", "Fused LISA decode kernel vs the PyTorch path (softmax, LISA, LISA; logits' error against "

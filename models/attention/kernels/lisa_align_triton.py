@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from models.attention.kernels import triton_interpreted
+from models.attention.kernels.triton_dot import dot as _dot
 
 
 @triton.jit
@@ -30,15 +31,6 @@ def _gelu_and_slope(x):
     """GELU (exact, as F.gelu) and its derivative."""
     cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
     return x * cdf, cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from models.attention.kernels import triton_interpreted
+from models.attention.kernels.triton_dot import dot as _dot
 from models.attention.masks import document_bounds
 
 NORMALIZER_CODES = {"none": 0, "prefix": 1, "content": 2, "seqlen": 3}
@@ -59,15 +60,6 @@ def _normaliser(rows, first, seq_len, NORM: tl.constexpr):
     else:
         n = pos * 0.0 + seq_len
     return n
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit
