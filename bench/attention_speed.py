@@ -49,7 +49,8 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     cfg.lisa.align_group = min(4, heads)  # as in configs/hybrid_*.yaml
     if kind.startswith("lisa"):
         cfg.attention = "softmax,lisa"
-        cfg.lisa.align_hidden = cfg.lisa.align_hidden if kind in ("lisa", "lisa_torch", "lisa_ffn_naive") else 0
+        ffn = kind in ("lisa", "lisa_torch", "lisa_ffn_naive")
+        cfg.lisa.align_hidden = cfg.lisa.align_hidden if ffn else 0
         cfg.lisa.kernel = "naive" if kind.endswith("_naive") else "torch" if kind == "lisa_torch" else "auto"
         return build_attention(cfg, 1), cfg
     cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu", "softmax_gqa": "softmax"}.get(kind, kind)
@@ -59,7 +60,7 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     return module, cfg
 
 
-def _layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
+def layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
                       documents: torch.Tensor | None, dtype: torch.dtype):
     """The module, its input x and a function giving a fresh ctx with what the previous (softmax)
     layer hands a LISA layer: its rotated queries and keys."""
@@ -91,7 +92,7 @@ def _layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, 
 def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
               documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
     """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
-    module, (x, q, k), ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
+    module, (x, q, k), ctx = layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
     times = []
     for i in range(repeats + 1):
         inputs = ctx()  # outside the timed region: a model builds them once per forward for all layers
@@ -111,7 +112,7 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
 def kept_bytes(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
                documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> int:
     """Bytes one forward allocates and still holds when it returns (for backward, and the output)."""
-    module, (x, _, _), ctx = _layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
+    module, (x, _, _), ctx = layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
     inputs = ctx()
     gc.collect()
     if device.type == "cuda":

@@ -52,6 +52,9 @@ ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch
                    "lisa_ffn_naive", "lisa_linear", "lisa_linear_gqa", "softmax+publish", "softmax docs",
                    "softmax_sink docs", "relu docs", "lisa_linear docs")
 ATTENTION_SEQS = (2048, 4096)
+# Kinds whose forward + backward is also profiled at the first length (their top operators in the row,
+# the operator table in -profiles.txt): where a LISA layer's time goes, beside its reference.
+PROFILED_KINDS = ("softmax_gqa", "lisa", "lisa_torch", "lisa_linear_gqa")
 ATTENTION_ROW = "attention@"  # run_isolated's name for the attention rows of one sequence length
 RESULT = "RESULT "
 PROFILE = "PROFILE "
@@ -235,7 +238,8 @@ def lisa_align_check(device: str) -> dict:
         out = fused_align(*inputs)
         got = (out, *torch.autograd.grad(out, inputs, grad_out.to(device, dtype)))
         case = f"{group}x{hidden} {str(dtype)[6:]}"
-        errors[case] = max(float((a.double().cpu() - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+        errors[case] = max(float((a.double().cpu() - b).abs().max() / b.abs().max())
+                           for a, b in zip(got, want))
         ok &= errors[case] < tolerance[dtype]
     return {"max_rel_error": errors, "match": ok}
 
@@ -408,10 +412,36 @@ def attention_seqs(device: str) -> tuple[int, ...]:
     return (64,) if device == "cpu" else ATTENTION_SEQS
 
 
-def attention_rows(device: str, seq: int) -> None:
+def profile_attention(kind: str, hidden: int, heads: int, seq: int, dev: torch.device, dtype: torch.dtype,
+                      profile_dir: Path) -> list[dict]:
+    """One forward + backward of an attention layer under torch.profiler (after one unprofiled):
+    its top operators; the operator table is appended to profile_dir/<report stem>-profiles.txt."""
+    from bench.attention_speed import layer_and_inputs
+    from pretrain.profiling import operator_table, top_operators
+
+    module, (x, q, k), ctx = layer_and_inputs(kind, hidden, heads, seq, 1, dev, None, dtype)
+    cuda = dev.type == "cuda"
+
+    def once() -> None:
+        module(x, ctx()).sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
+
+    once()
+    activity = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[activity.CPU] + ([activity.CUDA] if cuda else [])) as prof:
+        once()
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    with open(profile_dir / f"{report_stem(dev.type)}-profiles.txt", "a") as f:
+        f.write(f"===== attention {kind} @ {seq} =====\n{operator_table(prof)}\n")
+    return top_operators(prof)
+
+
+def attention_rows(device: str, seq: int, profile_dir: Path | None = None) -> None:
     """Forward + backward of one attention layer per kind (bf16 on the GPU) and decoding with the KV
     cache (a softmax layer, then the kind), at sequence `seq`; each kind's ROW line is printed as it
-    finishes (a timeout keeps the rows before it). --device cpu: tiny sizes in fp32, a smoke test."""
+    finishes (a timeout keeps the rows before it). With `profile_dir`, PROFILED_KINDS are profiled
+    at the first length. --device cpu: tiny sizes in fp32, a smoke test."""
     from bench.attention_speed import DECODE_LAYERS, decode_ms_per_token, kept_bytes, time_kind
 
     cpu = device == "cpu"
@@ -431,6 +461,11 @@ def attention_rows(device: str, seq: int) -> None:
                 row.update(decode_ms_per_token(kind, hidden, heads, seq, 16 if cpu else 64, dev, dtype))
             except Exception as err:  # noqa: BLE001 - the training numbers stay
                 row["decode_error"] = f"{type(err).__name__}: {err}"
+        if profile_dir is not None and kind in PROFILED_KINDS and seq == attention_seqs(device)[0]:
+            try:
+                row["top_ops"] = profile_attention(base_kind, hidden, heads, seq, dev, dtype, profile_dir)
+            except Exception as err:  # noqa: BLE001 - the row keeps its numbers
+                row["profile_error"] = f"{type(err).__name__}: {err}"
         print(ROW + json.dumps(row), flush=True)
 
 
@@ -462,8 +497,9 @@ def correctness(device: str, names: list[str]) -> dict:
     return result
 
 
+# Each a part of its own, in this order, after device_info.
 CHECKS = {"correctness": None, "grouped_gemm": grouped_gemm_check, "relu_kernels": relu_kernel_check,
-          "lisa_align": lisa_align_check, "lisa_decode": lisa_decode_check}  # each a part of its own, in this order, after device_info
+          "lisa_align": lisa_align_check, "lisa_decode": lisa_decode_check}
 CHECK = "check:"  # run_isolated's name for a check
 
 
@@ -605,6 +641,8 @@ def markdown(report: dict) -> str:
                          f"{fmt('kept_mb', '.1f')} | {fmt('prefill_ms', '.1f')} | {decode} | "
                          f"{fmt('decode_x_softmax', '.2f')} |")
     profiled = {name: r for name, r in report["throughput"].items() if "top_ops" in r or "profile_error" in r}
+    profiled |= {f"attention {name}": r for name, r in report.get("attention", {}).items()
+                 if "top_ops" in r or "profile_error" in r}
     if profiled:
         lines += ["", "Where a step's time goes (one profiled step; self time per operator, share of all):", ""]
         lines += [f"- {name}: " + (", ".join(f"{op['op']} {100 * op['share']:.0f}%" for op in r["top_ops"][:6])
@@ -647,7 +685,8 @@ def main() -> int:
 
         if args.one.startswith(ATTENTION_ROW):
             init_single_process()
-            attention_rows(args.device, int(args.one.removeprefix(ATTENTION_ROW)))
+            attention_rows(args.device, int(args.one.removeprefix(ATTENTION_ROW)),
+                           Path(args.out_dir) if args.profile else None)
         elif args.one.startswith(CHECK):
             init_single_process()  # the tiny models build megatron-core layers
             check = args.one.removeprefix(CHECK)

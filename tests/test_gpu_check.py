@@ -35,13 +35,18 @@ def test_cpu_smoke_run_writes_report(tmp_path):
         assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9, row["top_ops"]
         assert any("mm" in op["op"] for op in row["top_ops"]), row["top_ops"]  # the model's matmuls
     profiles = (tmp_path / report_file.name.replace(".json", "-profiles.txt")).read_text()
-    assert [line for line in profiles.splitlines() if line.startswith("=====")] == [f"===== {n} =====" for n in names]
-    assert profiles.count("Self CPU") >= len(names)
+    sections = [line for line in profiles.splitlines() if line.startswith("=====")]
+    assert [line for line in sections if "attention" not in line] == [f"===== {n} =====" for n in names]
+    profiled = ("softmax_gqa", "lisa", "lisa_torch", "lisa_linear_gqa")  # their operator tables too
+    assert [line for line in sections if "attention" in line] == \
+        [f"===== attention {k} @ 64 =====" for k in profiled]
+    assert profiles.count("Self CPU") >= len(names) + len(profiled)
     assert report["throughput"]["uoe-1b grouped-gemm"]["params_active"] < \
         report["throughput"]["uoe-1b grouped-gemm"]["params_total"]
     assert report["grouped_gemm"]["match"], report["grouped_gemm"]
     assert report["relu_kernels"]["match"] and len(report["relu_kernels"]["max_rel_error"]) == 2, report["relu_kernels"]
-    assert report["lisa_align"]["match"] and len(report["lisa_align"]["max_rel_error"]) == 2, report["lisa_align"]
+    align = report["lisa_align"]
+    assert align["match"] and len(align["max_rel_error"]) == 2, align
     decode = report["lisa_decode"]
     assert decode["match"] and len(decode["rows"]) == 2, decode
     assert all(r["fused_ms"] > 0 and r["pytorch_ms"] > 0 and r["softmax_ms"] > 0 for r in decode["rows"].values())
@@ -55,8 +60,9 @@ def test_cpu_smoke_run_writes_report(tmp_path):
             assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0, (name, r)
     for r in attention.values():  # every kind beside softmax at the same sequence, decode kinds also at decode
         assert r["train_x_softmax"] > 0 and (("decode_x_softmax" in r) == ("decode_ms_per_token" in r)), r
+    assert all(attention[f"{k} @ 64"]["top_ops"] for k in profiled)
     table = (tmp_path / report_file.name.replace(".json", ".md")).read_text()
-    assert "| lisa @ 64 |" in table
+    assert "| lisa @ 64 |" in table and "- attention lisa @ 64: " in table
     assert all(f"| {name} |" in table for name in names)
     assert all(f"- {name}: " in table for name in names)  # the profiled step's top operators
 
@@ -178,10 +184,10 @@ def test_lisa_decode_speed_part_runs_alone_on_earlier_layouts(tmp_path):
     KV caches smaller by the LISA layers' rank-r keys."""
     results = REPO / "bench/results/lisa_decode.json"
     out = tmp_path / "speed.json"
-    run = subprocess.run([sys.executable, "-m", "bench.lisa_decode", "--speed-only", str(results), "--speed-hidden",
-                          "256", "--speed-contexts", "16", "--speed-batches", "1", "--equal-memory-batch", "2",
-                          "--equal-memory-contexts", "16", "--speed-new", "2", "--speed-train-seq", "32",
-                          "--repeats", "1", "--out", str(out)],
+    sizes = ["--speed-hidden", "256", "--speed-contexts", "16", "--speed-batches", "1", "--equal-memory-batch",
+             "2", "--equal-memory-contexts", "16", "--speed-new", "2", "--speed-train-seq", "32", "--repeats", "1"]
+    run = subprocess.run([sys.executable, "-m", "bench.lisa_decode", "--speed-only", str(results), *sizes,
+                          "--out", str(out)],
                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     speed = json.loads(out.read_text())["speed"]
