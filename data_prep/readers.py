@@ -1,6 +1,7 @@
 """One reader per corpus file format, each a stream of :class:`Document` that never stops on bad input.
 
     plain text   .txt .py .md                                   one document per file, origin "path"
+                                                                (up to MAX_TEXT_FILE_BYTES, read whole)
     JSON Lines   .jsonl .jsonl.gz .jsonl.zst .json.gz .json.zst  one per line, origin "path:line"
     Parquet      .parquet                                       one per row, origin "path:row" (1-based)
 
@@ -33,6 +34,9 @@ ALL_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 # Records are read this many rows at a time from a Parquet row group.
 PARQUET_BATCH_ROWS = 1024
+# A plain-text file is one document, read and tokenized whole: a larger one is a bad file (it would
+# hold a worker's memory many times over), not a reason to stop the build.
+MAX_TEXT_FILE_BYTES = 1 << 30
 
 
 def printable(text: str) -> str:
@@ -87,6 +91,14 @@ def _valid_unicode(text: str, raw: bytes) -> bool:
 
 def read_text_file(path: Path, report) -> Iterator[Document]:
     try:
+        size = path.stat().st_size
+        if size > MAX_TEXT_FILE_BYTES:
+            limit = MAX_TEXT_FILE_BYTES
+            shown = (f"{limit / 2**30:g} GiB" if limit >= 2**30 else f"{limit / 2**20:g} MiB" if limit >= 2**20
+                     else f"{limit} bytes")
+            report.add(str(path), f"plain-text file over {shown} (one document, read whole): split it into "
+                                  "files or JSON Lines records")
+            return
         data = path.read_bytes()
     except OSError as e:
         check_io(e, path, report)

@@ -257,6 +257,21 @@ def test_bad_inputs_counted_and_reported(tmp_path, tok_dir, capsys):
     assert m["splits"]["train"]["samples"] > 0
 
 
+def test_a_plain_text_file_over_the_limit_is_a_bad_file(tmp_path, monkeypatch):
+    """A plain-text file is one document read whole: past MAX_TEXT_FILE_BYTES it is counted and
+    skipped (naming the fix) before it is read, and files up to the limit are read as ever."""
+    from data_prep import readers
+
+    monkeypatch.setattr(readers, "MAX_TEXT_FILE_BYTES", 64)
+    (tmp_path / "small.txt").write_text("a" * 64)
+    (tmp_path / "big.txt").write_text("b" * 65)
+    report = BadInputReport()
+    assert [d.text for d in readers.read_file(tmp_path / "small.txt", "text", report)] == ["a" * 64]
+    assert list(readers.read_file(tmp_path / "big.txt", "text", report)) == [] and report.count == 1
+    assert report.examples == [f"{tmp_path / 'big.txt'}: plain-text file over 64 bytes (one document, read "
+                               "whole): split it into files or JSON Lines records"]
+
+
 def test_jsonl_gz_with_text_field(tmp_path, tok_dir):
     src = tmp_path / "docs.jsonl.gz"
     with gzip.open(src, "wt") as f:
