@@ -151,6 +151,9 @@ class _FusedAlign(torch.autograd.Function):
         return dscores, *(g.to(p.dtype) for g, p in zip(grads, (mix, w1, b1, w2, b2)))
 
 
+# Run as it is inside torch.compile'd blocks (train.compile): a graph break, rather than tracing the
+# launches of an autograd.Function that no compiled test has run on a GPU.
+@torch.compiler.disable
 def fused_align(scores: torch.Tensor, mix: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
                 b2: torch.Tensor) -> torch.Tensor:
     """scores [batch, heads, rows, keys] -> the aligned scores, same shape and dtype; heads in
