@@ -185,8 +185,9 @@ def activations(cfg: ModelConfig, tensor: int) -> float:
     spread over the neurons where a tensor-parallel rank holds parts of experts (else they
     broadcast over a per-expert view)."""
     moe = cfg.moe
-    routing_neurons = moe.num_experts * moe.resolved_routing_neurons()
-    whole_experts = routing_neurons // tensor % moe.resolved_routing_neurons() == 0
+    per_expert = moe.resolved_routing_neurons()
+    routing_neurons = moe.num_experts * per_expert
+    whole_experts = not per_expert or routing_neurons // tensor % per_expert == 0  # (0: refused by validate)
     per_routing_neuron = 6 + (2 - whole_experts) * (moe.vse_mode == "overlap")
     routed = 4 * moe.top_k * moe.rest_neurons() + per_routing_neuron * routing_neurons
     return routed / tensor + dispatch_activations(cfg)
