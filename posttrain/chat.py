@@ -24,6 +24,25 @@ class ChatFormat:
         return cls(post.system_prefix, post.user_prefix, post.assistant_prefix, post.turn_end, post.add_bos)
 
 
+def inherit_chat_format(post, trained_with: dict | None) -> list[str]:
+    """Set the chat keys of `post` left at their defaults to the format the start checkpoint was
+    post-trained with (its meta's posttrain.chat), so that DPO or SGA after SFT renders examples as
+    SFT did without restating the format. Returns a line per key taken, and per key set otherwise
+    that differs from the checkpoint's."""
+    default, lines = ChatFormat(), []
+    for key, theirs in (trained_with or {}).items():
+        mine = getattr(post, key, theirs)
+        if mine == theirs or not hasattr(default, key):
+            continue
+        if mine == getattr(default, key):
+            setattr(post, key, theirs)
+            lines.append(f"post.{key}={theirs!r}: the start checkpoint's chat format")
+        else:
+            lines.append(f"post.{key}={mine!r} differs from the start checkpoint's {theirs!r}, the format it "
+                         "was trained with")
+    return lines
+
+
 @dataclass(frozen=True)
 class ScoreFormat:
     prefix: str = "\nYour response must satisfy the following scores: "

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from data_prep.readers import FileReadError  # noqa: E402
 from models.config import ConfigError  # noqa: E402
 from posttrain.batches import ExampleBatches, collate_pairs, collate_rows, fixed_batches  # noqa: E402
-from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat  # noqa: E402
+from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat, inherit_chat_format  # noqa: E402
 from posttrain.config import PostTrainConfig, example_length, validate_post  # noqa: E402
 from posttrain.examples import Examples  # noqa: E402
 from pretrain import checkpoint_format  # noqa: E402
@@ -47,6 +47,7 @@ class PostTrainTask(Task):
     def __init__(self):
         self.train_data: Examples | None = None
         self.val_data: Examples | None = None
+        self.chat_notes: list[str] = []  # chat keys taken from the start checkpoint, or differing from it
 
     def check(self, cfg: PostTrainConfig, world_size: int) -> dict:
         from data_prep.tokenizer import load_tokenizer
@@ -76,6 +77,8 @@ class PostTrainTask(Task):
         self.reference = start
         started = resumed or (checkpoint_format.read_meta(start).get("posttrain", {}) if start.is_dir() else {})
         objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
+        # (add_bos among them: the start checkpoint's tokenizer is this one, checked above)
+        self.chat_notes = inherit_chat_format(cfg.post, started.get("chat"))
         encoder = ChatEncoder(sp, ChatFormat.from_config(cfg.post))
         try:
             self.train_data = Examples(cfg, cfg.post.data, encoder, objectives)
@@ -168,6 +171,8 @@ class PostTrainTask(Task):
         from pretrain.distributed import device
 
         kind = "rows" if cfg.post.method == "sft" else "pairs"
+        for note in self.chat_notes:
+            logger.print(f"chat format: {note}")
         for name, data, files in (("training", self.train_data, cfg.post.data), ("validation", self.val_data,
                                                                                 cfg.post.val_data)):
             if files:

@@ -303,6 +303,37 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
         check(f"run.dir={tmp_path / 'pretrained'}")
 
 
+def test_dpo_after_sft_renders_examples_in_the_format_sft_was_trained_with(files, tok_dir, tmp_path):
+    """Chat keys left at their defaults take the start checkpoint's format (its posttrain meta), which
+    the new run records; a key set otherwise stays, and is reported as differing."""
+    from data_prep.tokenizer import load_tokenizer
+    from posttrain.chat import ChatFormat
+    from posttrain.config import PostTrainConfig
+    from posttrain.train import PostTrainTask
+    from pretrain.checkpoint import save_weights_run
+    from pretrain.config import load_config
+
+    sft = {**ChatFormat().__dict__, "user_prefix": "Human: ", "turn_end": "\n\n", "assistant_prefix": "AI: "}
+    pretrained = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}"])
+    with single_process_group():
+        tag = save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "sft",
+                               {"posttrain": {"chat": sft}})
+    cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [
+        f"data.tokenizer={tok_dir}", f"post.data={files / 'pref.jsonl'}", "post.method=dpo",
+        f"train.init_from={tag}", f"run.dir={tmp_path / 'dpo'}", "post.assistant_prefix=Bot: "],
+        PostTrainConfig)
+    task = PostTrainTask()
+    task.check(cfg, 1)
+    chat = task.meta(cfg)["posttrain"]["chat"]
+    assert chat == {**sft, "assistant_prefix": "Bot: "}  # as trained, but for the key set here
+    assert task.chat_notes == ["post.user_prefix='Human: ': the start checkpoint's chat format",
+                               "post.assistant_prefix='Bot: ' differs from the start checkpoint's 'AI: ', the "
+                               "format it was trained with",
+                               "post.turn_end='\\n\\n': the start checkpoint's chat format"]
+    sp, _ = load_tokenizer(tok_dir)
+    assert "Human: " in sp.decode(task.train_data.units[0].chosen.ids.tolist())
+
+
 def build_gpt(cfg):
     from models.gpt import GPT
 
