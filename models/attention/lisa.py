@@ -372,9 +372,9 @@ class LISAAttention(nn.Module):
         return self.rotary(q, offset) / math.sqrt(self.rank), self.rotary(k, offset)
 
     def factored(self, shared: torch.Tensor | SharedScores, ctx: dict) -> bool:
-        """Whether this forward attends over score features (kernel auto / torch, linear alignment). Decoding
-        after cached keys takes the explicit new score rows instead: a few rows cost less than
-        concatenating every cached key's features at each step."""
+        """Whether this forward attends over score features (kernel auto / torch, linear alignment).
+        Decoding after cached keys takes the explicit new score rows instead: a few rows cost less
+        than concatenating every cached key's features at each step."""
         return (self.lazy(shared, ctx) and not self.align.hidden and isinstance(shared, SharedScores)
                 and shared.mixable(self.align.group))
 
