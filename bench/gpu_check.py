@@ -759,8 +759,9 @@ def main() -> int:
     failed = [f"{n} (correctness)" for n, c in report["correctness"].items()
               if not c.get("match") and "skipped" not in c]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
-    failed += [name for check, name in (("grouped_gemm", "grouped GEMM"), ("relu_kernels", "Triton ReLU kernels"),
-                                        ("lisa_align", "fused LISA alignment"), ("lisa_decode", "fused LISA decode"))
+    kernel_checks = (("grouped_gemm", "grouped GEMM"), ("relu_kernels", "Triton ReLU kernels"),
+                     ("lisa_align", "fused LISA alignment"), ("lisa_decode", "fused LISA decode"))
+    failed += [name for check, name in kernel_checks
                if not report[check].get("match") and "skipped" not in report[check]]
     skipped = [name for name, r in [*report["throughput"].items(), *report.get("attention", {}).items(),
                                     *((c, report[c]) for c in CHECKS if c != "correctness")] if "skipped" in r]

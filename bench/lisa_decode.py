@@ -261,7 +261,8 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
     print(f"{'KV cache x source':<28}" + "".join(f"{row['cache_bytes_per_position'] / source_bytes:>20.2f}"
                                                   for row in out.values()))
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "dtype": str(dtype)[6:], "hidden": args.speed_hidden, "contexts": args.speed_contexts, "batches": args.speed_batches,
+            "dtype": str(dtype)[6:], "hidden": args.speed_hidden, "contexts": args.speed_contexts,
+            "batches": args.speed_batches,
             "new": args.speed_new, "equal_memory_batch": args.equal_memory_batch,
             "equal_memory_contexts": args.equal_memory_contexts,
             "train_seq": args.speed_train_seq, "repeats": args.repeats, "models": out}
@@ -358,7 +359,8 @@ def main() -> None:
         init_single_process()  # the models' layers read megatron-core's (single-process) groups
         speed = speed_table(layouts_of(args.speed_only), args)
         meta = {"layouts_from": str(args.speed_only), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(), "machine": platform.machine()}
+                "date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(),
+                "machine": platform.machine()}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": None, "speed": speed}, indent=1))
         print(f"wrote {args.out}")

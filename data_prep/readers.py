@@ -94,8 +94,8 @@ def read_text_file(path: Path, report) -> Iterator[Document]:
         size = path.stat().st_size
         if size > MAX_TEXT_FILE_BYTES:
             limit = MAX_TEXT_FILE_BYTES
-            shown = (f"{limit / 2**30:g} GiB" if limit >= 2**30 else f"{limit / 2**20:g} MiB" if limit >= 2**20
-                     else f"{limit} bytes")
+            shown = (f"{limit / 2**30:g} GiB" if limit >= 2**30
+                     else f"{limit / 2**20:g} MiB" if limit >= 2**20 else f"{limit} bytes")
             report.add(str(path), f"plain-text file over {shown} (one document, read whole): split it into "
                                   "files or JSON Lines records")
             return

@@ -116,5 +116,6 @@ def describe_optimizer(engine, skips_spikes: bool) -> str:
     from pretrain.spikes import SkipStepAdamW
 
     name = "AdamW" if isinstance(optimizer, SkipStepAdamW) else type(optimizer).__name__
-    notes = [n for n, on in (("fused", optimizer.defaults.get("fused")), ("skips spikes", skips_spikes)) if on]
+    notes = [n for n, on in (("fused", optimizer.defaults.get("fused")), ("skips spikes", skips_spikes))
+             if on]
     return name + (f" ({', '.join(notes)})" if notes else "")

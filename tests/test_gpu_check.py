@@ -184,8 +184,9 @@ def test_lisa_decode_speed_part_runs_alone_on_earlier_layouts(tmp_path):
     KV caches smaller by the LISA layers' rank-r keys."""
     results = REPO / "bench/results/lisa_decode.json"
     out = tmp_path / "speed.json"
-    sizes = ["--speed-hidden", "256", "--speed-contexts", "16", "--speed-batches", "1", "--equal-memory-batch",
-             "2", "--equal-memory-contexts", "16", "--speed-new", "2", "--speed-train-seq", "32", "--repeats", "1"]
+    sizes = ["--speed-hidden", "256", "--speed-contexts", "16", "--speed-batches", "1",
+             "--equal-memory-batch", "2", "--equal-memory-contexts", "16", "--speed-new", "2",
+             "--speed-train-seq", "32", "--repeats", "1"]
     run = subprocess.run([sys.executable, "-m", "bench.lisa_decode", "--speed-only", str(results), *sizes,
                           "--out", str(out)],
                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)

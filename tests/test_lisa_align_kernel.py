@@ -52,8 +52,8 @@ tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_see
 from tests.dist_utils import single_process_group
 results, counts = {}, {}
 with single_process_group():
-    for name, kernel_name, keep in (("auto", "auto", False), ("auto-keep", "auto", True), ("torch", "torch", False),
-                                    ("naive", "naive", False)):
+    for name, kernel_name, keep in (("auto", "auto", False), ("auto-keep", "auto", True),
+                                    ("torch", "torch", False), ("naive", "naive", False)):
         cfg = small_cfg("slllrll", num_kv_heads=2)
         cfg.relu_attention.kernel = "torch"
         cfg.lisa.align_hidden, cfg.lisa.kernel, cfg.lisa.block_size = 16, kernel_name, 5

@@ -200,8 +200,8 @@ def check_against_reference(kind: str, tokens: int = 10, bias=None, **moe) -> in
         yr, auxr, dropped = carved_reference(xr, w, m.num_experts, m.top_k, layer.routing_neurons, m.vse_mode,
                                              m.aux_loss_coef)
     elif kind == "uoe":
-        yr, auxr, dropped = uoe_reference(xr, w, m.num_experts, m.top_k, layer.routing_neurons, m.score, m.vse_mode,
-                                          m.aux_loss_coef, bias, m.capacity_factor)
+        yr, auxr, dropped = uoe_reference(xr, w, m.num_experts, m.top_k, layer.routing_neurons, m.score,
+                                          m.vse_mode, m.aux_loss_coef, bias, m.capacity_factor)
     else:
         yr, auxr, dropped = moe_reference(xr, w, m.num_experts, m.top_k, m.aux_loss_coef, m.capacity_factor)
     ((yr * g.reshape(-1, D)).sum() + auxr).backward()

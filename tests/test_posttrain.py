@@ -327,8 +327,8 @@ def test_dpo_after_sft_renders_examples_in_the_format_sft_was_trained_with(files
     chat = task.meta(cfg)["posttrain"]["chat"]
     assert chat == {**sft, "assistant_prefix": "Bot: "}  # as trained, but for the key set here
     assert task.chat_notes == ["post.user_prefix='Human: ': the start checkpoint's chat format",
-                               "post.assistant_prefix='Bot: ' differs from the start checkpoint's 'AI: ', the "
-                               "format it was trained with",
+                               "post.assistant_prefix='Bot: ' differs from the start checkpoint's 'AI: ', "
+                               "the format it was trained with",
                                "post.turn_end='\\n\\n': the start checkpoint's chat format"]
     sp, _ = load_tokenizer(tok_dir)
     assert "Human: " in sp.decode(task.train_data.units[0].chosen.ids.tolist())

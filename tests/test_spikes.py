@@ -116,10 +116,12 @@ def test_bf16_refuses_a_non_finite_gradient_by_its_norm_without_the_overflow_sca
     from pretrain.engine import build_engine, deepspeed_config, invalid_global_norm
     from tests.dist_utils import single_process_group
 
-    overrides = tiny_overrides(tmp_path, tmp_path / "run", **{"train.precision": "bf16", "parallel.zero_stage": 1})
+    overrides = tiny_overrides(tmp_path, tmp_path / "run",
+                               **{"train.precision": "bf16", "parallel.zero_stage": 1})
     cfg = load_config(None, overrides)
     assert deepspeed_config(cfg)["bf16"]["check_grad_overflow"] is False
-    assert deepspeed_config(load_config(None, overrides + ["train.grad_clip=0"]))["bf16"]["check_grad_overflow"]
+    unclipped = load_config(None, overrides + ["train.grad_clip=0"])
+    assert deepspeed_config(unclipped)["bf16"]["check_grad_overflow"]
     with single_process_group():
         torch.manual_seed(0)
         engine = build_engine(cfg, GPT(cfg.model))
