@@ -4,15 +4,16 @@
 
 Every part runs in a process of its own, with a timeout (a kernel fault, a hang or a leak in one
 cannot spoil the next; this process never touches the GPU): the CPU-vs-GPU losses, the grouped-GEMM,
-Triton ReLU and fused LISA decode checks, then one process per throughput row, with the micro-batch
-of its config's `# single-gpu` layout line and the measured peak memory beside the planner's
-estimate, then one attention layer per kind at the 1B hybrid width, forward + backward and
+Triton ReLU and fused LISA alignment and decode checks, then one process per throughput row, with
+the micro-batch of its config's `# single-gpu` layout line and the measured peak memory beside the
+planner's estimate, then one attention layer per kind at the 1B hybrid width, forward + backward and
 decoding with the KV cache, beside softmax (--no-attention skips it; each kind's row is kept as it
 finishes). The report (JSON and markdown) is rewritten after every part, so a run stopped from
 outside keeps what was measured; --deadline SECONDS skips the parts that no longer fit and writes
 the report in time. `--device cpu` runs the same script on tiny models in fp32: a smoke test of the
 script itself, not a measurement. Without a CUDA device (and no `--device cpu`) it says so and exits
 0. Writes bench/results/gpu_check-<date>.json and .md (and -profiles.txt: each row's operator table).
+--baseline EARLIER.json adds a before -> now table of the rows both runs measured.
 """
 
 from __future__ import annotations
@@ -565,6 +566,44 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
+BASELINE_KEYS = {"throughput": ("tokens_per_s", "mfu", "peak_memory_gb"),
+                 "attention": ("train_ms", "train_x_softmax", "decode_ms_per_token", "decode_x_softmax")}
+BASELINE_FORMATS = {"tokens_per_s": ",.0f", "mfu": ".1%"}  # the others: .2f
+
+
+def baseline_of(path: Path) -> dict:
+    """What --baseline compares: the measured numbers of an earlier report's rows."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--baseline {path}: {err}; give an earlier gpu_check JSON report")
+    rows = {part: {name: {k: r[k] for k in keys if r.get(k) is not None}
+                   for name, r in earlier.get(part, {}).items() if any(r.get(k) is not None for k in keys)}
+            for part, keys in BASELINE_KEYS.items()}
+    gpu = earlier.get("environment", {}).get("gpu")
+    return {"path": str(path), "date": earlier.get("date"), "gpu": gpu, **rows}
+
+
+def comparison(report: dict) -> list[str]:
+    """Markdown lines: each number of a row measured by both this run and the --baseline run."""
+    base = report["baseline"]
+    lines = ["", f"Against {base['path']} ({base['date']}, {base['gpu']}): before -> now", "",
+             "| row | " + " | ".join(k for keys in BASELINE_KEYS.values() for k in keys) + " |",
+             "|---|" + "---|" * sum(len(keys) for keys in BASELINE_KEYS.values())]
+    for part, keys in BASELINE_KEYS.items():
+        for name, before in base[part].items():
+            now = report.get(part, {}).get(name, {})
+            if not any(k in now for k in before):
+                continue
+            spec = lambda k: BASELINE_FORMATS.get(k, ".2f")  # noqa: E731
+            cells = [f"{before[k]:{spec(k)}} -> {now[k]:{spec(k)}}" if k in before and now.get(k) is not None
+                     else "" for k in keys]
+            other = sum(len(v) for p, v in BASELINE_KEYS.items() if p != part)
+            cells = cells + [""] * other if part == "throughput" else [""] * other + cells
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     versions = ", ".join(f"{name} {v['running']}" + (f" (pinned {v['pinned']})" if v["running"] != v["pinned"] else "")
@@ -648,6 +687,8 @@ def markdown(report: dict) -> str:
         lines += [f"- {name}: " + (", ".join(f"{op['op']} {100 * op['share']:.0f}%" for op in r["top_ops"][:6])
                                    if "top_ops" in r else f"profile failed: {r['profile_error']}")
                   for name, r in profiled.items()]
+    if report.get("baseline"):
+        lines += comparison(report)
     if report.get("part_seconds"):
         seconds = report["part_seconds"].items()
         lines += ["", "Seconds per part (its process's start included): "
@@ -673,6 +714,7 @@ def main() -> int:
                         help="profile one more step after each row's timed steps (top operators in the report)")
     parser.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True,
                         help="time one attention layer per kind, training and decoding")
+    parser.add_argument("--baseline", type=Path, help="an earlier run's JSON report: a before -> now table")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -711,6 +753,8 @@ def main() -> int:
               "correctness": {}, "throughput": {}, "part_seconds": {}}
     if args.attention:
         report["attention"] = {}
+    if args.baseline:  # read now: a missing or unreadable file fails before any GPU time is spent
+        report["baseline"] = baseline_of(args.baseline)
 
     def save() -> None:  # after every part: a run stopped from outside keeps what was measured
         (out / f"{stem}.json").write_text(json.dumps(report, indent=1))

@@ -14,8 +14,14 @@ FAMILIES = "dense-1b,hybrid-1b,uoe-1b grouped-gemm"
 
 
 def test_cpu_smoke_run_writes_report(tmp_path):
+    earlier = tmp_path / "earlier" / "report.json"  # --baseline: rows both runs have, before -> now
+    earlier.parent.mkdir()
+    earlier.write_text(json.dumps({"date": "2026-01-01", "environment": {"gpu": "GPU X"}, "throughput": {
+        "dense-1b": {"tokens_per_s": 1000.0, "mfu": 0.1, "peak_memory_gb": 1.0},
+        "gone": {"tokens_per_s": 1.0}},
+        "attention": {"lisa @ 64": {"train_ms": 5.0, "train_x_softmax": 3.0, "kept_mb": 1.0}}}))
     out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--steps", "1",
-                          "--families", FAMILIES, "--out-dir", str(tmp_path)],
+                          "--families", FAMILIES, "--out-dir", str(tmp_path), "--baseline", str(earlier)],
                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [report_file] = tmp_path.glob("gpu_check-*-cpu-smoke.json")
@@ -63,6 +69,12 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert all(attention[f"{k} @ 64"]["top_ops"] for k in profiled)
     table = (tmp_path / report_file.name.replace(".json", ".md")).read_text()
     assert "| lisa @ 64 |" in table and "- attention lisa @ 64: " in table
+    now = report["throughput"]["dense-1b"]
+    assert f"Against {earlier} (2026-01-01, GPU X): before -> now" in table
+    assert now["mfu"] is None and "| gone |" not in table  # a CPU has no MFU: its cell stays empty
+    tokens, peak = now["tokens_per_s"], now["peak_memory_gb"]
+    assert f"| dense-1b | 1,000 -> {tokens:,.0f} |  | 1.00 -> {peak:.2f} |" in table
+    assert f"| lisa @ 64 |  |  |  | 5.00 -> {attention['lisa @ 64']['train_ms']:.2f} | 3.00 -> " in table
     assert all(f"| {name} |" in table for name in names)
     assert all(f"- {name}: " in table for name in names)  # the profiled step's top operators
 
