@@ -39,6 +39,7 @@ conversion, so a GPU session measures them in a few minutes.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -50,6 +51,9 @@ from pathlib import Path
 import torch
 
 from bench.trainer_runs import REPO, RunSettings, run_variant
+
+
+SOURCE_CONFIG, SOURCE_LAYERS = "configs/tiny_dense.yaml", ["model.num_layers=8"]  # the source trained here
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -138,8 +142,6 @@ def cached_decode(model, hf, context: int, new: int, vocab: int, batch: int) -> 
     """Timers (seconds of `new` greedy cached steps of `batch` sequences) after one untimed prefill of
     `context` random tokens each, which every call reuses: the framework's KV cache, and at batch 1
     also the HF modeling file's; and the bytes the framework's cache holds per sequence and position."""
-    import copy
-
     from models.attention.kv_cache import KVCache
 
     device = next(model.parameters()).device
@@ -279,8 +281,8 @@ def speed_device(args) -> tuple[torch.device, torch.dtype]:
 
 def layouts_of(results: Path) -> list[tuple[str, object]]:
     """The source and converted layouts of an earlier run's results file: its rows' attention kinds on
-    configs/tiny_dense.yaml (8 layers, as the source is trained here) with that run's
-    --source-overrides and --align-hidden, the first layer kept full as the conversion keeps it."""
+    the source's config (SOURCE_CONFIG, SOURCE_LAYERS) with that run's --source-overrides and
+    --align-hidden, the first layer kept full as the conversion keeps it."""
     from pretrain.config import load_config
 
     saved = json.loads(results.read_text())
@@ -288,10 +290,10 @@ def layouts_of(results: Path) -> list[tuple[str, object]]:
     if not rows:
         raise SystemExit(f"{results} holds no rows (layouts) of a conversion run; run bench.lisa_decode "
                          "without --speed-only first")
+    source = load_config(str(REPO / SOURCE_CONFIG), [*SOURCE_LAYERS, *meta["source_overrides"]]).model
     layouts = []
     for row in rows:
-        overrides = ["model.num_layers=8", *meta["source_overrides"]]
-        cfg = load_config(str(REPO / "configs/tiny_dense.yaml"), overrides).model
+        cfg = copy.deepcopy(source)
         cfg.attention, cfg.lisa.keep_full_layers = row["attention"], 1
         if meta.get("align_hidden") is not None:
             cfg.lisa.align_hidden = meta["align_hidden"]
@@ -353,6 +355,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"],
                         help="the speed part's (default bf16 on cuda, else fp32)")
     args = parser.parse_args()
+    speed_device(args)  # a --device that is not here fails now, not after the conversions
     if args.speed_only:
         from pretrain.distributed import init_single_process
 
@@ -380,7 +383,7 @@ def main() -> None:
         print(f"training the source model ({args.train_steps} steps) ...", flush=True)
         settings = RunSettings(steps=args.train_steps, nproc=1, micro_batch=16, eval_batches=8,
                                shards=args.shards, tokenizer=args.tokenizer, device="cpu", evals=1)
-        run_variant("lisa-source", "configs/tiny_dense.yaml", ["model.num_layers=8", *args.source_overrides], settings,
+        run_variant("lisa-source", SOURCE_CONFIG, [*SOURCE_LAYERS, *args.source_overrides], settings,
                     0, source_run)
     source, cfg, _ = load_model(str(source_run))
     samples = read_samples(Path(args.shards) / "val", 9)

@@ -17,8 +17,9 @@ size, De = expert-data-parallel size D / EP):
                  output-projection input; k = K/V width, h without grouped-query attention) + a*s/t
                  attention scores for kinds that store them (all but flash softmax), for the MLPs
                  4f/t (gate/up output, activation, product; f = active MLP width), routed MLPs
-                 2kh more for the dispatch's copies (k = top_k) and UoE 6/t per routing neuron (8 in
-                 overlap mode; models/moe/uoe.py: activations); full activation
+                 2kh more for the dispatch's copies (k = top_k) and UoE 6/t per routing neuron (7 in
+                 overlap mode, 8 where a rank holds parts of experts; models/moe/uoe.py:
+                 activations); full activation
                  checkpointing keeps h per layer plus one layer's full set, selective drops the
                  scores term (the attention core is recomputed); plus the fp32 logits, 2 x V/t per token
   buffers        DeepSpeed's reduce/all-gather buckets (ZeRO-1/2: 2 x min(5e8, P) elements;

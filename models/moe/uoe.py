@@ -74,7 +74,7 @@ class UnionOfExperts(RoutedLayer):
         # This rank's neurons as whole experts (always at TP 1): experts first..first + count - 1,
         # reduced and scaled through a [tokens, experts, N_s] view instead of index_add / index_select
         # over the neurons (in the H200 profile of a UoE step, index_add took 4%: these and the combine's).
-        self.whole_experts = local % self.routing_neurons == 0
+        self.whole_experts = holds_whole_experts(width, self.routing_neurons, tp_size())
         self.first_expert, self.local_experts = start // self.routing_neurons, local // self.routing_neurons
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +123,11 @@ class UnionOfExperts(RoutedLayer):
             mine = scale[:, self.first_expert:self.first_expert + self.local_experts, None]
             return (h.view(h.shape[0], self.local_experts, self.routing_neurons) * mine).view(h.shape)
         return h * scale.index_select(1, self.neuron_expert)  # see dispatch_combine's gathers
+
+
+def holds_whole_experts(routing_neurons: int, per_expert: int, tensor: int) -> bool:
+    """Whether each tensor-parallel rank's share of the routing neurons is whole experts."""
+    return routing_neurons // tensor % per_expert == 0
 
 
 def rest_params(cfg: ModelConfig) -> int:
@@ -187,7 +192,7 @@ def activations(cfg: ModelConfig, tensor: int) -> float:
     moe = cfg.moe
     per_expert = moe.resolved_routing_neurons()
     routing_neurons = moe.num_experts * per_expert
-    whole_experts = not per_expert or routing_neurons // tensor % per_expert == 0  # (0: refused by validate)
+    whole_experts = not per_expert or holds_whole_experts(routing_neurons, per_expert, tensor)  # 0: invalid
     per_routing_neuron = 6 + (2 - whole_experts) * (moe.vse_mode == "overlap")
     routed = 4 * moe.top_k * moe.rest_neurons() + per_routing_neuron * routing_neurons
     return routed / tensor + dispatch_activations(cfg)

@@ -112,23 +112,22 @@ def _sizes(scores: torch.Tensor, mix: torch.Tensor, w1: torch.Tensor) -> dict:
 class _FusedAlign(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, mix, w1, b1, w2, b2):
-        k = _sizes(scores, mix, w1)
-        scores = scores.contiguous()
+        k = ctx.sizes = _sizes(scores, mix, w1)
+        scores, mix, w1, b1, w2, b2 = (t.contiguous() for t in (scores, mix, w1, b1, w2, b2))
         batch, heads = scores.shape[:2]
         positions = scores[0, 0].numel()
         out = torch.empty_like(scores)
         block = 32 if k["interpreted"] else 256
         grid = (triton.cdiv(positions, block), batch * heads // k["group"])
-        _align_forward[grid](scores, out, mix.contiguous(), w1.contiguous(), b1.contiguous(), w2.contiguous(),
-                             b2.contiguous(), positions, k["group"], k["hidden"], k["groups"], IEEE=k["IEEE"],
-                             ACC=k["ACC"], GP=k["GP"], HP=k["HP"], BLOCK=block)
+        _align_forward[grid](scores, out, mix, w1, b1, w2, b2, positions, k["group"], k["hidden"],
+                             k["groups"], IEEE=k["IEEE"], ACC=k["ACC"], GP=k["GP"], HP=k["HP"], BLOCK=block)
         ctx.save_for_backward(scores, mix, w1, b1, w2, b2)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         scores, mix, w1, b1, w2, b2 = ctx.saved_tensors
-        k = _sizes(scores, mix, w1)
+        k = ctx.sizes
         gp, hp, group, hidden, groups = k["GP"], k["HP"], k["group"], k["hidden"], k["groups"]
         batch, heads = scores.shape[:2]
         positions = scores[0, 0].numel()
@@ -141,9 +140,8 @@ class _FusedAlign(torch.autograd.Function):
         parts = torch.empty(batch * heads // group, programs, width, dtype=acc, device=scores.device)
         dscores = torch.empty_like(scores)
         _align_backward[(programs, batch * heads // group)](
-            scores, dout.contiguous(), dscores, mix.contiguous(), w1.contiguous(), b1.contiguous(),
-            w2.contiguous(), parts, positions, group, hidden, groups, programs, IEEE=k["IEEE"], ACC=k["ACC"],
-            GP=gp, HP=hp, BLOCK=block, STEPS=steps)
+            scores, dout.contiguous(), dscores, mix, w1, b1, w2, parts, positions, group, hidden, groups,
+            programs, IEEE=k["IEEE"], ACC=k["ACC"], GP=gp, HP=hp, BLOCK=block, STEPS=steps)
         total = parts.view(batch, groups, programs, width).sum((0, 2))  # per group
         dmix, dw2, db2, dw1, db1 = total.split([gp * gp, gp * hp, gp, hp * gp, hp], dim=1)
         grads = (dmix.view(groups, gp, gp)[:, :group, :group], dw1.view(groups, hp, gp)[:, :hidden, :group],
