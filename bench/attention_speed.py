@@ -6,8 +6,8 @@ Times one attention module (projections + core + output projection) in one proce
 whatever device is present. Kinds: softmax (SDPA), softmax_gqa (one K/V head for all query heads),
 softmax_sink (SDPA with a sink column), relu (the fused Triton kernels on a GPU, else blocked
 PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer hands over, align
-FFN + low-rank Q/K, built by query blocks; the alignment fused on a GPU), lisa_torch (the same with
-the PyTorch alignment, model.lisa.kernel=torch), lisa_linear (model.lisa.align_hidden = 0: linear head
+FFN + low-rank Q/K: on a GPU one fused kernel, models/attention/kernels/lisa_flash_triton.py, else
+built by query blocks), lisa_torch (by query blocks in PyTorch, model.lisa.kernel=torch), lisa_linear (model.lisa.align_hidden = 0: linear head
 mixing, attending over score features), lisa_linear_gqa (the same after a grouped-query layer whose
 one K/V head serves the alignment group: features of width head_dim + rank), lisa_naive
 (lisa_linear on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit

@@ -4,7 +4,7 @@
 
 Every part runs in a process of its own, with a timeout (a kernel fault, a hang or a leak in one
 cannot spoil the next; this process never touches the GPU): the CPU-vs-GPU losses, the grouped-GEMM,
-Triton ReLU and fused LISA alignment and decode checks, then one process per throughput row, with
+Triton ReLU and fused LISA (alignment, whole layer, decode) checks, then one process per throughput row, with
 the micro-batch of its config's `# single-gpu` layout line and the measured peak memory beside the
 planner's estimate, then one attention layer per kind at the 1B hybrid width, forward + backward and
 decoding with the KV cache, beside softmax (--no-attention skips it; each kind's row is kept as it
@@ -47,8 +47,8 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
         "model.moe.top_k=2", "model.moe.routing_neurons=0", "model.lisa.keep_full_layers=2"]
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
-# _gqa: one K/V head, against softmax_gqa (bench.attention_speed); lisa_torch: lisa with the PyTorch
-# alignment instead of the fused kernel; docs: within 4 documents (FlexAttention, Triton on GPU).
+# _gqa: one K/V head, against softmax_gqa (bench.attention_speed); lisa_torch: lisa by the PyTorch path
+# (query blocks) instead of the fused kernel; docs: within 4 documents (FlexAttention, Triton on GPU).
 ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch",
                    "lisa_ffn_naive", "lisa_linear", "lisa_linear_gqa", "softmax+publish", "softmax docs",
                    "softmax_sink docs", "relu docs", "lisa_linear docs")
@@ -243,6 +243,66 @@ def lisa_align_check(device: str) -> dict:
                            for a, b in zip(got, want))
         ok &= errors[case] < tolerance[dtype]
     return {"max_rel_error": errors, "match": ok}
+
+
+def lisa_flash_check(device: str) -> dict:
+    """The fused LISA kernel (models.attention.kernels.lisa_flash_triton) in a model against the
+    explicit scores in float64 (model.lisa.kernel auto / naive): a softmax or relu layer, then two
+    LISA layers (the second runs the chain of both alignments), FFN alignment in groups of 4,
+    grouped-query heads, random alignment and low-rank weights. Per case: the largest error of the
+    loss and of every gradient (error()); fp32 passes under 1e-4, bf16
+    under twice the PyTorch path's bf16 error (kernel=torch), or under 3e-2, and under 0.1 in any case.
+    --device cpu runs it under Triton's interpreter at tiny sizes."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return interpreted("lisa_flash_check")
+    from models.attention.lisa import LISAAttention
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    cpu = device == "cpu"
+    hidden, heads, seq = (64, 4, 24) if cpu else (2048, 16, 1024)
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (1, seq + 1), generator=gen).to(dev)
+
+    def run(attention: str, kernel: str, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        cfg = ModelConfig(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
+                          ffn_hidden_size=2 * hidden, max_seq_len=seq, attention=attention)
+        cfg.lisa.keep_full_layers, cfg.lisa.align_group, cfg.lisa.kernel = 1, 4, kernel
+        torch.manual_seed(0)
+        model, noise = GPT(cfg), torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for block in model.blocks:
+                if isinstance(block.attn, LISAAttention):  # the zero-initialised pieces too, at their scale
+                    block.attn.qk.weight.add_(torch.randn(block.attn.qk.weight.shape, generator=noise) * 0.02)
+                    for param in block.attn.align.parameters():
+                        param.add_(torch.randn(param.shape, generator=noise) * 0.2)
+        model = model.to(dev, dtype)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+    def error(got, want) -> float:
+        """Of the loss and of each gradient, relative to its largest entry, or to a thousandth of the
+        model's largest gradient entry where that is more (a softmax-fed b2's is zero up to rounding)."""
+        (loss, grads), (ref_loss, ref_grads) = got, want
+        floor = 1e-3 * max(float(g.abs().max()) for g in ref_grads.values())
+        errs = [float((loss - ref_loss).abs() / ref_loss.abs())]
+        errs += [float((grads[n] - g).abs().max()) / max(float(g.abs().max()), floor) for n, g in ref_grads.items()]
+        return max(errs)
+
+    errors, pytorch, ok = {}, {}, True
+    for attention in ("sll", "rll"):
+        want = run(attention, "naive", torch.float64)
+        for dtype in (torch.float32,) if cpu else (torch.float32, torch.bfloat16):
+            case = f"{attention} {str(dtype)[6:]}"
+            errors[case] = error(run(attention, "auto", dtype), want)
+            if dtype == torch.float32:
+                ok &= errors[case] < 1e-4
+            else:
+                pytorch[case] = error(run(attention, "torch", dtype), want)
+                ok &= errors[case] < min(0.1, max(3e-2, 2 * pytorch[case]))
+    return {"max_rel_error": errors, "pytorch_bf16_error": pytorch, "match": ok}
 
 
 def lisa_decode_check(device: str) -> dict:
@@ -500,7 +560,7 @@ def correctness(device: str, names: list[str]) -> dict:
 
 # Each a part of its own, in this order, after device_info.
 CHECKS = {"correctness": None, "grouped_gemm": grouped_gemm_check, "relu_kernels": relu_kernel_check,
-          "lisa_align": lisa_align_check, "lisa_decode": lisa_decode_check}
+          "lisa_align": lisa_align_check, "lisa_flash": lisa_flash_check, "lisa_decode": lisa_decode_check}
 CHECK = "check:"  # run_isolated's name for a check
 
 
@@ -628,7 +688,9 @@ def markdown(report: dict) -> str:
         f"loss {g['loss_grouped']:.5f} vs {g['loss_per_expert']:.5f}, gradient relative difference "
         f"{g['grad_rel_diff']:.2e} -> {'match' if g['match'] else 'MISMATCH'}")]
     for check, title in (("relu_kernels", "Triton ReLU kernels vs the PyTorch path (fp32 against float64"),
-                         ("lisa_align", "Fused LISA alignment kernel vs HeadAlign (against float64")):
+                         ("lisa_align", "Fused LISA alignment kernel vs HeadAlign (against float64"),
+                         ("lisa_flash", "Fused LISA kernel in a model vs the explicit scores (sll / rll, loss "
+                          "and every gradient against float64")):
         r = report.get(check, {"error": "not run"})
         r = {"error": "skipped: " + r["skipped"]} if "skipped" in r else r
         lines += ["", f"{title}, output and gradients): " + (
@@ -804,7 +866,8 @@ def main() -> int:
               if not c.get("match") and "skipped" not in c]
     failed += [f"{n} (throughput)" for n, r in report["throughput"].items() if "error" in r]
     kernel_checks = (("grouped_gemm", "grouped GEMM"), ("relu_kernels", "Triton ReLU kernels"),
-                     ("lisa_align", "fused LISA alignment"), ("lisa_decode", "fused LISA decode"))
+                     ("lisa_align", "fused LISA alignment"), ("lisa_flash", "fused LISA"),
+                     ("lisa_decode", "fused LISA decode"))
     failed += [name for check, name in kernel_checks
                if not report[check].get("match") and "skipped" not in report[check]]
     skipped = [name for name, r in [*report["throughput"].items(), *report.get("attention", {}).items(),

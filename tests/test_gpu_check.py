@@ -53,6 +53,8 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert report["relu_kernels"]["match"] and len(report["relu_kernels"]["max_rel_error"]) == 2, report["relu_kernels"]
     align = report["lisa_align"]
     assert align["match"] and len(align["max_rel_error"]) == 2, align
+    flash = report["lisa_flash"]
+    assert flash["match"] and list(flash["max_rel_error"]) == ["sll float32", "rll float32"], flash
     decode = report["lisa_decode"]
     assert decode["match"] and len(decode["rows"]) == 2, decode
     assert all(r["fused_ms"] > 0 and r["pytorch_ms"] > 0 and r["softmax_ms"] > 0 for r in decode["rows"].values())

@@ -33,9 +33,14 @@ keeps its fused kernel. With model.lisa.kernel=auto (or torch) no layer keeps se
   The layer hands its own scores on lazily (AlignedScores), so a following LISA layer builds them
   by rows too (rebuilding this layer's rows for each of its blocks: a chain of n such layers aligns
   the first one's rows n times), or, with model.lisa.keep_chain_scores, keeps the rows it built
-  (KeptRows: about heads x seq^2 / 2 per sequence until backward) and hands those on. On a GPU
-  the FFN alignment of a block runs as one Triton kernel, forward and backward
-  (kernels/lisa_align_triton.py); kernel=torch keeps the PyTorch path there.
+  (KeptRows: about heads x seq^2 / 2 per sequence until backward) and hands those on.
+  On a GPU (kernel=auto) such a layer runs as one Triton kernel instead, forward and backward
+  (kernels/lisa_flash_triton.py): flash attention over scores built tile by tile from the source's
+  features, the alignment and the low-rank term, for alignment groups of up to four heads and a
+  source that is a layer's own projections or one LISA layer reading them (a chain of two: the
+  kernel rebuilds the first alignment's tiles; no rows are kept). Elsewhere on a GPU (longer
+  chains, larger groups) the FFN alignment of each block runs as one Triton kernel
+  (kernels/lisa_align_triton.py). kernel=torch keeps the PyTorch paths.
 kernel=naive builds the explicit scores [batch, heads, seq, seq]: the reference for both.
 Decoding one token after cached keys, the layer before hands over its explicit new score row
 (built once, for itself and this layer: ProjectedAttention.explicit), and this layer aligns it: on
@@ -58,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.flex import block_mask_for
-from models.attention.kernels import triton_interpreted
+from models.attention.kernels import LISA_FLASH_MAX_GROUP, triton_interpreted
 from models.attention.relu import relu_attend, relu_normaliser, relu_weights
 from models.attention.shared_scores import (
     RowCut,
@@ -177,11 +182,16 @@ def chained_lisa_layers(kinds: list[str]) -> list[int]:
 def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
     """Elements per token a LISA layer keeps for the next one: with keep_chain_scores, where the
     scores are built by query blocks, the kept rows of each LISA layer a LISA layer follows; the
-    mean over the LISA layers, so the planner's sum over layers is exact."""
+    mean over the LISA layers, so the planner's sum over layers is exact. On a GPU the fused kernel
+    runs the first two layers of a chain and keeps no rows: only layers from the third on (built by
+    query blocks) keep theirs, for a fourth and later."""
     if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel != "naive" and builds_by_rows(cfg)):
         return 0.0
     kinds = cfg.attention_kinds()
-    chained = len(chained_lisa_layers(kinds)) / kinds.count("lisa")
+    chained = chained_lisa_layers(kinds)
+    if layout.flash and cfg.lisa.kernel == "auto" and lisa_sizes(cfg)[1] <= LISA_FLASH_MAX_GROUP:
+        chained = [i for i in chained if i >= 2 and kinds[i - 1] == kinds[i - 2] == "lisa"]
+    chained = len(chained) / kinds.count("lisa")
     return chained * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
 
 
@@ -232,6 +242,12 @@ class HeadAlign(nn.Module):
             piece = max(1, HIDDEN_PIECE_BYTES // (flat.shape[0] * flat.shape[1] * self.hidden * s.element_size()))
         parts = [w2 @ F.gelu(w1 @ part + b1[..., None]) + b2[..., None] for part in flat.split(piece, dim=-1)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(s.shape)
+
+    def weights(self) -> tuple:
+        """(mix, w1, b1, w2, b2), the last four None for linear head mixing."""
+        if not self.hidden:
+            return self.mix, None, None, None, None
+        return self.mix, self.w1, self.b1, self.w2, self.b2
 
     def fused_here(self, scores: torch.Tensor) -> bool:
         """Whether the FFN alignment of these scores runs as the fused kernel: with fused, on a GPU
@@ -420,6 +436,32 @@ class LISAAttention(nn.Module):
                 kept.append((start, s))
         return torch.cat(parts, dim=-2), (KeptRows(kept) if keep else None)
 
+    def flash(self, shared, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict
+              ) -> torch.Tensor | None:
+        """The output by the fused kernel (kernels/lisa_flash_triton.py), or None where it does not
+        run: it needs kernel=auto, a GPU (or Triton's interpreter), alignment groups of at most
+        LISA_FLASH_MAX_GROUP heads, and scores from a layer's own projections, directly or through one
+        LISA layer (a chain of two; the previous layer's alignment is then rebuilt in the kernel)."""
+        if self.kernel != "auto" or self.align.group > LISA_FLASH_MAX_GROUP:
+            return None
+        if not ((q.is_cuda and q.dtype != torch.float64) or triton_interpreted()):
+            return None
+        stages = [(*self.align.weights(), q, k)]
+        if isinstance(shared, AlignedScores):
+            stages.insert(0, (*shared.align.weights(), shared.q, shared.k))
+            shared = shared.shared
+        if not isinstance(shared, SharedScores):  # kept rows, or a longer chain
+            return None
+        try:
+            from models.attention.kernels.lisa_flash_triton import flash_lisa, supports
+        except ImportError:  # no Triton on this machine
+            return None
+        source_q, source_k = shared.features()
+        if not supports(source_q.shape[-1], q.shape[-1], v.shape[-1], self.align.group):
+            return None
+        normalizer = self.relu.normalizer if self.family == "relu" else "softmax"
+        return flash_lisa(source_q, source_k, stages, v, normalizer, ctx.get("document_ids"))
+
     def attend_features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """The same attention from score features q @ k^T (k with fewer heads when shared)."""
         documents = ctx.get("document_ids")
@@ -479,8 +521,12 @@ class LISAAttention(nn.Module):
         if self.factored(shared, ctx):
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
             attend, inputs = self.attend_features, (*scores.features(), v, ctx)
-        elif self.lazy(shared, ctx):  # recomputes by blocks already
+        elif self.lazy(shared, ctx):  # recomputes by blocks already, or in the fused kernel
             scores = AlignedScores(shared, self.align, q, k)
+            o = self.flash(shared, q, k, v, ctx)
+            if o is not None:  # a following LISA layer rebuilds these scores in its own kernel
+                self.publish(ctx, scores)
+                return o
             o, kept = self.attend_by_rows(scores, v, ctx, keep=self.keep_chain_scores and self.publish_scores)
             self.publish(ctx, scores if kept is None else kept)
             return o

@@ -3,6 +3,8 @@ it runs on a GPU, so machines without Triton never import one."""
 
 import os
 
+LISA_FLASH_MAX_GROUP = 4  # heads of an alignment group the fused LISA kernel holds as separate tiles
+
 
 def triton_interpreted() -> bool:
     """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1: on CPU tensors, as the

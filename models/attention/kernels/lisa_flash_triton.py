@@ -1,0 +1,709 @@
+"""LISA attention in one pass over key blocks, forward and backward (GPU), as flash attention
+builds its weights: each tile of a LISA layer's scores is built where it is used and never written.
+
+For a query block and one alignment group of g <= 4 heads, a tile of keys gives
+
+    S0[h] = qs[h] . ks[h]^T                                 the source layer's scores (its features)
+    S_t[h] = align_t(S_{t-1})[h] + q_t[h] . k_t[h]^T          t = 1..depth (depth 2: a LISA chain)
+    align(S)[h] = sum_j M[h, j] S[j] + W2[h] . GELU(W1 S + b1) + b2[h]       (models.attention.lisa)
+
+and the tile of S_depth goes into an online softmax (softmax sources) or ReLU(S) / n_i (relu
+sources) and its product with the values, as in flash attention. Forward keeps the output and,
+for softmax, each row's log-sum-exp. Backward recomputes the tiles twice, like flash attention's:
+once per query block for the gradients of the queries (source and low-rank) and of the alignment
+weights, once per key block for those of the keys and values. The alignment's weight gradients
+are sums over every score; each program adds its tiles' sums to its own slot (no contention) and
+those slots are added up after the kernel. A group's heads are separate tiles (up to four, the
+unused ones never computed) and the alignment mixes them with scalar weights, so no tile changes
+layout. Under TRITON_INTERPRET=1 the kernels run on CPU tensors (how the tests check them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from models.attention.kernels import LISA_FLASH_MAX_GROUP, triton_interpreted
+from models.attention.kernels.lisa_align_triton import _gelu_and_slope
+from models.attention.kernels.relu_triton import NORMALIZER_CODES, _document_starts, _normaliser, _starts
+from models.attention.kernels.triton_dot import dot as _dot
+from models.attention.masks import document_bounds
+
+MAX_WIDTH = 256  # of the source features, the low-rank features and the values, once padded
+SOFTMAX = -1  # the NORM code of softmax sources; relu sources use relu_triton.NORMALIZER_CODES
+
+
+def _padded(width: int) -> int:
+    return max(16, triton.next_power_of_2(width))
+
+
+def supports(source_width: int, rank: int, value_width: int, group: int) -> bool:
+    """Whether the kernels take these sizes (on a GPU or under the interpreter)."""
+    widest = max(_padded(source_width), _padded(rank), _padded(value_width))
+    return group <= LISA_FLASH_MAX_GROUP and widest <= MAX_WIDTH
+
+
+@triton.jit
+def _slot(X, base, stride, idx, S, width, J: tl.constexpr, G: tl.constexpr, WP: tl.constexpr):
+    """Rows idx of slot J's head, [len(idx), WP], zero past S and width; zeros for unused slots."""
+    dims = tl.arange(0, WP)
+    if J < G:
+        out = tl.load(X + base + idx[:, None] * stride + dims[None, :],
+                      mask=(idx[:, None] < S) & (dims[None, :] < width), other=0.0)
+    else:
+        out = tl.zeros([idx.shape[0], WP], dtype=X.dtype.element_ty)
+    return out
+
+
+@triton.jit
+def _product(a, b, J: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
+    """a @ b^T for used slots, zeros for the others."""
+    if J < G:
+        out = _dot(a, tl.trans(b), IEEE).to(ACC)
+    else:
+        out = tl.zeros([a.shape[0], b.shape[0]], dtype=ACC)
+    return out
+
+
+@triton.jit
+def _wsum(W, stride, t0, t1, t2, t3, G: tl.constexpr, ACC: tl.constexpr):
+    """sum_j W[j * stride] t_j over the group's G tiles."""
+    out = tl.load(W).to(ACC) * t0
+    if G > 1:
+        out += tl.load(W + stride).to(ACC) * t1
+    if G > 2:
+        out += tl.load(W + 2 * stride).to(ACC) * t2
+    if G > 3:
+        out += tl.load(W + 3 * stride).to(ACC) * t3
+    return out
+
+
+@triton.jit
+def _align(t0, t1, t2, t3, MIX, W1, B1, W2, B2, G: tl.constexpr, HID: tl.constexpr, ACC: tl.constexpr):
+    """align(S) of one group's tiles t (MIX..B2: this group's weights at this stage)."""
+    o0 = _wsum(MIX, 1, t0, t1, t2, t3, G, ACC)
+    o1, o2, o3 = t1, t2, t3
+    if G > 1:
+        o1 = _wsum(MIX + G, 1, t0, t1, t2, t3, G, ACC)
+    if G > 2:
+        o2 = _wsum(MIX + 2 * G, 1, t0, t1, t2, t3, G, ACC)
+    if G > 3:
+        o3 = _wsum(MIX + 3 * G, 1, t0, t1, t2, t3, G, ACC)
+    if HID > 0:
+        o0 += tl.load(B2).to(ACC)
+        if G > 1:
+            o1 += tl.load(B2 + 1).to(ACC)
+        if G > 2:
+            o2 += tl.load(B2 + 2).to(ACC)
+        if G > 3:
+            o3 += tl.load(B2 + 3).to(ACC)
+        for u in range(HID):
+            pre = tl.load(B1 + u).to(ACC) + _wsum(W1 + u * G, 1, t0, t1, t2, t3, G, ACC)
+            hidden, _ = _gelu_and_slope(pre)
+            o0 += tl.load(W2 + u).to(ACC) * hidden
+            if G > 1:
+                o1 += tl.load(W2 + HID + u).to(ACC) * hidden
+            if G > 2:
+                o2 += tl.load(W2 + 2 * HID + u).to(ACC) * hidden
+            if G > 3:
+                o3 += tl.load(W2 + 3 * HID + u).to(ACC) * hidden
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _total(x):
+    return tl.sum(tl.sum(x, axis=1), axis=0)
+
+
+@triton.jit
+def _add_sums(P, stride, x, t0, t1, t2, t3, G: tl.constexpr):
+    """P[j * stride] += sum(x * t_j) over the group's tiles."""
+    tl.atomic_add(P, _total(x * t0))
+    if G > 1:
+        tl.atomic_add(P + stride, _total(x * t1))
+    if G > 2:
+        tl.atomic_add(P + 2 * stride, _total(x * t2))
+    if G > 3:
+        tl.atomic_add(P + 3 * stride, _total(x * t3))
+
+
+@triton.jit
+def _align_backward(t0, t1, t2, t3, d0, d1, d2, d3, MIX, W1, B1, W2, PART, G: tl.constexpr, HID: tl.constexpr,
+                    WEIGHTS: tl.constexpr, ACC: tl.constexpr):
+    """The gradient of align's input tiles t from that of its output d; with WEIGHTS, the sums that
+    make the weights' gradients added to PART ([M | W1 | b1 | W2 | b2] of this group and stage)."""
+    e0 = _wsum(MIX, G, d0, d1, d2, d3, G, ACC)
+    e1, e2, e3 = d1, d2, d3
+    if G > 1:
+        e1 = _wsum(MIX + 1, G, d0, d1, d2, d3, G, ACC)
+    if G > 2:
+        e2 = _wsum(MIX + 2, G, d0, d1, d2, d3, G, ACC)
+    if G > 3:
+        e3 = _wsum(MIX + 3, G, d0, d1, d2, d3, G, ACC)
+    if WEIGHTS:  # dM[h, j] = sum d_h t_j
+        _add_sums(PART, 1, d0, t0, t1, t2, t3, G)
+        if G > 1:
+            _add_sums(PART + G, 1, d1, t0, t1, t2, t3, G)
+        if G > 2:
+            _add_sums(PART + 2 * G, 1, d2, t0, t1, t2, t3, G)
+        if G > 3:
+            _add_sums(PART + 3 * G, 1, d3, t0, t1, t2, t3, G)
+    if HID > 0:
+        DW1 = PART + G * G
+        DB1 = DW1 + HID * G
+        DW2 = DB1 + HID
+        DB2 = DW2 + G * HID
+        for u in range(HID):
+            pre = tl.load(B1 + u).to(ACC) + _wsum(W1 + u * G, 1, t0, t1, t2, t3, G, ACC)
+            hidden, slope = _gelu_and_slope(pre)
+            dpre = slope * _wsum(W2 + u, HID, d0, d1, d2, d3, G, ACC)  # before the GELU
+            e0 += tl.load(W1 + u * G).to(ACC) * dpre
+            if G > 1:
+                e1 += tl.load(W1 + u * G + 1).to(ACC) * dpre
+            if G > 2:
+                e2 += tl.load(W1 + u * G + 2).to(ACC) * dpre
+            if G > 3:
+                e3 += tl.load(W1 + u * G + 3).to(ACC) * dpre
+            if WEIGHTS:
+                _add_sums(DW2 + u, HID, hidden, d0, d1, d2, d3, G)  # dW2[h, u] = sum d_h hidden
+                _add_sums(DW1 + u * G, 1, dpre, t0, t1, t2, t3, G)  # dW1[u, j] = sum dpre t_j
+                tl.atomic_add(DB1 + u, _total(dpre))
+        if WEIGHTS:
+            tl.atomic_add(DB2, _total(d0))
+            if G > 1:
+                tl.atomic_add(DB2 + 1, _total(d1))
+            if G > 2:
+                tl.atomic_add(DB2 + 2, _total(d2))
+            if G > 3:
+                tl.atomic_add(DB2 + 3, _total(d3))
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _stage(MIX, W1, B1, W2, B2, t, n, NG, G: tl.constexpr, HID: tl.constexpr):
+    """Pointers to group n's alignment weights at stage t (stacked [depth, groups, ...])."""
+    i = t * NG + n
+    return MIX + i * G * G, W1 + i * HID * G, B1 + i * HID, W2 + i * G * HID, B2 + i * G
+
+
+@triton.jit
+def _scores(qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
+            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G: tl.constexpr, HID: tl.constexpr,
+            DEPTH: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
+    """The tiles of one group: (source scores, first stage's scores, last stage's scores)."""
+    s0 = _product(qs0, ks0, 0, G, IEEE, ACC)
+    s1 = _product(qs1, ks1, 1, G, IEEE, ACC)
+    s2 = _product(qs2, ks2, 2, G, IEEE, ACC)
+    s3 = _product(qs3, ks3, 3, G, IEEE, ACC)
+    m, w1, b1, w2, b2 = _stage(MIX, W1, B1, W2, B2, 0, n, NG, G, HID)
+    x0, x1, x2, x3 = _align(s0, s1, s2, s3, m, w1, b1, w2, b2, G, HID, ACC)
+    x0 += _product(qa0, ka0, 0, G, IEEE, ACC)
+    x1 += _product(qa1, ka1, 1, G, IEEE, ACC)
+    x2 += _product(qa2, ka2, 2, G, IEEE, ACC)
+    x3 += _product(qa3, ka3, 3, G, IEEE, ACC)
+    f0, f1, f2, f3 = x0, x1, x2, x3
+    if DEPTH == 2:
+        m, w1, b1, w2, b2 = _stage(MIX, W1, B1, W2, B2, 1, n, NG, G, HID)
+        f0, f1, f2, f3 = _align(x0, x1, x2, x3, m, w1, b1, w2, b2, G, HID, ACC)
+        f0 += _product(qb0, kb0, 0, G, IEEE, ACC)
+        f1 += _product(qb1, kb1, 1, G, IEEE, ACC)
+        f2 += _product(qb2, kb2, 2, G, IEEE, ACC)
+        f3 += _product(qb3, kb3, 3, G, IEEE, ACC)
+    return s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3
+
+
+@triton.jit
+def _accumulate(s, keep, v, acc, m, total, NORM: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of a head: the online softmax (m: row maxima, total: row sums) or ReLU."""
+    if NORM == -1:
+        s = tl.where(keep, s, float("-inf"))
+        top = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(top == float("-inf"), 0.0, top)  # rows with no visible key yet
+        p = tl.exp(s - safe[:, None])
+        scale = tl.exp(m - safe)
+        total = total * scale + tl.sum(p, axis=1)
+        acc = acc * scale[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m = top
+    else:
+        acc += _dot(tl.where(keep, tl.maximum(s, 0.0), 0.0).to(v.dtype), v, IEEE)
+    return acc, m, total
+
+
+@triton.jit
+def _finish(O, LSE, o_base, lse_base, so_s, rows, acc, m, total, norm, S, DV, J: tl.constexpr,
+            G: tl.constexpr, NORM: tl.constexpr, VP: tl.constexpr):
+    """Store head J's output rows (and, for softmax, their log-sum-exp)."""
+    if J < G:
+        if NORM == -1:
+            acc = acc / total[:, None]
+            tl.store(LSE + lse_base + rows, m + tl.log(total), mask=rows < S)
+        else:
+            acc = acc / norm[:, None]
+        dims = tl.arange(0, VP)
+        tl.store(O + o_base + rows[:, None] * so_s + dims[None, :], acc.to(O.dtype.element_ty),
+                 mask=(rows[:, None] < S) & (dims[None, :] < DV))
+
+
+@triton.jit
+def _score_grad(s, keep, do, v, lse, delta, norm, NORM: tl.constexpr, IEEE: tl.constexpr):
+    """(the weights, the gradient of the scores) of a head's tile, from the output's gradient do."""
+    dp = _dot(do, tl.trans(v), IEEE).to(s.dtype)
+    if NORM == -1:
+        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+    else:
+        active = keep & (s > 0)
+        p = tl.where(active, s, 0.0) / norm[:, None]
+        ds = tl.where(active, dp / norm[:, None], 0.0)
+    return p, ds
+
+
+@triton.jit
+def _keep(rows, cols, first, S):
+    causal = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (rows[:, None] < S)
+    return causal & (cols[None, :] >= first[:, None])
+
+
+@triton.jit
+def _forward(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, O, LSE, STARTS, sqs_b, sqs_h, sqs_s, sks_b,
+             sks_h, sks_s, sr_b, sr_h, sr_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, H, NG, S, D, R, DV, SHARE_K,
+             SHARE_V, seq_len, G: tl.constexpr, HID: tl.constexpr, DEPTH: tl.constexpr, NORM: tl.constexpr,
+             DOCS: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             DP: tl.constexpr, RP: tl.constexpr, VP: tl.constexpr):
+    block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
+    b, n = bg // NG, bg % NG
+    h = n * G  # the group's first head
+    GB: tl.constexpr = G * (DEPTH - 1)  # slots of the second stage's low-rank features
+    rows = block * BM + tl.arange(0, BM)
+    first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
+    qs0 = _slot(QS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, 0, G, DP)
+    qs1 = _slot(QS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, 1, G, DP)
+    qs2 = _slot(QS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, 2, G, DP)
+    qs3 = _slot(QS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, 3, G, DP)
+    qa0 = _slot(QA, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, G, RP)
+    qa1 = _slot(QA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, G, RP)
+    qa2 = _slot(QA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, G, RP)
+    qa3 = _slot(QA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, G, RP)
+    qb0 = _slot(QB, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, GB, RP)
+    qb1 = _slot(QB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, GB, RP)
+    qb2 = _slot(QB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, GB, RP)
+    qb3 = _slot(QB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, GB, RP)
+    acc0 = tl.zeros([BM, VP], dtype=ACC)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    m0 = tl.full([BM], float("-inf"), dtype=ACC)
+    m1, m2, m3 = m0, m0, m0
+    t0 = tl.zeros([BM], dtype=ACC)
+    t1, t2, t3 = t0, t0, t0
+    for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
+        cols = start + tl.arange(0, BN)
+        ks0 = _slot(KS, b * sks_b + h // SHARE_K * sks_h, sks_s, cols, S, D, 0, G, DP)
+        ks1 = _slot(KS, b * sks_b + (h + 1) // SHARE_K * sks_h, sks_s, cols, S, D, 1, G, DP)
+        ks2 = _slot(KS, b * sks_b + (h + 2) // SHARE_K * sks_h, sks_s, cols, S, D, 2, G, DP)
+        ks3 = _slot(KS, b * sks_b + (h + 3) // SHARE_K * sks_h, sks_s, cols, S, D, 3, G, DP)
+        ka0 = _slot(KA, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, G, RP)
+        ka1 = _slot(KA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, G, RP)
+        ka2 = _slot(KA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, G, RP)
+        ka3 = _slot(KA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, G, RP)
+        kb0 = _slot(KB, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, GB, RP)
+        kb1 = _slot(KB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, GB, RP)
+        kb2 = _slot(KB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, GB, RP)
+        kb3 = _slot(KB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, GB, RP)
+        v0 = _slot(V, b * sv_b + h // SHARE_V * sv_h, sv_s, cols, S, DV, 0, G, VP)
+        v1 = _slot(V, b * sv_b + (h + 1) // SHARE_V * sv_h, sv_s, cols, S, DV, 1, G, VP)
+        v2 = _slot(V, b * sv_b + (h + 2) // SHARE_V * sv_h, sv_s, cols, S, DV, 2, G, VP)
+        v3 = _slot(V, b * sv_b + (h + 3) // SHARE_V * sv_h, sv_s, cols, S, DV, 3, G, VP)
+        _, _, _, _, _, _, _, _, f0, f1, f2, f3 = _scores(
+            qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
+            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G, HID, DEPTH, IEEE, ACC)
+        keep = _keep(rows, cols, first, S)
+        acc0, m0, t0 = _accumulate(f0, keep, v0, acc0, m0, t0, NORM, IEEE)
+        if G > 1:
+            acc1, m1, t1 = _accumulate(f1, keep, v1, acc1, m1, t1, NORM, IEEE)
+        if G > 2:
+            acc2, m2, t2 = _accumulate(f2, keep, v2, acc2, m2, t2, NORM, IEEE)
+        if G > 3:
+            acc3, m3, t3 = _accumulate(f3, keep, v3, acc3, m3, t3, NORM, IEEE)
+    norm = t0
+    if NORM >= 0:
+        norm = _normaliser(rows, first, seq_len, NORM)
+    ob, lb = b * so_b + h * so_h, (b * H + h) * S
+    _finish(O, LSE, ob, lb, so_s, rows, acc0, m0, t0, norm, S, DV, 0, G, NORM, VP)
+    _finish(O, LSE, ob + so_h, lb + S, so_s, rows, acc1, m1, t1, norm, S, DV, 1, G, NORM, VP)
+    _finish(O, LSE, ob + 2 * so_h, lb + 2 * S, so_s, rows, acc2, m2, t2, norm, S, DV, 2, G, NORM, VP)
+    _finish(O, LSE, ob + 3 * so_h, lb + 3 * S, so_s, rows, acc3, m3, t3, norm, S, DV, 3, G, NORM, VP)
+
+
+@triton.jit
+def _row_values(X, base, rows, S, J: tl.constexpr, G: tl.constexpr, ACC: tl.constexpr):
+    """Head J's per-row values (log-sum-exp, or the rows' dO . O) for rows, zeros where unused."""
+    if J < G:
+        out = tl.load(X + base + rows, mask=rows < S, other=0.0).to(ACC)
+    else:
+        out = tl.zeros([rows.shape[0]], dtype=ACC)
+    return out
+
+
+@triton.jit
+def _head_grad(s, keep, do, v, lse, delta, norm, J: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr,
+               IEEE: tl.constexpr):
+    """_score_grad for used slots, zeros for the others."""
+    if J < G:
+        p, ds = _score_grad(s, keep, do, v, lse, delta, norm, NORM, IEEE)
+    else:
+        p, ds = s * 0.0, s * 0.0
+    return p, ds
+
+
+@triton.jit
+def _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX, W1, B1, W2, B2, PART, PW, n, NG,
+                 G: tl.constexpr, HID: tl.constexpr, DEPTH: tl.constexpr, WEIGHTS: tl.constexpr,
+                 ACC: tl.constexpr):
+    """From the last stage's score gradients d: (those of the first stage's scores, those of the
+    source's scores); with WEIGHTS the weights' sums added to PART (per stage, PW apart)."""
+    e0, e1, e2, e3 = d0, d1, d2, d3
+    if DEPTH == 2:
+        m, w1, b1, w2, _ = _stage(MIX, W1, B1, W2, B2, 1, n, NG, G, HID)
+        e0, e1, e2, e3 = _align_backward(x0, x1, x2, x3, d0, d1, d2, d3, m, w1, b1, w2, PART + PW, G, HID,
+                                         WEIGHTS, ACC)
+    m, w1, b1, w2, _ = _stage(MIX, W1, B1, W2, B2, 0, n, NG, G, HID)
+    g0, g1, g2, g3 = _align_backward(s0, s1, s2, s3, e0, e1, e2, e3, m, w1, b1, w2, PART, G, HID, WEIGHTS,
+                                     ACC)
+    return e0, e1, e2, e3, g0, g1, g2, g3
+
+
+@triton.jit
+def _store(X, base, stride, idx, S, width, x, J: tl.constexpr, G: tl.constexpr, WP: tl.constexpr):
+    if J < G:
+        dims = tl.arange(0, WP)
+        tl.store(X + base + idx[:, None] * stride + dims[None, :], x.to(X.dtype.element_ty),
+                 mask=(idx[:, None] < S) & (dims[None, :] < width))
+
+
+@triton.jit
+def _grad_step(acc, a, b, J: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b for used slots (a: score gradients, cast to b's type as flash attention does)."""
+    if J < G:
+        acc += _dot(a.to(b.dtype), b, IEEE).to(acc.dtype)
+    return acc
+
+
+@triton.jit
+def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, STARTS, DQS, DQA, DQB, PART,
+                sqs_b, sqs_h, sqs_s, sks_b, sks_h, sks_s, sr_b, sr_h, sr_s, sv_b, sv_h, sv_s, so_b, so_h,
+                so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, PW, G: tl.constexpr, HID: tl.constexpr,
+                DEPTH: tl.constexpr, NORM: tl.constexpr, DOCS: tl.constexpr, IEEE: tl.constexpr,
+                ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, RP: tl.constexpr,
+                VP: tl.constexpr):
+    """The gradients of one query block's source and low-rank queries (laid out as they are), and
+    this program's sums for the alignment weights' gradients."""
+    block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, n = bg // NG, bg % NG
+    h = n * G
+    GB: tl.constexpr = G * (DEPTH - 1)
+    part = PART + (bg * tl.num_programs(0) + block) * DEPTH * PW
+    rows = block * BM + tl.arange(0, BM)
+    first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
+    qs0 = _slot(QS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, 0, G, DP)
+    qs1 = _slot(QS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, 1, G, DP)
+    qs2 = _slot(QS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, 2, G, DP)
+    qs3 = _slot(QS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, 3, G, DP)
+    qa0 = _slot(QA, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, G, RP)
+    qa1 = _slot(QA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, G, RP)
+    qa2 = _slot(QA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, G, RP)
+    qa3 = _slot(QA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, G, RP)
+    qb0 = _slot(QB, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, GB, RP)
+    qb1 = _slot(QB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, GB, RP)
+    qb2 = _slot(QB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, GB, RP)
+    qb3 = _slot(QB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, GB, RP)
+    do0 = _slot(DO, b * so_b + h * so_h, so_s, rows, S, DV, 0, G, VP)
+    do1 = _slot(DO, b * so_b + (h + 1) * so_h, so_s, rows, S, DV, 1, G, VP)
+    do2 = _slot(DO, b * so_b + (h + 2) * so_h, so_s, rows, S, DV, 2, G, VP)
+    do3 = _slot(DO, b * so_b + (h + 3) * so_h, so_s, rows, S, DV, 3, G, VP)
+    bh = b * H + h
+    lse0 = _row_values(LSE, bh * S, rows, S, 0, G, ACC)
+    lse1 = _row_values(LSE, (bh + 1) * S, rows, S, 1, G, ACC)
+    lse2 = _row_values(LSE, (bh + 2) * S, rows, S, 2, G, ACC)
+    lse3 = _row_values(LSE, (bh + 3) * S, rows, S, 3, G, ACC)
+    dl0 = _row_values(DELTA, bh * S, rows, S, 0, G, ACC)
+    dl1 = _row_values(DELTA, (bh + 1) * S, rows, S, 1, G, ACC)
+    dl2 = _row_values(DELTA, (bh + 2) * S, rows, S, 2, G, ACC)
+    dl3 = _row_values(DELTA, (bh + 3) * S, rows, S, 3, G, ACC)
+    norm = lse0
+    if NORM >= 0:
+        norm = _normaliser(rows, first, seq_len, NORM).to(ACC)
+    dqs0 = tl.zeros([BM, DP], dtype=ACC)
+    dqs1, dqs2, dqs3 = dqs0, dqs0, dqs0
+    dqa0 = tl.zeros([BM, RP], dtype=ACC)
+    dqa1, dqa2, dqa3 = dqa0, dqa0, dqa0
+    dqb0, dqb1, dqb2, dqb3 = dqa0, dqa0, dqa0, dqa0
+    for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
+        cols = start + tl.arange(0, BN)
+        ks0 = _slot(KS, b * sks_b + h // SHARE_K * sks_h, sks_s, cols, S, D, 0, G, DP)
+        ks1 = _slot(KS, b * sks_b + (h + 1) // SHARE_K * sks_h, sks_s, cols, S, D, 1, G, DP)
+        ks2 = _slot(KS, b * sks_b + (h + 2) // SHARE_K * sks_h, sks_s, cols, S, D, 2, G, DP)
+        ks3 = _slot(KS, b * sks_b + (h + 3) // SHARE_K * sks_h, sks_s, cols, S, D, 3, G, DP)
+        ka0 = _slot(KA, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, G, RP)
+        ka1 = _slot(KA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, G, RP)
+        ka2 = _slot(KA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, G, RP)
+        ka3 = _slot(KA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, G, RP)
+        kb0 = _slot(KB, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, GB, RP)
+        kb1 = _slot(KB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, GB, RP)
+        kb2 = _slot(KB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, GB, RP)
+        kb3 = _slot(KB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, GB, RP)
+        v0 = _slot(V, b * sv_b + h // SHARE_V * sv_h, sv_s, cols, S, DV, 0, G, VP)
+        v1 = _slot(V, b * sv_b + (h + 1) // SHARE_V * sv_h, sv_s, cols, S, DV, 1, G, VP)
+        v2 = _slot(V, b * sv_b + (h + 2) // SHARE_V * sv_h, sv_s, cols, S, DV, 2, G, VP)
+        v3 = _slot(V, b * sv_b + (h + 3) // SHARE_V * sv_h, sv_s, cols, S, DV, 3, G, VP)
+        s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3 = _scores(
+            qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
+            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G, HID, DEPTH, IEEE, ACC)
+        keep = _keep(rows, cols, first, S)
+        _, d0 = _head_grad(f0, keep, do0, v0, lse0, dl0, norm, 0, G, NORM, IEEE)
+        _, d1 = _head_grad(f1, keep, do1, v1, lse1, dl1, norm, 1, G, NORM, IEEE)
+        _, d2 = _head_grad(f2, keep, do2, v2, lse2, dl2, norm, 2, G, NORM, IEEE)
+        _, d3 = _head_grad(f3, keep, do3, v3, lse3, dl3, norm, 3, G, NORM, IEEE)
+        e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX, W1,
+                                                      B1, W2, B2, part, PW, n, NG, G, HID, DEPTH, True, ACC)
+        dqb0 = _grad_step(dqb0, d0, kb0, 0, GB, IEEE)
+        dqb1 = _grad_step(dqb1, d1, kb1, 1, GB, IEEE)
+        dqb2 = _grad_step(dqb2, d2, kb2, 2, GB, IEEE)
+        dqb3 = _grad_step(dqb3, d3, kb3, 3, GB, IEEE)
+        dqa0 = _grad_step(dqa0, e0, ka0, 0, G, IEEE)
+        dqa1 = _grad_step(dqa1, e1, ka1, 1, G, IEEE)
+        dqa2 = _grad_step(dqa2, e2, ka2, 2, G, IEEE)
+        dqa3 = _grad_step(dqa3, e3, ka3, 3, G, IEEE)
+        dqs0 = _grad_step(dqs0, g0, ks0, 0, G, IEEE)
+        dqs1 = _grad_step(dqs1, g1, ks1, 1, G, IEEE)
+        dqs2 = _grad_step(dqs2, g2, ks2, 2, G, IEEE)
+        dqs3 = _grad_step(dqs3, g3, ks3, 3, G, IEEE)
+    _store(DQS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, dqs0, 0, G, DP)
+    _store(DQS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, dqs1, 1, G, DP)
+    _store(DQS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, dqs2, 2, G, DP)
+    _store(DQS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, dqs3, 3, G, DP)
+    _store(DQA, b * sr_b + h * sr_h, sr_s, rows, S, R, dqa0, 0, G, RP)
+    _store(DQA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, dqa1, 1, G, RP)
+    _store(DQA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, dqa2, 2, G, RP)
+    _store(DQA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, dqa3, 3, G, RP)
+    _store(DQB, b * sr_b + h * sr_h, sr_s, rows, S, R, dqb0, 0, GB, RP)
+    _store(DQB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, dqb1, 1, GB, RP)
+    _store(DQB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, dqb2, 2, GB, RP)
+    _store(DQB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, dqb3, 3, GB, RP)
+
+
+@triton.jit
+def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, STARTS, ENDS, DKS, DKA, DKB,
+                 DV_, sqs_b, sqs_h, sqs_s, sks_b, sks_h, sks_s, sr_b, sr_h, sr_s, sv_b, sv_h, sv_s, so_b,
+                 so_h, so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, G: tl.constexpr,
+                 HID: tl.constexpr, DEPTH: tl.constexpr, NORM: tl.constexpr, DOCS: tl.constexpr,
+                 IEEE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
+                 RP: tl.constexpr, VP: tl.constexpr):
+    """The gradients of one key block's source keys, low-rank keys and values, per query head (DKS,
+    DV_ laid out like the output with widths D and DV; DKA, DKB like the low-rank features)."""
+    block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, n = bg // NG, bg % NG
+    h = n * G
+    GB: tl.constexpr = G * (DEPTH - 1)
+    cols = block * BN + tl.arange(0, BN)
+    ks0 = _slot(KS, b * sks_b + h // SHARE_K * sks_h, sks_s, cols, S, D, 0, G, DP)
+    ks1 = _slot(KS, b * sks_b + (h + 1) // SHARE_K * sks_h, sks_s, cols, S, D, 1, G, DP)
+    ks2 = _slot(KS, b * sks_b + (h + 2) // SHARE_K * sks_h, sks_s, cols, S, D, 2, G, DP)
+    ks3 = _slot(KS, b * sks_b + (h + 3) // SHARE_K * sks_h, sks_s, cols, S, D, 3, G, DP)
+    ka0 = _slot(KA, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, G, RP)
+    ka1 = _slot(KA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, G, RP)
+    ka2 = _slot(KA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, G, RP)
+    ka3 = _slot(KA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, G, RP)
+    kb0 = _slot(KB, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, GB, RP)
+    kb1 = _slot(KB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, GB, RP)
+    kb2 = _slot(KB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, GB, RP)
+    kb3 = _slot(KB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, GB, RP)
+    v0 = _slot(V, b * sv_b + h // SHARE_V * sv_h, sv_s, cols, S, DV, 0, G, VP)
+    v1 = _slot(V, b * sv_b + (h + 1) // SHARE_V * sv_h, sv_s, cols, S, DV, 1, G, VP)
+    v2 = _slot(V, b * sv_b + (h + 2) // SHARE_V * sv_h, sv_s, cols, S, DV, 2, G, VP)
+    v3 = _slot(V, b * sv_b + (h + 3) // SHARE_V * sv_h, sv_s, cols, S, DV, 3, G, VP)
+    dks0 = tl.zeros([BN, DP], dtype=ACC)
+    dks1, dks2, dks3 = dks0, dks0, dks0
+    dka0 = tl.zeros([BN, RP], dtype=ACC)
+    dka1, dka2, dka3 = dka0, dka0, dka0
+    dkb0, dkb1, dkb2, dkb3 = dka0, dka0, dka0, dka0
+    dv0 = tl.zeros([BN, VP], dtype=ACC)
+    dv1, dv2, dv3 = dv0, dv0, dv0
+    if DOCS:  # no query after the block's last document sees it
+        hi = tl.max(tl.load(ENDS + b * S + cols, mask=cols < S, other=0), axis=0)
+    else:
+        hi = S
+    bh = b * H + h
+    for start in range(block * BN, hi, BM):  # only queries at or after the block's first key
+        rows = start + tl.arange(0, BM)
+        first = _starts(STARTS, b, rows, S, DOCS)
+        qs0 = _slot(QS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, 0, G, DP)
+        qs1 = _slot(QS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, 1, G, DP)
+        qs2 = _slot(QS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, 2, G, DP)
+        qs3 = _slot(QS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, 3, G, DP)
+        qa0 = _slot(QA, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, G, RP)
+        qa1 = _slot(QA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, G, RP)
+        qa2 = _slot(QA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, G, RP)
+        qa3 = _slot(QA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, G, RP)
+        qb0 = _slot(QB, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, GB, RP)
+        qb1 = _slot(QB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, GB, RP)
+        qb2 = _slot(QB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, GB, RP)
+        qb3 = _slot(QB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, GB, RP)
+        do0 = _slot(DO, b * so_b + h * so_h, so_s, rows, S, DV, 0, G, VP)
+        do1 = _slot(DO, b * so_b + (h + 1) * so_h, so_s, rows, S, DV, 1, G, VP)
+        do2 = _slot(DO, b * so_b + (h + 2) * so_h, so_s, rows, S, DV, 2, G, VP)
+        do3 = _slot(DO, b * so_b + (h + 3) * so_h, so_s, rows, S, DV, 3, G, VP)
+        lse0 = _row_values(LSE, bh * S, rows, S, 0, G, ACC)
+        lse1 = _row_values(LSE, (bh + 1) * S, rows, S, 1, G, ACC)
+        lse2 = _row_values(LSE, (bh + 2) * S, rows, S, 2, G, ACC)
+        lse3 = _row_values(LSE, (bh + 3) * S, rows, S, 3, G, ACC)
+        dl0 = _row_values(DELTA, bh * S, rows, S, 0, G, ACC)
+        dl1 = _row_values(DELTA, (bh + 1) * S, rows, S, 1, G, ACC)
+        dl2 = _row_values(DELTA, (bh + 2) * S, rows, S, 2, G, ACC)
+        dl3 = _row_values(DELTA, (bh + 3) * S, rows, S, 3, G, ACC)
+        norm = lse0
+        if NORM >= 0:
+            norm = _normaliser(rows, first, seq_len, NORM).to(ACC)
+        s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3 = _scores(
+            qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
+            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G, HID, DEPTH, IEEE, ACC)
+        keep = _keep(rows, cols, first, S)
+        p0, d0 = _head_grad(f0, keep, do0, v0, lse0, dl0, norm, 0, G, NORM, IEEE)
+        p1, d1 = _head_grad(f1, keep, do1, v1, lse1, dl1, norm, 1, G, NORM, IEEE)
+        p2, d2 = _head_grad(f2, keep, do2, v2, lse2, dl2, norm, 2, G, NORM, IEEE)
+        p3, d3 = _head_grad(f3, keep, do3, v3, lse3, dl3, norm, 3, G, NORM, IEEE)
+        dv0 = _grad_step(dv0, tl.trans(p0), do0, 0, G, IEEE)
+        dv1 = _grad_step(dv1, tl.trans(p1), do1, 1, G, IEEE)
+        dv2 = _grad_step(dv2, tl.trans(p2), do2, 2, G, IEEE)
+        dv3 = _grad_step(dv3, tl.trans(p3), do3, 3, G, IEEE)
+        e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX, W1,
+                                                      B1, W2, B2, MIX, 0, n, NG, G, HID, DEPTH, False, ACC)
+        dkb0 = _grad_step(dkb0, tl.trans(d0), qb0, 0, GB, IEEE)
+        dkb1 = _grad_step(dkb1, tl.trans(d1), qb1, 1, GB, IEEE)
+        dkb2 = _grad_step(dkb2, tl.trans(d2), qb2, 2, GB, IEEE)
+        dkb3 = _grad_step(dkb3, tl.trans(d3), qb3, 3, GB, IEEE)
+        dka0 = _grad_step(dka0, tl.trans(e0), qa0, 0, G, IEEE)
+        dka1 = _grad_step(dka1, tl.trans(e1), qa1, 1, G, IEEE)
+        dka2 = _grad_step(dka2, tl.trans(e2), qa2, 2, G, IEEE)
+        dka3 = _grad_step(dka3, tl.trans(e3), qa3, 3, G, IEEE)
+        dks0 = _grad_step(dks0, tl.trans(g0), qs0, 0, G, IEEE)
+        dks1 = _grad_step(dks1, tl.trans(g1), qs1, 1, G, IEEE)
+        dks2 = _grad_step(dks2, tl.trans(g2), qs2, 2, G, IEEE)
+        dks3 = _grad_step(dks3, tl.trans(g3), qs3, 3, G, IEEE)
+    # per query head, laid out [batch, heads, seq, width] (contiguous)
+    _store(DKS, (bh * S) * D, D, cols, S, D, dks0, 0, G, DP)
+    _store(DKS, ((bh + 1) * S) * D, D, cols, S, D, dks1, 1, G, DP)
+    _store(DKS, ((bh + 2) * S) * D, D, cols, S, D, dks2, 2, G, DP)
+    _store(DKS, ((bh + 3) * S) * D, D, cols, S, D, dks3, 3, G, DP)
+    _store(DV_, (bh * S) * DV, DV, cols, S, DV, dv0, 0, G, VP)
+    _store(DV_, ((bh + 1) * S) * DV, DV, cols, S, DV, dv1, 1, G, VP)
+    _store(DV_, ((bh + 2) * S) * DV, DV, cols, S, DV, dv2, 2, G, VP)
+    _store(DV_, ((bh + 3) * S) * DV, DV, cols, S, DV, dv3, 3, G, VP)
+    _store(DKA, b * sr_b + h * sr_h, sr_s, cols, S, R, dka0, 0, G, RP)
+    _store(DKA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, dka1, 1, G, RP)
+    _store(DKA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, dka2, 2, G, RP)
+    _store(DKA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, dka3, 3, G, RP)
+    _store(DKB, b * sr_b + h * sr_h, sr_s, cols, S, R, dkb0, 0, GB, RP)
+    _store(DKB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, dkb1, 1, GB, RP)
+    _store(DKB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, dkb2, 2, GB, RP)
+    _store(DKB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, dkb3, 3, GB, RP)
+
+
+def _launch_sizes(head_width: int, value_width: int) -> tuple[int, int, int]:
+    """(query block, key block, warps). A group's four heads make each tile four tiles."""
+    if triton_interpreted():
+        return 16, 16, 4
+    return 32, 32, 8 if max(head_width, value_width) > 64 else 4
+
+
+class _FlashLISA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, norm: int, starts, ends):
+        depth = 1 if qb is None else 2
+        qs, ks, qa, ka, v, mix = (t.contiguous() for t in (qs, ks, qa, ka, v, mix))
+        qb, kb = (qa, ka) if depth == 1 else (qb.contiguous(), kb.contiguous())
+        hidden = 0 if w1 is None else w1.shape[-2]
+        w1, b1, w2, b2 = (mix, mix, mix, mix) if hidden == 0 else (t.contiguous() for t in (w1, b1, w2, b2))
+        batch, heads, seq, width = qs.shape
+        rank, dv, group = qa.shape[-1], v.shape[-1], mix.shape[-1]
+        groups = heads // group
+        docs = starts is not None
+        if not docs:  # unused pointers
+            starts = ends = qs
+        acc = torch.float64 if qs.dtype == torch.float64 else torch.float32
+        out = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
+        lse = torch.empty(batch, heads, seq, dtype=acc, device=v.device)
+        bm, bn, warps = _launch_sizes(width, dv)
+        exact = qs.dtype in (torch.float32, torch.float64)  # else tensor-core products of 16-bit inputs
+        meta = dict(G=group, HID=hidden, DEPTH=depth, NORM=norm, DOCS=docs, IEEE=exact,
+                    ACC=tl.float64 if acc == torch.float64 else tl.float32, BM=bm, BN=bn, DP=_padded(width),
+                    RP=_padded(rank), VP=_padded(dv), num_warps=warps)
+        strides = (*qs.stride()[:3], *ks.stride()[:3], *qa.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+        sizes = (heads, groups, seq, width, rank, dv, heads // ks.shape[1], heads // v.shape[1], float(seq))
+        _forward[(triton.cdiv(seq, bm), batch * groups)](
+            qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, out, lse, starts, *strides, *sizes, **meta)
+        ctx.save_for_backward(qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, out, lse, starts, ends)
+        ctx.meta, ctx.sizes, ctx.strides = meta, sizes, strides
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, out, lse, starts, ends = ctx.saved_tensors
+        meta, sizes, strides = ctx.meta, ctx.sizes, ctx.strides
+        group, hidden, depth = meta["G"], meta["HID"], meta["DEPTH"]
+        batch, heads, seq, width = qs.shape
+        groups, dv = heads // group, v.shape[-1]
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [batch, heads, seq]: dO . O per row
+        pw = group * group + (2 * group * hidden + hidden + group if hidden else 0)
+        blocks = triton.cdiv(seq, meta["BM"])
+        part = torch.zeros(batch * groups, blocks, depth, pw, dtype=lse.dtype, device=qs.device)
+        dqs, dqa = torch.empty_like(qs), torch.empty_like(qa)
+        dqb = torch.empty_like(qb) if depth == 2 else dqa
+        _backward_q[(blocks, batch * groups)](
+            qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, dqs, dqa, dqb, part,
+            *strides, *sizes, pw, **meta)
+        dks = torch.empty(batch, heads, seq, width, dtype=ks.dtype, device=ks.device)
+        dv_ = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
+        dka = torch.empty_like(ka)
+        dkb = torch.empty_like(kb) if depth == 2 else dka
+        _backward_kv[(triton.cdiv(seq, meta["BN"]), batch * groups)](
+            qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, ends, dks, dka, dkb,
+            dv_, *strides, *sizes, **meta)
+        # per query head -> per K/V head (a head serves `share` consecutive query heads)
+        dks = dks.view(batch, ks.shape[1], -1, seq, width).sum(2)
+        dv_ = dv_.view(batch, v.shape[1], -1, seq, dv).sum(2)
+        total = part.view(batch, groups, blocks, depth, pw).sum((0, 2)).transpose(0, 1)  # [depth, groups, pw]
+        widths = [group * group] + ([hidden * group, hidden, group * hidden, group] if hidden else [])
+        grads = total.split(widths, -1)
+        dmix = grads[0].reshape(mix.shape).to(mix.dtype)
+        dw = [None] * 4
+        if hidden:
+            dw = [g.reshape(p.shape).to(p.dtype) for g, p in zip(grads[1:], (w1, b1, w2, b2))]
+        second = (dqb, dkb) if depth == 2 else (None, None)
+        return (dqs, dks, dqa, dka, *second, dv_, dmix, *dw, None, None, None)
+
+
+# Run as it is inside torch.compile'd blocks (train.compile): a graph break, as for the other kernels.
+@torch.compiler.disable
+def flash_lisa(source_q: torch.Tensor, source_k: torch.Tensor, stages: list[tuple], v: torch.Tensor,
+               normalizer: str, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """The output [batch, heads, seq, d_v] of a LISA layer from the source's score features
+    source_q [batch, heads, seq, d] (scaled) and source_k [batch, heads / share, seq, d], and one or
+    two alignment stages (mix, w1, b1, w2, b2, q, k), the first applied first: mix [groups, g, g], w1
+    [groups, hidden, g], b1 [groups, hidden], w2 [groups, g, hidden], b2 [groups, g] (w1..b2 None for
+    linear alignment) and the stage's low-rank q, k [batch, heads, seq, rank] (q scaled); values v
+    [batch, kv_heads, seq, d_v]. normalizer: "softmax", or the ReLU normaliser of relu sources
+    (relu_triton.NORMALIZER_CODES); documents: [batch, seq] ids (models.attention.masks)."""
+    if len(stages) not in (1, 2):
+        raise ValueError(f"flash_lisa takes one or two alignment stages, got {len(stages)}")
+    norm = SOFTMAX if normalizer == "softmax" else NORMALIZER_CODES[normalizer]
+    acc = torch.float64 if source_q.dtype == torch.float64 else torch.float32
+    weights = []
+    for i in range(5):
+        parts = [stage[i] for stage in stages]
+        weights.append(None if parts[0] is None else torch.stack([p.to(acc) for p in parts]))
+    (qa, ka), (qb, kb) = stages[0][5:], (stages[1][5:] if len(stages) == 2 else (None, None))
+    starts = ends = None
+    if documents is not None:
+        starts, ends = (t.to(torch.int32).contiguous() for t in document_bounds(documents))
+    return _FlashLISA.apply(source_q, source_k, qa, ka, qb, kb, v, *weights, norm, starts, ends)

@@ -1,0 +1,157 @@
+"""The fused LISA kernel (models.attention.kernels.lisa_flash_triton) under Triton's interpreter on
+CPU: against a plain implementation of LISA's scores and attention, and inside a model against the
+explicit scores (kernel=naive)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.test_lisa_decode_kernel import run_interpreted
+
+KERNEL_CHECK = """
+import json, sys
+import torch
+import torch.nn.functional as F
+from models.attention.kernels.lisa_flash_triton import flash_lisa
+
+
+def align(s, mix, w1, b1, w2, b2):
+    b, h, sq, sk = s.shape
+    g = mix.shape[-1]
+    x = s.view(b, h // g, g, sq, sk)
+    out = torch.einsum("nhj,bnjst->bnhst", mix, x)
+    if w1 is not None:
+        hid = F.gelu(torch.einsum("nuj,bnjst->bnust", w1, x) + b1[None, :, :, None, None])
+        out = out + torch.einsum("nhu,bnust->bnhst", w2, hid) + b2[None, :, :, None, None]
+    return out.reshape(s.shape)
+
+
+def reference(qs, ks, stages, v, normalizer, documents):
+    b, h, seq, _ = qs.shape
+    s = qs @ ks.repeat_interleave(h // ks.shape[1], 1).transpose(-2, -1)
+    for mix, w1, b1, w2, b2, q, k in stages:
+        s = align(s, mix, w1, b1, w2, b2) + q @ k.transpose(-2, -1)
+    pos = torch.arange(seq)
+    visible = (pos[None, :] <= pos[:, None]).expand(b, seq, seq)
+    seen = (pos + 1.0).expand(b, seq)
+    if documents is not None:
+        same = documents[:, :, None] == documents[:, None, :]
+        visible = visible & same
+        seen = visible.sum(-1).to(s.dtype)
+    visible = visible[:, None]
+    if normalizer == "softmax":
+        w = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    else:
+        n = {"none": torch.ones_like(seen), "prefix": seen, "content": (seen - 1).clamp(min=1),
+             "seqlen": torch.full_like(seen, float(seq))}[normalizer]
+        w = torch.relu(s) * visible / n[:, None, :, None]
+    return w @ v.repeat_interleave(h // v.shape[1], 1)
+
+
+errors = {}
+for normalizer, heads, group, hidden, kv, depth, d, rank, dv, seq, docs, dtype in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen, dtype=dtype) * scale).requires_grad_()
+    b, groups = 2, heads // group
+    qs, ks = r(b, heads, seq, d, scale=0.5), r(b, kv, seq, d, scale=0.5)
+    v = r(b, kv, seq, dv)
+    stages = []
+    for _ in range(depth):
+        ffn = (None,) * 4
+        if hidden:
+            ffn = (r(groups, hidden, group), r(groups, hidden), r(groups, group, hidden, scale=0.5),
+                   r(groups, group))
+        stages.append((r(groups, group, group, scale=0.7), *ffn, r(b, heads, seq, rank, scale=0.5),
+                       r(b, heads, seq, rank, scale=0.5)))
+    documents = None
+    if docs:
+        documents = torch.cumsum(torch.rand(b, seq, generator=gen) < 0.15, 1)
+    inputs = [qs, ks, v] + [t for st in stages for t in st if t is not None]
+    ref = reference(qs, ks, stages, v, normalizer, documents)
+    weight = torch.randn(ref.shape, generator=gen, dtype=dtype)
+    want = torch.autograd.grad((ref * weight).sum(), inputs)
+    out = flash_lisa(qs, ks, stages, v, normalizer, documents)
+    got = torch.autograd.grad((out * weight).sum(), inputs)
+    key = f"{normalizer}/{heads}h/g{group}/hid{hidden}/kv{kv}/depth{depth}/{d},{rank},{dv}/seq{seq}"
+    key += f"/docs{docs}/{dtype}"
+    # the output relative to its largest value, gradients to max(1, their largest)
+    errors[key] = [float((out.detach() - ref.detach()).abs().max() / ref.abs().max())]
+    assert out.dtype == dtype and all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want))
+    errors[key] += [float((g - w).abs().max() / max(1.0, float(w.abs().max()))) for g, w in zip(got, want)]
+print(json.dumps(errors))
+"""
+
+MODEL_CHECK = """
+import json
+import torch
+import models.attention.kernels.lisa_flash_triton as fused
+from tests.dist_utils import single_process_group
+from tests.test_attention import VOCAB, build, small_cfg
+
+calls = []
+kernel = fused.flash_lisa
+fused.flash_lisa = lambda *a: calls.append(len(a[2])) or kernel(*a)
+gen = torch.Generator().manual_seed(3)
+tokens = torch.randint(0, VOCAB, (2, 24), generator=gen)
+documents = torch.cumsum(torch.rand(2, 24, generator=gen) < 0.2, 1)
+results, depths = {}, {}
+with single_process_group():
+    for name, kernel_name, docs in (("auto", "auto", None), ("auto-docs", "auto", documents),
+                                    ("naive", "naive", None), ("naive-docs", "naive", documents)):
+        cfg = small_cfg("slllrll", num_kv_heads=2)
+        cfg.relu_attention.kernel = "torch"
+        cfg.lisa.align_hidden, cfg.lisa.kernel, cfg.lisa.block_size = 16, kernel_name, 5
+        cfg.lisa.keep_chain_scores = True  # no rows kept where the kernel runs: the third layer rebuilds
+        model = build(cfg).double().train()
+        with torch.no_grad():
+            for block in model.blocks:
+                if hasattr(block.attn, "align"):
+                    block.attn.align.w2.normal_(std=0.3, generator=torch.Generator().manual_seed(4))
+                    block.attn.align.b1.normal_(generator=torch.Generator().manual_seed(5))
+        before = len(calls)
+        loss = model(tokens, torch.roll(tokens, -1, 1), docs)
+        loss.backward()
+        depths[name] = calls[before:]
+        results[name] = (float(loss), {n: p.grad for n, p in model.named_parameters()})
+errors = {}
+for name, (loss, grads) in results.items():
+    ref_loss, ref_grads = results["naive-docs" if name.endswith("docs") else "naive"]
+    # per gradient, the largest error past torch.testing.assert_close's rtol=1e-9, atol=1e-10 (<= 0: close)
+    errors[name] = [abs(loss - ref_loss)] + [float(((grads[n] - g).abs() - 1e-10 - 1e-9 * g.abs()).max())
+                                             for n, g in ref_grads.items()]
+print(json.dumps({"errors": errors, "depths": depths}))
+"""
+
+
+def test_fused_lisa_equals_plain_lisa_under_interpreter():
+    """Output and every gradient (source features, values, alignment weights, low-rank features of
+    each stage) against a plain implementation: softmax and every ReLU normaliser; one stage and a
+    chain of two; groups of 4, 3, 2 and 1, FFN widths 16 and 5 and linear alignment; grouped-query
+    keys and values; widths and lengths that are not powers of two or multiples of the blocks;
+    within documents; float64 and float32."""
+    cases = [["softmax", 8, 4, 5, 2, 2, 8, 2, 8, 37, False, "float64"],
+             ["prefix", 6, 3, 16, 3, 2, 12, 6, 8, 21, False, "float64"],
+             ["content", 4, 2, 0, 1, 1, 8, 4, 16, 33, True, "float64"],
+             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 40, True, "float64"],
+             ["none", 2, 1, 3, 2, 1, 8, 4, 8, 17, False, "float64"],
+             ["seqlen", 4, 4, 16, 4, 2, 16, 16, 16, 20, False, "float32"]]
+    errors = run_interpreted(KERNEL_CHECK, json.dumps(cases))
+    assert len(errors) == len(cases)
+    for case, errs in errors.items():
+        assert len(errs) == (18 if "depth2" in case else 11 if "hid0" not in case else 7)
+        assert max(errs) < (1e-5 if case.endswith("float32") else 1e-12), (case, errs)
+
+
+def test_model_trains_through_fused_lisa_as_explicit_scores():
+    """A model with LISA chains of three after a softmax layer and of two after a relu layer
+    (grouped-query heads, FFN alignment in groups of 2, seq 24) gives the loss and every gradient of
+    the explicit scores (kernel=naive) with kernel=auto: the kernel runs the first two layers of
+    each chain (the second rebuilding the first's alignment), the third layer builds its rows by
+    blocks from the second's (keep_chain_scores on); also within documents; float64."""
+    out = run_interpreted(MODEL_CHECK)
+    depths, errors = out["depths"], out["errors"]
+    assert depths["naive"] == [] and depths["naive-docs"] == [], depths
+    for name in ("auto", "auto-docs"):
+        assert depths[name] == [1, 2, 1, 2], (name, depths[name])
+        assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])
