@@ -57,13 +57,28 @@ def _slot(X, base, stride, idx, S, width, J: tl.constexpr, G: tl.constexpr, WP: 
 
 
 @triton.jit
-def _product(a, b, J: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
-    """a @ b^T for used slots, zeros for the others."""
+def _tile(A, a_base, a_stride, a_idx, B, b_base, b_stride, b_idx, S, width, J: tl.constexpr, G: tl.constexpr,
+          WP: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
+    """Slot J's rows a_idx of A times its rows b_idx of B, transposed; zeros for unused slots. Each
+    tile loads its operands where it is used, so that few stay live in registers."""
     if J < G:
+        a = _slot(A, a_base, a_stride, a_idx, S, width, J, G, WP)
+        b = _slot(B, b_base, b_stride, b_idx, S, width, J, G, WP)
         out = _dot(a, tl.trans(b), IEEE).to(ACC)
     else:
-        out = tl.zeros([a.shape[0], b.shape[0]], dtype=ACC)
+        out = tl.zeros([a_idx.shape[0], b_idx.shape[0]], dtype=ACC)
     return out
+
+
+@triton.jit
+def _grad_tile(acc, g, B, b_base, b_stride, b_idx, S, width, J: tl.constexpr, G: tl.constexpr,
+               WP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + g @ (slot J's rows b_idx of B) for used slots (g cast to B's type, as flash attention
+    does)."""
+    if J < G:
+        b = _slot(B, b_base, b_stride, b_idx, S, width, J, G, WP)
+        acc += _dot(g.to(b.dtype), b, IEEE).to(acc.dtype)
+    return acc
 
 
 @triton.jit
@@ -188,45 +203,38 @@ def _stage(MIX, W1, B1, W2, B2, t, n, NG, G: tl.constexpr, HID: tl.constexpr):
 
 
 @triton.jit
-def _scores(qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
-            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G: tl.constexpr, HID: tl.constexpr,
-            DEPTH: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
-    """The tiles of one group: (source scores, first stage's scores, last stage's scores)."""
-    s0 = _product(qs0, ks0, 0, G, IEEE, ACC)
-    s1 = _product(qs1, ks1, 1, G, IEEE, ACC)
-    s2 = _product(qs2, ks2, 2, G, IEEE, ACC)
-    s3 = _product(qs3, ks3, 3, G, IEEE, ACC)
+def _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1, W2, B2, n, NG, G: tl.constexpr,
+            HID: tl.constexpr, DEPTH: tl.constexpr, ACC: tl.constexpr):
+    """One group's tiles from the source's s and the stages' low-rank products (a: the first
+    stage's, c: the second's): (the first stage's scores, the last stage's)."""
     m, w1, b1, w2, b2 = _stage(MIX, W1, B1, W2, B2, 0, n, NG, G, HID)
     x0, x1, x2, x3 = _align(s0, s1, s2, s3, m, w1, b1, w2, b2, G, HID, ACC)
-    x0 += _product(qa0, ka0, 0, G, IEEE, ACC)
-    x1 += _product(qa1, ka1, 1, G, IEEE, ACC)
-    x2 += _product(qa2, ka2, 2, G, IEEE, ACC)
-    x3 += _product(qa3, ka3, 3, G, IEEE, ACC)
+    x0, x1, x2, x3 = x0 + a0, x1 + a1, x2 + a2, x3 + a3
     f0, f1, f2, f3 = x0, x1, x2, x3
     if DEPTH == 2:
         m, w1, b1, w2, b2 = _stage(MIX, W1, B1, W2, B2, 1, n, NG, G, HID)
         f0, f1, f2, f3 = _align(x0, x1, x2, x3, m, w1, b1, w2, b2, G, HID, ACC)
-        f0 += _product(qb0, kb0, 0, G, IEEE, ACC)
-        f1 += _product(qb1, kb1, 1, G, IEEE, ACC)
-        f2 += _product(qb2, kb2, 2, G, IEEE, ACC)
-        f3 += _product(qb3, kb3, 3, G, IEEE, ACC)
-    return s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3
+        f0, f1, f2, f3 = f0 + c0, f1 + c1, f2 + c2, f3 + c3
+    return x0, x1, x2, x3, f0, f1, f2, f3
 
 
 @triton.jit
-def _accumulate(s, keep, v, acc, m, total, NORM: tl.constexpr, IEEE: tl.constexpr):
-    """One key tile of a head: the online softmax (m: row maxima, total: row sums) or ReLU."""
-    if NORM == -1:
-        s = tl.where(keep, s, float("-inf"))
-        top = tl.maximum(m, tl.max(s, axis=1))
-        safe = tl.where(top == float("-inf"), 0.0, top)  # rows with no visible key yet
-        p = tl.exp(s - safe[:, None])
-        scale = tl.exp(m - safe)
-        total = total * scale + tl.sum(p, axis=1)
-        acc = acc * scale[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m = top
-    else:
-        acc += _dot(tl.where(keep, tl.maximum(s, 0.0), 0.0).to(v.dtype), v, IEEE)
+def _accumulate(s, keep, V, v_base, sv_s, cols, S, DV, acc, m, total, J: tl.constexpr, G: tl.constexpr,
+                NORM: tl.constexpr, IEEE: tl.constexpr, VP: tl.constexpr):
+    """One key tile of head J: the online softmax (m: row maxima, total: row sums) or ReLU."""
+    if J < G:
+        v = _slot(V, v_base, sv_s, cols, S, DV, J, G, VP)
+        if NORM == -1:
+            s = tl.where(keep, s, float("-inf"))
+            top = tl.maximum(m, tl.max(s, axis=1))
+            safe = tl.where(top == float("-inf"), 0.0, top)  # rows with no visible key yet
+            p = tl.exp(s - safe[:, None])
+            scale = tl.exp(m - safe)
+            total = total * scale + tl.sum(p, axis=1)
+            acc = acc * scale[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            m = top
+        else:
+            acc += _dot(tl.where(keep, tl.maximum(s, 0.0), 0.0).to(v.dtype), v, IEEE)
     return acc, m, total
 
 
@@ -246,20 +254,6 @@ def _finish(O, LSE, o_base, lse_base, so_s, rows, acc, m, total, norm, S, DV, J:
 
 
 @triton.jit
-def _score_grad(s, keep, do, v, lse, delta, norm, NORM: tl.constexpr, IEEE: tl.constexpr):
-    """(the weights, the gradient of the scores) of a head's tile, from the output's gradient do."""
-    dp = _dot(do, tl.trans(v), IEEE).to(s.dtype)
-    if NORM == -1:
-        p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-    else:
-        active = keep & (s > 0)
-        p = tl.where(active, s, 0.0) / norm[:, None]
-        ds = tl.where(active, dp / norm[:, None], 0.0)
-    return p, ds
-
-
-@triton.jit
 def _keep(rows, cols, first, S):
     causal = (cols[None, :] <= rows[:, None]) & (cols[None, :] < S) & (rows[:, None] < S)
     return causal & (cols[None, :] >= first[:, None])
@@ -273,22 +267,15 @@ def _forward(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, O, LSE, STARTS, sqs
              DP: tl.constexpr, RP: tl.constexpr, VP: tl.constexpr):
     block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
     b, n = bg // NG, bg % NG
-    h = n * G  # the group's first head
+    h = n * G  # the group's first head; its slot j is head h + j
     GB: tl.constexpr = G * (DEPTH - 1)  # slots of the second stage's low-rank features
     rows = block * BM + tl.arange(0, BM)
     first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
-    qs0 = _slot(QS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, 0, G, DP)
-    qs1 = _slot(QS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, 1, G, DP)
-    qs2 = _slot(QS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, 2, G, DP)
-    qs3 = _slot(QS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, 3, G, DP)
-    qa0 = _slot(QA, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, G, RP)
-    qa1 = _slot(QA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, G, RP)
-    qa2 = _slot(QA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, G, RP)
-    qa3 = _slot(QA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, G, RP)
-    qb0 = _slot(QB, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, GB, RP)
-    qb1 = _slot(QB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, GB, RP)
-    qb2 = _slot(QB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, GB, RP)
-    qb3 = _slot(QB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, GB, RP)
+    qo, ro = b * sqs_b + h * sqs_h, b * sr_b + h * sr_h
+    ko0, ko1 = b * sks_b + h // SHARE_K * sks_h, b * sks_b + (h + 1) // SHARE_K * sks_h
+    ko2, ko3 = b * sks_b + (h + 2) // SHARE_K * sks_h, b * sks_b + (h + 3) // SHARE_K * sks_h
+    vo0, vo1 = b * sv_b + h // SHARE_V * sv_h, b * sv_b + (h + 1) // SHARE_V * sv_h
+    vo2, vo3 = b * sv_b + (h + 2) // SHARE_V * sv_h, b * sv_b + (h + 3) // SHARE_V * sv_h
     acc0 = tl.zeros([BM, VP], dtype=ACC)
     acc1, acc2, acc3 = acc0, acc0, acc0
     m0 = tl.full([BM], float("-inf"), dtype=ACC)
@@ -297,41 +284,33 @@ def _forward(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, O, LSE, STARTS, sqs
     t1, t2, t3 = t0, t0, t0
     for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols = start + tl.arange(0, BN)
-        ks0 = _slot(KS, b * sks_b + h // SHARE_K * sks_h, sks_s, cols, S, D, 0, G, DP)
-        ks1 = _slot(KS, b * sks_b + (h + 1) // SHARE_K * sks_h, sks_s, cols, S, D, 1, G, DP)
-        ks2 = _slot(KS, b * sks_b + (h + 2) // SHARE_K * sks_h, sks_s, cols, S, D, 2, G, DP)
-        ks3 = _slot(KS, b * sks_b + (h + 3) // SHARE_K * sks_h, sks_s, cols, S, D, 3, G, DP)
-        ka0 = _slot(KA, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, G, RP)
-        ka1 = _slot(KA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, G, RP)
-        ka2 = _slot(KA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, G, RP)
-        ka3 = _slot(KA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, G, RP)
-        kb0 = _slot(KB, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, GB, RP)
-        kb1 = _slot(KB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, GB, RP)
-        kb2 = _slot(KB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, GB, RP)
-        kb3 = _slot(KB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, GB, RP)
-        v0 = _slot(V, b * sv_b + h // SHARE_V * sv_h, sv_s, cols, S, DV, 0, G, VP)
-        v1 = _slot(V, b * sv_b + (h + 1) // SHARE_V * sv_h, sv_s, cols, S, DV, 1, G, VP)
-        v2 = _slot(V, b * sv_b + (h + 2) // SHARE_V * sv_h, sv_s, cols, S, DV, 2, G, VP)
-        v3 = _slot(V, b * sv_b + (h + 3) // SHARE_V * sv_h, sv_s, cols, S, DV, 3, G, VP)
-        _, _, _, _, _, _, _, _, f0, f1, f2, f3 = _scores(
-            qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
-            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G, HID, DEPTH, IEEE, ACC)
+        s0 = _tile(QS, qo, sqs_s, rows, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE, ACC)
+        s1 = _tile(QS, qo + sqs_h, sqs_s, rows, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE, ACC)
+        s2 = _tile(QS, qo + 2 * sqs_h, sqs_s, rows, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE, ACC)
+        s3 = _tile(QS, qo + 3 * sqs_h, sqs_s, rows, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE, ACC)
+        a0 = _tile(QA, ro, sr_s, rows, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE, ACC)
+        a1 = _tile(QA, ro + sr_h, sr_s, rows, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE, ACC)
+        a2 = _tile(QA, ro + 2 * sr_h, sr_s, rows, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE, ACC)
+        a3 = _tile(QA, ro + 3 * sr_h, sr_s, rows, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE, ACC)
+        c0 = _tile(QB, ro, sr_s, rows, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE, ACC)
+        c1 = _tile(QB, ro + sr_h, sr_s, rows, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE, ACC)
+        c2 = _tile(QB, ro + 2 * sr_h, sr_s, rows, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE, ACC)
+        c3 = _tile(QB, ro + 3 * sr_h, sr_s, rows, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE, ACC)
+        _, _, _, _, f0, f1, f2, f3 = _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1, W2,
+                                             B2, n, NG, G, HID, DEPTH, ACC)
         keep = _keep(rows, cols, first, S)
-        acc0, m0, t0 = _accumulate(f0, keep, v0, acc0, m0, t0, NORM, IEEE)
-        if G > 1:
-            acc1, m1, t1 = _accumulate(f1, keep, v1, acc1, m1, t1, NORM, IEEE)
-        if G > 2:
-            acc2, m2, t2 = _accumulate(f2, keep, v2, acc2, m2, t2, NORM, IEEE)
-        if G > 3:
-            acc3, m3, t3 = _accumulate(f3, keep, v3, acc3, m3, t3, NORM, IEEE)
+        acc0, m0, t0 = _accumulate(f0, keep, V, vo0, sv_s, cols, S, DV, acc0, m0, t0, 0, G, NORM, IEEE, VP)
+        acc1, m1, t1 = _accumulate(f1, keep, V, vo1, sv_s, cols, S, DV, acc1, m1, t1, 1, G, NORM, IEEE, VP)
+        acc2, m2, t2 = _accumulate(f2, keep, V, vo2, sv_s, cols, S, DV, acc2, m2, t2, 2, G, NORM, IEEE, VP)
+        acc3, m3, t3 = _accumulate(f3, keep, V, vo3, sv_s, cols, S, DV, acc3, m3, t3, 3, G, NORM, IEEE, VP)
     norm = t0
     if NORM >= 0:
         norm = _normaliser(rows, first, seq_len, NORM)
-    ob, lb = b * so_b + h * so_h, (b * H + h) * S
-    _finish(O, LSE, ob, lb, so_s, rows, acc0, m0, t0, norm, S, DV, 0, G, NORM, VP)
-    _finish(O, LSE, ob + so_h, lb + S, so_s, rows, acc1, m1, t1, norm, S, DV, 1, G, NORM, VP)
-    _finish(O, LSE, ob + 2 * so_h, lb + 2 * S, so_s, rows, acc2, m2, t2, norm, S, DV, 2, G, NORM, VP)
-    _finish(O, LSE, ob + 3 * so_h, lb + 3 * S, so_s, rows, acc3, m3, t3, norm, S, DV, 3, G, NORM, VP)
+    oo, lo_ = b * so_b + h * so_h, (b * H + h) * S
+    _finish(O, LSE, oo, lo_, so_s, rows, acc0, m0, t0, norm, S, DV, 0, G, NORM, VP)
+    _finish(O, LSE, oo + so_h, lo_ + S, so_s, rows, acc1, m1, t1, norm, S, DV, 1, G, NORM, VP)
+    _finish(O, LSE, oo + 2 * so_h, lo_ + 2 * S, so_s, rows, acc2, m2, t2, norm, S, DV, 2, G, NORM, VP)
+    _finish(O, LSE, oo + 3 * so_h, lo_ + 3 * S, so_s, rows, acc3, m3, t3, norm, S, DV, 3, G, NORM, VP)
 
 
 @triton.jit
@@ -345,11 +324,20 @@ def _row_values(X, base, rows, S, J: tl.constexpr, G: tl.constexpr, ACC: tl.cons
 
 
 @triton.jit
-def _head_grad(s, keep, do, v, lse, delta, norm, J: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr,
-               IEEE: tl.constexpr):
-    """_score_grad for used slots, zeros for the others."""
+def _head_grad(s, keep, do, V, v_base, sv_s, cols, S, DV, lse, delta, norm, J: tl.constexpr, G: tl.constexpr,
+               NORM: tl.constexpr, IEEE: tl.constexpr, VP: tl.constexpr):
+    """(the weights, the gradient of the scores) of head J's tile from the output's gradient do;
+    zeros for unused slots."""
     if J < G:
-        p, ds = _score_grad(s, keep, do, v, lse, delta, norm, NORM, IEEE)
+        v = _slot(V, v_base, sv_s, cols, S, DV, J, G, VP)
+        dp = _dot(do, tl.trans(v), IEEE).to(s.dtype)
+        if NORM == -1:
+            p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
+            ds = p * (dp - delta[:, None])
+        else:
+            active = keep & (s > 0)
+            p = tl.where(active, s, 0.0) / norm[:, None]
+            ds = tl.where(active, dp / norm[:, None], 0.0)
     else:
         p, ds = s * 0.0, s * 0.0
     return p, ds
@@ -382,7 +370,7 @@ def _store(X, base, stride, idx, S, width, x, J: tl.constexpr, G: tl.constexpr, 
 
 @triton.jit
 def _grad_step(acc, a, b, J: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
-    """acc + a @ b for used slots (a: score gradients, cast to b's type as flash attention does)."""
+    """acc + a @ b for used slots."""
     if J < G:
         acc += _dot(a.to(b.dtype), b, IEEE).to(acc.dtype)
     return acc
@@ -391,44 +379,36 @@ def _grad_step(acc, a, b, J: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, STARTS, DQS, DQA, DQB, PART,
                 sqs_b, sqs_h, sqs_s, sks_b, sks_h, sks_s, sr_b, sr_h, sr_s, sv_b, sv_h, sv_s, so_b, so_h,
-                so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, PW, G: tl.constexpr, HID: tl.constexpr,
-                DEPTH: tl.constexpr, NORM: tl.constexpr, DOCS: tl.constexpr, IEEE: tl.constexpr,
-                ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, RP: tl.constexpr,
-                VP: tl.constexpr):
-    """The gradients of one query block's source and low-rank queries (laid out as they are), and
-    this program's sums for the alignment weights' gradients."""
+                so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, PW, NBLK, WEIGHTS: tl.constexpr,
+                G: tl.constexpr, HID: tl.constexpr, DEPTH: tl.constexpr, NORM: tl.constexpr,
+                DOCS: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                DP: tl.constexpr, RP: tl.constexpr, VP: tl.constexpr):
+    """The gradients of one query block's source and low-rank queries (laid out as they are), or,
+    with WEIGHTS, this program's sums for the alignment weights' gradients: apart, as their sums
+    and the queries' gradients together would not fit in registers."""
     block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, n = bg // NG, bg % NG
     h = n * G
     GB: tl.constexpr = G * (DEPTH - 1)
-    part = PART + (bg * tl.num_programs(0) + block) * DEPTH * PW
+    part = PART + (bg * NBLK + block) * DEPTH * PW  # NBLK: the query blocks of the weights' pass
     rows = block * BM + tl.arange(0, BM)
     first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
-    qs0 = _slot(QS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, 0, G, DP)
-    qs1 = _slot(QS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, 1, G, DP)
-    qs2 = _slot(QS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, 2, G, DP)
-    qs3 = _slot(QS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, 3, G, DP)
-    qa0 = _slot(QA, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, G, RP)
-    qa1 = _slot(QA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, G, RP)
-    qa2 = _slot(QA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, G, RP)
-    qa3 = _slot(QA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, G, RP)
-    qb0 = _slot(QB, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, GB, RP)
-    qb1 = _slot(QB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, GB, RP)
-    qb2 = _slot(QB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, GB, RP)
-    qb3 = _slot(QB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, GB, RP)
-    do0 = _slot(DO, b * so_b + h * so_h, so_s, rows, S, DV, 0, G, VP)
-    do1 = _slot(DO, b * so_b + (h + 1) * so_h, so_s, rows, S, DV, 1, G, VP)
-    do2 = _slot(DO, b * so_b + (h + 2) * so_h, so_s, rows, S, DV, 2, G, VP)
-    do3 = _slot(DO, b * so_b + (h + 3) * so_h, so_s, rows, S, DV, 3, G, VP)
-    bh = b * H + h
-    lse0 = _row_values(LSE, bh * S, rows, S, 0, G, ACC)
-    lse1 = _row_values(LSE, (bh + 1) * S, rows, S, 1, G, ACC)
-    lse2 = _row_values(LSE, (bh + 2) * S, rows, S, 2, G, ACC)
-    lse3 = _row_values(LSE, (bh + 3) * S, rows, S, 3, G, ACC)
-    dl0 = _row_values(DELTA, bh * S, rows, S, 0, G, ACC)
-    dl1 = _row_values(DELTA, (bh + 1) * S, rows, S, 1, G, ACC)
-    dl2 = _row_values(DELTA, (bh + 2) * S, rows, S, 2, G, ACC)
-    dl3 = _row_values(DELTA, (bh + 3) * S, rows, S, 3, G, ACC)
+    qo, ro, oo = b * sqs_b + h * sqs_h, b * sr_b + h * sr_h, b * so_b + h * so_h
+    ko0, ko1 = b * sks_b + h // SHARE_K * sks_h, b * sks_b + (h + 1) // SHARE_K * sks_h
+    ko2, ko3 = b * sks_b + (h + 2) // SHARE_K * sks_h, b * sks_b + (h + 3) // SHARE_K * sks_h
+    vo0, vo1 = b * sv_b + h // SHARE_V * sv_h, b * sv_b + (h + 1) // SHARE_V * sv_h
+    vo2, vo3 = b * sv_b + (h + 2) // SHARE_V * sv_h, b * sv_b + (h + 3) // SHARE_V * sv_h
+    do0 = _slot(DO, oo, so_s, rows, S, DV, 0, G, VP)
+    do1 = _slot(DO, oo + so_h, so_s, rows, S, DV, 1, G, VP)
+    do2 = _slot(DO, oo + 2 * so_h, so_s, rows, S, DV, 2, G, VP)
+    do3 = _slot(DO, oo + 3 * so_h, so_s, rows, S, DV, 3, G, VP)
+    lb = (b * H + h) * S
+    lse0, lse1 = _row_values(LSE, lb, rows, S, 0, G, ACC), _row_values(LSE, lb + S, rows, S, 1, G, ACC)
+    lse2 = _row_values(LSE, lb + 2 * S, rows, S, 2, G, ACC)
+    lse3 = _row_values(LSE, lb + 3 * S, rows, S, 3, G, ACC)
+    dl0, dl1 = _row_values(DELTA, lb, rows, S, 0, G, ACC), _row_values(DELTA, lb + S, rows, S, 1, G, ACC)
+    dl2 = _row_values(DELTA, lb + 2 * S, rows, S, 2, G, ACC)
+    dl3 = _row_values(DELTA, lb + 3 * S, rows, S, 3, G, ACC)
     norm = lse0
     if NORM >= 0:
         norm = _normaliser(rows, first, seq_len, NORM).to(ACC)
@@ -439,56 +419,54 @@ def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, 
     dqb0, dqb1, dqb2, dqb3 = dqa0, dqa0, dqa0, dqa0
     for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols = start + tl.arange(0, BN)
-        ks0 = _slot(KS, b * sks_b + h // SHARE_K * sks_h, sks_s, cols, S, D, 0, G, DP)
-        ks1 = _slot(KS, b * sks_b + (h + 1) // SHARE_K * sks_h, sks_s, cols, S, D, 1, G, DP)
-        ks2 = _slot(KS, b * sks_b + (h + 2) // SHARE_K * sks_h, sks_s, cols, S, D, 2, G, DP)
-        ks3 = _slot(KS, b * sks_b + (h + 3) // SHARE_K * sks_h, sks_s, cols, S, D, 3, G, DP)
-        ka0 = _slot(KA, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, G, RP)
-        ka1 = _slot(KA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, G, RP)
-        ka2 = _slot(KA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, G, RP)
-        ka3 = _slot(KA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, G, RP)
-        kb0 = _slot(KB, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, GB, RP)
-        kb1 = _slot(KB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, GB, RP)
-        kb2 = _slot(KB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, GB, RP)
-        kb3 = _slot(KB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, GB, RP)
-        v0 = _slot(V, b * sv_b + h // SHARE_V * sv_h, sv_s, cols, S, DV, 0, G, VP)
-        v1 = _slot(V, b * sv_b + (h + 1) // SHARE_V * sv_h, sv_s, cols, S, DV, 1, G, VP)
-        v2 = _slot(V, b * sv_b + (h + 2) // SHARE_V * sv_h, sv_s, cols, S, DV, 2, G, VP)
-        v3 = _slot(V, b * sv_b + (h + 3) // SHARE_V * sv_h, sv_s, cols, S, DV, 3, G, VP)
-        s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3 = _scores(
-            qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
-            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G, HID, DEPTH, IEEE, ACC)
+        s0 = _tile(QS, qo, sqs_s, rows, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE, ACC)
+        s1 = _tile(QS, qo + sqs_h, sqs_s, rows, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE, ACC)
+        s2 = _tile(QS, qo + 2 * sqs_h, sqs_s, rows, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE, ACC)
+        s3 = _tile(QS, qo + 3 * sqs_h, sqs_s, rows, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE, ACC)
+        a0 = _tile(QA, ro, sr_s, rows, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE, ACC)
+        a1 = _tile(QA, ro + sr_h, sr_s, rows, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE, ACC)
+        a2 = _tile(QA, ro + 2 * sr_h, sr_s, rows, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE, ACC)
+        a3 = _tile(QA, ro + 3 * sr_h, sr_s, rows, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE, ACC)
+        c0 = _tile(QB, ro, sr_s, rows, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE, ACC)
+        c1 = _tile(QB, ro + sr_h, sr_s, rows, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE, ACC)
+        c2 = _tile(QB, ro + 2 * sr_h, sr_s, rows, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE, ACC)
+        c3 = _tile(QB, ro + 3 * sr_h, sr_s, rows, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE, ACC)
+        x0, x1, x2, x3, f0, f1, f2, f3 = _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1,
+                                                 W2, B2, n, NG, G, HID, DEPTH, ACC)
         keep = _keep(rows, cols, first, S)
-        _, d0 = _head_grad(f0, keep, do0, v0, lse0, dl0, norm, 0, G, NORM, IEEE)
-        _, d1 = _head_grad(f1, keep, do1, v1, lse1, dl1, norm, 1, G, NORM, IEEE)
-        _, d2 = _head_grad(f2, keep, do2, v2, lse2, dl2, norm, 2, G, NORM, IEEE)
-        _, d3 = _head_grad(f3, keep, do3, v3, lse3, dl3, norm, 3, G, NORM, IEEE)
+        _, d0 = _head_grad(f0, keep, do0, V, vo0, sv_s, cols, S, DV, lse0, dl0, norm, 0, G, NORM, IEEE, VP)
+        _, d1 = _head_grad(f1, keep, do1, V, vo1, sv_s, cols, S, DV, lse1, dl1, norm, 1, G, NORM, IEEE, VP)
+        _, d2 = _head_grad(f2, keep, do2, V, vo2, sv_s, cols, S, DV, lse2, dl2, norm, 2, G, NORM, IEEE, VP)
+        _, d3 = _head_grad(f3, keep, do3, V, vo3, sv_s, cols, S, DV, lse3, dl3, norm, 3, G, NORM, IEEE, VP)
         e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX, W1,
-                                                      B1, W2, B2, part, PW, n, NG, G, HID, DEPTH, True, ACC)
-        dqb0 = _grad_step(dqb0, d0, kb0, 0, GB, IEEE)
-        dqb1 = _grad_step(dqb1, d1, kb1, 1, GB, IEEE)
-        dqb2 = _grad_step(dqb2, d2, kb2, 2, GB, IEEE)
-        dqb3 = _grad_step(dqb3, d3, kb3, 3, GB, IEEE)
-        dqa0 = _grad_step(dqa0, e0, ka0, 0, G, IEEE)
-        dqa1 = _grad_step(dqa1, e1, ka1, 1, G, IEEE)
-        dqa2 = _grad_step(dqa2, e2, ka2, 2, G, IEEE)
-        dqa3 = _grad_step(dqa3, e3, ka3, 3, G, IEEE)
-        dqs0 = _grad_step(dqs0, g0, ks0, 0, G, IEEE)
-        dqs1 = _grad_step(dqs1, g1, ks1, 1, G, IEEE)
-        dqs2 = _grad_step(dqs2, g2, ks2, 2, G, IEEE)
-        dqs3 = _grad_step(dqs3, g3, ks3, 3, G, IEEE)
-    _store(DQS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, dqs0, 0, G, DP)
-    _store(DQS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, dqs1, 1, G, DP)
-    _store(DQS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, dqs2, 2, G, DP)
-    _store(DQS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, dqs3, 3, G, DP)
-    _store(DQA, b * sr_b + h * sr_h, sr_s, rows, S, R, dqa0, 0, G, RP)
-    _store(DQA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, dqa1, 1, G, RP)
-    _store(DQA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, dqa2, 2, G, RP)
-    _store(DQA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, dqa3, 3, G, RP)
-    _store(DQB, b * sr_b + h * sr_h, sr_s, rows, S, R, dqb0, 0, GB, RP)
-    _store(DQB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, dqb1, 1, GB, RP)
-    _store(DQB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, dqb2, 2, GB, RP)
-    _store(DQB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, dqb3, 3, GB, RP)
+                                                      B1, W2, B2, part, PW, n, NG, G, HID, DEPTH, WEIGHTS,
+                                                      ACC)
+        if not WEIGHTS:
+            dqb0 = _grad_tile(dqb0, d0, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE)
+            dqb1 = _grad_tile(dqb1, d1, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE)
+            dqb2 = _grad_tile(dqb2, d2, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE)
+            dqb3 = _grad_tile(dqb3, d3, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE)
+            dqa0 = _grad_tile(dqa0, e0, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE)
+            dqa1 = _grad_tile(dqa1, e1, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE)
+            dqa2 = _grad_tile(dqa2, e2, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE)
+            dqa3 = _grad_tile(dqa3, e3, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE)
+            dqs0 = _grad_tile(dqs0, g0, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE)
+            dqs1 = _grad_tile(dqs1, g1, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE)
+            dqs2 = _grad_tile(dqs2, g2, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE)
+            dqs3 = _grad_tile(dqs3, g3, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE)
+    if not WEIGHTS:
+        _store(DQS, qo, sqs_s, rows, S, D, dqs0, 0, G, DP)
+        _store(DQS, qo + sqs_h, sqs_s, rows, S, D, dqs1, 1, G, DP)
+        _store(DQS, qo + 2 * sqs_h, sqs_s, rows, S, D, dqs2, 2, G, DP)
+        _store(DQS, qo + 3 * sqs_h, sqs_s, rows, S, D, dqs3, 3, G, DP)
+        _store(DQA, ro, sr_s, rows, S, R, dqa0, 0, G, RP)
+        _store(DQA, ro + sr_h, sr_s, rows, S, R, dqa1, 1, G, RP)
+        _store(DQA, ro + 2 * sr_h, sr_s, rows, S, R, dqa2, 2, G, RP)
+        _store(DQA, ro + 3 * sr_h, sr_s, rows, S, R, dqa3, 3, G, RP)
+        _store(DQB, ro, sr_s, rows, S, R, dqb0, 0, GB, RP)
+        _store(DQB, ro + sr_h, sr_s, rows, S, R, dqb1, 1, GB, RP)
+        _store(DQB, ro + 2 * sr_h, sr_s, rows, S, R, dqb2, 2, GB, RP)
+        _store(DQB, ro + 3 * sr_h, sr_s, rows, S, R, dqb3, 3, GB, RP)
 
 
 @triton.jit
@@ -505,22 +483,11 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
     h = n * G
     GB: tl.constexpr = G * (DEPTH - 1)
     cols = block * BN + tl.arange(0, BN)
-    ks0 = _slot(KS, b * sks_b + h // SHARE_K * sks_h, sks_s, cols, S, D, 0, G, DP)
-    ks1 = _slot(KS, b * sks_b + (h + 1) // SHARE_K * sks_h, sks_s, cols, S, D, 1, G, DP)
-    ks2 = _slot(KS, b * sks_b + (h + 2) // SHARE_K * sks_h, sks_s, cols, S, D, 2, G, DP)
-    ks3 = _slot(KS, b * sks_b + (h + 3) // SHARE_K * sks_h, sks_s, cols, S, D, 3, G, DP)
-    ka0 = _slot(KA, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, G, RP)
-    ka1 = _slot(KA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, G, RP)
-    ka2 = _slot(KA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, G, RP)
-    ka3 = _slot(KA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, G, RP)
-    kb0 = _slot(KB, b * sr_b + h * sr_h, sr_s, cols, S, R, 0, GB, RP)
-    kb1 = _slot(KB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, 1, GB, RP)
-    kb2 = _slot(KB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, 2, GB, RP)
-    kb3 = _slot(KB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, 3, GB, RP)
-    v0 = _slot(V, b * sv_b + h // SHARE_V * sv_h, sv_s, cols, S, DV, 0, G, VP)
-    v1 = _slot(V, b * sv_b + (h + 1) // SHARE_V * sv_h, sv_s, cols, S, DV, 1, G, VP)
-    v2 = _slot(V, b * sv_b + (h + 2) // SHARE_V * sv_h, sv_s, cols, S, DV, 2, G, VP)
-    v3 = _slot(V, b * sv_b + (h + 3) // SHARE_V * sv_h, sv_s, cols, S, DV, 3, G, VP)
+    qo, ro, oo = b * sqs_b + h * sqs_h, b * sr_b + h * sr_h, b * so_b + h * so_h
+    ko0, ko1 = b * sks_b + h // SHARE_K * sks_h, b * sks_b + (h + 1) // SHARE_K * sks_h
+    ko2, ko3 = b * sks_b + (h + 2) // SHARE_K * sks_h, b * sks_b + (h + 3) // SHARE_K * sks_h
+    vo0, vo1 = b * sv_b + h // SHARE_V * sv_h, b * sv_b + (h + 1) // SHARE_V * sv_h
+    vo2, vo3 = b * sv_b + (h + 2) // SHARE_V * sv_h, b * sv_b + (h + 3) // SHARE_V * sv_h
     dks0 = tl.zeros([BN, DP], dtype=ACC)
     dks1, dks2, dks3 = dks0, dks0, dks0
     dka0 = tl.zeros([BN, RP], dtype=ACC)
@@ -532,87 +499,95 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
         hi = tl.max(tl.load(ENDS + b * S + cols, mask=cols < S, other=0), axis=0)
     else:
         hi = S
-    bh = b * H + h
+    lb = (b * H + h) * S
     for start in range(block * BN, hi, BM):  # only queries at or after the block's first key
         rows = start + tl.arange(0, BM)
         first = _starts(STARTS, b, rows, S, DOCS)
-        qs0 = _slot(QS, b * sqs_b + h * sqs_h, sqs_s, rows, S, D, 0, G, DP)
-        qs1 = _slot(QS, b * sqs_b + (h + 1) * sqs_h, sqs_s, rows, S, D, 1, G, DP)
-        qs2 = _slot(QS, b * sqs_b + (h + 2) * sqs_h, sqs_s, rows, S, D, 2, G, DP)
-        qs3 = _slot(QS, b * sqs_b + (h + 3) * sqs_h, sqs_s, rows, S, D, 3, G, DP)
-        qa0 = _slot(QA, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, G, RP)
-        qa1 = _slot(QA, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, G, RP)
-        qa2 = _slot(QA, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, G, RP)
-        qa3 = _slot(QA, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, G, RP)
-        qb0 = _slot(QB, b * sr_b + h * sr_h, sr_s, rows, S, R, 0, GB, RP)
-        qb1 = _slot(QB, b * sr_b + (h + 1) * sr_h, sr_s, rows, S, R, 1, GB, RP)
-        qb2 = _slot(QB, b * sr_b + (h + 2) * sr_h, sr_s, rows, S, R, 2, GB, RP)
-        qb3 = _slot(QB, b * sr_b + (h + 3) * sr_h, sr_s, rows, S, R, 3, GB, RP)
-        do0 = _slot(DO, b * so_b + h * so_h, so_s, rows, S, DV, 0, G, VP)
-        do1 = _slot(DO, b * so_b + (h + 1) * so_h, so_s, rows, S, DV, 1, G, VP)
-        do2 = _slot(DO, b * so_b + (h + 2) * so_h, so_s, rows, S, DV, 2, G, VP)
-        do3 = _slot(DO, b * so_b + (h + 3) * so_h, so_s, rows, S, DV, 3, G, VP)
-        lse0 = _row_values(LSE, bh * S, rows, S, 0, G, ACC)
-        lse1 = _row_values(LSE, (bh + 1) * S, rows, S, 1, G, ACC)
-        lse2 = _row_values(LSE, (bh + 2) * S, rows, S, 2, G, ACC)
-        lse3 = _row_values(LSE, (bh + 3) * S, rows, S, 3, G, ACC)
-        dl0 = _row_values(DELTA, bh * S, rows, S, 0, G, ACC)
-        dl1 = _row_values(DELTA, (bh + 1) * S, rows, S, 1, G, ACC)
-        dl2 = _row_values(DELTA, (bh + 2) * S, rows, S, 2, G, ACC)
-        dl3 = _row_values(DELTA, (bh + 3) * S, rows, S, 3, G, ACC)
-        norm = lse0
+        s0 = _tile(QS, qo, sqs_s, rows, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE, ACC)
+        s1 = _tile(QS, qo + sqs_h, sqs_s, rows, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE, ACC)
+        s2 = _tile(QS, qo + 2 * sqs_h, sqs_s, rows, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE, ACC)
+        s3 = _tile(QS, qo + 3 * sqs_h, sqs_s, rows, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE, ACC)
+        a0 = _tile(QA, ro, sr_s, rows, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE, ACC)
+        a1 = _tile(QA, ro + sr_h, sr_s, rows, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE, ACC)
+        a2 = _tile(QA, ro + 2 * sr_h, sr_s, rows, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE, ACC)
+        a3 = _tile(QA, ro + 3 * sr_h, sr_s, rows, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE, ACC)
+        c0 = _tile(QB, ro, sr_s, rows, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE, ACC)
+        c1 = _tile(QB, ro + sr_h, sr_s, rows, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE, ACC)
+        c2 = _tile(QB, ro + 2 * sr_h, sr_s, rows, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE, ACC)
+        c3 = _tile(QB, ro + 3 * sr_h, sr_s, rows, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE, ACC)
+        x0, x1, x2, x3, f0, f1, f2, f3 = _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1,
+                                                 W2, B2, n, NG, G, HID, DEPTH, ACC)
+        keep = _keep(rows, cols, first, S)
+        norm = _row_values(LSE, lb, rows, S, 0, G, ACC)
         if NORM >= 0:
             norm = _normaliser(rows, first, seq_len, NORM).to(ACC)
-        s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3 = _scores(
-            qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3, qa0, qa1, qa2, qa3, ka0, ka1, ka2, ka3, qb0, qb1, qb2,
-            qb3, kb0, kb1, kb2, kb3, MIX, W1, B1, W2, B2, n, NG, G, HID, DEPTH, IEEE, ACC)
-        keep = _keep(rows, cols, first, S)
-        p0, d0 = _head_grad(f0, keep, do0, v0, lse0, dl0, norm, 0, G, NORM, IEEE)
-        p1, d1 = _head_grad(f1, keep, do1, v1, lse1, dl1, norm, 1, G, NORM, IEEE)
-        p2, d2 = _head_grad(f2, keep, do2, v2, lse2, dl2, norm, 2, G, NORM, IEEE)
-        p3, d3 = _head_grad(f3, keep, do3, v3, lse3, dl3, norm, 3, G, NORM, IEEE)
+        do0 = _slot(DO, oo, so_s, rows, S, DV, 0, G, VP)
+        p0, d0 = _head_grad(f0, keep, do0, V, vo0, sv_s, cols, S, DV,
+                            _row_values(LSE, lb, rows, S, 0, G, ACC),
+                            _row_values(DELTA, lb, rows, S, 0, G, ACC), norm, 0, G, NORM, IEEE, VP)
         dv0 = _grad_step(dv0, tl.trans(p0), do0, 0, G, IEEE)
+        do1 = _slot(DO, oo + so_h, so_s, rows, S, DV, 1, G, VP)
+        p1, d1 = _head_grad(f1, keep, do1, V, vo1, sv_s, cols, S, DV,
+                            _row_values(LSE, lb + S, rows, S, 1, G, ACC),
+                            _row_values(DELTA, lb + S, rows, S, 1, G, ACC), norm, 1, G, NORM, IEEE, VP)
         dv1 = _grad_step(dv1, tl.trans(p1), do1, 1, G, IEEE)
+        do2 = _slot(DO, oo + 2 * so_h, so_s, rows, S, DV, 2, G, VP)
+        p2, d2 = _head_grad(f2, keep, do2, V, vo2, sv_s, cols, S, DV,
+                            _row_values(LSE, lb + 2 * S, rows, S, 2, G, ACC),
+                            _row_values(DELTA, lb + 2 * S, rows, S, 2, G, ACC), norm, 2, G, NORM, IEEE, VP)
         dv2 = _grad_step(dv2, tl.trans(p2), do2, 2, G, IEEE)
+        do3 = _slot(DO, oo + 3 * so_h, so_s, rows, S, DV, 3, G, VP)
+        p3, d3 = _head_grad(f3, keep, do3, V, vo3, sv_s, cols, S, DV,
+                            _row_values(LSE, lb + 3 * S, rows, S, 3, G, ACC),
+                            _row_values(DELTA, lb + 3 * S, rows, S, 3, G, ACC), norm, 3, G, NORM, IEEE, VP)
         dv3 = _grad_step(dv3, tl.trans(p3), do3, 3, G, IEEE)
         e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX, W1,
                                                       B1, W2, B2, MIX, 0, n, NG, G, HID, DEPTH, False, ACC)
-        dkb0 = _grad_step(dkb0, tl.trans(d0), qb0, 0, GB, IEEE)
-        dkb1 = _grad_step(dkb1, tl.trans(d1), qb1, 1, GB, IEEE)
-        dkb2 = _grad_step(dkb2, tl.trans(d2), qb2, 2, GB, IEEE)
-        dkb3 = _grad_step(dkb3, tl.trans(d3), qb3, 3, GB, IEEE)
-        dka0 = _grad_step(dka0, tl.trans(e0), qa0, 0, G, IEEE)
-        dka1 = _grad_step(dka1, tl.trans(e1), qa1, 1, G, IEEE)
-        dka2 = _grad_step(dka2, tl.trans(e2), qa2, 2, G, IEEE)
-        dka3 = _grad_step(dka3, tl.trans(e3), qa3, 3, G, IEEE)
-        dks0 = _grad_step(dks0, tl.trans(g0), qs0, 0, G, IEEE)
-        dks1 = _grad_step(dks1, tl.trans(g1), qs1, 1, G, IEEE)
-        dks2 = _grad_step(dks2, tl.trans(g2), qs2, 2, G, IEEE)
-        dks3 = _grad_step(dks3, tl.trans(g3), qs3, 3, G, IEEE)
+        dkb0 = _grad_tile(dkb0, tl.trans(d0), QB, ro, sr_s, rows, S, R, 0, GB, RP, IEEE)
+        dkb1 = _grad_tile(dkb1, tl.trans(d1), QB, ro + sr_h, sr_s, rows, S, R, 1, GB, RP, IEEE)
+        dkb2 = _grad_tile(dkb2, tl.trans(d2), QB, ro + 2 * sr_h, sr_s, rows, S, R, 2, GB, RP, IEEE)
+        dkb3 = _grad_tile(dkb3, tl.trans(d3), QB, ro + 3 * sr_h, sr_s, rows, S, R, 3, GB, RP, IEEE)
+        dka0 = _grad_tile(dka0, tl.trans(e0), QA, ro, sr_s, rows, S, R, 0, G, RP, IEEE)
+        dka1 = _grad_tile(dka1, tl.trans(e1), QA, ro + sr_h, sr_s, rows, S, R, 1, G, RP, IEEE)
+        dka2 = _grad_tile(dka2, tl.trans(e2), QA, ro + 2 * sr_h, sr_s, rows, S, R, 2, G, RP, IEEE)
+        dka3 = _grad_tile(dka3, tl.trans(e3), QA, ro + 3 * sr_h, sr_s, rows, S, R, 3, G, RP, IEEE)
+        dks0 = _grad_tile(dks0, tl.trans(g0), QS, qo, sqs_s, rows, S, D, 0, G, DP, IEEE)
+        dks1 = _grad_tile(dks1, tl.trans(g1), QS, qo + sqs_h, sqs_s, rows, S, D, 1, G, DP, IEEE)
+        dks2 = _grad_tile(dks2, tl.trans(g2), QS, qo + 2 * sqs_h, sqs_s, rows, S, D, 2, G, DP, IEEE)
+        dks3 = _grad_tile(dks3, tl.trans(g3), QS, qo + 3 * sqs_h, sqs_s, rows, S, D, 3, G, DP, IEEE)
     # per query head, laid out [batch, heads, seq, width] (contiguous)
-    _store(DKS, (bh * S) * D, D, cols, S, D, dks0, 0, G, DP)
-    _store(DKS, ((bh + 1) * S) * D, D, cols, S, D, dks1, 1, G, DP)
-    _store(DKS, ((bh + 2) * S) * D, D, cols, S, D, dks2, 2, G, DP)
-    _store(DKS, ((bh + 3) * S) * D, D, cols, S, D, dks3, 3, G, DP)
-    _store(DV_, (bh * S) * DV, DV, cols, S, DV, dv0, 0, G, VP)
-    _store(DV_, ((bh + 1) * S) * DV, DV, cols, S, DV, dv1, 1, G, VP)
-    _store(DV_, ((bh + 2) * S) * DV, DV, cols, S, DV, dv2, 2, G, VP)
-    _store(DV_, ((bh + 3) * S) * DV, DV, cols, S, DV, dv3, 3, G, VP)
-    _store(DKA, b * sr_b + h * sr_h, sr_s, cols, S, R, dka0, 0, G, RP)
-    _store(DKA, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, dka1, 1, G, RP)
-    _store(DKA, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, dka2, 2, G, RP)
-    _store(DKA, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, dka3, 3, G, RP)
-    _store(DKB, b * sr_b + h * sr_h, sr_s, cols, S, R, dkb0, 0, GB, RP)
-    _store(DKB, b * sr_b + (h + 1) * sr_h, sr_s, cols, S, R, dkb1, 1, GB, RP)
-    _store(DKB, b * sr_b + (h + 2) * sr_h, sr_s, cols, S, R, dkb2, 2, GB, RP)
-    _store(DKB, b * sr_b + (h + 3) * sr_h, sr_s, cols, S, R, dkb3, 3, GB, RP)
+    _store(DKS, lb * D, D, cols, S, D, dks0, 0, G, DP)
+    _store(DKS, (lb + S) * D, D, cols, S, D, dks1, 1, G, DP)
+    _store(DKS, (lb + 2 * S) * D, D, cols, S, D, dks2, 2, G, DP)
+    _store(DKS, (lb + 3 * S) * D, D, cols, S, D, dks3, 3, G, DP)
+    _store(DV_, lb * DV, DV, cols, S, DV, dv0, 0, G, VP)
+    _store(DV_, (lb + S) * DV, DV, cols, S, DV, dv1, 1, G, VP)
+    _store(DV_, (lb + 2 * S) * DV, DV, cols, S, DV, dv2, 2, G, VP)
+    _store(DV_, (lb + 3 * S) * DV, DV, cols, S, DV, dv3, 3, G, VP)
+    _store(DKA, ro, sr_s, cols, S, R, dka0, 0, G, RP)
+    _store(DKA, ro + sr_h, sr_s, cols, S, R, dka1, 1, G, RP)
+    _store(DKA, ro + 2 * sr_h, sr_s, cols, S, R, dka2, 2, G, RP)
+    _store(DKA, ro + 3 * sr_h, sr_s, cols, S, R, dka3, 3, G, RP)
+    _store(DKB, ro, sr_s, cols, S, R, dkb0, 0, GB, RP)
+    _store(DKB, ro + sr_h, sr_s, cols, S, R, dkb1, 1, GB, RP)
+    _store(DKB, ro + 2 * sr_h, sr_s, cols, S, R, dkb2, 2, GB, RP)
+    _store(DKB, ro + 3 * sr_h, sr_s, cols, S, R, dkb3, 3, GB, RP)
 
 
-def _launch_sizes(head_width: int, value_width: int) -> tuple[int, int, int]:
-    """(query block, key block, warps). A group's four heads make each tile four tiles."""
-    if triton_interpreted():
-        return 16, 16, 4
-    return 32, 32, 8 if max(head_width, value_width) > 64 else 4
+# (query block, key block, warps) per kernel on a GPU. A group's heads make each tile four tiles, so
+# registers bound the tiles: these spill least at the 1B hybrid's sizes among those whose score
+# tiles fill the warps' tensor-core tiles (16 x 8 per warp) without copies (bench.kernel_compile
+# prints registers and spills for others; the GPU times them in bench.gpu_check). The key-block pass
+# takes 16 x 16 with 4 warps, whose score tiles two warps hold twice, as every larger tile spilled
+# over 1 KB per thread there.
+GPU_TILES = {"forward": (16, 32, 4), "backward_q": (16, 32, 4), "backward_weights": (16, 64, 8),
+             "backward_kv": (16, 16, 4)}
+INTERPRETED_TILES = (16, 16, 4)  # small: the interpreter runs every tile in numpy
+
+
+def _tiles(kernel: str) -> dict:
+    bm, bn, warps = INTERPRETED_TILES if triton_interpreted() else GPU_TILES[kernel]
+    return dict(BM=bm, BN=bn, num_warps=warps, num_stages=2)
 
 
 class _FlashLISA(torch.autograd.Function):
@@ -632,15 +607,16 @@ class _FlashLISA(torch.autograd.Function):
         acc = torch.float64 if qs.dtype == torch.float64 else torch.float32
         out = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
         lse = torch.empty(batch, heads, seq, dtype=acc, device=v.device)
-        bm, bn, warps = _launch_sizes(width, dv)
         exact = qs.dtype in (torch.float32, torch.float64)  # else tensor-core products of 16-bit inputs
         meta = dict(G=group, HID=hidden, DEPTH=depth, NORM=norm, DOCS=docs, IEEE=exact,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, BM=bm, BN=bn, DP=_padded(width),
-                    RP=_padded(rank), VP=_padded(dv), num_warps=warps)
+                    ACC=tl.float64 if acc == torch.float64 else tl.float32, DP=_padded(width),
+                    RP=_padded(rank), VP=_padded(dv))
         strides = (*qs.stride()[:3], *ks.stride()[:3], *qa.stride()[:3], *v.stride()[:3], *out.stride()[:3])
         sizes = (heads, groups, seq, width, rank, dv, heads // ks.shape[1], heads // v.shape[1], float(seq))
-        _forward[(triton.cdiv(seq, bm), batch * groups)](
-            qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, out, lse, starts, *strides, *sizes, **meta)
+        tiles = _tiles("forward")
+        _forward[(triton.cdiv(seq, tiles["BM"]), batch * groups)](
+            qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, out, lse, starts, *strides, *sizes, **meta,
+            **tiles)
         ctx.save_for_backward(qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, out, lse, starts, ends)
         ctx.meta, ctx.sizes, ctx.strides = meta, sizes, strides
         return out
@@ -655,20 +631,25 @@ class _FlashLISA(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [batch, heads, seq]: dO . O per row
         pw = group * group + (2 * group * hidden + hidden + group if hidden else 0)
-        blocks = triton.cdiv(seq, meta["BM"])
+        weights = _tiles("backward_weights")
+        blocks = triton.cdiv(seq, weights["BM"])
         part = torch.zeros(batch * groups, blocks, depth, pw, dtype=lse.dtype, device=qs.device)
         dqs, dqa = torch.empty_like(qs), torch.empty_like(qa)
         dqb = torch.empty_like(qb) if depth == 2 else dqa
-        _backward_q[(blocks, batch * groups)](
-            qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, dqs, dqa, dqb, part,
-            *strides, *sizes, pw, **meta)
+        args = (qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, dqs, dqa, dqb,
+                part, *strides, *sizes, pw, blocks)
+        queries = _tiles("backward_q")
+        _backward_q[(triton.cdiv(seq, queries["BM"]), batch * groups)](*args, WEIGHTS=False, **meta,
+                                                                        **queries)
+        _backward_q[(blocks, batch * groups)](*args, WEIGHTS=True, **meta, **weights)
         dks = torch.empty(batch, heads, seq, width, dtype=ks.dtype, device=ks.device)
         dv_ = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
         dka = torch.empty_like(ka)
         dkb = torch.empty_like(kb) if depth == 2 else dka
-        _backward_kv[(triton.cdiv(seq, meta["BN"]), batch * groups)](
+        keys = _tiles("backward_kv")
+        _backward_kv[(triton.cdiv(seq, keys["BN"]), batch * groups)](
             qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, ends, dks, dka, dkb,
-            dv_, *strides, *sizes, **meta)
+            dv_, *strides, *sizes, **meta, **keys)
         # per query head -> per K/V head (a head serves `share` consecutive query heads)
         dks = dks.view(batch, ks.shape[1], -1, seq, width).sum(2)
         dv_ = dv_.view(batch, v.shape[1], -1, seq, dv).sum(2)
