@@ -8,7 +8,8 @@ GPU time is spent, and `ptxas -v` gives each kernel's registers and spilled byte
 --tiles gives (default: the tile each kernel launches with, lisa_flash_triton.GPU_TILES): spills in
 the inner loops cost memory traffic, so they bound the tile sizes worth timing. Sizes are those of
 configs/hybrid_1b.yaml (head_dim 128, rank 16, groups of 4, FFN width 16), bf16, softmax sources.
-Writes kernel_compile_sm<arch>.json. Needs Triton (not a GPU).
+The per-block alignment kernel (lisa_align_triton, where the fused layer does not run) is compiled
+too, at its launch sizes. Writes kernel_compile_sm<arch>.json. Needs Triton (not a GPU).
 """
 
 from __future__ import annotations
@@ -22,19 +23,21 @@ import time
 from pathlib import Path
 
 SIZES = dict(G=4, HID=16, NORM=-1, DOCS=False, IEEE=False, DP=128, RP=16, VP=128)
-INTEGERS = ("H", "NG", "S", "D", "R", "DV", "SHARE_K", "SHARE_V", "PW", "NBLK")  # the rest of the names
-# in capitals are pointers
+# Names in capitals are pointers (bf16 tensors, but these) unless they are sizes.
+FLASH_SIZES = ("H", "NG", "S", "D", "R", "DV", "SHARE_K", "SHARE_V", "PW", "NBLK")
+ALIGN_SIZES = ("P", "G", "HID", "GROUPS", "PROGRAMS")
+FLOAT32 = ("MIX", "W1", "B1", "W2", "B2", "LSE", "DELTA", "PART", "PARTS")
 
 
-def signature(kernel, constants: dict) -> dict:
+def signature(kernel, constants: dict, sizes: tuple[str, ...]) -> dict:
     """Argument types for triton.compile: bf16 tensors, fp32 weights and per-row values, int32 sizes."""
     types = {}
     for name in kernel.arg_names:
         if name in constants:
             types[name] = "constexpr"
-        elif name in INTEGERS or not name[0].isupper():
+        elif name in sizes or not name[0].isupper():
             types[name] = "fp32" if name == "seq_len" else "i32"
-        elif name in ("MIX", "W1", "B1", "W2", "B2", "LSE", "DELTA", "PART"):
+        elif name in FLOAT32:
             types[name] = "*fp32"
         elif name in ("STARTS", "ENDS"):
             types[name] = "*i32"
@@ -43,14 +46,14 @@ def signature(kernel, constants: dict) -> dict:
     return types
 
 
-def compile_one(kernel, constants: dict, warps: int, arch: int) -> dict:
+def compile_one(kernel, constants: dict, warps: int, arch: int, sizes: tuple[str, ...] = FLASH_SIZES) -> dict:
     """Compile one specialisation; (seconds, registers, spilled bytes, shared memory bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     start = time.perf_counter()
-    source = ASTSource(fn=kernel, signature=signature(kernel, constants),
+    source = ASTSource(fn=kernel, signature=signature(kernel, constants, sizes),
                        constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps,
                                                                                        num_stages=2))
@@ -104,6 +107,18 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{name:<18} {depth:>5} {f'{bm}x{bn}':>10} {warps:>5} {row['registers']:>5} "
                       f"{row['spill_bytes']:>8} {row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}",
                       flush=True)
+    import models.attention.kernels.lisa_align_triton as align
+
+    block, steps = align.BACKWARD_BLOCKS
+    launches = [("align_forward", align._align_forward, dict(BLOCK=256)),  # as fused_align launches them
+                ("align_backward", align._align_backward, dict(BLOCK=block, STEPS=steps))]
+    for name, kernel, blocks in launches:
+        constants = dict(IEEE=False, ACC=_float32(), GP=16, HP=16, **blocks)
+        row = dict(kernel=name, block=blocks["BLOCK"],
+                   **compile_one(kernel, constants, 4, args.arch, ALIGN_SIZES))
+        rows.append(row)
+        print(f"{name:<18} {'':>5} {row['block']:>10} {4:>5} {row['registers']:>5} {row['spill_bytes']:>8} "
+              f"{row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}", flush=True)
     result = {"arch": args.arch, "sizes": dict(SIZES), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_compile_sm{args.arch}.json"

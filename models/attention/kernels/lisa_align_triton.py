@@ -100,6 +100,9 @@ def _align_backward(S, DOUT, DS, MIX, W1, B1, W2, PARTS, P, G, HID, GROUPS, PROG
     tl.store(part + hs, db1)
 
 
+BACKWARD_BLOCKS = (64, 32)  # (positions per block, blocks per program) of the backward kernel on a GPU
+
+
 def _sizes(scores: torch.Tensor, mix: torch.Tensor, w1: torch.Tensor) -> dict:
     groups, group, hidden = mix.shape[0], mix.shape[-1], w1.shape[1]
     interpreted = triton_interpreted()
@@ -133,7 +136,8 @@ class _FusedAlign(torch.autograd.Function):
         positions = scores[0, 0].numel()
         # Blocks of positions per program: the weights' partial sums (800 floats at 16 x 16) then take
         # about a fifth of the bf16 scores' bytes at groups of 4; the interpreter's two test the loop.
-        block, steps = (32, 2) if k["interpreted"] else (128, 16)
+        # Blocks of 64: at 128 the kernel spilled 1.3 KB per thread for sm_90 (bench.kernel_compile).
+        block, steps = (32, 2) if k["interpreted"] else BACKWARD_BLOCKS
         programs = triton.cdiv(positions, block * steps)
         acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
         width = gp * (gp + hp + 1) + hp * (gp + 1)
