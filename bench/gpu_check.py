@@ -245,6 +245,26 @@ def lisa_align_check(device: str) -> dict:
     return {"max_rel_error": errors, "match": ok}
 
 
+def lisa_test_model(attention: str, sizes: dict, kernel: str = "auto"):
+    """A GPT of these kinds (model.attention) and sizes whose LISA layers (alignment groups of 4)
+    have random low-rank keys and alignment weights at their scale: they start at zero."""
+    from models.attention.lisa import LISAAttention
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    cfg = ModelConfig(attention=attention, **sizes)
+    cfg.lisa.keep_full_layers, cfg.lisa.align_group, cfg.lisa.kernel = 1, 4, kernel
+    torch.manual_seed(0)
+    model, noise = GPT(cfg), torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for block in model.blocks:
+            if isinstance(block.attn, LISAAttention):
+                block.attn.qk.weight.add_(torch.randn(block.attn.qk.weight.shape, generator=noise) * 0.02)
+                for param in block.attn.align.parameters():
+                    param.add_(torch.randn(param.shape, generator=noise) * 0.2)
+    return model
+
+
 def lisa_flash_check(device: str) -> dict:
     """The fused LISA kernel (models.attention.kernels.lisa_flash_triton) in a model against the
     explicit scores in float64 (model.lisa.kernel auto / naive): a softmax or relu layer, then two
@@ -255,9 +275,6 @@ def lisa_flash_check(device: str) -> dict:
     --device cpu runs it under Triton's interpreter at tiny sizes."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return interpreted("lisa_flash_check")
-    from models.attention.lisa import LISAAttention
-    from models.config import ModelConfig
-    from models.gpt import GPT
 
     cpu = device == "cpu"
     hidden, heads, seq = (64, 4, 24) if cpu else (2048, 16, 1024)
@@ -265,19 +282,11 @@ def lisa_flash_check(device: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (1, seq + 1), generator=gen).to(dev)
 
+    sizes = dict(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
+                 ffn_hidden_size=2 * hidden, max_seq_len=seq)
+
     def run(attention: str, kernel: str, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
-        cfg = ModelConfig(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
-                          ffn_hidden_size=2 * hidden, max_seq_len=seq, attention=attention)
-        cfg.lisa.keep_full_layers, cfg.lisa.align_group, cfg.lisa.kernel = 1, 4, kernel
-        torch.manual_seed(0)
-        model, noise = GPT(cfg), torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for block in model.blocks:
-                if isinstance(block.attn, LISAAttention):  # the zero-initialised pieces too, at their scale
-                    block.attn.qk.weight.add_(torch.randn(block.attn.qk.weight.shape, generator=noise) * 0.02)
-                    for param in block.attn.align.parameters():
-                        param.add_(torch.randn(param.shape, generator=noise) * 0.2)
-        model = model.to(dev, dtype)
+        model = lisa_test_model(attention, sizes, kernel).to(dev, dtype)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
@@ -318,8 +327,6 @@ def lisa_decode_check(device: str) -> dict:
         return interpreted("lisa_decode_check")
     from models.attention.kv_cache import KVCache
     from models.attention.lisa import LISAAttention
-    from models.config import ModelConfig
-    from models.gpt import GPT
 
     cpu = device == "cpu"
     hidden, heads, context, steps, batches = (64, 8, 40, 3, (1, 2)) if cpu else (2048, 16, 4096, 32, (1, 8))
@@ -327,18 +334,8 @@ def lisa_decode_check(device: str) -> dict:
     sizes = dict(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
                  ffn_hidden_size=4 * hidden, max_seq_len=context + steps)
 
-    def build(attention: str) -> GPT:
-        cfg = ModelConfig(attention=attention, **sizes)
-        cfg.lisa.keep_full_layers, cfg.lisa.align_group = 1, 4
-        torch.manual_seed(0)
-        model, noise = GPT(cfg), torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for block in model.blocks:
-                if isinstance(block.attn, LISAAttention):  # the zero-initialised pieces too, at their scale
-                    block.attn.qk.weight.add_(torch.randn(block.attn.qk.weight.shape, generator=noise) * 0.02)
-                    for param in block.attn.align.parameters():
-                        param.add_(torch.randn(param.shape, generator=noise) * 0.2)
-        return model.to(dev).eval()
+    def build(attention: str):
+        return lisa_test_model(attention, sizes).to(dev).eval()
 
     reference = build("sll")  # in fp32: the PyTorch path's logits as the reference for both paths
     models = {"lisa": build("sll").to(dtype), "softmax": build("sss").to(dtype)}

@@ -73,6 +73,23 @@ def build(cfg: ModelConfig, seed: int = 0):
     return model
 
 
+def ffn_chain_model(kernel: str, keep_chain_scores: bool):
+    """slllrll in float64 for the fused LISA kernels' tests: LISA chains of three after a softmax layer
+    and of two after a relu layer (the PyTorch path), grouped-query heads, FFN alignment in groups of
+    2, blocks of 5 query rows, the FFN's weights large enough to matter."""
+    cfg = small_cfg("slllrll", num_kv_heads=2)
+    cfg.relu_attention.kernel = "torch"
+    cfg.lisa.align_hidden, cfg.lisa.kernel, cfg.lisa.block_size = 16, kernel, 5
+    cfg.lisa.keep_chain_scores = keep_chain_scores
+    model = build(cfg).double().train()
+    with torch.no_grad():
+        for block in model.blocks:
+            if hasattr(block.attn, "align"):
+                block.attn.align.w2.normal_(std=0.3, generator=torch.Generator().manual_seed(4))
+                block.attn.align.b1.normal_(generator=torch.Generator().manual_seed(5))
+    return model
+
+
 # --- cores against references (no process group needed) -------------------------------------------
 
 def naive_relu(q, k, v, normalizer):

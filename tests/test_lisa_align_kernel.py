@@ -48,7 +48,7 @@ from models.attention.lisa import LISAAttention
 # The path by query blocks, whose FFN alignment this kernel runs where the fused LISA kernel does not
 # (chains longer than two, groups over four heads).
 LISAAttention.flash = lambda self, *args: None
-from tests.test_attention import VOCAB, build, small_cfg
+from tests.test_attention import VOCAB, ffn_chain_model
 
 calls = []
 kernel = fused.fused_align
@@ -59,16 +59,7 @@ results, counts = {}, {}
 with single_process_group():
     for name, kernel_name, keep in (("auto", "auto", False), ("auto-keep", "auto", True),
                                     ("torch", "torch", False), ("naive", "naive", False)):
-        cfg = small_cfg("slllrll", num_kv_heads=2)
-        cfg.relu_attention.kernel = "torch"
-        cfg.lisa.align_hidden, cfg.lisa.kernel, cfg.lisa.block_size = 16, kernel_name, 5
-        cfg.lisa.keep_chain_scores = keep
-        model = build(cfg).double().train()
-        with torch.no_grad():
-            for block in model.blocks:
-                if hasattr(block.attn, "align"):
-                    block.attn.align.w2.normal_(std=0.3, generator=torch.Generator().manual_seed(4))
-                    block.attn.align.b1.normal_(generator=torch.Generator().manual_seed(5))
+        model = ffn_chain_model(kernel_name, keep)
         before = len(calls)
         loss = model(tokens, torch.roll(tokens, -1, 1))
         loss.backward()

@@ -87,7 +87,7 @@ import json
 import torch
 import models.attention.kernels.lisa_flash_triton as fused
 from tests.dist_utils import single_process_group
-from tests.test_attention import VOCAB, build, small_cfg
+from tests.test_attention import VOCAB, ffn_chain_model
 
 calls = []
 kernel = fused.flash_lisa
@@ -99,16 +99,7 @@ results, depths = {}, {}
 with single_process_group():
     for name, kernel_name, docs in (("auto", "auto", None), ("auto-docs", "auto", documents),
                                     ("naive", "naive", None), ("naive-docs", "naive", documents)):
-        cfg = small_cfg("slllrll", num_kv_heads=2)
-        cfg.relu_attention.kernel = "torch"
-        cfg.lisa.align_hidden, cfg.lisa.kernel, cfg.lisa.block_size = 16, kernel_name, 5
-        cfg.lisa.keep_chain_scores = True  # no rows kept where the kernel runs: the third layer rebuilds
-        model = build(cfg).double().train()
-        with torch.no_grad():
-            for block in model.blocks:
-                if hasattr(block.attn, "align"):
-                    block.attn.align.w2.normal_(std=0.3, generator=torch.Generator().manual_seed(4))
-                    block.attn.align.b1.normal_(generator=torch.Generator().manual_seed(5))
+        model = ffn_chain_model(kernel_name, True)  # no rows kept where the kernel runs: layer 3 rebuilds
         before = len(calls)
         loss = model(tokens, torch.roll(tokens, -1, 1), docs)
         loss.backward()

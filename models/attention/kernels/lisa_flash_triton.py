@@ -203,10 +203,27 @@ def _stage(MIX, W1, B1, W2, B2, t, n, NG, G: tl.constexpr, HID: tl.constexpr):
 
 
 @triton.jit
-def _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1, W2, B2, n, NG, G: tl.constexpr,
-            HID: tl.constexpr, DEPTH: tl.constexpr, ACC: tl.constexpr):
-    """One group's tiles from the source's s and the stages' low-rank products (a: the first
-    stage's, c: the second's): (the first stage's scores, the last stage's)."""
+def _group_tiles(QS, KS, QA, KA, QB, KB, MIX, W1, B1, W2, B2, qo, ko0, ko1, ko2, ko3, ro, sqs_h, sqs_s, sks_s,
+                 sr_h, sr_s, rows, cols, S, D, R, n, NG, G: tl.constexpr, HID: tl.constexpr,
+                 DEPTH: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, DP: tl.constexpr,
+                 RP: tl.constexpr):
+    """One group's tiles of queries `rows` over keys `cols`: (the source's scores, the first stage's,
+    the last stage's). qo, ro: the group's first head in the source queries and the low-rank
+    features; ko0..ko3: each slot's head in the source keys."""
+    s0 = _tile(QS, qo, sqs_s, rows, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE, ACC)
+    s1 = _tile(QS, qo + sqs_h, sqs_s, rows, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE, ACC)
+    s2 = _tile(QS, qo + 2 * sqs_h, sqs_s, rows, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE, ACC)
+    s3 = _tile(QS, qo + 3 * sqs_h, sqs_s, rows, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE, ACC)
+    # the low-rank products before the alignment: fewer spills for sm_90 than after it (bench.kernel_compile)
+    a0 = _tile(QA, ro, sr_s, rows, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE, ACC)
+    a1 = _tile(QA, ro + sr_h, sr_s, rows, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE, ACC)
+    a2 = _tile(QA, ro + 2 * sr_h, sr_s, rows, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE, ACC)
+    a3 = _tile(QA, ro + 3 * sr_h, sr_s, rows, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE, ACC)
+    GB: tl.constexpr = G * (DEPTH - 1)  # slots of the second stage's low-rank features
+    c0 = _tile(QB, ro, sr_s, rows, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE, ACC)
+    c1 = _tile(QB, ro + sr_h, sr_s, rows, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE, ACC)
+    c2 = _tile(QB, ro + 2 * sr_h, sr_s, rows, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE, ACC)
+    c3 = _tile(QB, ro + 3 * sr_h, sr_s, rows, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE, ACC)
     m, w1, b1, w2, b2 = _stage(MIX, W1, B1, W2, B2, 0, n, NG, G, HID)
     x0, x1, x2, x3 = _align(s0, s1, s2, s3, m, w1, b1, w2, b2, G, HID, ACC)
     x0, x1, x2, x3 = x0 + a0, x1 + a1, x2 + a2, x3 + a3
@@ -215,7 +232,7 @@ def _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1, W2, B2,
         m, w1, b1, w2, b2 = _stage(MIX, W1, B1, W2, B2, 1, n, NG, G, HID)
         f0, f1, f2, f3 = _align(x0, x1, x2, x3, m, w1, b1, w2, b2, G, HID, ACC)
         f0, f1, f2, f3 = f0 + c0, f1 + c1, f2 + c2, f3 + c3
-    return x0, x1, x2, x3, f0, f1, f2, f3
+    return s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3
 
 
 @triton.jit
@@ -268,7 +285,6 @@ def _forward(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, O, LSE, STARTS, sqs
     block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit offsets for large tensors
     b, n = bg // NG, bg % NG
     h = n * G  # the group's first head; its slot j is head h + j
-    GB: tl.constexpr = G * (DEPTH - 1)  # slots of the second stage's low-rank features
     rows = block * BM + tl.arange(0, BM)
     first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
     qo, ro = b * sqs_b + h * sqs_h, b * sr_b + h * sr_h
@@ -284,20 +300,9 @@ def _forward(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, O, LSE, STARTS, sqs
     t1, t2, t3 = t0, t0, t0
     for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols = start + tl.arange(0, BN)
-        s0 = _tile(QS, qo, sqs_s, rows, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE, ACC)
-        s1 = _tile(QS, qo + sqs_h, sqs_s, rows, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE, ACC)
-        s2 = _tile(QS, qo + 2 * sqs_h, sqs_s, rows, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE, ACC)
-        s3 = _tile(QS, qo + 3 * sqs_h, sqs_s, rows, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE, ACC)
-        a0 = _tile(QA, ro, sr_s, rows, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE, ACC)
-        a1 = _tile(QA, ro + sr_h, sr_s, rows, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE, ACC)
-        a2 = _tile(QA, ro + 2 * sr_h, sr_s, rows, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE, ACC)
-        a3 = _tile(QA, ro + 3 * sr_h, sr_s, rows, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE, ACC)
-        c0 = _tile(QB, ro, sr_s, rows, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE, ACC)
-        c1 = _tile(QB, ro + sr_h, sr_s, rows, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE, ACC)
-        c2 = _tile(QB, ro + 2 * sr_h, sr_s, rows, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE, ACC)
-        c3 = _tile(QB, ro + 3 * sr_h, sr_s, rows, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE, ACC)
-        _, _, _, _, f0, f1, f2, f3 = _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1, W2,
-                                             B2, n, NG, G, HID, DEPTH, ACC)
+        _, _, _, _, _, _, _, _, f0, f1, f2, f3 = _group_tiles(
+            QS, KS, QA, KA, QB, KB, MIX, W1, B1, W2, B2, qo, ko0, ko1, ko2, ko3, ro, sqs_h, sqs_s, sks_s,
+            sr_h, sr_s, rows, cols, S, D, R, n, NG, G, HID, DEPTH, IEEE, ACC, DP, RP)
         keep = _keep(rows, cols, first, S)
         acc0, m0, t0 = _accumulate(f0, keep, V, vo0, sv_s, cols, S, DV, acc0, m0, t0, 0, G, NORM, IEEE, VP)
         acc1, m1, t1 = _accumulate(f1, keep, V, vo1, sv_s, cols, S, DV, acc1, m1, t1, 1, G, NORM, IEEE, VP)
@@ -419,20 +424,9 @@ def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, 
     dqb0, dqb1, dqb2, dqb3 = dqa0, dqa0, dqa0, dqa0
     for start in range(lo, tl.minimum((block + 1) * BM, S), BN):
         cols = start + tl.arange(0, BN)
-        s0 = _tile(QS, qo, sqs_s, rows, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE, ACC)
-        s1 = _tile(QS, qo + sqs_h, sqs_s, rows, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE, ACC)
-        s2 = _tile(QS, qo + 2 * sqs_h, sqs_s, rows, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE, ACC)
-        s3 = _tile(QS, qo + 3 * sqs_h, sqs_s, rows, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE, ACC)
-        a0 = _tile(QA, ro, sr_s, rows, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE, ACC)
-        a1 = _tile(QA, ro + sr_h, sr_s, rows, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE, ACC)
-        a2 = _tile(QA, ro + 2 * sr_h, sr_s, rows, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE, ACC)
-        a3 = _tile(QA, ro + 3 * sr_h, sr_s, rows, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE, ACC)
-        c0 = _tile(QB, ro, sr_s, rows, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE, ACC)
-        c1 = _tile(QB, ro + sr_h, sr_s, rows, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE, ACC)
-        c2 = _tile(QB, ro + 2 * sr_h, sr_s, rows, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE, ACC)
-        c3 = _tile(QB, ro + 3 * sr_h, sr_s, rows, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE, ACC)
-        x0, x1, x2, x3, f0, f1, f2, f3 = _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1,
-                                                 W2, B2, n, NG, G, HID, DEPTH, ACC)
+        s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3 = _group_tiles(
+            QS, KS, QA, KA, QB, KB, MIX, W1, B1, W2, B2, qo, ko0, ko1, ko2, ko3, ro, sqs_h, sqs_s, sks_s,
+            sr_h, sr_s, rows, cols, S, D, R, n, NG, G, HID, DEPTH, IEEE, ACC, DP, RP)
         keep = _keep(rows, cols, first, S)
         _, d0 = _head_grad(f0, keep, do0, V, vo0, sv_s, cols, S, DV, lse0, dl0, norm, 0, G, NORM, IEEE, VP)
         _, d1 = _head_grad(f1, keep, do1, V, vo1, sv_s, cols, S, DV, lse1, dl1, norm, 1, G, NORM, IEEE, VP)
@@ -503,20 +497,9 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
     for start in range(block * BN, hi, BM):  # only queries at or after the block's first key
         rows = start + tl.arange(0, BM)
         first = _starts(STARTS, b, rows, S, DOCS)
-        s0 = _tile(QS, qo, sqs_s, rows, KS, ko0, sks_s, cols, S, D, 0, G, DP, IEEE, ACC)
-        s1 = _tile(QS, qo + sqs_h, sqs_s, rows, KS, ko1, sks_s, cols, S, D, 1, G, DP, IEEE, ACC)
-        s2 = _tile(QS, qo + 2 * sqs_h, sqs_s, rows, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE, ACC)
-        s3 = _tile(QS, qo + 3 * sqs_h, sqs_s, rows, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE, ACC)
-        a0 = _tile(QA, ro, sr_s, rows, KA, ro, sr_s, cols, S, R, 0, G, RP, IEEE, ACC)
-        a1 = _tile(QA, ro + sr_h, sr_s, rows, KA, ro + sr_h, sr_s, cols, S, R, 1, G, RP, IEEE, ACC)
-        a2 = _tile(QA, ro + 2 * sr_h, sr_s, rows, KA, ro + 2 * sr_h, sr_s, cols, S, R, 2, G, RP, IEEE, ACC)
-        a3 = _tile(QA, ro + 3 * sr_h, sr_s, rows, KA, ro + 3 * sr_h, sr_s, cols, S, R, 3, G, RP, IEEE, ACC)
-        c0 = _tile(QB, ro, sr_s, rows, KB, ro, sr_s, cols, S, R, 0, GB, RP, IEEE, ACC)
-        c1 = _tile(QB, ro + sr_h, sr_s, rows, KB, ro + sr_h, sr_s, cols, S, R, 1, GB, RP, IEEE, ACC)
-        c2 = _tile(QB, ro + 2 * sr_h, sr_s, rows, KB, ro + 2 * sr_h, sr_s, cols, S, R, 2, GB, RP, IEEE, ACC)
-        c3 = _tile(QB, ro + 3 * sr_h, sr_s, rows, KB, ro + 3 * sr_h, sr_s, cols, S, R, 3, GB, RP, IEEE, ACC)
-        x0, x1, x2, x3, f0, f1, f2, f3 = _scores(s0, s1, s2, s3, a0, a1, a2, a3, c0, c1, c2, c3, MIX, W1, B1,
-                                                 W2, B2, n, NG, G, HID, DEPTH, ACC)
+        s0, s1, s2, s3, x0, x1, x2, x3, f0, f1, f2, f3 = _group_tiles(
+            QS, KS, QA, KA, QB, KB, MIX, W1, B1, W2, B2, qo, ko0, ko1, ko2, ko3, ro, sqs_h, sqs_s, sks_s,
+            sr_h, sr_s, rows, cols, S, D, R, n, NG, G, HID, DEPTH, IEEE, ACC, DP, RP)
         keep = _keep(rows, cols, first, S)
         norm = _row_values(LSE, lb, rows, S, 0, G, ACC)
         if NORM >= 0:
