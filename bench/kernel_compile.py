@@ -75,7 +75,8 @@ def kernels():
 
     return [("forward", flash._forward, {}), ("backward_q", flash._backward_q, {"WEIGHTS": False}),
             ("backward_weights", flash._backward_q, {"WEIGHTS": True}),
-            ("backward_kv", flash._backward_kv, {})]
+            ("backward_kv", flash._backward_kv, {"VALUES": False}),
+            ("backward_v", flash._backward_kv, {"VALUES": True})]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -466,12 +466,14 @@ def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, 
 @triton.jit
 def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, STARTS, ENDS, DKS, DKA, DKB,
                  DV_, sqs_b, sqs_h, sqs_s, sks_b, sks_h, sks_s, sr_b, sr_h, sr_s, sv_b, sv_h, sv_s, so_b,
-                 so_h, so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, G: tl.constexpr,
+                 so_h, so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, VALUES: tl.constexpr,
+                 G: tl.constexpr,
                  HID: tl.constexpr, DEPTH: tl.constexpr, NORM: tl.constexpr, DOCS: tl.constexpr,
                  IEEE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
                  RP: tl.constexpr, VP: tl.constexpr):
-    """The gradients of one key block's source keys, low-rank keys and values, per query head (DKS,
-    DV_ laid out like the output with widths D and DV; DKA, DKB like the low-rank features)."""
+    """The gradients of one key block's source and low-rank keys, or with VALUES its values', per
+    query head (DKS, DV_ laid out like the output with widths D and DV; DKA, DKB like the low-rank
+    features): apart, as both would not fit in registers."""
     block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, n = bg // NG, bg % NG
     h = n * G
@@ -508,63 +510,71 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
         p0, d0 = _head_grad(f0, keep, do0, V, vo0, sv_s, cols, S, DV,
                             _row_values(LSE, lb, rows, S, 0, G, ACC),
                             _row_values(DELTA, lb, rows, S, 0, G, ACC), norm, 0, G, NORM, IEEE, VP)
-        dv0 = _grad_step(dv0, tl.trans(p0), do0, 0, G, IEEE)
+        if VALUES:
+            dv0 = _grad_step(dv0, tl.trans(p0), do0, 0, G, IEEE)
         do1 = _slot(DO, oo + so_h, so_s, rows, S, DV, 1, G, VP)
         p1, d1 = _head_grad(f1, keep, do1, V, vo1, sv_s, cols, S, DV,
                             _row_values(LSE, lb + S, rows, S, 1, G, ACC),
                             _row_values(DELTA, lb + S, rows, S, 1, G, ACC), norm, 1, G, NORM, IEEE, VP)
-        dv1 = _grad_step(dv1, tl.trans(p1), do1, 1, G, IEEE)
+        if VALUES:
+            dv1 = _grad_step(dv1, tl.trans(p1), do1, 1, G, IEEE)
         do2 = _slot(DO, oo + 2 * so_h, so_s, rows, S, DV, 2, G, VP)
         p2, d2 = _head_grad(f2, keep, do2, V, vo2, sv_s, cols, S, DV,
                             _row_values(LSE, lb + 2 * S, rows, S, 2, G, ACC),
                             _row_values(DELTA, lb + 2 * S, rows, S, 2, G, ACC), norm, 2, G, NORM, IEEE, VP)
-        dv2 = _grad_step(dv2, tl.trans(p2), do2, 2, G, IEEE)
+        if VALUES:
+            dv2 = _grad_step(dv2, tl.trans(p2), do2, 2, G, IEEE)
         do3 = _slot(DO, oo + 3 * so_h, so_s, rows, S, DV, 3, G, VP)
         p3, d3 = _head_grad(f3, keep, do3, V, vo3, sv_s, cols, S, DV,
                             _row_values(LSE, lb + 3 * S, rows, S, 3, G, ACC),
                             _row_values(DELTA, lb + 3 * S, rows, S, 3, G, ACC), norm, 3, G, NORM, IEEE, VP)
-        dv3 = _grad_step(dv3, tl.trans(p3), do3, 3, G, IEEE)
-        e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX, W1,
-                                                      B1, W2, B2, MIX, 0, n, NG, G, HID, DEPTH, False, ACC)
-        dkb0 = _grad_tile(dkb0, tl.trans(d0), QB, ro, sr_s, rows, S, R, 0, GB, RP, IEEE)
-        dkb1 = _grad_tile(dkb1, tl.trans(d1), QB, ro + sr_h, sr_s, rows, S, R, 1, GB, RP, IEEE)
-        dkb2 = _grad_tile(dkb2, tl.trans(d2), QB, ro + 2 * sr_h, sr_s, rows, S, R, 2, GB, RP, IEEE)
-        dkb3 = _grad_tile(dkb3, tl.trans(d3), QB, ro + 3 * sr_h, sr_s, rows, S, R, 3, GB, RP, IEEE)
-        dka0 = _grad_tile(dka0, tl.trans(e0), QA, ro, sr_s, rows, S, R, 0, G, RP, IEEE)
-        dka1 = _grad_tile(dka1, tl.trans(e1), QA, ro + sr_h, sr_s, rows, S, R, 1, G, RP, IEEE)
-        dka2 = _grad_tile(dka2, tl.trans(e2), QA, ro + 2 * sr_h, sr_s, rows, S, R, 2, G, RP, IEEE)
-        dka3 = _grad_tile(dka3, tl.trans(e3), QA, ro + 3 * sr_h, sr_s, rows, S, R, 3, G, RP, IEEE)
-        dks0 = _grad_tile(dks0, tl.trans(g0), QS, qo, sqs_s, rows, S, D, 0, G, DP, IEEE)
-        dks1 = _grad_tile(dks1, tl.trans(g1), QS, qo + sqs_h, sqs_s, rows, S, D, 1, G, DP, IEEE)
-        dks2 = _grad_tile(dks2, tl.trans(g2), QS, qo + 2 * sqs_h, sqs_s, rows, S, D, 2, G, DP, IEEE)
-        dks3 = _grad_tile(dks3, tl.trans(g3), QS, qo + 3 * sqs_h, sqs_s, rows, S, D, 3, G, DP, IEEE)
+        if VALUES:
+            dv3 = _grad_step(dv3, tl.trans(p3), do3, 3, G, IEEE)
+        if not VALUES:
+            e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX,
+                                                          W1, B1, W2, B2, MIX, 0, n, NG, G, HID, DEPTH, False,
+                                                          ACC)
+            dkb0 = _grad_tile(dkb0, tl.trans(d0), QB, ro, sr_s, rows, S, R, 0, GB, RP, IEEE)
+            dkb1 = _grad_tile(dkb1, tl.trans(d1), QB, ro + sr_h, sr_s, rows, S, R, 1, GB, RP, IEEE)
+            dkb2 = _grad_tile(dkb2, tl.trans(d2), QB, ro + 2 * sr_h, sr_s, rows, S, R, 2, GB, RP, IEEE)
+            dkb3 = _grad_tile(dkb3, tl.trans(d3), QB, ro + 3 * sr_h, sr_s, rows, S, R, 3, GB, RP, IEEE)
+            dka0 = _grad_tile(dka0, tl.trans(e0), QA, ro, sr_s, rows, S, R, 0, G, RP, IEEE)
+            dka1 = _grad_tile(dka1, tl.trans(e1), QA, ro + sr_h, sr_s, rows, S, R, 1, G, RP, IEEE)
+            dka2 = _grad_tile(dka2, tl.trans(e2), QA, ro + 2 * sr_h, sr_s, rows, S, R, 2, G, RP, IEEE)
+            dka3 = _grad_tile(dka3, tl.trans(e3), QA, ro + 3 * sr_h, sr_s, rows, S, R, 3, G, RP, IEEE)
+            dks0 = _grad_tile(dks0, tl.trans(g0), QS, qo, sqs_s, rows, S, D, 0, G, DP, IEEE)
+            dks1 = _grad_tile(dks1, tl.trans(g1), QS, qo + sqs_h, sqs_s, rows, S, D, 1, G, DP, IEEE)
+            dks2 = _grad_tile(dks2, tl.trans(g2), QS, qo + 2 * sqs_h, sqs_s, rows, S, D, 2, G, DP, IEEE)
+            dks3 = _grad_tile(dks3, tl.trans(g3), QS, qo + 3 * sqs_h, sqs_s, rows, S, D, 3, G, DP, IEEE)
     # per query head, laid out [batch, heads, seq, width] (contiguous)
-    _store(DKS, lb * D, D, cols, S, D, dks0, 0, G, DP)
-    _store(DKS, (lb + S) * D, D, cols, S, D, dks1, 1, G, DP)
-    _store(DKS, (lb + 2 * S) * D, D, cols, S, D, dks2, 2, G, DP)
-    _store(DKS, (lb + 3 * S) * D, D, cols, S, D, dks3, 3, G, DP)
-    _store(DV_, lb * DV, DV, cols, S, DV, dv0, 0, G, VP)
-    _store(DV_, (lb + S) * DV, DV, cols, S, DV, dv1, 1, G, VP)
-    _store(DV_, (lb + 2 * S) * DV, DV, cols, S, DV, dv2, 2, G, VP)
-    _store(DV_, (lb + 3 * S) * DV, DV, cols, S, DV, dv3, 3, G, VP)
-    _store(DKA, ro, sr_s, cols, S, R, dka0, 0, G, RP)
-    _store(DKA, ro + sr_h, sr_s, cols, S, R, dka1, 1, G, RP)
-    _store(DKA, ro + 2 * sr_h, sr_s, cols, S, R, dka2, 2, G, RP)
-    _store(DKA, ro + 3 * sr_h, sr_s, cols, S, R, dka3, 3, G, RP)
-    _store(DKB, ro, sr_s, cols, S, R, dkb0, 0, GB, RP)
-    _store(DKB, ro + sr_h, sr_s, cols, S, R, dkb1, 1, GB, RP)
-    _store(DKB, ro + 2 * sr_h, sr_s, cols, S, R, dkb2, 2, GB, RP)
-    _store(DKB, ro + 3 * sr_h, sr_s, cols, S, R, dkb3, 3, GB, RP)
+    if VALUES:
+        _store(DV_, lb * DV, DV, cols, S, DV, dv0, 0, G, VP)
+        _store(DV_, (lb + S) * DV, DV, cols, S, DV, dv1, 1, G, VP)
+        _store(DV_, (lb + 2 * S) * DV, DV, cols, S, DV, dv2, 2, G, VP)
+        _store(DV_, (lb + 3 * S) * DV, DV, cols, S, DV, dv3, 3, G, VP)
+    else:
+        _store(DKS, lb * D, D, cols, S, D, dks0, 0, G, DP)
+        _store(DKS, (lb + S) * D, D, cols, S, D, dks1, 1, G, DP)
+        _store(DKS, (lb + 2 * S) * D, D, cols, S, D, dks2, 2, G, DP)
+        _store(DKS, (lb + 3 * S) * D, D, cols, S, D, dks3, 3, G, DP)
+        _store(DKA, ro, sr_s, cols, S, R, dka0, 0, G, RP)
+        _store(DKA, ro + sr_h, sr_s, cols, S, R, dka1, 1, G, RP)
+        _store(DKA, ro + 2 * sr_h, sr_s, cols, S, R, dka2, 2, G, RP)
+        _store(DKA, ro + 3 * sr_h, sr_s, cols, S, R, dka3, 3, G, RP)
+        _store(DKB, ro, sr_s, cols, S, R, dkb0, 0, GB, RP)
+        _store(DKB, ro + sr_h, sr_s, cols, S, R, dkb1, 1, GB, RP)
+        _store(DKB, ro + 2 * sr_h, sr_s, cols, S, R, dkb2, 2, GB, RP)
+        _store(DKB, ro + 3 * sr_h, sr_s, cols, S, R, dkb3, 3, GB, RP)
 
 
 # (query block, key block, warps) per kernel on a GPU. A group's heads make each tile four tiles, so
 # registers bound the tiles: these spill least at the 1B hybrid's sizes among those whose score
 # tiles fill the warps' tensor-core tiles (16 x 8 per warp) without copies (bench.kernel_compile
-# prints registers and spills for others; the GPU times them in bench.gpu_check). The key-block pass
-# takes 16 x 16 with 4 warps, whose score tiles two warps hold twice, as every larger tile spilled
-# over 1 KB per thread there.
+# prints registers and spills for others; the GPU times them in bench.gpu_check). The keys' pass takes
+# 16 x 16 with 4 warps, whose score tiles two warps hold twice: its larger tiles spilled up to 1 KB
+# per thread.
 GPU_TILES = {"forward": (16, 32, 4), "backward_q": (16, 32, 4), "backward_weights": (16, 64, 8),
-             "backward_kv": (16, 16, 4)}
+             "backward_kv": (16, 16, 4), "backward_v": (32, 32, 8)}
 INTERPRETED_TILES = (16, 16, 4)  # small: the interpreter runs every tile in numpy
 
 
@@ -629,10 +639,11 @@ class _FlashLISA(torch.autograd.Function):
         dv_ = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
         dka = torch.empty_like(ka)
         dkb = torch.empty_like(kb) if depth == 2 else dka
-        keys = _tiles("backward_kv")
-        _backward_kv[(triton.cdiv(seq, keys["BN"]), batch * groups)](
-            qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, ends, dks, dka, dkb,
-            dv_, *strides, *sizes, **meta, **keys)
+        args = (qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, ends, dks, dka,
+                dkb, dv_, *strides, *sizes)
+        for values, tiles in ((False, _tiles("backward_kv")), (True, _tiles("backward_v"))):  # keys, values
+            grid = (triton.cdiv(seq, tiles["BN"]), batch * groups)
+            _backward_kv[grid](*args, VALUES=values, **meta, **tiles)
         # per query head -> per K/V head (a head serves `share` consecutive query heads)
         dks = dks.view(batch, ks.shape[1], -1, seq, width).sum(2)
         dv_ = dv_.view(batch, v.shape[1], -1, seq, dv).sum(2)
