@@ -530,6 +530,25 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
     assert cached == generate(model, prompt, 25, greedy=True, use_cache=False) and len(set(cached)) > 3
 
 
+def test_planner_counts_kept_chain_rows_only_where_the_fused_kernel_does_not_run():
+    """On a GPU (ActivationLayout.flash) the fused LISA kernel runs a chain's first two layers and
+    keeps no rows: of a chain of four FFN-aligned LISA layers only the third keeps its rows (for the
+    fourth); off the GPU the first three do; with groups over four heads, the kernel never runs."""
+    from models.attention.lisa import kept_rows_per_token, lisa_handed_on
+    from models.registry import ActivationLayout
+
+    cfg = small_cfg("sllll")
+    cfg.lisa.kernel, cfg.lisa.keep_chain_scores, cfg.lisa.align_group = "auto", True, 2
+    rows = cfg.num_heads * kept_rows_per_token(24, cfg.lisa.block_size)
+    gpu = ActivationLayout(tensor=1, seq=24, flash=True, selective=False)
+    cpu = ActivationLayout(tensor=1, seq=24, flash=False, selective=False)
+    # the planner's mean over the four LISA layers, times four
+    assert 4 * lisa_handed_on(cfg, cpu) == 3 * rows and 4 * lisa_handed_on(cfg, gpu) == 1 * rows
+    wide = small_cfg("sllll")
+    wide.num_heads, wide.lisa.kernel, wide.lisa.keep_chain_scores, wide.lisa.align_group = 8, "auto", True, 8
+    assert lisa_handed_on(wide, gpu) == lisa_handed_on(wide, cpu) > 0
+
+
 def test_lisa_qk_compression_and_exact_param_count(single_process):
     from models.attention.lisa import lisa_param_count, qk_compression
     from models.counting import param_counts

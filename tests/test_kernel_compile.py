@@ -1,10 +1,14 @@
 """The fused LISA kernels (the whole layer, and the per-block alignment) compile for an H100 / H200
 (sm_90) on this machine, through Triton's own compiler and ptxas: a kernel the interpreter runs but
-the GPU compiler rejects fails here."""
+the GPU compiler rejects fails here, and so does one that outgrows the GPU's shared memory or spills
+more than the budget below."""
 
 from __future__ import annotations
 
 import pytest
+
+SHARED_BYTES = 227 * 1024  # per block on sm_90
+SPILL_BUDGET = 1024  # bytes per thread: each kernel at its tile spills at most ~450 (bench/results)
 
 
 @pytest.mark.slow
@@ -15,6 +19,23 @@ def test_fused_lisa_kernels_compile_for_sm90(tmp_path):
     rows = {row["kernel"]: row for row in result["rows"]}
     assert list(rows) == ["forward", "backward_q", "backward_weights", "backward_kv", "backward_v",
                           "align_forward", "align_backward"], rows
-    for row in rows.values():  # ptxas reported on each: at most 255 registers, the spills counted
-        assert 0 < row["registers"] <= 255 and row["spill_bytes"] >= 0 and row["shared_bytes"] > 0, row
+    for row in rows.values():
+        assert row["spill_bytes"] <= SPILL_BUDGET and 0 < row["shared_bytes"] <= SHARED_BYTES, row
     assert (tmp_path / "kernel_compile_sm90.json").exists()
+
+
+@pytest.mark.slow
+def test_fused_lisa_variants_compile_for_sm90():
+    """The specialisations the hybrid configs' other layers and the tests' cases take: relu sources
+    (prefix normaliser) within documents, groups of 2, linear alignment, one stage."""
+    import triton.language as tl
+
+    import models.attention.kernels.lisa_flash_triton as flash
+    from bench.kernel_compile import SIZES, compile_one
+
+    for name, kernel, extra in (("forward", flash._forward, {}),
+                                ("backward_kv", flash._backward_kv, {"VALUES": False})):
+        bm, bn, warps = flash.GPU_TILES[name]
+        constants = dict(SIZES, G=2, HID=0, NORM=1, DOCS=True, DEPTH=1, ACC=tl.float32, BM=bm, BN=bn, **extra)
+        row = compile_one(kernel, constants, warps, 90)
+        assert row["spill_bytes"] <= SPILL_BUDGET and 0 < row["shared_bytes"] <= SHARED_BYTES, (name, row)

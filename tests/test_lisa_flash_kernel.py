@@ -12,7 +12,10 @@ KERNEL_CHECK = """
 import json, sys
 import torch
 import torch.nn.functional as F
+import models.attention.kernels.lisa_flash_triton as fused
 from models.attention.kernels.lisa_flash_triton import flash_lisa
+
+interpreted = fused.triton_interpreted
 
 
 def align(s, mix, w1, b1, w2, b2):
@@ -49,8 +52,11 @@ def reference(qs, ks, stages, v, normalizer, documents):
 
 
 errors = {}
-for normalizer, heads, group, hidden, kv, depth, d, rank, dv, seq, docs, dtype in json.loads(sys.argv[1]):
+for normalizer, heads, group, hidden, kv, depth, d, rank, dv, seq, docs, dtype, tiles in json.loads(
+        sys.argv[1]):
     dtype = getattr(torch, dtype)
+    # "gpu": the tile sizes the kernels launch with on a GPU (GPU_TILES) instead of the interpreter's
+    fused.triton_interpreted = (lambda: False) if tiles == "gpu" else interpreted
     gen = torch.Generator().manual_seed(0)
     r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen, dtype=dtype) * scale).requires_grad_()
     b, groups = 2, heads // group
@@ -74,7 +80,7 @@ for normalizer, heads, group, hidden, kv, depth, d, rank, dv, seq, docs, dtype i
     out = flash_lisa(qs, ks, stages, v, normalizer, documents)
     got = torch.autograd.grad((out * weight).sum(), inputs)
     key = f"{normalizer}/{heads}h/g{group}/hid{hidden}/kv{kv}/depth{depth}/{d},{rank},{dv}/seq{seq}"
-    key += f"/docs{docs}/{dtype}"
+    key += f"/docs{docs}/{tiles}-tiles/{dtype}"
     # the output relative to its largest value, gradients to max(1, their largest)
     errors[key] = [float((out.detach() - ref.detach()).abs().max() / ref.abs().max())]
     assert out.dtype == dtype and all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want))
@@ -120,13 +126,15 @@ def test_fused_lisa_equals_plain_lisa_under_interpreter():
     each stage) against a plain implementation: softmax and every ReLU normaliser; one stage and a
     chain of two; groups of 4, 3, 2 and 1, FFN widths 16 and 5 and linear alignment; grouped-query
     keys and values; widths and lengths that are not powers of two or multiples of the blocks;
-    within documents; float64 and float32."""
-    cases = [["softmax", 8, 4, 5, 2, 2, 8, 2, 8, 37, False, "float64"],
-             ["prefix", 6, 3, 16, 3, 2, 12, 6, 8, 21, False, "float64"],
-             ["content", 4, 2, 0, 1, 1, 8, 4, 16, 33, True, "float64"],
-             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 40, True, "float64"],
-             ["none", 2, 1, 3, 2, 1, 8, 4, 8, 17, False, "float64"],
-             ["seqlen", 4, 4, 16, 4, 2, 16, 16, 16, 20, False, "float32"]]
+    within documents; float64 and float32; at the interpreter's tile sizes and, in one case over
+    several blocks of each, at those the kernels launch with on a GPU."""
+    cases = [["softmax", 8, 4, 5, 2, 2, 8, 2, 8, 37, False, "float64", "interpreter"],
+             ["prefix", 6, 3, 16, 3, 2, 12, 6, 8, 21, False, "float64", "interpreter"],
+             ["content", 4, 2, 0, 1, 1, 8, 4, 16, 33, True, "float64", "interpreter"],
+             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 40, True, "float64", "interpreter"],
+             ["none", 2, 1, 3, 2, 1, 8, 4, 8, 17, False, "float64", "interpreter"],
+             ["seqlen", 4, 4, 16, 4, 2, 16, 16, 16, 20, False, "float32", "interpreter"],
+             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 80, True, "float64", "gpu"]]
     errors = run_interpreted(KERNEL_CHECK, json.dumps(cases))
     assert len(errors) == len(cases)
     for case, errs in errors.items():

@@ -91,8 +91,9 @@ class LISAConfig:
     align_group: int = 0
     keep_full_layers: int = 2  # the first layers never share attention
     # auto: linear alignment attends over the shared scores as features, the FFN alignment builds
-    # them by query blocks (no seq^2 tensors either way), on a GPU through the fused alignment and
-    # decode kernels; torch: the same without Triton kernels; naive: always the explicit scores.
+    # them by query blocks (no seq^2 tensors either way); on a GPU the FFN-aligned layer runs as one
+    # fused kernel (kernels/lisa_flash_triton.py; else its blocks' alignment, and decoding, as fused
+    # kernels); torch: the same without Triton kernels; naive: always the explicit scores.
     kernel: str = "auto"
     # Query rows per block: of the scores when kernel=auto builds them by blocks, and of the FFN's
     # hidden layer on explicit scores. 128 rather than 256: less of the diagonal block's masked half
@@ -100,7 +101,8 @@ class LISAConfig:
     block_size: int = 128
     # A LISA layer followed by another keeps the score rows it builds by blocks (about
     # heads x seq^2 / 2 per sequence, until backward) and hands them on: the next layer reads them
-    # instead of rebuilding this layer's alignment for each of its blocks.
+    # instead of rebuilding this layer's alignment for each of its blocks. Where the fused kernel
+    # runs a chain's first two layers (on a GPU), it keeps nothing; a third layer's rows are kept.
     keep_chain_scores: bool = False
 
     def resolved_rank(self, head_dim: int) -> int:
@@ -189,7 +191,8 @@ def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float
         return 0.0
     kinds = cfg.attention_kinds()
     chained = chained_lisa_layers(kinds)
-    if layout.flash and cfg.lisa.kernel == "auto" and lisa_sizes(cfg)[1] <= LISA_FLASH_MAX_GROUP:
+    if layout.flash and cfg.lisa.kernel == "auto" and lisa_sizes(cfg)[1] <= LISA_FLASH_MAX_GROUP \
+            and cfg.head_dim <= 128:  # the fused kernel's widths (lisa_flash_triton.MAX_WIDTH)
         chained = [i for i in chained if i >= 2 and kinds[i - 1] == kinds[i - 2] == "lisa"]
     chained = len(chained) / kinds.count("lisa")
     return chained * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
@@ -439,12 +442,13 @@ class LISAAttention(nn.Module):
     def flash(self, shared, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict
               ) -> torch.Tensor | None:
         """The output by the fused kernel (kernels/lisa_flash_triton.py), or None where it does not
-        run: it needs kernel=auto, a GPU (or Triton's interpreter), alignment groups of at most
-        LISA_FLASH_MAX_GROUP heads, and scores from a layer's own projections, directly or through one
-        LISA layer (a chain of two; the previous layer's alignment is then rebuilt in the kernel)."""
+        run: it needs kernel=auto, a GPU in bf16 / fp16 (or Triton's interpreter), alignment groups of
+        at most LISA_FLASH_MAX_GROUP heads, widths up to 128, and scores from a layer's own
+        projections, directly or through one LISA layer (a chain of two; the previous layer's
+        alignment is then rebuilt in the kernel)."""
         if self.kernel != "auto" or self.align.group > LISA_FLASH_MAX_GROUP:
             return None
-        if not ((q.is_cuda and q.dtype != torch.float64) or triton_interpreted()):
+        if not (q.is_cuda or triton_interpreted()):
             return None
         stages = [(*self.align.weights(), q, k)]
         if isinstance(shared, AlignedScores):
@@ -457,7 +461,7 @@ class LISAAttention(nn.Module):
         except ImportError:  # no Triton on this machine
             return None
         source_q, source_k = shared.features()
-        if not supports(source_q.shape[-1], q.shape[-1], v.shape[-1], self.align.group):
+        if not supports(source_q.shape[-1], q.shape[-1], v.shape[-1], self.align.group, q.dtype):
             return None
         normalizer = self.relu.normalizer if self.family == "relu" else "softmax"
         return flash_lisa(source_q, source_k, stages, v, normalizer, ctx.get("document_ids"))

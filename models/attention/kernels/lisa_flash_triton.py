@@ -9,13 +9,14 @@ For a query block and one alignment group of g <= 4 heads, a tile of keys gives
 
 and the tile of S_depth goes into an online softmax (softmax sources) or ReLU(S) / n_i (relu
 sources) and its product with the values, as in flash attention. Forward keeps the output and,
-for softmax, each row's log-sum-exp. Backward recomputes the tiles twice, like flash attention's:
-once per query block for the gradients of the queries (source and low-rank) and of the alignment
-weights, once per key block for those of the keys and values. The alignment's weight gradients
-are sums over every score; each program adds its tiles' sums to its own slot (no contention) and
-those slots are added up after the kernel. A group's heads are separate tiles (up to four, the
-unused ones never computed) and the alignment mixes them with scalar weights, so no tile changes
-layout. Under TRITON_INTERPRET=1 the kernels run on CPU tensors (how the tests check them).
+for softmax, each row's log-sum-exp. Backward recomputes the tiles per query block, for the
+queries' gradients (source and low-rank) and, in a second pass, the alignment weights'; and per key
+block, for the keys' and, in a second pass, the values' (apart, as each pair would not fit in
+registers together). The alignment's weight gradients are sums over every score; each program adds
+its tiles' sums to its own slot (no contention) and those slots are added up after the kernel. A
+group's heads are separate tiles (up to four, the unused ones never computed) and the alignment
+mixes them with scalar weights, so no tile changes layout. Under TRITON_INTERPRET=1 the kernels
+run on CPU tensors (how the tests check them).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from models.attention.kernels.relu_triton import NORMALIZER_CODES, _document_sta
 from models.attention.kernels.triton_dot import dot as _dot
 from models.attention.masks import document_bounds
 
-MAX_WIDTH = 256  # of the source features, the low-rank features and the values, once padded
+# Of the source features, the low-rank features and the values, once padded: at 256 the passes over
+# key blocks need more shared memory than an H100 / H200 has (bench.kernel_compile).
+MAX_WIDTH = 128
 SOFTMAX = -1  # the NORM code of softmax sources; relu sources use relu_triton.NORMALIZER_CODES
 
 
@@ -38,8 +41,12 @@ def _padded(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
-def supports(source_width: int, rank: int, value_width: int, group: int) -> bool:
-    """Whether the kernels take these sizes (on a GPU or under the interpreter)."""
+def supports(source_width: int, rank: int, value_width: int, group: int, dtype: torch.dtype) -> bool:
+    """Whether the kernels take these sizes and type: on a GPU 16-bit floats (in float32 the exact
+    products run on ordinary cores and spill tens of KB per thread), any float under the
+    interpreter."""
+    if not (dtype in (torch.bfloat16, torch.float16) or triton_interpreted()):
+        return False
     widest = max(_padded(source_width), _padded(rank), _padded(value_width))
     return group <= LISA_FLASH_MAX_GROUP and widest <= MAX_WIDTH
 
@@ -133,14 +140,15 @@ def _total(x):
 
 @triton.jit
 def _add_sums(P, stride, x, t0, t1, t2, t3, G: tl.constexpr):
-    """P[j * stride] += sum(x * t_j) over the group's tiles."""
-    tl.atomic_add(P, _total(x * t0))
+    """P[j * stride] += sum(x * t_j) over the group's tiles (P: this program's own slots, so the adds
+    need no ordering)."""
+    tl.atomic_add(P, _total(x * t0), sem="relaxed")
     if G > 1:
-        tl.atomic_add(P + stride, _total(x * t1))
+        tl.atomic_add(P + stride, _total(x * t1), sem="relaxed")
     if G > 2:
-        tl.atomic_add(P + 2 * stride, _total(x * t2))
+        tl.atomic_add(P + 2 * stride, _total(x * t2), sem="relaxed")
     if G > 3:
-        tl.atomic_add(P + 3 * stride, _total(x * t3))
+        tl.atomic_add(P + 3 * stride, _total(x * t3), sem="relaxed")
 
 
 @triton.jit
@@ -183,15 +191,15 @@ def _align_backward(t0, t1, t2, t3, d0, d1, d2, d3, MIX, W1, B1, W2, PART, G: tl
             if WEIGHTS:
                 _add_sums(DW2 + u, HID, hidden, d0, d1, d2, d3, G)  # dW2[h, u] = sum d_h hidden
                 _add_sums(DW1 + u * G, 1, dpre, t0, t1, t2, t3, G)  # dW1[u, j] = sum dpre t_j
-                tl.atomic_add(DB1 + u, _total(dpre))
+                tl.atomic_add(DB1 + u, _total(dpre), sem="relaxed")
         if WEIGHTS:
-            tl.atomic_add(DB2, _total(d0))
+            tl.atomic_add(DB2, _total(d0), sem="relaxed")
             if G > 1:
-                tl.atomic_add(DB2 + 1, _total(d1))
+                tl.atomic_add(DB2 + 1, _total(d1), sem="relaxed")
             if G > 2:
-                tl.atomic_add(DB2 + 2, _total(d2))
+                tl.atomic_add(DB2 + 2, _total(d2), sem="relaxed")
             if G > 3:
-                tl.atomic_add(DB2 + 3, _total(d3))
+                tl.atomic_add(DB2 + 3, _total(d3), sem="relaxed")
     return e0, e1, e2, e3
 
 
@@ -594,6 +602,9 @@ class _FlashLISA(torch.autograd.Function):
         batch, heads, seq, width = qs.shape
         rank, dv, group = qa.shape[-1], v.shape[-1], mix.shape[-1]
         groups = heads // group
+        # the kernels read the four low-rank features with one set of strides
+        assert qa.shape == ka.shape == qb.shape == kb.shape
+        assert qa.stride() == ka.stride() == qb.stride() == kb.stride()
         docs = starts is not None
         if not docs:  # unused pointers
             starts = ends = qs
@@ -621,7 +632,7 @@ class _FlashLISA(torch.autograd.Function):
         group, hidden, depth = meta["G"], meta["HID"], meta["DEPTH"]
         batch, heads, seq, width = qs.shape
         groups, dv = heads // group, v.shape[-1]
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.contiguous()  # read with the output's strides
         delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [batch, heads, seq]: dO . O per row
         pw = group * group + (2 * group * hidden + hidden + group if hidden else 0)
         weights = _tiles("backward_weights")
@@ -635,8 +646,11 @@ class _FlashLISA(torch.autograd.Function):
         _backward_q[(triton.cdiv(seq, queries["BM"]), batch * groups)](*args, WEIGHTS=False, **meta,
                                                                         **queries)
         _backward_q[(blocks, batch * groups)](*args, WEIGHTS=True, **meta, **weights)
-        dks = torch.empty(batch, heads, seq, width, dtype=ks.dtype, device=ks.device)
-        dv_ = torch.empty(batch, heads, seq, dv, dtype=v.dtype, device=v.device)
+        # per query head; in float32 where grouped-query heads sum them, rounded once after the sum
+        dks = torch.empty(batch, heads, seq, width, device=ks.device,
+                          dtype=ks.dtype if ks.shape[1] == heads else lse.dtype)
+        dv_ = torch.empty(batch, heads, seq, dv, device=v.device,
+                          dtype=v.dtype if v.shape[1] == heads else lse.dtype)
         dka = torch.empty_like(ka)
         dkb = torch.empty_like(kb) if depth == 2 else dka
         args = (qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, ends, dks, dka,
@@ -645,8 +659,8 @@ class _FlashLISA(torch.autograd.Function):
             grid = (triton.cdiv(seq, tiles["BN"]), batch * groups)
             _backward_kv[grid](*args, VALUES=values, **meta, **tiles)
         # per query head -> per K/V head (a head serves `share` consecutive query heads)
-        dks = dks.view(batch, ks.shape[1], -1, seq, width).sum(2)
-        dv_ = dv_.view(batch, v.shape[1], -1, seq, dv).sum(2)
+        dks = dks.view(batch, ks.shape[1], -1, seq, width).sum(2).to(ks.dtype)
+        dv_ = dv_.view(batch, v.shape[1], -1, seq, dv).sum(2).to(v.dtype)
         total = part.view(batch, groups, blocks, depth, pw).sum((0, 2)).transpose(0, 1)  # [depth, groups, pw]
         widths = [group * group] + ([hidden * group, hidden, group * hidden, group] if hidden else [])
         grads = total.split(widths, -1)
