@@ -3,7 +3,7 @@ builds its weights: each tile of a LISA layer's scores is built where it is used
 
 For a query block and one alignment group of g <= 4 heads, a tile of keys gives
 
-    S0[h] = qs[h] . ks[h]^T                                 the source layer's scores (its features)
+    S0[h] = qs[h] . ks[h // share]^T                        the source layer's scores (its features)
     S_t[h] = align_t(S_{t-1})[h] + q_t[h] . k_t[h]^T          t = 1..depth (depth 2: a LISA chain)
     align(S)[h] = sum_j M[h, j] S[j] + W2[h] . GELU(W1 S + b1) + b2[h]       (models.attention.lisa)
 
@@ -211,6 +211,13 @@ def _stage(MIX, W1, B1, W2, B2, t, n, NG, G: tl.constexpr, HID: tl.constexpr):
 
 
 @triton.jit
+def _shared_heads(base, h, SHARE, stride_h):
+    """Where slot j's key or value head starts (query head h + j reads head (h + j) // SHARE)."""
+    return (base + h // SHARE * stride_h, base + (h + 1) // SHARE * stride_h,
+            base + (h + 2) // SHARE * stride_h, base + (h + 3) // SHARE * stride_h)
+
+
+@triton.jit
 def _group_tiles(QS, KS, QA, KA, QB, KB, MIX, W1, B1, W2, B2, qo, ko0, ko1, ko2, ko3, ro, sqs_h, sqs_s, sks_s,
                  sr_h, sr_s, rows, cols, S, D, R, n, NG, G: tl.constexpr, HID: tl.constexpr,
                  DEPTH: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, DP: tl.constexpr,
@@ -296,10 +303,8 @@ def _forward(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, O, LSE, STARTS, sqs
     rows = block * BM + tl.arange(0, BM)
     first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
     qo, ro = b * sqs_b + h * sqs_h, b * sr_b + h * sr_h
-    ko0, ko1 = b * sks_b + h // SHARE_K * sks_h, b * sks_b + (h + 1) // SHARE_K * sks_h
-    ko2, ko3 = b * sks_b + (h + 2) // SHARE_K * sks_h, b * sks_b + (h + 3) // SHARE_K * sks_h
-    vo0, vo1 = b * sv_b + h // SHARE_V * sv_h, b * sv_b + (h + 1) // SHARE_V * sv_h
-    vo2, vo3 = b * sv_b + (h + 2) // SHARE_V * sv_h, b * sv_b + (h + 3) // SHARE_V * sv_h
+    ko0, ko1, ko2, ko3 = _shared_heads(b * sks_b, h, SHARE_K, sks_h)
+    vo0, vo1, vo2, vo3 = _shared_heads(b * sv_b, h, SHARE_V, sv_h)
     acc0 = tl.zeros([BM, VP], dtype=ACC)
     acc1, acc2, acc3 = acc0, acc0, acc0
     m0 = tl.full([BM], float("-inf"), dtype=ACC)
@@ -357,6 +362,20 @@ def _head_grad(s, keep, do, V, v_base, sv_s, cols, S, DV, lse, delta, norm, J: t
 
 
 @triton.jit
+def _key_pass_grad(f, keep, rows, cols, DO, o_base, so_s, V, v_base, sv_s, LSE, DELTA, l_base, S, DV, norm,
+                   dv, J: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr, VALUES: tl.constexpr,
+                   IEEE: tl.constexpr, ACC: tl.constexpr, VP: tl.constexpr):
+    """In a key block's pass, head J's score gradient for queries `rows` and, with VALUES, dv plus
+    those queries' share of its values' gradient."""
+    do = _slot(DO, o_base, so_s, rows, S, DV, J, G, VP)
+    p, d = _head_grad(f, keep, do, V, v_base, sv_s, cols, S, DV, _row_values(LSE, l_base, rows, S, J, G, ACC),
+                      _row_values(DELTA, l_base, rows, S, J, G, ACC), norm, J, G, NORM, IEEE, VP)
+    if VALUES:
+        dv = _grad_step(dv, tl.trans(p), do, J, G, IEEE)
+    return d, dv
+
+
+@triton.jit
 def _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX, W1, B1, W2, B2, PART, PW, n, NG,
                  G: tl.constexpr, HID: tl.constexpr, DEPTH: tl.constexpr, WEIGHTS: tl.constexpr,
                  ACC: tl.constexpr):
@@ -379,6 +398,16 @@ def _store(X, base, stride, idx, S, width, x, J: tl.constexpr, G: tl.constexpr, 
         dims = tl.arange(0, WP)
         tl.store(X + base + idx[:, None] * stride + dims[None, :], x.to(X.dtype.element_ty),
                  mask=(idx[:, None] < S) & (dims[None, :] < width))
+
+
+@triton.jit
+def _store_group(X, base, head_stride, stride, idx, S, width, x0, x1, x2, x3, G: tl.constexpr,
+                 WP: tl.constexpr):
+    """Store the group's used slots, slot j's rows at base + j * head_stride."""
+    _store(X, base, stride, idx, S, width, x0, 0, G, WP)
+    _store(X, base + head_stride, stride, idx, S, width, x1, 1, G, WP)
+    _store(X, base + 2 * head_stride, stride, idx, S, width, x2, 2, G, WP)
+    _store(X, base + 3 * head_stride, stride, idx, S, width, x3, 3, G, WP)
 
 
 @triton.jit
@@ -407,10 +436,8 @@ def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, 
     rows = block * BM + tl.arange(0, BM)
     first, lo = _document_starts(STARTS, b, rows, S, BN, DOCS)
     qo, ro, oo = b * sqs_b + h * sqs_h, b * sr_b + h * sr_h, b * so_b + h * so_h
-    ko0, ko1 = b * sks_b + h // SHARE_K * sks_h, b * sks_b + (h + 1) // SHARE_K * sks_h
-    ko2, ko3 = b * sks_b + (h + 2) // SHARE_K * sks_h, b * sks_b + (h + 3) // SHARE_K * sks_h
-    vo0, vo1 = b * sv_b + h // SHARE_V * sv_h, b * sv_b + (h + 1) // SHARE_V * sv_h
-    vo2, vo3 = b * sv_b + (h + 2) // SHARE_V * sv_h, b * sv_b + (h + 3) // SHARE_V * sv_h
+    ko0, ko1, ko2, ko3 = _shared_heads(b * sks_b, h, SHARE_K, sks_h)
+    vo0, vo1, vo2, vo3 = _shared_heads(b * sv_b, h, SHARE_V, sv_h)
     do0 = _slot(DO, oo, so_s, rows, S, DV, 0, G, VP)
     do1 = _slot(DO, oo + so_h, so_s, rows, S, DV, 1, G, VP)
     do2 = _slot(DO, oo + 2 * so_h, so_s, rows, S, DV, 2, G, VP)
@@ -422,7 +449,7 @@ def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, 
     dl0, dl1 = _row_values(DELTA, lb, rows, S, 0, G, ACC), _row_values(DELTA, lb + S, rows, S, 1, G, ACC)
     dl2 = _row_values(DELTA, lb + 2 * S, rows, S, 2, G, ACC)
     dl3 = _row_values(DELTA, lb + 3 * S, rows, S, 3, G, ACC)
-    norm = lse0
+    norm = tl.zeros([BM], dtype=ACC)  # ReLU's n_i (softmax reads none)
     if NORM >= 0:
         norm = _normaliser(rows, first, seq_len, NORM).to(ACC)
     dqs0 = tl.zeros([BM, DP], dtype=ACC)
@@ -457,18 +484,9 @@ def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, 
             dqs2 = _grad_tile(dqs2, g2, KS, ko2, sks_s, cols, S, D, 2, G, DP, IEEE)
             dqs3 = _grad_tile(dqs3, g3, KS, ko3, sks_s, cols, S, D, 3, G, DP, IEEE)
     if not WEIGHTS:
-        _store(DQS, qo, sqs_s, rows, S, D, dqs0, 0, G, DP)
-        _store(DQS, qo + sqs_h, sqs_s, rows, S, D, dqs1, 1, G, DP)
-        _store(DQS, qo + 2 * sqs_h, sqs_s, rows, S, D, dqs2, 2, G, DP)
-        _store(DQS, qo + 3 * sqs_h, sqs_s, rows, S, D, dqs3, 3, G, DP)
-        _store(DQA, ro, sr_s, rows, S, R, dqa0, 0, G, RP)
-        _store(DQA, ro + sr_h, sr_s, rows, S, R, dqa1, 1, G, RP)
-        _store(DQA, ro + 2 * sr_h, sr_s, rows, S, R, dqa2, 2, G, RP)
-        _store(DQA, ro + 3 * sr_h, sr_s, rows, S, R, dqa3, 3, G, RP)
-        _store(DQB, ro, sr_s, rows, S, R, dqb0, 0, GB, RP)
-        _store(DQB, ro + sr_h, sr_s, rows, S, R, dqb1, 1, GB, RP)
-        _store(DQB, ro + 2 * sr_h, sr_s, rows, S, R, dqb2, 2, GB, RP)
-        _store(DQB, ro + 3 * sr_h, sr_s, rows, S, R, dqb3, 3, GB, RP)
+        _store_group(DQS, qo, sqs_h, sqs_s, rows, S, D, dqs0, dqs1, dqs2, dqs3, G, DP)
+        _store_group(DQA, ro, sr_h, sr_s, rows, S, R, dqa0, dqa1, dqa2, dqa3, G, RP)
+        _store_group(DQB, ro, sr_h, sr_s, rows, S, R, dqb0, dqb1, dqb2, dqb3, GB, RP)
 
 
 @triton.jit
@@ -488,10 +506,8 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
     GB: tl.constexpr = G * (DEPTH - 1)
     cols = block * BN + tl.arange(0, BN)
     qo, ro, oo = b * sqs_b + h * sqs_h, b * sr_b + h * sr_h, b * so_b + h * so_h
-    ko0, ko1 = b * sks_b + h // SHARE_K * sks_h, b * sks_b + (h + 1) // SHARE_K * sks_h
-    ko2, ko3 = b * sks_b + (h + 2) // SHARE_K * sks_h, b * sks_b + (h + 3) // SHARE_K * sks_h
-    vo0, vo1 = b * sv_b + h // SHARE_V * sv_h, b * sv_b + (h + 1) // SHARE_V * sv_h
-    vo2, vo3 = b * sv_b + (h + 2) // SHARE_V * sv_h, b * sv_b + (h + 3) // SHARE_V * sv_h
+    ko0, ko1, ko2, ko3 = _shared_heads(b * sks_b, h, SHARE_K, sks_h)
+    vo0, vo1, vo2, vo3 = _shared_heads(b * sv_b, h, SHARE_V, sv_h)
     dks0 = tl.zeros([BN, DP], dtype=ACC)
     dks1, dks2, dks3 = dks0, dks0, dks0
     dka0 = tl.zeros([BN, RP], dtype=ACC)
@@ -511,33 +527,17 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
             QS, KS, QA, KA, QB, KB, MIX, W1, B1, W2, B2, qo, ko0, ko1, ko2, ko3, ro, sqs_h, sqs_s, sks_s,
             sr_h, sr_s, rows, cols, S, D, R, n, NG, G, HID, DEPTH, IEEE, ACC, DP, RP)
         keep = _keep(rows, cols, first, S)
-        norm = _row_values(LSE, lb, rows, S, 0, G, ACC)
+        norm = tl.zeros([BM], dtype=ACC)  # ReLU's n_i (softmax reads none)
         if NORM >= 0:
             norm = _normaliser(rows, first, seq_len, NORM).to(ACC)
-        do0 = _slot(DO, oo, so_s, rows, S, DV, 0, G, VP)
-        p0, d0 = _head_grad(f0, keep, do0, V, vo0, sv_s, cols, S, DV,
-                            _row_values(LSE, lb, rows, S, 0, G, ACC),
-                            _row_values(DELTA, lb, rows, S, 0, G, ACC), norm, 0, G, NORM, IEEE, VP)
-        if VALUES:
-            dv0 = _grad_step(dv0, tl.trans(p0), do0, 0, G, IEEE)
-        do1 = _slot(DO, oo + so_h, so_s, rows, S, DV, 1, G, VP)
-        p1, d1 = _head_grad(f1, keep, do1, V, vo1, sv_s, cols, S, DV,
-                            _row_values(LSE, lb + S, rows, S, 1, G, ACC),
-                            _row_values(DELTA, lb + S, rows, S, 1, G, ACC), norm, 1, G, NORM, IEEE, VP)
-        if VALUES:
-            dv1 = _grad_step(dv1, tl.trans(p1), do1, 1, G, IEEE)
-        do2 = _slot(DO, oo + 2 * so_h, so_s, rows, S, DV, 2, G, VP)
-        p2, d2 = _head_grad(f2, keep, do2, V, vo2, sv_s, cols, S, DV,
-                            _row_values(LSE, lb + 2 * S, rows, S, 2, G, ACC),
-                            _row_values(DELTA, lb + 2 * S, rows, S, 2, G, ACC), norm, 2, G, NORM, IEEE, VP)
-        if VALUES:
-            dv2 = _grad_step(dv2, tl.trans(p2), do2, 2, G, IEEE)
-        do3 = _slot(DO, oo + 3 * so_h, so_s, rows, S, DV, 3, G, VP)
-        p3, d3 = _head_grad(f3, keep, do3, V, vo3, sv_s, cols, S, DV,
-                            _row_values(LSE, lb + 3 * S, rows, S, 3, G, ACC),
-                            _row_values(DELTA, lb + 3 * S, rows, S, 3, G, ACC), norm, 3, G, NORM, IEEE, VP)
-        if VALUES:
-            dv3 = _grad_step(dv3, tl.trans(p3), do3, 3, G, IEEE)
+        d0, dv0 = _key_pass_grad(f0, keep, rows, cols, DO, oo, so_s, V, vo0, sv_s, LSE, DELTA, lb, S, DV,
+                                 norm, dv0, 0, G, NORM, VALUES, IEEE, ACC, VP)
+        d1, dv1 = _key_pass_grad(f1, keep, rows, cols, DO, oo + so_h, so_s, V, vo1, sv_s, LSE, DELTA, lb + S,
+                                 S, DV, norm, dv1, 1, G, NORM, VALUES, IEEE, ACC, VP)
+        d2, dv2 = _key_pass_grad(f2, keep, rows, cols, DO, oo + 2 * so_h, so_s, V, vo2, sv_s, LSE, DELTA,
+                                 lb + 2 * S, S, DV, norm, dv2, 2, G, NORM, VALUES, IEEE, ACC, VP)
+        d3, dv3 = _key_pass_grad(f3, keep, rows, cols, DO, oo + 3 * so_h, so_s, V, vo3, sv_s, LSE, DELTA,
+                                 lb + 3 * S, S, DV, norm, dv3, 3, G, NORM, VALUES, IEEE, ACC, VP)
         if not VALUES:
             e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX,
                                                           W1, B1, W2, B2, MIX, 0, n, NG, G, HID, DEPTH, False,
@@ -556,23 +556,11 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
             dks3 = _grad_tile(dks3, tl.trans(g3), QS, qo + 3 * sqs_h, sqs_s, rows, S, D, 3, G, DP, IEEE)
     # per query head, laid out [batch, heads, seq, width] (contiguous)
     if VALUES:
-        _store(DV_, lb * DV, DV, cols, S, DV, dv0, 0, G, VP)
-        _store(DV_, (lb + S) * DV, DV, cols, S, DV, dv1, 1, G, VP)
-        _store(DV_, (lb + 2 * S) * DV, DV, cols, S, DV, dv2, 2, G, VP)
-        _store(DV_, (lb + 3 * S) * DV, DV, cols, S, DV, dv3, 3, G, VP)
+        _store_group(DV_, lb * DV, S * DV, DV, cols, S, DV, dv0, dv1, dv2, dv3, G, VP)
     else:
-        _store(DKS, lb * D, D, cols, S, D, dks0, 0, G, DP)
-        _store(DKS, (lb + S) * D, D, cols, S, D, dks1, 1, G, DP)
-        _store(DKS, (lb + 2 * S) * D, D, cols, S, D, dks2, 2, G, DP)
-        _store(DKS, (lb + 3 * S) * D, D, cols, S, D, dks3, 3, G, DP)
-        _store(DKA, ro, sr_s, cols, S, R, dka0, 0, G, RP)
-        _store(DKA, ro + sr_h, sr_s, cols, S, R, dka1, 1, G, RP)
-        _store(DKA, ro + 2 * sr_h, sr_s, cols, S, R, dka2, 2, G, RP)
-        _store(DKA, ro + 3 * sr_h, sr_s, cols, S, R, dka3, 3, G, RP)
-        _store(DKB, ro, sr_s, cols, S, R, dkb0, 0, GB, RP)
-        _store(DKB, ro + sr_h, sr_s, cols, S, R, dkb1, 1, GB, RP)
-        _store(DKB, ro + 2 * sr_h, sr_s, cols, S, R, dkb2, 2, GB, RP)
-        _store(DKB, ro + 3 * sr_h, sr_s, cols, S, R, dkb3, 3, GB, RP)
+        _store_group(DKS, lb * D, S * D, D, cols, S, D, dks0, dks1, dks2, dks3, G, DP)
+        _store_group(DKA, ro, sr_h, sr_s, cols, S, R, dka0, dka1, dka2, dka3, G, RP)
+        _store_group(DKB, ro, sr_h, sr_s, cols, S, R, dkb0, dkb1, dkb2, dkb3, GB, RP)
 
 
 # (query block, key block, warps) per kernel on a GPU. A group's heads make each tile four tiles, so
