@@ -63,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.flex import block_mask_for
-from models.attention.kernels import LISA_FLASH_MAX_GROUP, triton_interpreted
+from models.attention.kernels import LISA_FLASH_MAX_GROUP, LISA_FLASH_MAX_WIDTH, triton_interpreted
 from models.attention.relu import relu_attend, relu_normaliser, relu_weights
 from models.attention.shared_scores import (
     RowCut,
@@ -192,7 +192,7 @@ def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float
     kinds = cfg.attention_kinds()
     chained = chained_lisa_layers(kinds)
     if layout.flash and cfg.lisa.kernel == "auto" and lisa_sizes(cfg)[1] <= LISA_FLASH_MAX_GROUP \
-            and cfg.head_dim <= 128:  # the fused kernel's widths (lisa_flash_triton.MAX_WIDTH)
+            and cfg.head_dim <= LISA_FLASH_MAX_WIDTH:
         chained = [i for i in chained if i >= 2 and kinds[i - 1] == kinds[i - 2] == "lisa"]
     chained = len(chained) / kinds.count("lisa")
     return chained * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
@@ -443,7 +443,7 @@ class LISAAttention(nn.Module):
               ) -> torch.Tensor | None:
         """The output by the fused kernel (kernels/lisa_flash_triton.py), or None where it does not
         run: it needs kernel=auto, a GPU in bf16 / fp16 (or Triton's interpreter), alignment groups of
-        at most LISA_FLASH_MAX_GROUP heads, widths up to 128, and scores from a layer's own
+        at most LISA_FLASH_MAX_GROUP heads, widths up to LISA_FLASH_MAX_WIDTH, and scores from a layer's own
         projections, directly or through one LISA layer (a chain of two; the previous layer's
         alignment is then rebuilt in the kernel)."""
         if self.kernel != "auto" or self.align.group > LISA_FLASH_MAX_GROUP:

@@ -25,15 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import LISA_FLASH_MAX_GROUP, triton_interpreted
+from models.attention.kernels import LISA_FLASH_MAX_GROUP, LISA_FLASH_MAX_WIDTH, triton_interpreted
 from models.attention.kernels.lisa_align_triton import _gelu_and_slope
 from models.attention.kernels.relu_triton import NORMALIZER_CODES, _document_starts, _normaliser, _starts
 from models.attention.kernels.triton_dot import dot as _dot
 from models.attention.masks import document_bounds
 
-# Of the source features, the low-rank features and the values, once padded: at 256 the passes over
-# key blocks need more shared memory than an H100 / H200 has (bench.kernel_compile).
-MAX_WIDTH = 128
 SOFTMAX = -1  # the NORM code of softmax sources; relu sources use relu_triton.NORMALIZER_CODES
 
 
@@ -48,7 +45,7 @@ def supports(source_width: int, rank: int, value_width: int, group: int, dtype: 
     if not (dtype in (torch.bfloat16, torch.float16) or triton_interpreted()):
         return False
     widest = max(_padded(source_width), _padded(rank), _padded(value_width))
-    return group <= LISA_FLASH_MAX_GROUP and widest <= MAX_WIDTH
+    return group <= LISA_FLASH_MAX_GROUP and widest <= LISA_FLASH_MAX_WIDTH
 
 
 @triton.jit
@@ -621,7 +618,9 @@ class _FlashLISA(torch.autograd.Function):
         batch, heads, seq, width = qs.shape
         groups, dv = heads // group, v.shape[-1]
         grad_out = grad_out.contiguous()  # read with the output's strides
-        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [batch, heads, seq]: dO . O per row
+        delta = lse  # read by softmax sources only: there dO . O per row, [batch, heads, seq]
+        if meta["NORM"] == SOFTMAX:
+            delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
         pw = group * group + (2 * group * hidden + hidden + group if hidden else 0)
         weights = _tiles("backward_weights")
         blocks = triton.cdiv(seq, weights["BM"])
