@@ -40,6 +40,8 @@ FAMILIES = {  # name: (config, overrides)
     # the performance switches, each against its family's row above
     "dense-1b compiled": ("configs/dense_1b.yaml", ["train.compile=true"]),
     "uoe-1b grouped-gemm": ("configs/1b_uoe.yaml", ["model.moe.grouped_gemm=true"]),
+    "uoe-1b grouped-gemm compiled": ("configs/1b_uoe.yaml",
+                                     ["model.moe.grouped_gemm=true", "train.compile=true"]),
 }
 TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "model.num_heads=4",
         "model.ffn_hidden_size=256", "model.max_seq_len=64",
@@ -881,10 +883,12 @@ def main() -> int:
                      ("lisa_decode", "fused LISA decode"))
     failed += [name for check, name in kernel_checks
                if not report[check].get("match") and "skipped" not in report[check]]
-    skipped = [name for name, r in [*report["throughput"].items(), *report.get("attention", {}).items(),
-                                    *((c, report[c]) for c in CHECKS if c != "correctness")] if "skipped" in r]
-    if skipped:
-        print(f"skipped (--deadline): {', '.join(skipped)}", flush=True)
+    parts = [*report["throughput"].items(), *report.get("attention", {}).items(),
+             *((c, report[c]) for c in CHECKS if c != "correctness")]
+    for why in ("--deadline", "--checks"):
+        skipped = [name for name, r in parts if why in r.get("skipped", "")]
+        if skipped:
+            print(f"skipped ({why}): {', '.join(skipped)}", flush=True)
     failed += [f"attention {n}" for n, r in report.get("attention", {}).items() if "error" in r or "decode_error" in r]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -107,11 +107,10 @@ class GPT(nn.Module):
         self._register_load_state_dict_pre_hook(readd)
 
     def compile_targets(self) -> list[nn.Module]:
-        """What train.compile compiles: whole blocks, but only the attention of blocks with a routed
-        (MoE / UoE) MLP, whose data-dependent dispatch would split a compiled block into many graphs."""
-        from models.moe.routing import RoutedLayer
-
-        return [block.attn if isinstance(block.mlp, RoutedLayer) else block for block in self.blocks]
+        """What train.compile compiles: the blocks. A routed (MoE / UoE) block leaves its routing
+        statistics, and an expert dispatch that waits for the device, to run eagerly between
+        compiled parts (models.moe.experts)."""
+        return list(self.blocks)
 
     def compile_blocks(self, **options) -> None:
         """torch.compile in place (parameter names unchanged, so checkpoints are too); options go

@@ -34,12 +34,20 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [num_experts] (int64) of expert_ids [A] in 0..num_experts-1. A
+    scatter, not torch.bincount, whose output shape depends on the data: torch.compile would
+    split the graph there."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
 def capacity_mask(expert_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
     """Keep the first `capacity` assignments of every expert, in token order (position policy).
 
     expert_ids: [A] flattened (token-major) assignments. Returns a bool mask [A]."""
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=num_experts)
+    counts = expert_counts(expert_ids, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(expert_ids)
     position[order] = torch.arange(expert_ids.numel(), device=expert_ids.device) - starts[expert_ids[order]]
@@ -47,14 +55,21 @@ def capacity_mask(expert_ids: torch.Tensor, num_experts: int, capacity: int) -> 
 
 
 def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts,
-                     num_experts: int, group=None, run_local=None) -> torch.Tensor:
+                     num_experts: int, group=None, run_local=None, may_drop: bool = True) -> torch.Tensor:
     """y[t] = sum_k weights[t, k] * expert_{expert_ids[t, k]}(x[t]) over the experts of the group.
 
     x: [T, d]; expert_ids: [T, K] (-1 = dropped assignment); weights: [T, K] (any float dtype);
     experts: the local experts (a sequence of modules, expert-major; global id = rank * L + i);
     group: the expert-model-parallel group (None or size 1 = all experts local);
     run_local(inputs, rows_per_expert): computes all local experts on their expert-major rows at
-    once (e.g. a grouped GEMM); by default each expert module runs on its rows.
+    once (e.g. a grouped GEMM; rows_per_expert: an int64 tensor on x's device); by default each
+    expert module runs on its rows.
+    may_drop: whether expert_ids may hold -1; False skips looking for them.
+
+    Host syncs: one to find the kept assignments (may_drop only), one for the all-to-all's splits
+    (expert parallelism) and one for the rows per expert (experts run one by one). Dropless, with
+    all experts local and run_local given, the dispatch never waits for the device (so the host
+    runs ahead of it), and torch.compile traces it whole.
     """
     T, d = x.shape
     K = expert_ids.shape[1]
@@ -64,11 +79,15 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
         raise ValueError(f"{local} local experts x expert-parallel size {ep} != {num_experts} experts")
     # Gathers by index_select: its backward is an index_add, where indexing's (index_put with
     # accumulate) sorts the indices first: 16% of a UoE step on an H200.
-    kept = (expert_ids.reshape(-1) >= 0).nonzero().squeeze(1)  # assignment ids (token-major); one host sync
-    flat_ids, flat_w = expert_ids.reshape(-1)[kept], weights.reshape(-1).index_select(0, kept)
+    flat_ids, flat_w = expert_ids.reshape(-1), weights.reshape(-1)
+    if may_drop:
+        kept = (flat_ids >= 0).nonzero().squeeze(1)  # assignment ids (token-major)
+        flat_ids, flat_w = flat_ids[kept], flat_w.index_select(0, kept)
+    else:
+        kept = torch.arange(T * K, device=x.device)
     order = torch.argsort(flat_ids, stable=True)  # expert-major (rank-major too)
     sorted_ids, sorted_tokens = flat_ids[order], kept[order] // K
-    counts = torch.bincount(sorted_ids, minlength=num_experts)
+    counts = expert_counts(sorted_ids, num_experts)
     send = x.index_select(0, sorted_tokens)
     if ep > 1:
         # How many tokens each source rank sends to each of my local experts: [ep, local].
@@ -82,15 +101,15 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
         seg_expert = torch.arange(local, device=x.device).repeat(ep)
         row_expert = seg_expert.repeat_interleave(recv_counts.reshape(-1))
         regroup = torch.argsort(row_expert, stable=True)
-        per_expert = recv_counts.sum(0).tolist()
+        per_expert = recv_counts.sum(0)
         inputs = received.index_select(0, regroup)
     else:
-        per_expert = counts.tolist()
+        per_expert = counts
         inputs = send
     if run_local is not None:
         out = run_local(inputs, per_expert)
     else:
-        outputs = [expert(chunk) for expert, chunk in zip(experts, inputs.split(per_expert))]
+        outputs = [expert(chunk) for expert, chunk in zip(experts, inputs.split(per_expert.tolist()))]
         out = torch.cat(outputs) if outputs else inputs
     if ep > 1:
         restored = torch.empty_like(out)

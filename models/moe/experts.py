@@ -21,6 +21,7 @@ caller. The expert-parallel group is then made of ranks with the same TP rank.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 
@@ -91,15 +92,16 @@ class ExpertMLP(nn.Module):
         return F.linear(swiglu(F.linear(x, self.w_in)), self.w_out)
 
 
-def grouped_swiglu(experts, inputs: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+def grouped_swiglu(experts, inputs: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
     """All local SwiGLU experts in two grouped GEMMs (torch._grouped_mm) over expert-major rows,
     instead of one small GEMM pair per expert. The experts' weights are stacked for the call
-    (DeepSpeed keeps one module per expert); gradients flow back through the stack."""
+    (DeepSpeed keeps one module per expert); gradients flow back through the stack.
+    rows_per_expert: [L] on the inputs' device, so that nothing waits for the device."""
     if not inputs.shape[0]:  # stay in the autograd graph: the backward all-to-all needs every rank
         return experts[0](inputs)
     w_in = torch.stack([e.w_in for e in experts]).transpose(-2, -1)  # [L, d, 2w]
     w_out = torch.stack([e.w_out for e in experts]).transpose(-2, -1)  # [L, w, d]
-    offsets = torch.tensor(rows_per_expert, device=inputs.device).cumsum(0).to(torch.int32)
+    offsets = rows_per_expert.cumsum(0).to(torch.int32)
     hidden = swiglu(torch._grouped_mm(inputs, w_in.to(inputs.dtype), offs=offsets))
     return torch._grouped_mm(hidden, w_out.to(hidden.dtype), offs=offsets)
 
@@ -115,6 +117,10 @@ def check_grouped_gemm(hidden: int, local_width: int, dtype: torch.dtype) -> Non
                              f"({dtype}); change it or set model.moe.grouped_gemm=false")
 
 
+_dispatch_eagerly = torch.compiler.disable(dispatch_combine)
+HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
 class _Dispatcher(nn.Module):
     """Stands where DeepSpeed's MOELayer stands (`deepspeed_moe`): holds `experts`."""
 
@@ -128,9 +134,9 @@ class _Dispatcher(nn.Module):
         self.exp_counts = None
 
     def _set_ep_group(self, group) -> None:
-        self.ep_group = group
+        self.ep_group = _SINGLE if dist.get_world_size(group) == 1 else group
 
-    def forward(self, x, expert_ids, weights):
+    def forward(self, x, expert_ids, weights, may_drop: bool = True):
         group = self.ep_group
         if group is _SINGLE:
             group = None
@@ -139,14 +145,20 @@ class _Dispatcher(nn.Module):
         if group is not None and dist.get_world_size(group) == 1:
             group = None
         local = self.experts.deepspeed_experts
-        run_local = (lambda rows, counts: grouped_swiglu(local, rows, counts)) if self.grouped_gemm else None
-        return dispatch_combine(x, expert_ids, weights, local, self.num_experts, group, run_local)
+        run_local = partial(grouped_swiglu, local) if self.grouped_gemm else None
+        # Without host syncs (dropless, experts local and grouped) torch.compile traces the
+        # dispatch with the rest of the block; otherwise it runs eagerly between compiled parts.
+        # (torch._grouped_mm traces in bf16 / fp16 only; in fp32 it runs on CPUs, eagerly.)
+        traceable = group is None and run_local is not None and not may_drop and x.dtype in HALF_TYPES
+        dispatch = dispatch_combine if traceable else _dispatch_eagerly
+        return dispatch(x, expert_ids, weights, local, self.num_experts, group, run_local, may_drop)
 
 
 class ExpertContainer(MoE):
     """The N routed SwiGLU experts of one layer (this rank's N / EP of them), as a DeepSpeed MoE.
 
-    forward(x [T, d], expert_ids [T, K], weights [T, K]) -> this TP rank's partial [T, d].
+    forward(x [T, d], expert_ids [T, K], weights [T, K], may_drop) -> this TP rank's partial [T, d]
+    (may_drop: whether expert_ids may hold -1, dropped assignments).
     Parameter keys follow DeepSpeed: `deepspeed_moe.experts.deepspeed_experts.{local}.w_in|w_out`.
     """
 
@@ -199,8 +211,8 @@ class ExpertContainer(MoE):
         register_deepspeed_expert_groups()
         self.deepspeed_moe._set_ep_group(ps.get_expert_model_parallel_group())
 
-    def forward(self, x, expert_ids, weights):  # noqa: D102 (signature differs from MoE on purpose)
-        return self.deepspeed_moe(x, expert_ids, weights)
+    def forward(self, x, expert_ids, weights, may_drop: bool = True):  # noqa: D102 (differs from MoE's)
+        return self.deepspeed_moe(x, expert_ids, weights, may_drop)
 
 
 class _Single:

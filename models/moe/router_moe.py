@@ -27,7 +27,6 @@ from models.moe.routing import (
     dispatch_activations,
     expert_params,
     is_sparse_layer,
-    recomputing,
     validate_routed,
 )
 from models.registry import MLPKind, ParallelSizes, register_mlp
@@ -55,12 +54,11 @@ class RouterMoE(RoutedLayer):
         if self.training and self.router_z_loss_coef > 0:
             z = self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
             self.aux_loss = z if self.aux_loss is None else self.aux_loss + z
-            if not recomputing():
-                self.stats.add("router_z", z.detach())
+            self.record(router_z=z.detach())
         if tp_size() > 1:
             weights = copy_to_tensor_model_parallel_region(weights)
         routed_in = copy_to_tensor_model_parallel_region(x) if tp_size() > 1 else x
-        y = self.experts(routed_in, expert_ids, weights)
+        y = self.experts(routed_in, expert_ids, weights, self.may_drop())
         if tp_size() > 1:
             y = reduce_from_tensor_model_parallel_region(y)
         if self.shared is not None:

@@ -26,7 +26,7 @@ from megatron.core import parallel_state as ps
 from torch import nn
 
 from models.config import ConfigError, ModelConfig
-from models.moe.dispatch import capacity_mask
+from models.moe.dispatch import capacity_mask, expert_counts
 from models.registry import ParallelSizes, register_section
 
 
@@ -136,7 +136,7 @@ def recomputing() -> bool:
 def switch_aux_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, coef: float) -> torch.Tensor:
     probs = torch.softmax(scores.float(), dim=-1)
     T, k = expert_ids.shape
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).float()
+    counts = expert_counts(expert_ids.reshape(-1), num_experts).float()
     return coef * num_experts / k * torch.sum((counts / T) * probs.mean(0))
 
 
@@ -222,24 +222,45 @@ class RoutedLayer(nn.Module):
             self.aux_loss = None
         expert_ids = selected
         dropped = 0
-        if self.capacity_factor > 0 and self.training:  # evaluation and inference route every token
+        if self.may_drop():  # evaluation and inference route every token
             capacity = math.ceil(T * self.top_k / self.num_experts * self.capacity_factor)
             keep = capacity_mask(selected.reshape(-1), self.num_experts, capacity).view_as(selected)
             expert_ids = torch.where(keep, selected, torch.full_like(selected, -1))
             dropped = (~keep).sum()
         self.last_dropped = dropped  # a device tensor with capacity dropping: read it only when needed
-        if self.training and not recomputing():  # count each training forward once
-            with torch.no_grad():
-                counts = torch.bincount(selected.reshape(-1), minlength=self.num_experts)
-                if self.bias_update_rate > 0:
-                    self.pending_counts += counts.to(self.pending_counts.dtype)
-                score_sum = (scores if stat_scores is None else stat_scores).detach().double().sum(0)
-                self.stats.add_forward(counts.double(), score_sum, T, T * self.top_k)
-                if self.capacity_factor > 0:
-                    self.stats.add("dropped", dropped)
-                if self.aux_loss is not None:
-                    self.stats.add("aux", self.aux_loss.detach())
+        if self.training:
+            self._record_routing(selected, scores if stat_scores is None else stat_scores, dropped)
         return expert_ids, selected, weights
+
+    # The statistics are kept outside torch.compile's graphs (train.compile compiles routed blocks
+    # too): they update Python counters, and whether a forward is a recomputation is known only
+    # when it runs.
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _record_routing(self, selected: torch.Tensor, scores: torch.Tensor, dropped) -> None:
+        if recomputing():  # count each training forward once
+            return
+        counts = expert_counts(selected.reshape(-1), self.num_experts)
+        if self.bias_update_rate > 0:
+            self.pending_counts += counts.to(self.pending_counts.dtype)
+        T = selected.shape[0]
+        self.stats.add_forward(counts.double(), scores.detach().double().sum(0), T, T * self.top_k)
+        if self.capacity_factor > 0:
+            self.stats.add("dropped", dropped)
+        if self.aux_loss is not None:
+            self.stats.add("aux", self.aux_loss.detach())
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def record(self, **values: torch.Tensor) -> None:
+        """Add each value to its statistic (RoutingStats.ON_DEVICE), once per training forward."""
+        if not recomputing():
+            for name, value in values.items():
+                self.stats.add(name, value)
+
+    def may_drop(self) -> bool:
+        """Whether route() may drop assignments (capacity dropping, in training only)."""
+        return self.capacity_factor > 0 and self.training
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:

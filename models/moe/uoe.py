@@ -43,7 +43,6 @@ from models.moe.routing import (
     dispatch_activations,
     expert_params,
     is_sparse_layer,
-    recomputing,
     scores_from_norms,
     validate_routed,
 )
@@ -84,7 +83,7 @@ class UnionOfExperts(RoutedLayer):
         z, up = gate_and_up(gate_up)
         h = F.silu(z) * up
         a = {"h": h, "silu": F.silu(z) if self.score == "silu" else None, "z": z}[self.score]
-        sq = self.expert_sums(a.float().pow(2))
+        sq = self.square_sums(a)
         if tp_size() > 1:
             sq = reduce_from_tensor_model_parallel_region(sq)
         scores = scores_from_norms(sq)
@@ -97,25 +96,27 @@ class UnionOfExperts(RoutedLayer):
             h = self.scale_neurons(h, scale.to(h.dtype))
         y_vse, _ = self.vse_out(h)
         routed_in = copy_to_tensor_model_parallel_region(x) if tp_size() > 1 else x
-        y_r = self.experts(routed_in, expert_ids, weights)
+        y_r = self.experts(routed_in, expert_ids, weights, self.may_drop())
         if tp_size() > 1:
             y_r = reduce_from_tensor_model_parallel_region(y_r)
-        if self.training and self.stats.measure_norms and not recomputing():
-            with torch.no_grad():
-                self.stats.add("vse_norm", torch.linalg.vector_norm(y_vse, dtype=torch.float32))
-                self.stats.add("routed_norm", torch.linalg.vector_norm(y_r, dtype=torch.float32))
+        if self.training and self.stats.measure_norms:
+            self.record(vse_norm=torch.linalg.vector_norm(y_vse.detach(), dtype=torch.float32),
+                        routed_norm=torch.linalg.vector_norm(y_r.detach(), dtype=torch.float32))
         return (y_vse + y_r).view(shape)
 
-    def expert_sums(self, per_neuron: torch.Tensor) -> torch.Tensor:
-        """[T, local neurons] -> [T, num_experts]: the sum over each expert's neurons on this rank
-        (zero for experts with none here)."""
-        T = per_neuron.shape[0]
+    def square_sums(self, a: torch.Tensor) -> torch.Tensor:
+        """[T, local neurons] -> fp32 [T, num_experts]: the sum of squares over each expert's
+        neurons on this rank (zero for experts with none here). Whole experts take fp32 norms of
+        a, which keep nothing for backward beyond a itself (fp32 squares would keep 4 bytes per
+        routing neuron and token)."""
+        T = a.shape[0]
         if self.whole_experts:
-            sums = per_neuron.view(T, self.local_experts, self.routing_neurons).sum(-1)
+            per_expert = a.view(T, self.local_experts, self.routing_neurons)
+            sums = torch.linalg.vector_norm(per_expert, dim=-1, dtype=torch.float32).square()
             after = self.num_experts - self.first_expert - self.local_experts
             return F.pad(sums, (self.first_expert, after)) if self.first_expert or after else sums
-        sq = torch.zeros(T, self.num_experts, dtype=per_neuron.dtype, device=per_neuron.device)
-        return sq.index_add(1, self.neuron_expert, per_neuron)
+        sq = torch.zeros(T, self.num_experts, dtype=torch.float32, device=a.device)
+        return sq.index_add(1, self.neuron_expert, a.float().pow(2))
 
     def scale_neurons(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """h [T, local neurons] times each neuron's expert's entry of scale [T, num_experts]."""
@@ -185,15 +186,17 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 
 def activations(cfg: ModelConfig, tensor: int) -> float:
     """Elements per token kept for backward: the routed experts' 4 per active neuron (gate/up output,
-    activation, product) and the dispatch's copies; per routing neuron 6: those 4 and the fp32 squares
-    that score the experts, and in overlap mode the weighted product, plus the routing weights
-    spread over the neurons where a tensor-parallel rank holds parts of experts (else they
-    broadcast over a per-expert view)."""
+    activation, product) and the dispatch's copies; per routing neuron those 4, in overlap mode the
+    weighted product, and what scores the experts: the silu activations (score=silu) where a
+    tensor-parallel rank holds whole experts, else the fp32 squares and the routing weights spread
+    over the neurons (in overlap mode)."""
     moe = cfg.moe
     per_expert = moe.resolved_routing_neurons()
     routing_neurons = moe.num_experts * per_expert
     whole_experts = not per_expert or holds_whole_experts(routing_neurons, per_expert, tensor)  # 0: invalid
-    per_routing_neuron = 6 + (2 - whole_experts) * (moe.vse_mode == "overlap")
+    overlap = moe.vse_mode == "overlap"
+    scoring = (moe.score == "silu") if whole_experts else 2 + overlap
+    per_routing_neuron = 4 + overlap + scoring
     routed = 4 * moe.top_k * moe.rest_neurons() + per_routing_neuron * routing_neurons
     return routed / tensor + dispatch_activations(cfg)
 
