@@ -146,7 +146,7 @@ class TrainConfig:
     fused_optimizer: str = field(default="auto", metadata={"parse": parse_fused})
     # none | full | selective (true/false = full/none)
     activation_checkpointing: str = field(default="none", metadata={"parse": parse_checkpointing})
-    compile: bool = False  # torch.compile each block (attention only in UoE/MoE blocks); CPU compiles slowly
+    compile: bool = False  # torch.compile each block (UoE/MoE: routing statistics eager); CPU compiles slowly
     eval_interval: int = 50
     eval_batches: int = 4
     log_interval: int = 10

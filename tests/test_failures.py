@@ -133,7 +133,7 @@ def test_compiled_units_break_only_where_they_must():
     from models.moe.routing import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, shared_hidden_size=32)
-    eager_parts = {"dense": set(), "uoe": {"_record_routing", "record", "dispatch_combine"},
+    eager_parts = {"dense": set(), "uoe": {"_record_routing", "_record_norms", "dispatch_combine"},
                    "moe": {"_record_routing", "record", "dispatch_combine"}}
     with single_process_group():
         for mlp, allowed in eager_parts.items():
@@ -192,7 +192,7 @@ def test_compiled_routed_block_traces_a_dropless_grouped_dispatch():
             assert (counters["stats"]["unique_graphs"] > 1) == may_drop  # looking for dropped ones syncs
 
         hidden = torch.randn(2, 32, 64, generator=gen).bfloat16()
-        results = []
+        results, sums = [], []
         # eager, compiled, compiled and recomputed in backward (full activation checkpointing)
         for compile_it, recompute in ((False, False), (True, False), (True, True)):
             if not recompute:
@@ -208,11 +208,15 @@ def test_compiled_routed_block_traces_a_dropless_grouped_dispatch():
             (y.float() * torch.linspace(-1, 1, 64)).sum().backward()
             stats = block.mlp.stats
             assert (stats.tokens, stats.forwards, int(stats.as_tensor()[:4].sum())) == (64, 1, 128)
+            sums.append(stats.as_tensor())  # loads, score sums, aux loss, output norms
             results.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in block.named_parameters()}))
             if compile_it and not recompute:
                 breaks = [disabled_function(str(reason)) for reason in counters["graph_break"]]
                 assert counters["stats"]["unique_graphs"] > 0 and "dispatch_combine" not in breaks, breaks
     (y0, g0, p0), (y1, g1, p1), (y2, g2, p2) = results
+    assert sums[0][-5:-3].min() > 0  # the output norms were measured
+    torch.testing.assert_close(sums[1], sums[0], rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(sums[2], sums[1], rtol=0, atol=0)
     torch.testing.assert_close(y2, y1, rtol=0, atol=0)
     torch.testing.assert_close(g2, g1, rtol=0, atol=0)
     torch.testing.assert_close(y1, y0, rtol=2e-2, atol=2e-2)

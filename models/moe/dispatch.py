@@ -66,7 +66,7 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
     expert module runs on its rows.
     may_drop: whether expert_ids may hold -1; False skips looking for them.
 
-    Host syncs: one to find the kept assignments (may_drop only), one for the all-to-all's splits
+    Host syncs: one to find the kept assignments (may_drop only), those sizing the all-to-all
     (expert parallelism) and one for the rows per expert (experts run one by one). Dropless, with
     all experts local and run_local given, the dispatch never waits for the device (so the host
     runs ahead of it), and torch.compile traces it whole.

@@ -43,6 +43,7 @@ from models.moe.routing import (
     dispatch_activations,
     expert_params,
     is_sparse_layer,
+    recomputing,
     scores_from_norms,
     validate_routed,
 )
@@ -100,9 +101,15 @@ class UnionOfExperts(RoutedLayer):
         if tp_size() > 1:
             y_r = reduce_from_tensor_model_parallel_region(y_r)
         if self.training and self.stats.measure_norms:
-            self.record(vse_norm=torch.linalg.vector_norm(y_vse.detach(), dtype=torch.float32),
-                        routed_norm=torch.linalg.vector_norm(y_r.detach(), dtype=torch.float32))
+            self._record_norms(y_vse, y_r)
         return (y_vse + y_r).view(shape)
+
+    @torch.compiler.disable  # outside torch.compile's graphs, as RoutedLayer._record_routing
+    @torch.no_grad()
+    def _record_norms(self, y_vse: torch.Tensor, y_r: torch.Tensor) -> None:
+        if not recomputing():  # not measured again when checkpointing recomputes the forward
+            self.stats.add("vse_norm", torch.linalg.vector_norm(y_vse, dtype=torch.float32))
+            self.stats.add("routed_norm", torch.linalg.vector_norm(y_r, dtype=torch.float32))
 
     def square_sums(self, a: torch.Tensor) -> torch.Tensor:
         """[T, local neurons] -> fp32 [T, num_experts]: the sum of squares over each expert's
