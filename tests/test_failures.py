@@ -133,7 +133,7 @@ def test_compiled_units_break_only_where_they_must():
     from models.moe.routing import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, shared_hidden_size=32)
-    eager_parts = {"dense": set(), "uoe": {"_record_routing", "_record_norms", "dispatch_combine"},
+    eager_parts = {"dense": set(), "uoe": {"_record_routing", "record", "dispatch_combine"},
                    "moe": {"_record_routing", "record", "dispatch_combine"}}
     with single_process_group():
         for mlp, allowed in eager_parts.items():

@@ -133,11 +133,11 @@ def recomputing() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def switch_aux_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, coef: float) -> torch.Tensor:
+def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float) -> torch.Tensor:
+    """scores [T, N]; counts [N]: the assignments each expert got (expert_counts)."""
     probs = torch.softmax(scores.float(), dim=-1)
-    T, k = expert_ids.shape
-    counts = expert_counts(expert_ids.reshape(-1), num_experts).float()
-    return coef * num_experts / k * torch.sum((counts / T) * probs.mean(0))
+    T, num_experts = scores.shape
+    return coef * num_experts / top_k * torch.sum((counts.float() / T) * probs.mean(0))
 
 
 class RoutingStats:
@@ -216,8 +216,9 @@ class RoutedLayer(nn.Module):
         selection = scores.detach() + self.router_bias
         selected = selection.topk(self.top_k, dim=-1).indices
         weights = torch.softmax(scores.gather(-1, selected), dim=-1)
+        counts = expert_counts(selected.reshape(-1), self.num_experts) if self.training else None
         if self.training and self.aux_loss_coef > 0:
-            self.aux_loss = switch_aux_loss(scores, selected, self.num_experts, self.aux_loss_coef)
+            self.aux_loss = switch_aux_loss(scores, counts, self.top_k, self.aux_loss_coef)
         else:
             self.aux_loss = None
         expert_ids = selected
@@ -229,7 +230,7 @@ class RoutedLayer(nn.Module):
             dropped = (~keep).sum()
         self.last_dropped = dropped  # a device tensor with capacity dropping: read it only when needed
         if self.training:
-            self._record_routing(selected, scores if stat_scores is None else stat_scores, dropped)
+            self._record_routing(counts, scores if stat_scores is None else stat_scores, dropped)
         return expert_ids, selected, weights
 
     # The statistics are kept outside torch.compile's graphs (train.compile compiles routed blocks
@@ -237,13 +238,12 @@ class RoutedLayer(nn.Module):
     # when it runs.
     @torch.compiler.disable
     @torch.no_grad()
-    def _record_routing(self, selected: torch.Tensor, scores: torch.Tensor, dropped) -> None:
+    def _record_routing(self, counts: torch.Tensor, scores: torch.Tensor, dropped) -> None:
         if recomputing():  # count each training forward once
             return
-        counts = expert_counts(selected.reshape(-1), self.num_experts)
         if self.bias_update_rate > 0:
             self.pending_counts += counts.to(self.pending_counts.dtype)
-        T = selected.shape[0]
+        T = scores.shape[0]
         self.stats.add_forward(counts.double(), scores.detach().double().sum(0), T, T * self.top_k)
         if self.capacity_factor > 0:
             self.stats.add("dropped", dropped)
@@ -252,11 +252,12 @@ class RoutedLayer(nn.Module):
 
     @torch.compiler.disable
     @torch.no_grad()
-    def record(self, **values: torch.Tensor) -> None:
-        """Add each value to its statistic (RoutingStats.ON_DEVICE), once per training forward."""
+    def record(self, norms: bool = False, **values: torch.Tensor) -> None:
+        """Add each value to its statistic (RoutingStats.ON_DEVICE), once per training forward;
+        with `norms`, each value's fp32 L2 norm (computed only when it is counted)."""
         if not recomputing():
             for name, value in values.items():
-                self.stats.add(name, value)
+                self.stats.add(name, torch.linalg.vector_norm(value, dtype=torch.float32) if norms else value)
 
     def may_drop(self) -> bool:
         """Whether route() may drop assignments (capacity dropping, in training only)."""

@@ -43,7 +43,6 @@ from models.moe.routing import (
     dispatch_activations,
     expert_params,
     is_sparse_layer,
-    recomputing,
     scores_from_norms,
     validate_routed,
 )
@@ -101,15 +100,8 @@ class UnionOfExperts(RoutedLayer):
         if tp_size() > 1:
             y_r = reduce_from_tensor_model_parallel_region(y_r)
         if self.training and self.stats.measure_norms:
-            self._record_norms(y_vse, y_r)
+            self.record(norms=True, vse_norm=y_vse, routed_norm=y_r)
         return (y_vse + y_r).view(shape)
-
-    @torch.compiler.disable  # outside torch.compile's graphs, as RoutedLayer._record_routing
-    @torch.no_grad()
-    def _record_norms(self, y_vse: torch.Tensor, y_r: torch.Tensor) -> None:
-        if not recomputing():  # not measured again when checkpointing recomputes the forward
-            self.stats.add("vse_norm", torch.linalg.vector_norm(y_vse, dtype=torch.float32))
-            self.stats.add("routed_norm", torch.linalg.vector_norm(y_r, dtype=torch.float32))
 
     def square_sums(self, a: torch.Tensor) -> torch.Tensor:
         """[T, local neurons] -> fp32 [T, num_experts]: the sum of squares over each expert's
