@@ -34,8 +34,8 @@ import torch
 from launch.layouts import read_layouts
 
 FAMILIES = {  # name: (config, overrides)
-    "dense-1b": ("configs/dense_1b.yaml", []),
-    "uoe-1b": ("configs/1b_uoe.yaml", []),
+    "dense-1b": ("configs/dense_1b.yaml", ["train.compile=false"]),  # its default (auto) compiles here
+    "uoe-1b": ("configs/1b_uoe.yaml", ["model.moe.grouped_gemm=false"]),  # its default (auto) is grouped here
     "hybrid-1b": ("configs/hybrid_1b.yaml", []),
     # the performance switches, each against its family's row above
     "dense-1b compiled": ("configs/dense_1b.yaml", ["train.compile=true"]),
@@ -402,7 +402,7 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     from launch.plan import plan
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
-    from pretrain.config import load_config
+    from pretrain.config import load_config, switched_on
     from pretrain.distributed import init_single_process
     from pretrain.engine import build_engine
     from pretrain.telemetry import device_peak_tflops, peak_memory_gb
@@ -419,7 +419,7 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     init_single_process("nccl" if cuda else "gloo")  # every tensor here lives on the device
     torch.manual_seed(0)
     model = GPT(cfg.model, activation_checkpointing=cfg.train.activation_checkpointing)
-    if cfg.train.compile:
+    if switched_on(cfg.train.compile):
         model.compile_blocks()
     engine = build_engine(cfg, model)
     micro, seq = cfg.train.micro_batch, cfg.model.max_seq_len

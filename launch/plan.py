@@ -17,11 +17,13 @@ size, De = expert-data-parallel size D / EP):
                  output-projection input; k = K/V width, h without grouped-query attention) + a*s/t
                  attention scores for kinds that store them (all but flash softmax), for the MLPs
                  4f/t (gate/up output, activation, product; f = active MLP width), routed MLPs
-                 2kh more for the dispatch's copies (k = top_k) and UoE 6/t per routing neuron (7 in
-                 overlap mode, 8 where a rank holds parts of experts; models/moe/uoe.py:
-                 activations); full activation
+                 2kh more for the dispatch's copies (k = top_k) and UoE 4/t per routing neuron, one
+                 more in overlap mode and one more scored by silu (6, 8 in overlap mode, where a rank
+                 holds parts of experts; models/moe/uoe.py: activations); full activation
                  checkpointing keeps h per layer plus one layer's full set, selective drops the
-                 scores term (the attention core is recomputed); plus the fp32 logits, 2 x V/t per token
+                 scores term (the attention core is recomputed); plus the fp32 logits, 2 x V/t per token;
+                 with grouped-GEMM experts (model.moe.grouped_gemm on --gpu) the local experts'
+                 weights stacked (one layer's with full checkpointing)
   buffers        DeepSpeed's reduce/all-gather buckets (ZeRO-1/2: 2 x min(5e8, P) elements;
                  ZeRO-3: prefetch bucket + live parameters)
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
@@ -40,11 +42,13 @@ from dataclasses import dataclass
 from launch.layouts import single_gpu_overrides
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
+from models.moe.routing import grouped_gemm_wanted
 from models.registry import ActivationLayout, attention_kind, mlp_kind
 from pretrain.config import Config, ConfigError, load_config, validate
 from pretrain.telemetry import peak_tflops
 
 GPUS = ("h100", "h200", "a100", "cpu")  # --gpu: peak from pretrain.telemetry's table (cpu: 1 TFLOP/s)
+COMPUTE_CAPABILITY = {"h100": (9, 0), "h200": (9, 0), "a100": (8, 0)}
 GIB = 2**30
 
 
@@ -58,6 +62,7 @@ class Layout:
     micro_batch: int
     bf16: bool
     checkpointing: str  # none | full | selective
+    grouped_experts: bool = False  # experts run as grouped GEMMs (model.moe.grouped_gemm on the --gpu)
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
@@ -107,11 +112,17 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
         buffers = 2 * min(5e8, local) * elem
     else:
         buffers = 0.0
+    activations = activation_bytes(m, layout, m.max_seq_len)
+    if layout.grouped_experts and expert_local:
+        # The grouped GEMMs read each layer's experts stacked, and keep that copy for backward
+        # (1.6 GB for the 1B UoE on an H200); full checkpointing keeps one layer's.
+        routed = sum(mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
+        activations += expert_local * elem / (routed if layout.checkpointing == "full" else 1)
     return {
         "weights": sharded(elem, 3),
         "gradients": (sharded(elem, 2) if z < 2 else 0.0) + (sharded(4, 1) if z >= 1 else 0.0),
         "optimizer": sharded(opt_bytes, 1),
-        "activations": activation_bytes(m, layout, m.max_seq_len),
+        "activations": activations,
         "buffers": buffers,
     }
 
@@ -121,8 +132,9 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     world = nodes * gpus_per_node
     validate(cfg, world)
     p, t = cfg.parallel, cfg.train
+    grouped = bf16 and grouped_gemm_wanted(cfg.model.moe.grouped_gemm, COMPUTE_CAPABILITY.get(gpu))
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
-                    t.activation_checkpointing)  # canonical (none | full | selective) since load_config
+                    t.activation_checkpointing, grouped)  # checkpointing: none | full | selective
     memory = memory_breakdown(cfg, layout)
     total = peak_bytes(memory)
     fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context

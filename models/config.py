@@ -21,6 +21,16 @@ class ConfigError(ValueError):
     """A config problem, stated with the key at fault and the fix."""
 
 
+SWITCH = ("auto", "true", "false")  # keys that a machine's hardware may decide (auto)
+
+
+def parse_switch(value, key: str) -> str:
+    text = str(value).lower()  # YAML reads true/false as booleans
+    if text not in SWITCH:
+        raise ConfigError(f"{key}={value!r}: choose auto, true or false")
+    return text
+
+
 @dataclass(init=False, eq=False)
 class ModelConfig:
     vocab_size: int = 4096  # tokenizer vocabulary; the embedding is padded to `vocab_pad_to`

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from models import registry
-from models.config import ConfigError, ModelConfig, apply_values, normalise
+from models.config import ConfigError, ModelConfig, apply_values, normalise, parse_switch
 from pretrain.schedule import validate_schedule
 
 
@@ -69,14 +69,13 @@ def parse_checkpointing(value, key: str) -> str:
         raise ConfigError(str(err)) from None
 
 
-FUSED_OPTIMIZER = ("auto", "true", "false")
+def switched_on(value: str) -> bool:
+    """An auto / true / false key (parse_switch) on this machine: auto is on where a GPU is."""
+    if value == "auto":
+        import torch
 
-
-def parse_fused(value, key: str) -> str:
-    text = str(value).lower()  # YAML reads true/false as booleans
-    if text not in FUSED_OPTIMIZER:
-        raise ConfigError(f"{key}={value!r}: choose auto, true or false")
-    return text
+        return torch.cuda.is_available()
+    return value == "true"
 
 
 @dataclass
@@ -143,10 +142,12 @@ class TrainConfig:
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # torch's fused AdamW: auto (on GPU) | true | false
-    fused_optimizer: str = field(default="auto", metadata={"parse": parse_fused})
+    fused_optimizer: str = field(default="auto", metadata={"parse": parse_switch})
     # none | full | selective (true/false = full/none)
     activation_checkpointing: str = field(default="none", metadata={"parse": parse_checkpointing})
-    compile: bool = False  # torch.compile each block (UoE/MoE: routing statistics eager); CPU compiles slowly
+    # torch.compile each block (UoE/MoE: routing statistics eager): auto (on GPU) | true | false.
+    # false by default: CPUs compile slowly, and kinds not yet timed on a GPU stay eager unless asked.
+    compile: str = field(default="false", metadata={"parse": parse_switch})
     eval_interval: int = 50
     eval_batches: int = 4
     log_interval: int = 10

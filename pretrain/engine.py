@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from pretrain.config import Config
+from pretrain.config import Config, switched_on
 from pretrain.distributed import MegatronCoreMPU
 from pretrain.schedule import client_scheduler
 
@@ -19,9 +19,7 @@ def use_bf16(cfg: Config) -> bool:
 
 
 def use_fused_optimizer(cfg: Config) -> bool:
-    if cfg.train.fused_optimizer == "auto":
-        return torch.cuda.is_available()
-    return cfg.train.fused_optimizer == "true"
+    return switched_on(cfg.train.fused_optimizer)
 
 
 def vetoes_invalid_norms(cfg: Config) -> bool:

@@ -23,7 +23,15 @@ import torch  # noqa: E402
 
 from models import registry  # noqa: E402
 from pretrain import checkpoint, checkpoint_format, signals  # noqa: E402
-from pretrain.config import Config, ConfigError, load_config, save_config, validate, validate_data  # noqa: E402
+from pretrain.config import (  # noqa: E402
+    Config,
+    ConfigError,
+    load_config,
+    save_config,
+    switched_on,
+    validate,
+    validate_data,
+)
 from pretrain.distributed import destroy_distributed, device, init_distributed, read_env  # noqa: E402
 
 
@@ -133,7 +141,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     model = task.build_model(cfg)
     if init_path is not None:
         task.load_init(model, init_path)
-    if cfg.train.compile:
+    if switched_on(cfg.train.compile):
         model.compile_blocks()
     engine = build_engine(cfg, model, load_universal=bool(universal))
     batches = task.batches(cfg)

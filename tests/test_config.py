@@ -59,6 +59,8 @@ def test_bad_overrides(override, message):
     (["train.warmup_steps=500", "train.steps=100"], 1, "warmup_steps=500 must be smaller"),
     (["train.warmup_steps=-1"], 1, "warmup_steps=-1 must be >= 0"),
     (["train.activation_checkpointing=some"], 1, "choose one of"),
+    (["train.compile=sometimes"], 1, "train.compile='sometimes': choose auto, true or false"),
+    (["model.mlp=moe", "model.moe.grouped_gemm=yes"], 1, "grouped_gemm='yes': choose auto, true or false"),
     (["model.mlp=moe", "model.moe.grouped_gemm=true", "model.moe.expert_hidden_size=36"], 1,
      "expert width per tensor-parallel rank=36 must be a multiple of 8"),
     (["model.mlp=uoe", "model.moe.sizing=carved", "model.moe.routing_neurons=128"], 1,

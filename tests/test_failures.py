@@ -171,7 +171,7 @@ def test_compiled_routed_block_traces_a_dropless_grouped_dispatch():
     from models.moe.experts import grouped_swiglu
     from models.moe.routing import MoEConfig
 
-    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, shared_hidden_size=32, grouped_gemm=True)
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=32, shared_hidden_size=32, grouped_gemm="true")
     cfg = ModelConfig(vocab_size=300, hidden_size=64, num_heads=4, num_layers=1, ffn_hidden_size=96,
                       max_seq_len=32, attention="s", mlp="uoe", moe=moe)
     with single_process_group():

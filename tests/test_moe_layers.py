@@ -601,3 +601,35 @@ def test_uoe_layer_keeps_what_the_planner_counts(score):
     planned_per_neuron = (planned[64] - planned[32]) / (experts * 32)
     assert per_neuron == pytest.approx(planned_per_neuron, rel=0.02), (measured, planned)
     assert measured[64] == pytest.approx(planned[64], rel=0.15), (measured, planned)
+
+
+def test_grouped_gemm_auto_means_hopper_16_bit_and_aligned_sizes(monkeypatch):
+    """model.moe.grouped_gemm=auto: grouped GEMMs on a GPU of compute capability 9.x only, in bf16
+    / fp16 only and for sizes torch._grouped_mm takes; true and false as given."""
+    import models.moe.experts as experts_module
+    from models.moe.routing import grouped_gemm_wanted
+    from tests.dist_utils import single_process_group
+
+    capabilities = (None, (8, 0), (9, 0), (10, 0))
+    assert [grouped_gemm_wanted("auto", cap) for cap in capabilities] == [False, False, True, False]
+    assert grouped_gemm_wanted("true", None) and not grouped_gemm_wanted("false", (9, 0))
+
+    calls = []
+    grouped = experts_module.grouped_swiglu
+    monkeypatch.setattr(experts_module, "grouped_swiglu", lambda *a: calls.append(a[1].dtype) or grouped(*a))
+
+    def runs_grouped(width: int, capability, setting: str = "auto") -> list:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+        calls.clear()
+        layer = build("moe", make_cfg("moe", expert_hidden_size=width, grouped_gemm=setting))
+        x = torch.randn(10, D)
+        for dtype in (torch.float32, torch.bfloat16):
+            layer.to(dtype)(x.to(dtype)).sum().backward()
+        return list(calls)
+
+    with single_process_group():
+        assert runs_grouped(DE, (9, 0)) == [torch.bfloat16]
+        assert runs_grouped(DE, (8, 0)) == runs_grouped(DE, None) == []
+        assert runs_grouped(12, (9, 0)) == []  # 12 bf16 values are 24 bytes: not 16-byte aligned
+        assert runs_grouped(DE, None, "true") == [torch.float32, torch.bfloat16]

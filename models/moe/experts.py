@@ -40,6 +40,7 @@ from torch import nn  # noqa: E402
 from models.config import ModelConfig
 from models.layers import output_init, swiglu, tp_size
 from models.moe.dispatch import dispatch_combine
+from models.moe.routing import grouped_gemm_wanted
 
 
 def ep_world() -> int:
@@ -117,6 +118,23 @@ def check_grouped_gemm(hidden: int, local_width: int, dtype: torch.dtype) -> Non
                              f"({dtype}); change it or set model.moe.grouped_gemm=false")
 
 
+def grouped_gemm_mode(cfg: ModelConfig, local_width: int) -> tuple[bool, bool]:
+    """model.moe.grouped_gemm on this machine: (grouped, only in bf16 / fp16). auto picks grouped
+    GEMMs on GPUs where torch._grouped_mm is a fused kernel (models.moe.routing.grouped_gemm_wanted),
+    for sizes it takes, in 16-bit floats (the fused kernel's types)."""
+    setting = cfg.moe.grouped_gemm
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if not grouped_gemm_wanted(setting, capability):
+        return False, False
+    if setting == "true":
+        return True, False
+    try:
+        check_grouped_gemm(cfg.hidden_size, local_width, torch.bfloat16)
+    except ValueError:
+        return False, False
+    return True, True
+
+
 _dispatch_eagerly = torch.compiler.disable(dispatch_combine)
 HALF_TYPES = (torch.bfloat16, torch.float16)
 
@@ -124,11 +142,13 @@ HALF_TYPES = (torch.bfloat16, torch.float16)
 class _Dispatcher(nn.Module):
     """Stands where DeepSpeed's MOELayer stands (`deepspeed_moe`): holds `experts`."""
 
-    def __init__(self, experts: Experts, num_experts: int, grouped_gemm: bool = False):
+    def __init__(self, experts: Experts, num_experts: int, grouped_gemm: bool = False,
+                 half_only: bool = False):
         super().__init__()
         self.experts = experts
         self.num_experts = num_experts
         self.grouped_gemm = grouped_gemm
+        self.grouped_in_half_only = half_only
         self.ep_group = None
         self.l_aux = None
         self.exp_counts = None
@@ -145,7 +165,8 @@ class _Dispatcher(nn.Module):
         if group is not None and dist.get_world_size(group) == 1:
             group = None
         local = self.experts.deepspeed_experts
-        run_local = partial(grouped_swiglu, local) if self.grouped_gemm else None
+        grouped = self.grouped_gemm and (x.dtype in HALF_TYPES or not self.grouped_in_half_only)
+        run_local = partial(grouped_swiglu, local) if grouped else None
         # Without host syncs (dropless, experts local and grouped) torch.compile traces the
         # dispatch with the rest of the block; otherwise it runs eagerly between compiled parts.
         # (torch._grouped_mm traces in bf16 / fp16 only; in fp32 it runs on CPUs, eagerly.)
@@ -178,7 +199,7 @@ class ExpertContainer(MoE):
         self.num_local_experts = num_experts // ep
         self.width = width
         experts = Experts(ExpertMLP(cfg.hidden_size, width), self.num_local_experts, self.expert_group_name)
-        self.deepspeed_moe = _Dispatcher(experts, num_experts, cfg.moe.grouped_gemm)
+        self.deepspeed_moe = _Dispatcher(experts, num_experts, *grouped_gemm_mode(cfg, width // tp_size()))
         if ep == 1:
             self.deepspeed_moe.ep_group = _SINGLE
         self._init_weights(cfg, ep_rank() if ep > 1 else 0)
