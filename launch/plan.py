@@ -22,8 +22,8 @@ size, De = expert-data-parallel size D / EP):
                  holds parts of experts; models/moe/uoe.py: activations); full activation
                  checkpointing keeps h per layer plus one layer's full set, selective drops the
                  scores term (the attention core is recomputed); plus the fp32 logits, 2 x V/t per token;
-                 with grouped-GEMM experts (model.moe.grouped_gemm on --gpu) the local experts'
-                 weights stacked (one layer's with full checkpointing)
+                 with grouped-GEMM experts (model.moe.grouped_gemm on --gpu) one layer's local
+                 experts' weights stacked
   buffers        DeepSpeed's reduce/all-gather buckets (ZeRO-1/2: 2 x min(5e8, P) elements;
                  ZeRO-3: prefetch bucket + live parameters)
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
@@ -114,10 +114,8 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
         buffers = 0.0
     activations = activation_bytes(m, layout, m.max_seq_len)
     if layout.grouped_experts and expert_local:
-        # The grouped GEMMs read each layer's experts stacked, and keep that copy for backward
-        # (1.6 GB for the 1B UoE on an H200); full checkpointing keeps one layer's.
-        routed = sum(mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
-        activations += expert_local * elem / (routed if layout.checkpointing == "full" else 1)
+        # The grouped GEMMs read a layer's local experts stacked, for the call (forward and backward).
+        activations += expert_local * elem / sum(mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
     return {
         "weights": sharded(elem, 3),
         "gradients": (sharded(elem, 2) if z < 2 else 0.0) + (sharded(4, 1) if z >= 1 else 0.0),

@@ -633,3 +633,41 @@ def test_grouped_gemm_auto_means_hopper_16_bit_and_aligned_sizes(monkeypatch):
         assert runs_grouped(DE, (8, 0)) == runs_grouped(DE, None) == []
         assert runs_grouped(12, (9, 0)) == []  # 12 bf16 values are 24 bytes: not 16-byte aligned
         assert runs_grouped(DE, None, "true") == [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_loop_and_keep_no_stacked_weights(dtype):
+    """grouped_swiglu gives each expert's SwiGLU on its rows (an expert without rows included),
+    output and every gradient, and keeps no stack of the experts' weights for backward (nothing
+    three-dimensional): backward stacks them again."""
+    from models.moe.experts import ExpertMLP, grouped_swiglu
+    from tests.dist_utils import single_process_group
+
+    with single_process_group():
+        torch.manual_seed(0)
+        experts = [ExpertMLP(16, 16).to(dtype) for _ in range(3)]
+        for expert in experts:
+            for param in expert.parameters():
+                torch.nn.init.normal_(param, std=0.3)
+        rows = [5, 0, 7]
+        x = torch.randn(sum(rows), 16, dtype=dtype)
+        results = []
+        for grouped in (False, True):
+            inputs = x.clone().requires_grad_()
+            kept = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dim()) or t, lambda t: t):
+                if grouped:
+                    out = grouped_swiglu(experts, inputs, torch.tensor(rows))
+                else:
+                    out = torch.cat([e(chunk) for e, chunk in zip(experts, inputs.split(rows))])
+            out.sum().backward()  # the output's gradient is a stride-0 expansion
+            grads = [inputs.grad] + [p.grad.clone() for e in experts for p in e.parameters()]
+            results.append((out.detach(), grads, max(kept)))
+            for expert in experts:
+                expert.zero_grad()
+    (loop_out, loop_grads, _), (out, grads, widest_kept) = results
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, loop_out, **tol)
+    for grad, want in zip(grads, loop_grads):
+        torch.testing.assert_close(grad, want, **tol)
+    assert widest_kept == 2
