@@ -399,7 +399,7 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     row's RESULT line. With `profile_dir`, one more step then runs under torch.profiler and a PROFILE
     line follows (its top operators; the full operator table is appended to
     profile_dir/<report stem>-profiles.txt): a profiler failure cannot cost the row its numbers."""
-    from launch.plan import plan
+    from launch.plan import GPUS, plan
     from models.counting import flops_per_token, param_counts
     from models.gpt import GPT
     from pretrain.config import load_config, switched_on
@@ -448,7 +448,9 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     tflops = tokens * flops_per_token(cfg.model) / elapsed / 1e12
     peak = device_peak_tflops()
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 1e6
-    planned = plan(cfg, 1, 1, memory_gb, bf16=cuda)
+    # the planner's GPU of that name (what grouped_gemm=auto does depends on it)
+    gpu = next((g for g in GPUS if g in torch.cuda.get_device_name().lower()), "h100") if cuda else "cpu"
+    planned = plan(cfg, 1, 1, memory_gb, gpu, bf16=cuda)
     measured = peak_memory_gb()
     row = {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,
            "micro_batch": micro, "checkpointing": cfg.train.activation_checkpointing, "warmup_s": warmup_s,

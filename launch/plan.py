@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from launch.layouts import single_gpu_overrides
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
-from models.moe.routing import grouped_gemm_wanted
+from models.moe.routing import grouped_gemm_mode
 from models.registry import ActivationLayout, attention_kind, mlp_kind
 from pretrain.config import Config, ConfigError, load_config, validate
 from pretrain.telemetry import peak_tflops
@@ -130,7 +130,10 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     world = nodes * gpus_per_node
     validate(cfg, world)
     p, t = cfg.parallel, cfg.train
-    grouped = bf16 and grouped_gemm_wanted(cfg.model.moe.grouped_gemm, COMPUTE_CAPABILITY.get(gpu))
+    moe = cfg.model.moe
+    grouped, bf16_only = grouped_gemm_mode(moe.grouped_gemm, COMPUTE_CAPABILITY.get(gpu),
+                                           cfg.model.hidden_size, moe.rest_neurons() // p.tensor)
+    grouped = grouped and (bf16 or not bf16_only)
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
                     t.activation_checkpointing, grouped)  # checkpointing: none | full | selective
     memory = memory_breakdown(cfg, layout)

@@ -21,14 +21,16 @@ class ConfigError(ValueError):
     """A config problem, stated with the key at fault and the fix."""
 
 
-SWITCH = ("auto", "true", "false")  # keys that a machine's hardware may decide (auto)
+# Keys that a machine's hardware may decide (auto), with the spellings a boolean key took.
+SWITCH = {"auto": "auto", "true": "true", "false": "false", "1": "true", "0": "false", "yes": "true",
+          "no": "false", "on": "true", "off": "false"}
 
 
 def parse_switch(value, key: str) -> str:
-    text = str(value).lower()  # YAML reads true/false as booleans
+    text = str(value).strip().lower()  # YAML reads true/false as booleans
     if text not in SWITCH:
         raise ConfigError(f"{key}={value!r}: choose auto, true or false")
-    return text
+    return SWITCH[text]
 
 
 @dataclass(init=False, eq=False)

@@ -69,8 +69,9 @@ def parse_checkpointing(value, key: str) -> str:
         raise ConfigError(str(err)) from None
 
 
-def switched_on(value: str) -> bool:
+def switched_on(value) -> bool:
     """An auto / true / false key (parse_switch) on this machine: auto is on where a GPU is."""
+    value = parse_switch(value, "switch")  # also a boolean set in code
     if value == "auto":
         import torch
 

@@ -31,6 +31,11 @@ def test_yaml_and_dotted_overrides(tmp_path):
     cfg = load_config(path, ["train.lr=3e-4", "model.tie_embeddings=true", "model.attention=[softmax, relu, lisa]"])
     assert cfg.model.num_layers == 3 and cfg.train.lr == 3e-4 and cfg.model.tie_embeddings is True
     assert cfg.model.attention_kinds() == ["softmax", "relu", "lisa"]
+    # auto / true / false keys also take the spellings their boolean forms took
+    switches = load_config(path, ["train.compile=On", "train.fused_optimizer=0",
+                                  "model.moe.grouped_gemm=AUTO"])
+    assert (switches.train.compile, switches.train.fused_optimizer, switches.model.moe.grouped_gemm) == \
+        ("true", "false", "auto")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -60,7 +65,8 @@ def test_bad_overrides(override, message):
     (["train.warmup_steps=-1"], 1, "warmup_steps=-1 must be >= 0"),
     (["train.activation_checkpointing=some"], 1, "choose one of"),
     (["train.compile=sometimes"], 1, "train.compile='sometimes': choose auto, true or false"),
-    (["model.mlp=moe", "model.moe.grouped_gemm=yes"], 1, "grouped_gemm='yes': choose auto, true or false"),
+    (["model.mlp=moe", "model.moe.grouped_gemm=maybe"], 1,
+     "grouped_gemm='maybe': choose auto, true or false"),
     (["model.mlp=moe", "model.moe.grouped_gemm=true", "model.moe.expert_hidden_size=36"], 1,
      "expert width per tensor-parallel rank=36 must be a multiple of 8"),
     (["model.mlp=uoe", "model.moe.sizing=carved", "model.moe.routing_neurons=128"], 1,

@@ -126,8 +126,9 @@ def test_compiled_hybrid_blocks_make_a_graph_per_kind_of_layer_not_per_layer(kee
 def test_compiled_units_break_only_where_they_must():
     """Each block train.compile compiles traces whole, except where it must not: a dense block of
     every attention kind is one graph; a routed (UoE / MoE) block leaves only its routing
-    statistics to run eagerly, and its expert dispatch where that waits for the device (here fp32,
-    so the experts run one by one): a stray graph break would split a block and cost the fusion."""
+    statistics to run eagerly, and its expert dispatch where that waits for the device (here on a
+    CPU, where the experts run one by one): a stray graph break would split a block and cost the
+    fusion."""
     from models.config import ModelConfig
     from models.gpt import GPT
     from models.moe.routing import MoEConfig

@@ -6,6 +6,7 @@ edge cases (an expert with no tokens, every token to one expert, one token on a 
 from __future__ import annotations
 
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -603,22 +604,19 @@ def test_uoe_layer_keeps_what_the_planner_counts(score):
     assert measured[64] == pytest.approx(planned[64], rel=0.15), (measured, planned)
 
 
-def test_grouped_gemm_auto_means_hopper_16_bit_and_aligned_sizes(monkeypatch):
+def test_grouped_gemm_auto_means_hopper_bf16_and_aligned_sizes(monkeypatch):
     """model.moe.grouped_gemm=auto: grouped GEMMs on a GPU of compute capability 9.x only, in bf16
-    / fp16 only and for sizes torch._grouped_mm takes; true and false as given."""
+    only and for sizes torch._grouped_mm takes; true (also set in code as True) and false as given."""
     import models.moe.experts as experts_module
-    from models.moe.routing import grouped_gemm_wanted
+    from models.moe.routing import MoEConfig
     from tests.dist_utils import single_process_group
 
-    capabilities = (None, (8, 0), (9, 0), (10, 0))
-    assert [grouped_gemm_wanted("auto", cap) for cap in capabilities] == [False, False, True, False]
-    assert grouped_gemm_wanted("true", None) and not grouped_gemm_wanted("false", (9, 0))
-
+    assert MoEConfig(grouped_gemm=True).grouped_gemm == "true" and MoEConfig().grouped_gemm == "auto"
     calls = []
     grouped = experts_module.grouped_swiglu
     monkeypatch.setattr(experts_module, "grouped_swiglu", lambda *a: calls.append(a[1].dtype) or grouped(*a))
 
-    def runs_grouped(width: int, capability, setting: str = "auto") -> list:
+    def runs_grouped(width: int, capability, setting="auto") -> list:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
         calls.clear()
@@ -630,16 +628,17 @@ def test_grouped_gemm_auto_means_hopper_16_bit_and_aligned_sizes(monkeypatch):
 
     with single_process_group():
         assert runs_grouped(DE, (9, 0)) == [torch.bfloat16]
-        assert runs_grouped(DE, (8, 0)) == runs_grouped(DE, None) == []
+        assert runs_grouped(DE, (8, 0)) == runs_grouped(DE, (10, 0)) == runs_grouped(DE, None) == []
         assert runs_grouped(12, (9, 0)) == []  # 12 bf16 values are 24 bytes: not 16-byte aligned
-        assert runs_grouped(DE, None, "true") == [torch.float32, torch.bfloat16]
+        assert runs_grouped(DE, None, True) == [torch.float32, torch.bfloat16]
+        assert runs_grouped(DE, (9, 0), "false") == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_equal_the_loop_and_keep_no_stacked_weights(dtype):
     """grouped_swiglu gives each expert's SwiGLU on its rows (an expert without rows included),
-    output and every gradient, and keeps no stack of the experts' weights for backward (nothing
-    three-dimensional): backward stacks them again."""
+    output and every gradient, eagerly and under torch.compile, and keeps no stack of the experts'
+    weights for backward (nothing three-dimensional) either way: backward stacks them again."""
     from models.moe.experts import ExpertMLP, grouped_swiglu
     from tests.dist_utils import single_process_group
 
@@ -651,23 +650,25 @@ def test_grouped_experts_equal_the_loop_and_keep_no_stacked_weights(dtype):
                 torch.nn.init.normal_(param, std=0.3)
         rows = [5, 0, 7]
         x = torch.randn(sum(rows), 16, dtype=dtype)
-        results = []
-        for grouped in (False, True):
+        grouped = partial(grouped_swiglu, experts, rows_per_expert=torch.tensor(rows))
+        variants = {"loop": lambda inputs: torch.cat([e(c) for e, c in zip(experts, inputs.split(rows))]),
+                    "grouped": grouped,
+                    "grouped compiled": torch.compile(grouped, backend="aot_eager", fullgraph=True)}
+        results = {}
+        for name, run in variants.items():
             inputs = x.clone().requires_grad_()
             kept = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dim()) or t, lambda t: t):
-                if grouped:
-                    out = grouped_swiglu(experts, inputs, torch.tensor(rows))
-                else:
-                    out = torch.cat([e(chunk) for e, chunk in zip(experts, inputs.split(rows))])
+                out = run(inputs)
             out.sum().backward()  # the output's gradient is a stride-0 expansion
             grads = [inputs.grad] + [p.grad.clone() for e in experts for p in e.parameters()]
-            results.append((out.detach(), grads, max(kept)))
+            results[name] = (out.detach(), grads, max(kept))
             for expert in experts:
                 expert.zero_grad()
-    (loop_out, loop_grads, _), (out, grads, widest_kept) = results
+    loop_out, loop_grads, _ = results.pop("loop")
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out, loop_out, **tol)
-    for grad, want in zip(grads, loop_grads):
-        torch.testing.assert_close(grad, want, **tol)
-    assert widest_kept == 2
+    for name, (out, grads, widest_kept) in results.items():
+        torch.testing.assert_close(out, loop_out, **tol, msg=name)
+        for grad, want in zip(grads, loop_grads):
+            torch.testing.assert_close(grad, want, **tol, msg=name)
+        assert widest_kept == 2, name

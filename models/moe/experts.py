@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 from models.config import ModelConfig
 from models.layers import output_init, swiglu, tp_size
 from models.moe.dispatch import dispatch_combine
-from models.moe.routing import grouped_gemm_wanted
+from models.moe.routing import grouped_gemm_mode
 
 
 def ep_world() -> int:
@@ -93,27 +93,58 @@ class ExpertMLP(nn.Module):
         return F.linear(swiglu(F.linear(x, self.w_in)), self.w_out)
 
 
-class _GroupedLinear(torch.autograd.Function):
+@torch.library.custom_op("uoe_pretrain::grouped_linear", mutates_args=())
+def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """y = x W_e^T on each expert e's rows of x [T, in] (expert-major; offsets: their cumulative
     ends, int32) with weights W_e [out, in], as one grouped GEMM over the weights stacked for the
     call. Backward stacks them again instead of keeping the stack (kept, the stacks of all routed
-    layers held the local experts' weights once more: 1.6 GB for the 1B UoE on an H200). The
-    weights' gradients are one GEMM grouped over the rows, [L, out, in] like the stack."""
+    layers held the local experts' weights once more: 1.6 GB for the 1B UoE on an H200). Custom ops,
+    so that torch.compile does not keep the stack either."""
+    return torch._grouped_mm(x, _stacked(weights, x.dtype).transpose(-2, -1), offs=offsets)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, offsets, *weights)
-        return torch._grouped_mm(x, _stacked(weights, x.dtype).transpose(-2, -1), offs=offsets)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, offsets, *weights = ctx.saved_tensors
-        grad = grad.contiguous()  # row- or column-major for torch._grouped_mm (a sum's grad is neither)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad, _stacked(weights, grad.dtype), offs=offsets)
-        grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)  # [L, out, in]
-        return grad_x, None, *(g.to(w.dtype) for g, w in zip(grad_w.unbind(0), weights))
+@grouped_linear.register_fake
+def _(x, offsets, weights):
+    return x.new_empty(x.shape[0], weights[0].shape[0])
+
+
+@torch.library.custom_op("uoe_pretrain::grouped_linear_backward", mutates_args=())
+def grouped_linear_backward(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                            weights: list[torch.Tensor], input_grad: bool,
+                            weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient of x or an empty tensor, the weights' gradients [L, out, in] or an empty tensor).
+    The weights' is one GEMM grouped over the rows; an expert without rows gets zeros."""
+    grad = grad.contiguous()  # row- or column-major for torch._grouped_mm (a sum's grad is neither)
+    grad_x = grad_w = x.new_empty(0)
+    if input_grad:
+        grad_x = torch._grouped_mm(grad, _stacked(weights, grad.dtype), offs=offsets)
+    if weight_grad:
+        rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
+        grad_w = torch.where(rows.view(-1, 1, 1) > 0, grad_w, 0)
+    return grad_x, grad_w
+
+
+@grouped_linear_backward.register_fake
+def _(grad, x, offsets, weights, input_grad, weight_grad):
+    return (x.new_empty(x.shape if input_grad else (0,)),
+            x.new_empty((len(weights), *weights[0].shape) if weight_grad else (0,)))
+
+
+def _save_for_grouped_linear(ctx, inputs, output):
+    x, offsets, weights = inputs
+    ctx.save_for_backward(x, offsets, *weights)
+    ctx.input_grad, ctx.weight_grad = x.requires_grad, any(w.requires_grad for w in weights)
+
+
+def _grouped_linear_grads(ctx, grad):
+    x, offsets, *weights = ctx.saved_tensors
+    grad_x, grad_w = grouped_linear_backward(grad, x, offsets, weights, ctx.input_grad, ctx.weight_grad)
+    grad_ws = [g.to(w.dtype) for g, w in zip(grad_w.unbind(0), weights)] if ctx.weight_grad else None
+    return grad_x if ctx.input_grad else None, None, grad_ws
+
+
+grouped_linear.register_autograd(_grouped_linear_grads, setup_context=_save_for_grouped_linear)
 
 
 def _stacked(weights, dtype: torch.dtype) -> torch.Tensor:
@@ -123,57 +154,34 @@ def _stacked(weights, dtype: torch.dtype) -> torch.Tensor:
 def grouped_swiglu(experts, inputs: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
     """All local SwiGLU experts in two grouped GEMMs (torch._grouped_mm) over expert-major rows,
     instead of one small GEMM pair per expert. DeepSpeed keeps one module per expert, so each GEMM
-    stacks their weights for the call (_GroupedLinear).
+    stacks their weights for the call (grouped_linear).
     rows_per_expert: [L] on the inputs' device, so that nothing waits for the device."""
     if not inputs.shape[0]:  # stay in the autograd graph: the backward all-to-all needs every rank
         return experts[0](inputs)
     offsets = rows_per_expert.cumsum(0).to(torch.int32)
-    hidden = swiglu(_GroupedLinear.apply(inputs, offsets, *(e.w_in for e in experts)))
-    return _GroupedLinear.apply(hidden, offsets, *(e.w_out for e in experts))
+    hidden = swiglu(grouped_linear(inputs, offsets, [e.w_in for e in experts]))
+    return grouped_linear(hidden, offsets, [e.w_out for e in experts])
 
 
-def check_grouped_gemm(hidden: int, local_width: int, dtype: torch.dtype) -> None:
-    """torch._grouped_mm needs 16-byte aligned rows: raise a ValueError naming the fix otherwise."""
-    if not hasattr(torch, "_grouped_mm"):
-        raise ValueError("model.moe.grouped_gemm=true needs torch._grouped_mm (torch >= 2.8); set it to false")
-    elem = torch.finfo(dtype).bits // 8
-    for name, size in (("model.hidden_size", hidden), ("expert width per tensor-parallel rank", local_width)):
-        if size * elem % 16:
-            raise ValueError(f"model.moe.grouped_gemm=true: {name}={size} must be a multiple of {16 // elem} "
-                             f"({dtype}); change it or set model.moe.grouped_gemm=false")
-
-
-def grouped_gemm_mode(cfg: ModelConfig, local_width: int) -> tuple[bool, bool]:
-    """model.moe.grouped_gemm on this machine: (grouped, only in bf16 / fp16). auto picks grouped
-    GEMMs on GPUs where torch._grouped_mm is a fused kernel (models.moe.routing.grouped_gemm_wanted),
-    for sizes it takes, in 16-bit floats (the fused kernel's types)."""
-    setting = cfg.moe.grouped_gemm
+def grouped_gemm_here(cfg: ModelConfig, local_width: int) -> tuple[bool, bool]:
+    """models.moe.routing.grouped_gemm_mode on this machine's GPU."""
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    if not grouped_gemm_wanted(setting, capability):
-        return False, False
-    if setting == "true":
-        return True, False
-    try:
-        check_grouped_gemm(cfg.hidden_size, local_width, torch.bfloat16)
-    except ValueError:
-        return False, False
-    return True, True
+    return grouped_gemm_mode(cfg.moe.grouped_gemm, capability, cfg.hidden_size, local_width)
 
 
 _dispatch_eagerly = torch.compiler.disable(dispatch_combine)
-HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
 class _Dispatcher(nn.Module):
     """Stands where DeepSpeed's MOELayer stands (`deepspeed_moe`): holds `experts`."""
 
     def __init__(self, experts: Experts, num_experts: int, grouped_gemm: bool = False,
-                 half_only: bool = False):
+                 bf16_only: bool = False):
         super().__init__()
         self.experts = experts
         self.num_experts = num_experts
         self.grouped_gemm = grouped_gemm
-        self.grouped_in_half_only = half_only
+        self.grouped_in_bf16_only = bf16_only
         self.ep_group = None
         self.l_aux = None
         self.exp_counts = None
@@ -190,12 +198,11 @@ class _Dispatcher(nn.Module):
         if group is not None and dist.get_world_size(group) == 1:
             group = None
         local = self.experts.deepspeed_experts
-        grouped = self.grouped_gemm and (x.dtype in HALF_TYPES or not self.grouped_in_half_only)
+        grouped = self.grouped_gemm and (x.dtype == torch.bfloat16 or not self.grouped_in_bf16_only)
         run_local = partial(grouped_swiglu, local) if grouped else None
         # Without host syncs (dropless, experts local and grouped) torch.compile traces the
         # dispatch with the rest of the block; otherwise it runs eagerly between compiled parts.
-        # (torch._grouped_mm traces in bf16 / fp16 only; in fp32 it runs on CPUs, eagerly.)
-        traceable = group is None and run_local is not None and not may_drop and x.dtype in HALF_TYPES
+        traceable = group is None and run_local is not None and not may_drop
         dispatch = dispatch_combine if traceable else _dispatch_eagerly
         return dispatch(x, expert_ids, weights, local, self.num_experts, group, run_local, may_drop)
 
@@ -224,7 +231,7 @@ class ExpertContainer(MoE):
         self.num_local_experts = num_experts // ep
         self.width = width
         experts = Experts(ExpertMLP(cfg.hidden_size, width), self.num_local_experts, self.expert_group_name)
-        self.deepspeed_moe = _Dispatcher(experts, num_experts, *grouped_gemm_mode(cfg, width // tp_size()))
+        self.deepspeed_moe = _Dispatcher(experts, num_experts, *grouped_gemm_here(cfg, width // tp_size()))
         if ep == 1:
             self.deepspeed_moe.ep_group = _SINGLE
         self._init_weights(cfg, ep_rank() if ep > 1 else 0)

@@ -29,21 +29,39 @@ from models.config import ConfigError, ModelConfig, parse_switch
 from models.moe.dispatch import capacity_mask, expert_counts
 from models.registry import ParallelSizes, register_section
 
-# torch._grouped_mm is one fused kernel on GPUs of compute capability 9.x (Hopper), where it was
-# measured (the 1B UoE trained 1.37x as fast as with one GEMM pair per expert on an H200); elsewhere
-# torch loops over the groups and waits for the device to size them.
+# Where model.moe.grouped_gemm=auto runs grouped GEMMs: GPUs of compute capability 9.x (Hopper),
+# where torch._grouped_mm is one fused kernel and was measured (the 1B UoE trained 1.37x as fast as
+# with a GEMM pair per expert on an H200), in bf16. An A100 runs it as a loop over the groups that
+# waits for the device; newer GPUs are unmeasured (true runs them grouped anyway).
 GROUPED_GEMM_FUSED_MAJOR = 9
 
 
-def grouped_gemm_wanted(setting, compute_capability: tuple[int, int] | None) -> bool:
-    """model.moe.grouped_gemm for a device (compute_capability None: no GPU): true and false as
-    given; auto on GPUs where torch._grouped_mm is a fused kernel. (Under auto the layers also
-    need aligned sizes and run grouped in bf16 / fp16 only: models.moe.experts.)"""
-    setting = str(setting).lower()
+def check_grouped_gemm(hidden: int, local_width: int, dtype: torch.dtype) -> None:
+    """torch._grouped_mm needs 16-byte aligned rows: raise a ValueError naming the fix otherwise."""
+    if not hasattr(torch, "_grouped_mm"):
+        raise ValueError("model.moe.grouped_gemm=true needs torch._grouped_mm (torch >= 2.8); "
+                         "set it to false")
+    elem = torch.finfo(dtype).bits // 8
+    for name, size in (("model.hidden_size", hidden), ("expert width per tensor-parallel rank", local_width)):
+        if size * elem % 16:
+            raise ValueError(f"model.moe.grouped_gemm=true: {name}={size} must be a multiple of {16 // elem} "
+                             f"({dtype}); change it or set model.moe.grouped_gemm=false")
+
+
+def grouped_gemm_mode(setting: str, compute_capability: tuple[int, int] | None, hidden: int,
+                      local_width: int) -> tuple[bool, bool]:
+    """model.moe.grouped_gemm on a device (compute_capability None: no GPU) for experts of
+    local_width neurons per tensor-parallel rank: (grouped, in bf16 only). true: grouped in any
+    type (its sizes are checked by validate_routed); false: never; auto: in bf16 on Hopper GPUs
+    where the sizes allow."""
     if setting != "auto":
-        return setting == "true"
-    return (hasattr(torch, "_grouped_mm") and compute_capability is not None
-            and compute_capability[0] == GROUPED_GEMM_FUSED_MAJOR)
+        return setting == "true", False
+    try:
+        check_grouped_gemm(hidden, local_width, torch.bfloat16)
+    except ValueError:
+        return False, False
+    hopper = compute_capability is not None and compute_capability[0] == GROUPED_GEMM_FUSED_MAJOR
+    return hopper, hopper
 
 
 @dataclass
@@ -66,8 +84,11 @@ class MoEConfig:
     capacity_factor: float = 0.0  # training only: 0 = dropless (evaluation and inference always are)
     moe_layers: str = "all"  # "all" or comma-separated layer indices
     # Run each rank's experts as two grouped GEMMs (torch._grouped_mm): auto | true | false
-    # (auto: in bf16 / fp16 on Hopper GPUs, where the sizes allow; see grouped_gemm_wanted).
+    # (auto: in bf16 on Hopper GPUs, where the sizes allow; see grouped_gemm_mode).
     grouped_gemm: str = field(default="auto", metadata={"parse": parse_switch})
+
+    def __post_init__(self):  # set in code (MoEConfig(grouped_gemm=True)) as from a file
+        self.grouped_gemm = parse_switch(self.grouped_gemm, "model.moe.grouped_gemm")
 
     def resolved_routing_neurons(self) -> int:
         """UoE routing neurons per expert (N_s)."""
@@ -126,8 +147,6 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
         raise ConfigError(f"model.moe.{widths} must be divisible by parallel.tensor={sizes.tensor} "
                           "(experts are TP-split)")
     if moe.grouped_gemm == "true":
-        from models.moe.experts import check_grouped_gemm
-
         width = moe.expert_hidden_size if expert_width is None else expert_width
         try:  # bf16 is the stricter case
             check_grouped_gemm(cfg.hidden_size, width // sizes.tensor, torch.bfloat16)
