@@ -448,8 +448,11 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     tflops = tokens * flops_per_token(cfg.model) / elapsed / 1e12
     peak = device_peak_tflops()
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 1e6
-    # the planner's GPU of that name (what grouped_gemm=auto does depends on it)
-    gpu = next((g for g in GPUS if g in torch.cuda.get_device_name().lower()), "h100") if cuda else "cpu"
+    # the planner's GPU of that name, else of that generation (grouped_gemm=auto depends on it)
+    gpu = "cpu"
+    if cuda:
+        name, hopper = torch.cuda.get_device_name().lower(), torch.cuda.get_device_capability()[0] == 9
+        gpu = next((g for g in GPUS if g in name), "h100" if hopper else "a100")
     planned = plan(cfg, 1, 1, memory_gb, gpu, bf16=cuda)
     measured = peak_memory_gb()
     row = {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,

@@ -672,3 +672,8 @@ def test_grouped_experts_equal_the_loop_and_keep_no_stacked_weights(dtype):
         for grad, want in zip(grads, loop_grads):
             torch.testing.assert_close(grad, want, **tol, msg=name)
         assert widest_kept == 2, name
+    for expert in experts:  # frozen experts (as tools.convert_lisa trains): the input's gradient alone
+        expert.requires_grad_(False)
+    inputs = x.clone().requires_grad_()
+    grouped(inputs).sum().backward()
+    torch.testing.assert_close(inputs.grad, loop_grads[0], **tol)

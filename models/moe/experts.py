@@ -115,20 +115,20 @@ def grouped_linear_backward(grad: torch.Tensor, x: torch.Tensor, offsets: torch.
     """(gradient of x or an empty tensor, the weights' gradients [L, out, in] or an empty tensor).
     The weights' is one GEMM grouped over the rows; an expert without rows gets zeros."""
     grad = grad.contiguous()  # row- or column-major for torch._grouped_mm (a sum's grad is neither)
-    grad_x = grad_w = x.new_empty(0)
+    grad_x, grad_w = grad.new_empty(0), grad.new_empty(0)
     if input_grad:
         grad_x = torch._grouped_mm(grad, _stacked(weights, grad.dtype), offs=offsets)
     if weight_grad:
         rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
         grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
-        grad_w = torch.where(rows.view(-1, 1, 1) > 0, grad_w, 0)
+        grad_w.masked_fill_(rows.view(-1, 1, 1) == 0, 0)
     return grad_x, grad_w
 
 
 @grouped_linear_backward.register_fake
 def _(grad, x, offsets, weights, input_grad, weight_grad):
-    return (x.new_empty(x.shape if input_grad else (0,)),
-            x.new_empty((len(weights), *weights[0].shape) if weight_grad else (0,)))
+    return (grad.new_empty(x.shape if input_grad else (0,)),
+            grad.new_empty((len(weights), *weights[0].shape) if weight_grad else (0,)))
 
 
 def _save_for_grouped_linear(ctx, inputs, output):
@@ -140,7 +140,8 @@ def _save_for_grouped_linear(ctx, inputs, output):
 def _grouped_linear_grads(ctx, grad):
     x, offsets, *weights = ctx.saved_tensors
     grad_x, grad_w = grouped_linear_backward(grad, x, offsets, weights, ctx.input_grad, ctx.weight_grad)
-    grad_ws = [g.to(w.dtype) for g, w in zip(grad_w.unbind(0), weights)] if ctx.weight_grad else None
+    grad_ws = ([g.to(w.dtype) for g, w in zip(grad_w.unbind(0), weights)] if ctx.weight_grad
+               else [None] * len(weights))
     return grad_x if ctx.input_grad else None, None, grad_ws
 
 
@@ -200,8 +201,9 @@ class _Dispatcher(nn.Module):
         local = self.experts.deepspeed_experts
         grouped = self.grouped_gemm and (x.dtype == torch.bfloat16 or not self.grouped_in_bf16_only)
         run_local = partial(grouped_swiglu, local) if grouped else None
-        # Without host syncs (dropless, experts local and grouped) torch.compile traces the
-        # dispatch with the rest of the block; otherwise it runs eagerly between compiled parts.
+        # Without host syncs (dropless, experts local and grouped: torch._grouped_mm's fused kernel
+        # on Hopper, or a CPU) torch.compile traces the dispatch with the rest of the block;
+        # otherwise it runs eagerly between compiled parts.
         traceable = group is None and run_local is not None and not may_drop
         dispatch = dispatch_combine if traceable else _dispatch_eagerly
         return dispatch(x, expert_ids, weights, local, self.num_experts, group, run_local, may_drop)

@@ -54,6 +54,7 @@ def grouped_gemm_mode(setting: str, compute_capability: tuple[int, int] | None, 
     local_width neurons per tensor-parallel rank: (grouped, in bf16 only). true: grouped in any
     type (its sizes are checked by validate_routed); false: never; auto: in bf16 on Hopper GPUs
     where the sizes allow."""
+    setting = parse_switch(setting, "model.moe.grouped_gemm")  # also a boolean assigned in code
     if setting != "auto":
         return setting == "true", False
     try:
@@ -146,7 +147,7 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
         widths = " and ".join(f"{name}={width}" for name, width in split_widths.items())
         raise ConfigError(f"model.moe.{widths} must be divisible by parallel.tensor={sizes.tensor} "
                           "(experts are TP-split)")
-    if moe.grouped_gemm == "true":
+    if parse_switch(moe.grouped_gemm, "model.moe.grouped_gemm") == "true":
         width = moe.expert_hidden_size if expert_width is None else expert_width
         try:  # bf16 is the stricter case
             check_grouped_gemm(cfg.hidden_size, width // sizes.tensor, torch.bfloat16)
