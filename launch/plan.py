@@ -131,9 +131,10 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     validate(cfg, world)
     p, t = cfg.parallel, cfg.train
     moe = cfg.model.moe
-    width = moe.expert_hidden_size if cfg.model.mlp == "moe" else moe.rest_neurons()  # UoE: its rest neurons
+    # the routed experts' width: UoE's rest neurons, a router MoE's expert_hidden_size (validate
+    # refuses sizing=carved for it, the only case where the two differ)
     grouped, bf16_only = grouped_gemm_mode(moe.grouped_gemm, COMPUTE_CAPABILITY.get(gpu),
-                                           cfg.model.hidden_size, width // p.tensor)
+                                           cfg.model.hidden_size, moe.rest_neurons() // p.tensor)
     grouped = grouped and (bf16 or not bf16_only)
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
                     t.activation_checkpointing, grouped)  # checkpointing: none | full | selective

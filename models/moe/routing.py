@@ -36,16 +36,16 @@ from models.registry import ParallelSizes, register_section
 GROUPED_GEMM_FUSED_MAJOR = 9
 
 
-def check_grouped_gemm(hidden: int, local_width: int, dtype: torch.dtype) -> None:
-    """torch._grouped_mm needs 16-byte aligned rows: raise a ValueError naming the fix otherwise."""
+def grouped_gemm_problem(hidden: int, local_width: int) -> str | None:
+    """What keeps torch._grouped_mm from these sizes (it needs 16-byte aligned bf16 rows), naming
+    the fix; None when nothing does."""
     if not hasattr(torch, "_grouped_mm"):
-        raise ValueError("model.moe.grouped_gemm=true needs torch._grouped_mm (torch >= 2.8); "
-                         "set it to false")
-    elem = torch.finfo(dtype).bits // 8
+        return "model.moe.grouped_gemm=true needs torch._grouped_mm (torch >= 2.8); set it to false"
     for name, size in (("model.hidden_size", hidden), ("expert width per tensor-parallel rank", local_width)):
-        if size * elem % 16:
-            raise ValueError(f"model.moe.grouped_gemm=true: {name}={size} must be a multiple of {16 // elem} "
-                             f"({dtype}); change it or set model.moe.grouped_gemm=false")
+        if size % 8:
+            return (f"model.moe.grouped_gemm=true: {name}={size} must be a multiple of 8 "
+                    "(torch.bfloat16); change it or set model.moe.grouped_gemm=false")
+    return None
 
 
 def grouped_gemm_mode(setting: str, compute_capability: tuple[int, int] | None, hidden: int,
@@ -57,9 +57,7 @@ def grouped_gemm_mode(setting: str, compute_capability: tuple[int, int] | None, 
     setting = parse_switch(setting, "model.moe.grouped_gemm")  # also a boolean assigned in code
     if setting != "auto":
         return setting == "true", False
-    try:
-        check_grouped_gemm(hidden, local_width, torch.bfloat16)
-    except ValueError:
+    if grouped_gemm_problem(hidden, local_width):
         return False, False
     hopper = compute_capability is not None and compute_capability[0] == GROUPED_GEMM_FUSED_MAJOR
     return hopper, hopper
@@ -149,10 +147,9 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
                           "(experts are TP-split)")
     if parse_switch(moe.grouped_gemm, "model.moe.grouped_gemm") == "true":
         width = moe.expert_hidden_size if expert_width is None else expert_width
-        try:  # bf16 is the stricter case
-            check_grouped_gemm(cfg.hidden_size, width // sizes.tensor, torch.bfloat16)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        problem = grouped_gemm_problem(cfg.hidden_size, width // sizes.tensor)
+        if problem:
+            raise ConfigError(problem)
     if moe.capacity_factor < 0 or moe.bias_update_rate < 0:
         raise ConfigError("model.moe.capacity_factor and bias_update_rate must be >= 0 (0 = off)")
     try:
