@@ -677,3 +677,59 @@ def test_grouped_experts_equal_the_loop_and_keep_no_stacked_weights(dtype):
     inputs = x.clone().requires_grad_()
     grouped(inputs).sum().backward()
     torch.testing.assert_close(inputs.grad, loop_grads[0], **tol)
+
+
+@pytest.mark.parametrize("may_drop", [False, True])
+def test_dispatch_sums_rows_by_gathers_not_atomic_adds(may_drop):
+    """dispatch_combine equals a per-token loop (float64; dropped assignments included), and neither
+    its forward nor its backward accumulates rows into tokens with index_add / index_put (atomic
+    adds on a GPU, in no fixed order: gradients that differ from run to run), eagerly and compiled."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.moe.dispatch import dispatch_combine
+
+    class AtomicAdds(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            accumulates = (name.startswith("index_add") or name.startswith("scatter_add")
+                           or name.startswith(("index_put", "_index_put_impl"))
+                           and (kwargs.get("accumulate") or (len(args) > 3 and args[3])))
+            if accumulates and args[0].is_floating_point():
+                self.seen.append(name)
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    experts = [torch.nn.Linear(8, 8, dtype=torch.float64) for _ in range(3)]
+    x = torch.randn(7, 8, dtype=torch.float64)
+    ids = torch.randint(0, 3, (7, 2))
+    ids[:, 1] = (ids[:, 0] + 1) % 3
+    if may_drop:
+        ids[2, 1], ids[4] = -1, -1
+    w = torch.rand(7, 2, dtype=torch.float64)
+
+    def loop(x, w):
+        return torch.stack([sum((w[t, k] * experts[ids[t, k]](x[t]) for k in range(2) if ids[t, k] >= 0),
+                                torch.zeros(8, dtype=torch.float64)) for t in range(7)])
+
+    compiled = torch.compile(dispatch_combine, backend="aot_eager")
+    for name, run in (("loop", loop), ("eager", partial(dispatch_combine, expert_ids=ids, experts=experts,
+                                                         num_experts=3, may_drop=may_drop)),
+                      ("compiled", lambda x, w: compiled(x, ids, w, experts, 3, may_drop=may_drop))):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        for expert in experts:
+            expert.zero_grad()
+        with AtomicAdds() as mode:
+            y = run(xi, weights=wi) if name == "eager" else run(xi, wi)
+            (y * torch.arange(8)).sum().backward()
+        got = [y, xi.grad, wi.grad] + [p.grad.clone() for e in experts for p in e.parameters()]
+        if name == "loop":
+            want = got
+            continue
+        assert mode.seen == [], (name, mode.seen)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, msg=name)

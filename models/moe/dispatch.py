@@ -54,6 +54,52 @@ def capacity_mask(expert_ids: torch.Tensor, num_experts: int, capacity: int) -> 
     return position < capacity
 
 
+class _TokensToRows(torch.autograd.Function):
+    """rows = x[row_tokens]: each assignment's token, in expert-major order. Backward gathers each
+    token's K rows and sums them: no atomic adds (index_select's backward, index_add, adds rows
+    atomically on a GPU, in no fixed order, and in bf16 rounds after each add)."""
+
+    @staticmethod
+    def forward(ctx, x, row_tokens, slots, top_k):
+        ctx.save_for_backward(slots)
+        ctx.top_k = top_k
+        return x.index_select(0, row_tokens)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slots,) = ctx.saved_tensors
+        per_token = _select_rows(grad, slots).view(slots.numel() // ctx.top_k, ctx.top_k, grad.shape[1])
+        return per_token.sum(1), None, None, None
+
+
+class _GatherOnce(torch.autograd.Function):
+    """x[index] where index takes each row of x once (and x.shape[0] for a zero row) and
+    x.shape[0] == len(inverse), index[inverse] == arange: backward gathers by the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return _select_rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def _select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index], where an index past x's rows (there are more indices than rows) reads zeros."""
+    if index.numel() > x.shape[0]:
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return x.index_select(0, index)
+
+
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse
+
+
 def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts,
                      num_experts: int, group=None, run_local=None, may_drop: bool = True) -> torch.Tensor:
     """y[t] = sum_k weights[t, k] * expert_{expert_ids[t, k]}(x[t]) over the experts of the group.
@@ -77,18 +123,22 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
     local = len(experts)
     if local * ep != num_experts:
         raise ValueError(f"{local} local experts x expert-parallel size {ep} != {num_experts} experts")
-    # Gathers by index_select: its backward is an index_add, where indexing's (index_put with
-    # accumulate) sorts the indices first: 16% of a UoE step on an H200.
-    flat_ids, flat_w = expert_ids.reshape(-1), weights.reshape(-1)
+    # Gathers without atomic adds in backward (see _TokensToRows); tensor indexing's backward
+    # (index_put with accumulate) sorts the indices first: 16% of a UoE step on an H200.
+    flat_ids = expert_ids.reshape(-1)
     if may_drop:
         kept = (flat_ids >= 0).nonzero().squeeze(1)  # assignment ids (token-major)
-        flat_ids, flat_w = flat_ids[kept], flat_w.index_select(0, kept)
+        flat_ids = flat_ids[kept]
     else:
         kept = torch.arange(T * K, device=x.device)
     order = torch.argsort(flat_ids, stable=True)  # expert-major (rank-major too)
-    sorted_ids, sorted_tokens = flat_ids[order], kept[order] // K
+    sorted_ids, sorted_assignments = flat_ids[order], kept[order]
+    sorted_tokens = sorted_assignments // K
+    # Each assignment's row in expert-major order; a dropped one's is the row past the last.
+    slots = torch.full((T * K,), order.numel(), dtype=order.dtype, device=x.device)
+    slots[sorted_assignments] = torch.arange(order.numel(), device=x.device)
     counts = expert_counts(sorted_ids, num_experts)
-    send = x.index_select(0, sorted_tokens)
+    send = _TokensToRows.apply(x, sorted_tokens, slots, K)
     if ep > 1:
         # How many tokens each source rank sends to each of my local experts: [ep, local].
         recv_counts = torch.empty_like(counts)
@@ -101,8 +151,9 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
         seg_expert = torch.arange(local, device=x.device).repeat(ep)
         row_expert = seg_expert.repeat_interleave(recv_counts.reshape(-1))
         regroup = torch.argsort(row_expert, stable=True)
+        ungroup = inverse_permutation(regroup)
         per_expert = recv_counts.sum(0)
-        inputs = received.index_select(0, regroup)
+        inputs = _GatherOnce.apply(received, regroup, ungroup)
     else:
         per_expert = counts
         inputs = send
@@ -112,8 +163,6 @@ def dispatch_combine(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.T
         outputs = [expert(chunk) for expert, chunk in zip(experts, inputs.split(per_expert.tolist()))]
         out = torch.cat(outputs) if outputs else inputs
     if ep > 1:
-        restored = torch.empty_like(out)
-        restored = restored.index_copy(0, regroup, out) if out.numel() else out
-        out = all_to_all(restored, in_splits, out_splits, group)
-    out = out * flat_w.index_select(0, order).to(out.dtype).unsqueeze(-1)
-    return x.new_zeros(T, out.shape[-1]).index_add(0, sorted_tokens, out)
+        out = all_to_all(_GatherOnce.apply(out, ungroup, regroup), in_splits, out_splits, group)
+    per_slot = _GatherOnce.apply(out, slots, sorted_assignments).view(T, K, out.shape[-1])  # token-major
+    return (per_slot * weights.to(out.dtype).unsqueeze(-1)).sum(1)
