@@ -798,3 +798,19 @@ def test_convert_lisa_trained_qk_inits_are_exact_at_full_rank(single_process):
     cfg.lisa.rank = cfg.head_dim // 2
     low, _ = converted(source, cfg, [2], "residual", tokens)
     assert (low.logits(tokens) - source.logits(tokens)).abs().max() > 1e-6
+
+
+def test_planner_counts_sink_scores_only_where_flex_attention_does_not_run():
+    """softmax_sink keeps its seq^2 bias per head for backward through SDPA (CPU), none through
+    FlexAttention (GPU), which takes heads up to FLEX_MAX_HEAD_DIM wide."""
+    from models.attention.flex import FLEX_MAX_HEAD_DIM
+    from models.registry import ActivationLayout, attention_kind
+
+    sink, softmax = attention_kind("softmax_sink"), attention_kind("softmax")
+    gpu = ActivationLayout(tensor=1, seq=24, flash=True, selective=False)
+    cpu = ActivationLayout(tensor=1, seq=24, flash=False, selective=False)
+    cfg = small_cfg("k")
+    assert sink.activations(cfg, gpu) == softmax.activations(cfg, gpu)
+    assert sink.activations(cfg, cpu) - sink.activations(cfg, gpu) == cfg.num_heads * 24
+    wide = ModelConfig(hidden_size=2 * (FLEX_MAX_HEAD_DIM + 64), num_heads=2, attention="k")
+    assert sink.activations(wide, gpu) - softmax.activations(wide, gpu) == 2 * 24

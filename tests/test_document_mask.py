@@ -30,28 +30,33 @@ def test_document_ids_masks_and_counts():
     assert keys_seen(docs, 8)[:, 0, :, 0].tolist() == [[1, 2, 3, 1, 2, 1, 2, 3], [1, 1, 2, 3, 4, 5, 1, 2]]
 
 
+@pytest.mark.parametrize("within_documents", [True, False])
 @pytest.mark.parametrize("sink", [False, True])
-def test_flex_path_equals_masked_sdpa(sink):
+def test_flex_path_equals_masked_sdpa(sink, within_documents):
     """What GPUs run within documents (FlexAttention with a block mask; the sink kind through the
-    returned log-sum-exp) gives the masked SDPA path's outputs, with grouped-query heads. FlexAttention
-    has no backward on CPU: this is the forward; the GPU check times the backward."""
-    from models.attention.flex import document_block_mask, flex_document_attention
+    returned log-sum-exp, with or without documents) gives the SDPA path's outputs, with
+    grouped-query heads. FlexAttention has no backward on CPU: this is the forward; the GPU check
+    times the backward."""
+    from models.attention.flex import document_block_mask, flex_masked_attention
     from models.attention.sink import sink_softmax_attention
     from models.attention.softmax import softmax_attention
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(5, 50, (2, 37), generator=gen)
     tokens[0, [5, 20]], tokens[1, 11] = EOS, EOS
-    docs = document_ids(tokens, EOS)
+    docs = document_ids(tokens, EOS) if within_documents else None
     q = torch.randn(2, 4, 37, 16, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 37, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     heads_sink = torch.randn(4, generator=gen, dtype=torch.float64) if sink else None
-    out = flex_document_attention(q, k, v, document_block_mask(docs, 37, 37), sink=heads_sink)
+    out = flex_masked_attention(q, k, v, document_block_mask(docs, 37, 37, q.device), sink=heads_sink)
     ref = sink_softmax_attention(q, k, v, heads_sink, docs) if sink else softmax_attention(q, k, v, docs)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    one_document = document_block_mask(torch.zeros_like(docs), 37, 37)
-    plain = flex_document_attention(q, k, v, one_document, sink=heads_sink)
-    assert (plain - out).abs().max() > 1e-3  # the documents matter
+    if within_documents:
+        one_document = document_block_mask(torch.zeros_like(docs), 37, 37)
+        plain = flex_masked_attention(q, k, v, one_document, sink=heads_sink)
+        assert (plain - out).abs().max() > 1e-3  # the documents matter
+    elif sink:
+        assert (out - softmax_attention(q, k, v)).abs().max() > 1e-3  # the sink logits matter
 
 
 @pytest.mark.parametrize("normalizer", ["prefix", "content", "seqlen", "none"])

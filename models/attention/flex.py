@@ -1,6 +1,9 @@
-"""Softmax attention within documents through FlexAttention (GPU): a block mask from the document
-ids skips every key block that lies outside a query block's documents, where SDPA with a boolean
-mask computes all seq^2 scores. The sink kind uses the log-sum-exp FlexAttention returns:
+"""Softmax attention through FlexAttention (GPU) under a block mask. Within documents, the mask from
+the document ids skips every key block that lies outside a query block's documents, where SDPA with
+a boolean mask computes all seq^2 scores. The sink kind runs here with or without documents (SDPA
+takes its sink logits as a float bias of seq^2 per head, kept for backward: at 4096 positions on an
+H200 3.4x the time of flash softmax, where FlexAttention within documents took 1.5x), using the
+log-sum-exp FlexAttention returns:
 
     o_sink = o * sigmoid(lse - b_h)     (exp(lse) / (exp(lse) + exp(b_h)) of the weight stays on keys)
 
@@ -15,9 +18,17 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+# FlexAttention's GPU kernels hold a block of queries and keys in shared memory: wider heads (LISA's
+# score features without grouped-query attention, 528 at the 1B hybrid width) run out of it.
+FLEX_MAX_HEAD_DIM = 256
 
-def document_block_mask(documents: torch.Tensor, q_len: int, k_len: int) -> BlockMask:
-    """Causal within documents ([batch, seq] ids), shared by every head."""
+
+def document_block_mask(documents: torch.Tensor | None, q_len: int, k_len: int,
+                        device: torch.device | None = None) -> BlockMask:
+    """Causal within documents ([batch, seq] ids), shared by every head; without documents causal,
+    shared by every sequence too (on `device`)."""
+    if documents is None:
+        return create_block_mask(_causal, None, None, q_len, k_len, device=device)
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (documents[b, q_idx] == documents[b, kv_idx])
@@ -26,13 +37,17 @@ def document_block_mask(documents: torch.Tensor, q_len: int, k_len: int) -> Bloc
                              device=documents.device)
 
 
+def _causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
 @functools.cache
 def _compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
-                            sink: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
+                          sink: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of q [batch, heads, seq, d] over k / v (grouped-query heads allowed) under the
     block mask; with `sink` [heads] the sink logits share each row's denominator."""
     attend = _compiled() if q.is_cuda else flex_attention  # compiled kernels on GPU, the reference on CPU
@@ -45,9 +60,11 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     return out * keep.unsqueeze(-1)
 
 
-def block_mask_for(ctx: dict, documents: torch.Tensor, seq: int) -> BlockMask:
-    """One block mask per forward, built by the first layer that needs it."""
+def block_mask_for(ctx: dict, documents: torch.Tensor | None, seq: int,
+                   device: torch.device | None = None) -> BlockMask:
+    """One block mask per forward, built by the first layer that needs it (`device`: where a mask
+    without documents goes)."""
     mask = ctx.get("flex_block_mask")
     if mask is None:
-        mask = ctx["flex_block_mask"] = document_block_mask(documents, seq, seq)
+        mask = ctx["flex_block_mask"] = document_block_mask(documents, seq, seq, device)
     return mask
