@@ -90,6 +90,21 @@ def ffn_chain_model(kernel: str, keep_chain_scores: bool):
     return model
 
 
+def linear_mixing_model(kernel: str):
+    """sllrl in float64 without grouped-query heads: linear alignment in groups of 2 heads, each group
+    reading two key heads (what the fused LISA kernel runs on a GPU right after a full layer), the
+    mixing weights random."""
+    cfg = small_cfg("sllrl")
+    cfg.relu_attention.kernel, cfg.relu_attention.normalizer = "torch", "content"
+    cfg.lisa.align_hidden, cfg.lisa.kernel = 0, kernel
+    model = build(cfg).double().train()
+    with torch.no_grad():
+        for block in model.blocks:
+            if hasattr(block.attn, "align"):
+                block.attn.align.mix.normal_(generator=torch.Generator().manual_seed(4))
+    return model
+
+
 # --- cores against references (no process group needed) -------------------------------------------
 
 def naive_relu(q, k, v, normalizer):
@@ -814,3 +829,27 @@ def test_planner_counts_sink_scores_only_where_flex_attention_does_not_run():
     assert sink.activations(cfg, cpu) - sink.activations(cfg, gpu) == cfg.num_heads * 24
     wide = ModelConfig(hidden_size=2 * (FLEX_MAX_HEAD_DIM + 64), num_heads=2, attention="k")
     assert sink.activations(wide, gpu) - softmax.activations(wide, gpu) == 2 * 24
+
+
+def test_planner_counts_no_features_where_the_fused_kernel_runs_linear_alignment():
+    """Linear alignment in groups of 2 heads without grouped-query attention (two key heads per
+    group): on a GPU the fused kernel runs the LISA layers right after full layers (1 and 4 of
+    sllrl), which keep their inputs only, as an FFN-aligned layer does; layer 2 attends over score
+    features (2 key heads x head_dim 16 + rank 2, + rank 2 per head of layer 1's group) either way."""
+    from models.attention.base import projected_activations
+    from models.attention.lisa import lisa_activations
+    from models.registry import ActivationLayout
+
+    gpu = ActivationLayout(tensor=1, seq=24, flash=True, selective=False)
+    cpu = ActivationLayout(tensor=1, seq=24, flash=False, selective=False)
+    linear, ffn = small_cfg("sllrl"), small_cfg("sllrl")
+    linear.lisa.align_hidden = 0
+    features = 2 * linear.num_heads * (2 * 16 + 2 + 2 * 2)
+    assert 3 * lisa_activations(linear, gpu) == (2 * lisa_activations(ffn, gpu) + features
+                                                  + projected_activations(linear, gpu, stores_scores=False))
+    first_features = 2 * linear.num_heads * (2 * 16 + 2)
+    assert 3 * lisa_activations(linear, cpu) == (2 * first_features + features
+                                                  + 3 * projected_activations(linear, cpu, stores_scores=True))
+    linear.lisa.kernel = "torch"  # no Triton kernels: features everywhere
+    assert 3 * lisa_activations(linear, gpu) == (2 * first_features + features
+                                                  + 3 * projected_activations(linear, gpu, stores_scores=False))

@@ -93,7 +93,7 @@ import json
 import torch
 import models.attention.kernels.lisa_flash_triton as fused
 from tests.dist_utils import single_process_group
-from tests.test_attention import VOCAB, ffn_chain_model
+from tests.test_attention import VOCAB, ffn_chain_model, linear_mixing_model
 
 calls = []
 kernel = fused.flash_lisa
@@ -104,8 +104,12 @@ documents = torch.cumsum(torch.rand(2, 24, generator=gen) < 0.2, 1)
 results, depths = {}, {}
 with single_process_group():
     for name, kernel_name, docs in (("auto", "auto", None), ("auto-docs", "auto", documents),
-                                    ("naive", "naive", None), ("naive-docs", "naive", documents)):
-        model = ffn_chain_model(kernel_name, True)  # no rows kept where the kernel runs: layer 3 rebuilds
+                                    ("naive", "naive", None), ("naive-docs", "naive", documents),
+                                    ("linear-auto", "auto", None), ("linear-naive", "naive", None)):
+        if name.startswith("linear"):
+            model = linear_mixing_model(kernel_name)
+        else:
+            model = ffn_chain_model(kernel_name, True)  # no rows kept where the kernel runs: layer 3 rebuilds
         before = len(calls)
         loss = model(tokens, torch.roll(tokens, -1, 1), docs)
         loss.backward()
@@ -113,7 +117,7 @@ with single_process_group():
         results[name] = (float(loss), {n: p.grad for n, p in model.named_parameters()})
 errors = {}
 for name, (loss, grads) in results.items():
-    ref_loss, ref_grads = results["naive-docs" if name.endswith("docs") else "naive"]
+    ref_loss, ref_grads = results["naive-docs" if name.endswith("docs") else name.replace("auto", "naive")]
     # per gradient, the largest error past torch.testing.assert_close's rtol=1e-9, atol=1e-10 (<= 0: close)
     errors[name] = [abs(loss - ref_loss)] + [float(((grads[n] - g).abs() - 1e-10 - 1e-9 * g.abs()).max())
                                              for n, g in ref_grads.items()]
@@ -147,10 +151,16 @@ def test_model_trains_through_fused_lisa_as_explicit_scores():
     (grouped-query heads, FFN alignment in groups of 2, seq 24) gives the loss and every gradient of
     the explicit scores (kernel=naive) with kernel=auto: the kernel runs the first two layers of
     each chain (the second rebuilding the first's alignment), the third layer builds its rows by
-    blocks from the second's (keep_chain_scores on); also within documents; float64."""
+    blocks from the second's (keep_chain_scores on); also within documents; float64. The same for
+    linear alignment whose groups read two key heads each, where the kernel runs the LISA layers
+    right after full layers and the others attend over score features."""
     out = run_interpreted(MODEL_CHECK)
     depths, errors = out["depths"], out["errors"]
     assert depths["naive"] == [] and depths["naive-docs"] == [], depths
     for name in ("auto", "auto-docs"):
         assert depths[name] == [1, 2, 1, 2], (name, depths[name])
         assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])
+    # linear alignment over two key heads per group: the kernel runs each LISA layer right after a full
+    # layer (1 and 4), layer 2 attends over the score features layer 1 hands on
+    assert depths["linear-auto"] == [1, 1] and depths["linear-naive"] == [], depths
+    assert errors["linear-auto"][0] < 1e-12 and max(errors["linear-auto"][1:]) <= 0, errors["linear-auto"]

@@ -26,7 +26,9 @@ keeps its fused kernel. With model.lisa.kernel=auto (or torch) no layer keeps se
   which take queries and keys wider than the values up to 256 once padded; wider, the blocked
   PyTorch path). The feature width is (distinct keys per alignment group) x head_dim + rank, so it
   costs about a softmax layer when the alignment group lies within a K/V group (grouped-query
-  attention) and g times more QK work without.
+  attention) and g times more QK work without (on an H200 at the 1B hybrid width, 4.7x / 12.9x a
+  softmax layer at 2048 / 4096). There, on a GPU, a LISA layer right after a full layer runs the
+  fused kernel below instead, which mixes the group's products: one product per head.
 - The FFN alignment is non-linear in the scores. It, and linear alignment whose groups do not line
   up with the K/V groups, build the scores a block of model.lisa.block_size query rows at a time
   (source rows, alignment, low-rank term, weights, values) and recompute each block in backward.
@@ -141,32 +143,50 @@ def qk_compression(cfg: ModelConfig) -> float:
     return (cfg.hidden_size + cfg.kv_width) / (2 * cfg.num_heads * rank)
 
 
-def feature_width(cfg: ModelConfig) -> float:
+def feature_width(cfg: ModelConfig, first_ones: bool = True) -> float:
     """Width of the score features this model's LISA layers attend over, the mean over its LISA
-    layers (so the planner's sum over layers is exact): (distinct keys per alignment group) x
-    head_dim + rank right after a full layer, and group x rank more for each LISA layer before it
-    in a chain (its low-rank keys, side by side per group)."""
+    layers (so the planner's sum over layers is exact; without first_ones, over those after another
+    LISA layer): (distinct keys per alignment group) x head_dim + rank right after a full layer, and
+    group x rank more for each LISA layer before it in a chain (its low-rank keys, side by side per
+    group)."""
     rank, group, _ = lisa_sizes(cfg)
     share = cfg.num_heads // cfg.kv_heads
     depths, depth = [], 0
     for kind in cfg.attention_kinds():
         depth = depth + 1 if kind == "lisa" else 0
-        if depth:
+        if depth > (0 if first_ones else 1):
             depths.append(depth - 1)
     return max(1, group // share) * cfg.head_dim + rank + group * rank * sum(depths) / max(1, len(depths))
 
 
 def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
-    """Elements per token kept for backward. Naive kernel: the explicit scores. Linear alignment
-    with groups that line up with the K/V groups (SharedScores.mixable): the score features (queries
-    and keys of feature_width per head) under fused kernels. Otherwise (scores built by query
-    blocks): the inputs only, the source layer's scaled queries among them."""
+    """Elements per token kept for backward, the mean over the LISA layers. Naive kernel: the
+    explicit scores. Linear alignment with groups that line up with the K/V groups
+    (SharedScores.mixable): the score features (queries and keys of feature_width per head) under
+    fused kernels, except where the fused LISA kernel runs. It, and scores built by query blocks:
+    the inputs only, the source layer's scaled queries among them."""
     if cfg.lisa.kernel == "naive":
         return projected_activations(cfg, layout, stores_scores=True)
-    if not builds_by_rows(cfg):
-        features = 2 * cfg.num_heads * feature_width(cfg) / layout.tensor
-        return projected_activations(cfg, layout, stores_scores=not layout.flash) + features
-    return projected_activations(cfg, layout, stores_scores=False) + cfg.hidden_size / layout.tensor
+    by_rows = projected_activations(cfg, layout, stores_scores=False) + cfg.hidden_size / layout.tensor
+    if builds_by_rows(cfg):
+        return by_rows
+    kinds = cfg.attention_kinds()
+    fused = fused_over_several_key_heads(cfg, layout)
+    # the fused kernel runs the first LISA layer after each full one; the others attend over features
+    first = sum(kind == "lisa" and kinds[i - 1] != "lisa" for i, kind in enumerate(kinds) if i) if fused else 0
+    later = kinds.count("lisa") - first
+    features = 2 * cfg.num_heads * feature_width(cfg, first_ones=not fused) / layout.tensor if later else 0.0
+    over_features = projected_activations(cfg, layout, stores_scores=not layout.flash) + features
+    return (first * by_rows + later * over_features) / max(1, first + later)
+
+
+def fused_over_several_key_heads(cfg: ModelConfig, layout: registry.ActivationLayout) -> bool:
+    """Whether the fused kernel runs linear alignment whose groups read several key heads
+    (LISAAttention.mixes_key_heads), as it does on a GPU in bf16 right after a full layer."""
+    rank, group, hidden = lisa_sizes(cfg)
+    share = cfg.num_heads // cfg.kv_heads
+    return (layout.flash and cfg.lisa.kernel == "auto" and not hidden and share % group != 0
+            and group <= LISA_FLASH_MAX_GROUP and max(cfg.head_dim, rank) <= LISA_FLASH_MAX_WIDTH)
 
 
 def builds_by_rows(cfg: ModelConfig) -> bool:
@@ -397,6 +417,13 @@ class LISAAttention(nn.Module):
         return (self.lazy(shared, ctx) and not self.align.hidden and isinstance(shared, SharedScores)
                 and shared.mixable(self.align.group))
 
+    def mixes_key_heads(self, shared: SharedScores) -> bool:
+        """Whether an alignment group reads several key heads: the score features then hold each of
+        them side by side, multiplying the QK work by their count, where the fused kernel mixes the
+        group's products (one product per head; on a GPU it runs such a layer right after a full
+        layer)."""
+        return any(block.share % self.align.group for block in shared.blocks)
+
     def lazy(self, shared, ctx: dict) -> bool:
         """Whether this forward leaves the scores lazy: over features where factored(), else by query
         blocks (kernel auto / torch; not when capturing the weights or decoding after cached keys)."""
@@ -523,6 +550,13 @@ class LISAAttention(nn.Module):
         """The attention output [batch, heads, seq, head_dim] by the PyTorch paths."""
         recompute = ctx.get("recompute_attention")  # selective activation checkpointing
         if self.factored(shared, ctx):
+            # the fused kernel where the source is a full layer's own projections (one block)
+            direct = len(shared.blocks) == 1 and self.mixes_key_heads(shared)
+            o = self.flash(shared, q, k, v, ctx) if direct else None
+            if o is not None:
+                if self.publish_scores:  # a following LISA layer attends over the features
+                    self.publish(ctx, shared.mixed(self.align.mix, self.align.group).plus(q, k))
+                return o
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
             attend, inputs = self.attend_features, (*scores.features(), v, ctx)
         elif self.lazy(shared, ctx):  # recomputes by blocks already, or in the fused kernel
