@@ -4,8 +4,8 @@
 
 Times one attention module (projections + core + output projection) in one process (TP = 1) on
 whatever device is present. Kinds: softmax (SDPA), softmax_gqa (one K/V head for all query heads),
-softmax_sink (SDPA with a sink column), relu (the fused Triton kernels on a GPU, else blocked
-PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer hands over, align
+softmax_sink (on a GPU FlexAttention, else SDPA with a sink column), relu (the fused Triton kernels
+on a GPU, else blocked PyTorch), relu_torch (always the PyTorch path), lisa (the scores a softmax layer hands over, align
 FFN + low-rank Q/K: on a GPU one fused kernel, models/attention/kernels/lisa_flash_triton.py, else
 built by query blocks), lisa_torch (by query blocks in PyTorch, model.lisa.kernel=torch), lisa_linear
 (model.lisa.align_hidden = 0: linear head mixing in groups of 4 heads, each reading 4 K/V heads: on a
@@ -77,10 +77,11 @@ def layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, d
             for n in (heads, cfg.kv_heads))
 
     block_mask = None
-    if documents is not None and torch.device(device).type == "cuda":
+    if (documents is not None or kind.startswith("softmax_sink")) and torch.device(device).type == "cuda":
         from models.attention.flex import document_block_mask
 
-        block_mask = document_block_mask(documents, seq, seq)  # once, as a model's forward does for all layers
+        # once, as a model's forward does for all layers (the sink kind's causal one too)
+        block_mask = document_block_mask(documents, seq, seq, device)
 
     def ctx() -> dict:
         out = {"rotary": rotary, "shared_scores": SharedScores.of_projection(q, k), "document_ids": documents}

@@ -817,7 +817,7 @@ def test_convert_lisa_trained_qk_inits_are_exact_at_full_rank(single_process):
 
 def test_planner_counts_sink_scores_only_where_flex_attention_does_not_run():
     """softmax_sink keeps its seq^2 bias per head for backward through SDPA (CPU), none through
-    FlexAttention (GPU), which takes heads up to FLEX_MAX_HEAD_DIM wide."""
+    FlexAttention (GPU), which takes heads 16 to FLEX_MAX_HEAD_DIM wide."""
     from models.attention.flex import FLEX_MAX_HEAD_DIM
     from models.registry import ActivationLayout, attention_kind
 
@@ -827,8 +827,9 @@ def test_planner_counts_sink_scores_only_where_flex_attention_does_not_run():
     cfg = small_cfg("k")
     assert sink.activations(cfg, gpu) == softmax.activations(cfg, gpu)
     assert sink.activations(cfg, cpu) - sink.activations(cfg, gpu) == cfg.num_heads * 24
-    wide = ModelConfig(hidden_size=2 * (FLEX_MAX_HEAD_DIM + 64), num_heads=2, attention="k")
-    assert sink.activations(wide, gpu) - softmax.activations(wide, gpu) == 2 * 24
+    for heads_of in (FLEX_MAX_HEAD_DIM + 64, 8):
+        other = ModelConfig(hidden_size=2 * heads_of, num_heads=2, attention="k")
+        assert sink.activations(other, gpu) - softmax.activations(other, gpu) == 2 * 24, heads_of
 
 
 def test_planner_counts_no_features_where_the_fused_kernel_runs_linear_alignment():

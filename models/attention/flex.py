@@ -19,15 +19,24 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # FlexAttention's GPU kernels hold a block of queries and keys in shared memory: wider heads (LISA's
-# score features without grouped-query attention, 528 at the 1B hybrid width) run out of it.
+# score features without grouped-query attention, 528 at the 1B hybrid width) run out of it, and
+# inductor's lowering refuses heads narrower than 16.
 FLEX_MAX_HEAD_DIM = 256
+FLEX_MIN_HEAD_DIM = 16
+
+
+def flex_takes(head_dim: int) -> bool:
+    """Whether FlexAttention's GPU kernels take heads this wide."""
+    return FLEX_MIN_HEAD_DIM <= head_dim <= FLEX_MAX_HEAD_DIM
 
 
 def document_block_mask(documents: torch.Tensor | None, q_len: int, k_len: int,
                         device: torch.device | None = None) -> BlockMask:
     """Causal within documents ([batch, seq] ids), shared by every head; without documents causal,
-    shared by every sequence too (on `device`)."""
+    shared by every sequence too (on `device`, which it then needs)."""
     if documents is None:
+        if device is None:
+            raise ValueError("a causal block mask needs its device")
         return create_block_mask(_causal, None, None, q_len, k_len, device=device)
 
     def same_document_causal(b, h, q_idx, kv_idx):
@@ -43,7 +52,9 @@ def _causal(b, h, q_idx, kv_idx):
 
 @functools.cache
 def _compiled():
-    return torch.compile(flex_attention, dynamic=False)
+    # Sequence lengths compile static first and dynamic once they vary (prompts, padded buckets),
+    # not a kernel per length up to dynamo's recompile limit and then the unfused seq^2 path.
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,

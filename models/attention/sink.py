@@ -2,9 +2,9 @@
 
     p_ij = exp(s_ij) / (exp(b_h) + sum_{j' <= i} exp(s_ij'))
 
-so a head can put weight "nowhere" instead of on the first token. On GPU FlexAttention runs it
-(models.attention.flex: causal, or within documents; no seq^2 tensors); elsewhere, and at decode,
-SDPA with extra all-zero key/value columns, the first with additive bias b_h.
+so a head can put weight "nowhere" instead of on the first token. On GPU FlexAttention runs it within
+documents and, in training, without (models.attention.flex; no seq^2 tensors); elsewhere SDPA with
+extra all-zero key/value columns, the first with additive bias b_h.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 
 from models.attention.base import ProjectedAttention, projected_activations, projected_params
-from models.attention.flex import FLEX_MAX_HEAD_DIM, block_mask_for, flex_masked_attention
+from models.attention.flex import block_mask_for, flex_masked_attention, flex_takes
 from models.attention.masks import visible
 from models.config import ModelConfig
 from models.registry import AttentionKind, register_attention
@@ -55,10 +55,12 @@ def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=k.shape[1] != h)
 
 
-def flex_runs_sink(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether FlexAttention runs the sink kind: on GPU, queries over their own keys (not decode),
-    heads it has shared memory for."""
-    return q.is_cuda and q.shape[-2] == k.shape[-2] and q.shape[-1] <= FLEX_MAX_HEAD_DIM
+def flex_runs_sink(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None) -> bool:
+    """Whether FlexAttention runs the sink kind: on GPU, within documents or in training (where
+    SDPA would keep its seq^2 bias for backward; inference over whole sequences takes SDPA, which
+    compiles nothing per prompt), queries over their own keys, heads it takes."""
+    return (q.is_cuda and (documents is not None or torch.is_grad_enabled()) and q.shape[-2] == k.shape[-2]
+            and flex_takes(q.shape[-1]))
 
 
 class SinkSoftmaxAttention(ProjectedAttention):
@@ -76,7 +78,7 @@ class SinkSoftmaxAttention(ProjectedAttention):
             weights_of = partial(sink_softmax_weights, sink=self.sink, documents=documents)
             return self.attend_explicit(q, k, v, ctx, weights_of, normalised=False)
         self.publish_projection(ctx, q, k)
-        if flex_runs_sink(q, k):
+        if flex_runs_sink(q, k, documents):
             mask = block_mask_for(ctx, documents, q.shape[-2], q.device)
             return flex_masked_attention(q, k, v, mask, sink=self.sink)
         return sink_softmax_attention(q, k, v, self.sink, documents)
@@ -87,7 +89,7 @@ register_attention(AttentionKind(
     params=lambda cfg: projected_params(cfg) + cfg.num_heads,  # + one sink logit per head
     # FlexAttention (bf16 on GPU, as softmax's flash kernels) keeps no scores; SDPA keeps the bias.
     activations=lambda cfg, layout: projected_activations(
-        cfg, layout, stores_scores=not (layout.flash and cfg.head_dim <= FLEX_MAX_HEAD_DIM)),
+        cfg, layout, stores_scores=not (layout.flash and flex_takes(cfg.head_dim))),
     score_family="softmax",  # a LISA layer after it applies plain softmax (the sink logit is not shared)
     hf_remote=True,
 ))
