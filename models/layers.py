@@ -6,6 +6,7 @@ model built with the same seed holds the same numbers at every tensor-parallel s
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 
@@ -94,6 +95,16 @@ def row_linear(cfg: ModelConfig, in_features: int, out_features: int) -> nn.Modu
     )
 
 
+@functools.cache
+def _fused_rotary():
+    """The Triton RoPE kernel, or None on a machine without Triton."""
+    try:
+        from models.attention.kernels.rotary_triton import rotary
+    except ImportError:
+        return None
+    return rotary
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (half-split layout, as in Llama)."""
 
@@ -105,8 +116,13 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x: [batch, heads, seq, head_dim] at positions offset..offset+seq-1."""
+        """x: [batch, heads, seq, head_dim] at positions offset..offset+seq-1. Eagerly on a GPU one
+        Triton kernel (models/attention/kernels/rotary_triton.py); torch.compile fuses the formula."""
         seq = x.shape[-2]
+        if x.is_cuda and not torch.compiler.is_compiling():
+            fused = _fused_rotary()
+            if fused is not None:
+                return fused(x, self.cos[offset:offset + seq], self.sin[offset:offset + seq])
         cos = self.cos[offset:offset + seq].to(x.dtype)
         sin = self.sin[offset:offset + seq].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
