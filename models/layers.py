@@ -119,6 +119,9 @@ class Rotary(nn.Module):
         """x: [batch, heads, seq, head_dim] at positions offset..offset+seq-1. Eagerly on a GPU one
         Triton kernel (models/attention/kernels/rotary_triton.py); torch.compile fuses the formula."""
         seq = x.shape[-2]
+        if offset + seq > self.cos.shape[0]:
+            raise ValueError(f"positions {offset}..{offset + seq - 1} exceed the {self.cos.shape[0]} RoPE was "
+                             "built for (model.max_seq_len)")
         if x.is_cuda and not torch.compiler.is_compiling():
             fused = _fused_rotary()
             if fused is not None:

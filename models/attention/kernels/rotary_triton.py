@@ -22,7 +22,7 @@ def _rotate(X, COS, SIN, OUT, sx_b, sx_h, sx_s, heads, seq, HALF: tl.constexpr, 
     pos = block * BS + tl.arange(0, BS)
     dims = tl.arange(0, HP)
     mask = (pos[:, None] < seq) & (dims[None, :] < HALF)
-    x = X + b * sx_b + h * sx_h + pos[:, None] * sx_s + dims[None, :]
+    x = X + b * sx_b + h * sx_h + pos[:, None].to(tl.int64) * sx_s + dims[None, :]
     x1 = tl.load(x, mask=mask, other=0.0).to(ACC)
     x2 = tl.load(x + HALF, mask=mask, other=0.0).to(ACC)
     angle = pos[:, None] * HALF + dims[None, :]
