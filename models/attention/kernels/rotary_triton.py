@@ -36,10 +36,13 @@ def _rotate(X, COS, SIN, OUT, sx_b, sx_h, sx_s, heads, seq, HALF: tl.constexpr, 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
     """x [batch, heads, seq, 2 * half] (any strides but the last) rotated by sign x the angles of
     cos / sin [seq, half]; contiguous."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     batch, heads, seq, width = x.shape
     half = width // 2
+    if width % 2 or cos.shape != (seq, half) or sin.shape != (seq, half) or cos.device != x.device:
+        raise ValueError(f"RoPE of x {tuple(x.shape)} needs cos / sin [{seq}, {half}] on {x.device}, "
+                         f"got {tuple(cos.shape)} / {tuple(sin.shape)} on {cos.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     out = torch.empty(batch, heads, seq, width, dtype=x.dtype, device=x.device)
     padded = triton.next_power_of_2(half)
     rows = max(1, min(64, 4096 // padded))
@@ -57,6 +60,7 @@ class _Rotary(torch.autograd.Function):
         return _rotated(x, cos, sin, 1)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernel's backward has no graph of its own
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         return _rotated(grad, cos, sin, -1), None, None
