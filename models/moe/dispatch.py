@@ -95,6 +95,7 @@ def _select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """inverse with inverse[index[i]] == i."""
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=index.device)
     return inverse
