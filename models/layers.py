@@ -139,8 +139,24 @@ def gate_and_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
+@functools.cache
+def _fused_swiglu():
+    """The Triton SwiGLU kernel, or None on a machine without Triton."""
+    try:
+        from models.mlp.swiglu_triton import swiglu as fused
+    except ImportError:
+        return None
+    return fused
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of interleaved gate/up rows [..., 2w] -> [..., w]."""
+    """SiLU(gate) * up of interleaved gate/up rows [..., 2w] -> [..., w]. Eagerly on a GPU one
+    Triton kernel (models/mlp/swiglu_triton.py), which keeps only gate_up for backward;
+    torch.compile fuses the formula."""
+    if gate_up.is_cuda and not torch.compiler.is_compiling():
+        fused = _fused_swiglu()
+        if fused is not None:
+            return fused(gate_up)
     gate, up = gate_and_up(gate_up)
     return F.silu(gate) * up
 

@@ -35,7 +35,8 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 
 register_mlp(MLPKind(
     name="dense", module=lambda cfg, layer: SwiGLU(cfg), params=params,
-    # gate/up output, activation, product (4 x width) per token on this rank's slice
+    # gate/up output, activation, product (4 x width) per token on this rank's slice; the eager GPU
+    # kernel (models/mlp/swiglu_triton.py) keeps no activation: 3 there, so this overestimates
     activations=lambda cfg, tensor: 4 * cfg.ffn_hidden_size / tensor,
     validate=validate, llama=LlamaMapping(to_llama, from_llama), hf_remote=True,
 ))

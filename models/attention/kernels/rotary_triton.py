@@ -47,6 +47,8 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -
     padded = triton.next_power_of_2(half)
     rows = max(1, min(64, 4096 // padded))
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+    if not out.numel():
+        return out
     grid = (batch * heads, triton.cdiv(seq, rows))
     _rotate[grid](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), x.stride(2), heads,
                   seq, HALF=half, HP=padded, BS=rows, SIGN=sign, ACC=acc)
