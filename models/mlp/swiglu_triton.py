@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.attention.kernels import on_its_device
+
 BLOCK = 1024
 
 
@@ -21,8 +23,8 @@ BLOCK = 1024
 def _forward(GU, H, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit offsets for large tensors
     keep = i < n
-    gate = tl.load(GU + 2 * i, mask=keep, other=0.0).to(ACC)
-    up = tl.load(GU + 2 * i + 1, mask=keep, other=0.0).to(ACC)
+    pairs = 2 * i[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2] (gate, up): one wide load
+    gate, up = tl.split(tl.load(GU + pairs, mask=keep[:, None], other=0.0).to(ACC))
     h = gate * tl.sigmoid(gate) * up
     tl.store(H + i, h.to(H.dtype.element_ty), mask=keep)
 
@@ -31,14 +33,13 @@ def _forward(GU, H, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
 def _backward(GU, DH, DGU, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = i < n
-    gate = tl.load(GU + 2 * i, mask=keep, other=0.0).to(ACC)
-    up = tl.load(GU + 2 * i + 1, mask=keep, other=0.0).to(ACC)
+    pairs = 2 * i[:, None] + tl.arange(0, 2)[None, :]
+    gate, up = tl.split(tl.load(GU + pairs, mask=keep[:, None], other=0.0).to(ACC))
     dh = tl.load(DH + i, mask=keep, other=0.0).to(ACC)
     sig = tl.sigmoid(gate)
-    silu = gate * sig
     d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
-    tl.store(DGU + 2 * i, d_gate.to(DGU.dtype.element_ty), mask=keep)
-    tl.store(DGU + 2 * i + 1, (dh * silu).to(DGU.dtype.element_ty), mask=keep)
+    d_up = dh * gate * sig
+    tl.store(DGU + pairs, tl.join(d_gate, d_up).to(DGU.dtype.element_ty), mask=keep[:, None])
 
 
 def _acc(dtype: torch.dtype):
@@ -53,7 +54,8 @@ class _SwiGLU(torch.autograd.Function):
         h = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
         n = h.numel()
         if n:  # an expert without rows launches nothing
-            _forward[(triton.cdiv(n, BLOCK),)](gate_up, h, n, BLOCK=BLOCK, ACC=_acc(gate_up.dtype))
+            with on_its_device(h):
+                _forward[(triton.cdiv(n, BLOCK),)](gate_up, h, n, BLOCK=BLOCK, ACC=_acc(gate_up.dtype))
         return h
 
     @staticmethod
@@ -64,8 +66,9 @@ class _SwiGLU(torch.autograd.Function):
         d_gate_up = torch.empty_like(gate_up)
         n = grad.numel()
         if n:
-            grid = (triton.cdiv(n, BLOCK),)
-            _backward[grid](gate_up, grad, d_gate_up, n, BLOCK=BLOCK, ACC=_acc(gate_up.dtype))
+            with on_its_device(grad):
+                grid = (triton.cdiv(n, BLOCK),)
+                _backward[grid](gate_up, grad, d_gate_up, n, BLOCK=BLOCK, ACC=_acc(gate_up.dtype))
         return d_gate_up
 
 

@@ -1,7 +1,10 @@
 """Fused GPU kernels of the attention kinds (Triton). A kind imports its kernel module only when
 it runs on a GPU, so machines without Triton never import one."""
 
+import contextlib
 import os
+
+import torch
 
 LISA_FLASH_MAX_GROUP = 4  # heads of an alignment group the fused LISA kernel holds as separate tiles
 # Widths (source features, low-rank features, values) the fused LISA kernel takes once padded: at 256
@@ -13,3 +16,9 @@ def triton_interpreted() -> bool:
     """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1: on CPU tensors, as the
     tests check them)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_its_device(x: torch.Tensor):
+    """A context that launches kernels on x's GPU (Triton launches on the current one), or anywhere
+    for CPU tensors (the interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()

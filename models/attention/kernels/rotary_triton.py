@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.attention.kernels import on_its_device
+
 
 @triton.jit
 def _rotate(X, COS, SIN, OUT, sx_b, sx_h, sx_s, heads, seq, HALF: tl.constexpr, HP: tl.constexpr,
@@ -50,8 +52,9 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -
     if not out.numel():
         return out
     grid = (batch * heads, triton.cdiv(seq, rows))
-    _rotate[grid](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), x.stride(2), heads,
-                  seq, HALF=half, HP=padded, BS=rows, SIGN=sign, ACC=acc)
+    with on_its_device(x):
+        _rotate[grid](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), x.stride(2), heads,
+                      seq, HALF=half, HP=padded, BS=rows, SIGN=sign, ACC=acc)
     return out
 
 
