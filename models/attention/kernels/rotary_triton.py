@@ -53,8 +53,8 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -
         return out
     grid = (batch * heads, triton.cdiv(seq, rows))
     with on_its_device(x):
-        _rotate[grid](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), x.stride(2), heads,
-                      seq, HALF=half, HP=padded, BS=rows, SIGN=sign, ACC=acc)
+        _rotate[grid](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), x.stride(2),
+                      heads, seq, HALF=half, HP=padded, BS=rows, SIGN=sign, ACC=acc)
     return out
 
 
