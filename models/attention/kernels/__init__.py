@@ -1,5 +1,6 @@
-"""Fused GPU kernels of the attention kinds (Triton). A kind imports its kernel module only when
-it runs on a GPU, so machines without Triton never import one."""
+"""Fused GPU kernels of the attention kinds (Triton), and what launching this project's kernels
+needs (models/mlp/swiglu_triton.py's too). A kind imports its kernel module only when it runs on a
+GPU, so machines without Triton never import one."""
 
 import contextlib
 import os
