@@ -7,6 +7,7 @@ model built with the same seed holds the same numbers at every tensor-parallel s
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from functools import partial
 
@@ -96,13 +97,13 @@ def row_linear(cfg: ModelConfig, in_features: int, out_features: int) -> nn.Modu
 
 
 @functools.cache
-def _fused_rotary():
-    """The Triton RoPE kernel, or None on a machine without Triton."""
+def _triton_function(module: str, name: str):
+    """A function of one of the Triton kernel modules, or None on a machine without Triton (they
+    are imported only where a GPU runs them)."""
     try:
-        from models.attention.kernels.rotary_triton import rotary
+        return getattr(importlib.import_module(module), name)
     except ImportError:
         return None
-    return rotary
 
 
 class Rotary(nn.Module):
@@ -123,7 +124,7 @@ class Rotary(nn.Module):
             raise ValueError(f"positions {offset}..{offset + seq - 1} exceed the {self.cos.shape[0]} RoPE was "
                              "built for (model.max_seq_len)")
         if x.is_cuda and not torch.compiler.is_compiling():
-            fused = _fused_rotary()
+            fused = _triton_function("models.attention.kernels.rotary_triton", "rotary")
             if fused is not None:
                 return fused(x, self.cos[offset:offset + seq], self.sin[offset:offset + seq])
         cos = self.cos[offset:offset + seq].to(x.dtype)
@@ -139,22 +140,12 @@ def gate_and_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
-@functools.cache
-def _fused_swiglu():
-    """The Triton SwiGLU kernel, or None on a machine without Triton."""
-    try:
-        from models.mlp.swiglu_triton import swiglu as fused
-    except ImportError:
-        return None
-    return fused
-
-
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of interleaved gate/up rows [..., 2w] -> [..., w]. Eagerly on a GPU one
     Triton kernel (models/mlp/swiglu_triton.py), which keeps only gate_up for backward;
     torch.compile fuses the formula."""
     if gate_up.is_cuda and not torch.compiler.is_compiling():
-        fused = _fused_swiglu()
+        fused = _triton_function("models.mlp.swiglu_triton", "swiglu")
         if fused is not None:
             return fused(gate_up)
     gate, up = gate_and_up(gate_up)

@@ -30,6 +30,12 @@ def flex_takes(head_dim: int) -> bool:
     return FLEX_MIN_HEAD_DIM <= head_dim <= FLEX_MAX_HEAD_DIM
 
 
+def flex_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether FlexAttention's GPU kernels run queries q over keys k: on a GPU, over their own keys
+    (not decoding after cached ones), heads it takes."""
+    return q.is_cuda and q.shape[-2] == k.shape[-2] and flex_takes(q.shape[-1])
+
+
 def document_block_mask(documents: torch.Tensor | None, q_len: int, k_len: int,
                         device: torch.device | None = None) -> BlockMask:
     """Causal within documents ([batch, seq] ids), shared by every head; without documents causal,

@@ -172,9 +172,10 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
         return by_rows
     kinds = cfg.attention_kinds()
     fused = fused_over_several_key_heads(cfg, layout)
-    # the fused kernel runs the first LISA layer after each full one; the others attend over features
-    first = sum(kind == "lisa" and kinds[i - 1] != "lisa" for i, kind in enumerate(kinds) if i) if fused else 0
-    later = kinds.count("lisa") - first
+    # the fused kernel runs the first LISA layer after each full one; those after a LISA layer
+    # attend over features
+    later = len(chained_lisa_layers(kinds)) if fused else kinds.count("lisa")
+    first = kinds.count("lisa") - later
     features = 2 * cfg.num_heads * feature_width(cfg, first_ones=not fused) / layout.tensor if later else 0.0
     over_features = projected_activations(cfg, layout, stores_scores=not layout.flash) + features
     return (first * by_rows + later * over_features) / max(1, first + later)
@@ -553,11 +554,12 @@ class LISAAttention(nn.Module):
             # the fused kernel where the source is a full layer's own projections (one block)
             direct = len(shared.blocks) == 1 and self.mixes_key_heads(shared)
             o = self.flash(shared, q, k, v, ctx) if direct else None
-            if o is not None:
-                if self.publish_scores:  # a following LISA layer attends over the features
-                    self.publish(ctx, shared.mixed(self.align.mix, self.align.group).plus(q, k))
+            if o is not None and not self.publish_scores:
                 return o
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
+            if o is not None:  # a following LISA layer attends over the features
+                self.publish(ctx, scores)
+                return o
             attend, inputs = self.attend_features, (*scores.features(), v, ctx)
         elif self.lazy(shared, ctx):  # recomputes by blocks already, or in the fused kernel
             scores = AlignedScores(shared, self.align, q, k)

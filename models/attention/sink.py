@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from torch import nn
 
 from models.attention.base import ProjectedAttention, projected_activations, projected_params
-from models.attention.flex import block_mask_for, flex_masked_attention, flex_takes
+from models.attention.flex import block_mask_for, flex_masked_attention, flex_runs, flex_takes
 from models.attention.masks import visible
 from models.config import ModelConfig
 from models.registry import AttentionKind, register_attention
@@ -56,11 +56,10 @@ def sink_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def flex_runs_sink(q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None) -> bool:
-    """Whether FlexAttention runs the sink kind: on GPU, within documents or in training (where
-    SDPA would keep its seq^2 bias for backward; inference over whole sequences takes SDPA, which
-    compiles nothing per prompt), queries over their own keys, heads it takes."""
-    return (q.is_cuda and (documents is not None or torch.is_grad_enabled()) and q.shape[-2] == k.shape[-2]
-            and flex_takes(q.shape[-1]))
+    """Whether FlexAttention runs the sink kind: where it runs these queries and keys, within
+    documents or in training (where SDPA would keep its seq^2 bias for backward; inference over
+    whole sequences takes SDPA, which compiles nothing per prompt)."""
+    return flex_runs(q, k) and (documents is not None or torch.is_grad_enabled())
 
 
 class SinkSoftmaxAttention(ProjectedAttention):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.attention.base import ProjectedAttention, projected_activations, projected_params
-from models.attention.flex import block_mask_for, flex_masked_attention, flex_takes
+from models.attention.flex import block_mask_for, flex_masked_attention, flex_runs
 from models.attention.masks import visible
 from models.config import ModelConfig
 from models.registry import AttentionKind, LlamaMapping, register_attention
@@ -40,16 +40,15 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       block_mask=None) -> torch.Tensor:
     """Causal SDPA; k/v may hold fewer (grouped-query) heads than q; scale defaults to
     1 / sqrt(head_dim). Within documents: FlexAttention on GPU when `block_mask` (a function giving
-    the forward's block mask) is passed and it takes the heads' width (flex_takes), else a boolean
-    mask, which the memory-efficient kernels take."""
+    the forward's block mask) is passed and it takes these queries and keys (flex_runs), else a
+    boolean mask, which the memory-efficient kernels take."""
     gqa = k.shape[1] != q.shape[1]
     if documents is None and q.shape[-2] == 1:  # one new query sees every cached key: no mask
         with sdpa_kernel(DECODE_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if documents is None and q.shape[-2] == k.shape[-2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    if (documents is not None and block_mask is not None and q.is_cuda and q.shape[-2] == k.shape[-2]
-            and flex_takes(q.shape[-1])):
+    if documents is not None and block_mask is not None and flex_runs(q, k):
         return flex_masked_attention(q, k, v, block_mask(), scale=scale)
     mask = visible(q.shape[-2], k.shape[-2], q.device, documents)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
