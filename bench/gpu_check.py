@@ -160,28 +160,11 @@ def grouped_gemm_check(device: str) -> dict:
             "match": abs(loss_grouped - loss_loop) <= 1e-2 * abs(loss_loop) and grad_diff <= 2e-2}
 
 
-def interpreted(check: str) -> dict:
-    """check("cpu") of this module in a fresh process under Triton's interpreter (Triton reads
-    TRITON_INTERPRET on import)."""
-    from pretrain.distributed import environment_for_child
-
-    code = (f"import json; from bench.gpu_check import {check}; from pretrain.distributed import init_single_process; "
-            f"init_single_process(); print({RESULT!r} + json.dumps({check}('cpu')))")
-    out = subprocess.run([sys.executable, "-c", code], env={**environment_for_child(), "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=600)
-    result = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
-    if not result:
-        raise RuntimeError(f"exit {out.returncode}: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(result[-1][len(RESULT):])
-
-
 def relu_kernel_check(device: str) -> dict:
     """The Triton ReLU kernels (fp32, and bf16 as training runs them) against the PyTorch path in
     float64: output and every gradient, grouped-query heads, queries/keys wider than the values
     (LISA's features), within documents. --device cpu runs them under Triton's interpreter at tiny
     sizes."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return interpreted("relu_kernel_check")
     from models.attention.kernels.relu_triton import triton_relu_attention
     from models.attention.relu import relu_attention
 
@@ -216,8 +199,6 @@ def lisa_align_check(device: str) -> dict:
     training runs it) against HeadAlign in float64: output and the gradients of the scores and of
     every alignment weight, groups of 4 at the 1B hybrid's hidden width 16 and of 3 at width 5.
     --device cpu runs it under Triton's interpreter at tiny sizes."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return interpreted("lisa_align_check")
     from models.attention.kernels.lisa_align_triton import fused_align
     from models.attention.lisa import HeadAlign
 
@@ -277,8 +258,6 @@ def lisa_flash_check(device: str) -> dict:
     layers per forward, or the case fails). On a GPU in bf16, the kernel's type there: passes under
     twice the PyTorch path's bf16 error (kernel=torch), or under 3e-2, and under 0.1 in any case.
     --device cpu runs it in fp32 under Triton's interpreter at tiny sizes (passes under 1e-4)."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return interpreted("lisa_flash_check")
     import models.attention.kernels.lisa_flash_triton as fused
 
     cpu = device == "cpu"
@@ -334,13 +313,11 @@ def lisa_decode_check(device: str) -> dict:
     differently, so the fused one passes when its error is under twice the PyTorch path's, or under
     3e-2, and under 0.1 in any case), and the median ms per decode step of both paths and of the same
     model with softmax layers only. --device cpu: under Triton's interpreter at tiny sizes, in fp32."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return interpreted("lisa_decode_check")
     from models.attention.kv_cache import KVCache
     from models.attention.lisa import LISAAttention
 
     cpu = device == "cpu"
-    hidden, heads, context, steps, batches = (64, 8, 40, 3, (1, 2)) if cpu else (2048, 16, 4096, 32, (1, 8))
+    hidden, heads, context, steps, batches = (64, 8, 20, 3, (1, 2)) if cpu else (2048, 16, 4096, 32, (1, 8))
     dtype, dev = torch.float32 if cpu else torch.bfloat16, torch.device(device)
     sizes = dict(vocab_size=512, hidden_size=hidden, num_heads=heads, num_kv_heads=heads // 4, num_layers=3,
                  ffn_hidden_size=4 * hidden, max_seq_len=context + steps)
@@ -575,6 +552,13 @@ def correctness(device: str, names: list[str]) -> dict:
 CHECKS = {"correctness": None, "grouped_gemm": grouped_gemm_check, "relu_kernels": relu_kernel_check,
           "lisa_align": lisa_align_check, "lisa_flash": lisa_flash_check, "lisa_decode": lisa_decode_check}
 CHECK = "check:"  # run_isolated's name for a check
+# Triton kernel checks: with --device cpu their process runs under Triton's interpreter, which Triton
+# reads when it is imported, so it is set in the environment the process starts with.
+TRITON_CHECKS = ("relu_kernels", "lisa_align", "lisa_flash", "lisa_decode")
+
+
+def interpreted(name: str, device: str) -> bool:
+    return device == "cpu" and name.removeprefix(CHECK) in TRITON_CHECKS
 
 
 def run_isolated(name: str, args: argparse.Namespace, timeout: float) -> dict:
@@ -587,8 +571,11 @@ def run_isolated(name: str, args: argparse.Namespace, timeout: float) -> dict:
     if args.micro_batch:
         cmd += ["--micro-batch", str(args.micro_batch)]
     cmd += ["--out-dir", args.out_dir, "--profile" if args.profile else "--no-profile"]
+    env = environment_for_child()
+    if interpreted(name, args.device):
+        env["TRITON_INTERPRET"] = "1"
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environment_for_child())
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         stdout, stderr, failure = out.stdout, out.stderr, f"exit {out.returncode}"
     except subprocess.TimeoutExpired as expired:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
@@ -810,6 +797,9 @@ def main() -> int:
             attention_rows(args.device, int(args.one.removeprefix(ATTENTION_ROW)),
                            Path(args.out_dir) if args.profile else None)
         elif args.one.startswith(CHECK):
+            if interpreted(args.one, args.device) and os.environ.get("TRITON_INTERPRET") != "1":
+                parser.error(f"--one {args.one} --device cpu runs under Triton's interpreter: "
+                             "set TRITON_INTERPRET=1")
             init_single_process()  # the tiny models build megatron-core layers
             check = args.one.removeprefix(CHECK)
             result = (correctness(args.device, args.families.split(",")) if check == "correctness"
