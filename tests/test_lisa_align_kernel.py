@@ -53,7 +53,8 @@ from tests.test_attention import VOCAB, ffn_chain_model
 calls = []
 kernel = fused.fused_align
 fused.fused_align = lambda *a: calls.append(a[0].shape[-2]) or kernel(*a)
-tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+# one sequence: the test of the kernel alone covers batches
+tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
 from tests.dist_utils import single_process_group
 results, counts = {}, {}
 with single_process_group():
@@ -90,7 +91,7 @@ def test_fused_alignment_equals_head_align_under_interpreter():
 
 def test_model_trains_through_fused_alignment_as_explicit_scores():
     """A model with a chain of FFN-aligned LISA layers after softmax and relu layers (grouped-query
-    heads, blocks of 5 query rows at seq 24) gives the loss and every gradient of the explicit
+    heads, blocks of 5 query rows, one sequence of 24) gives the loss and every gradient of the explicit
     scores (kernel=naive) with its alignment in the fused kernel (kernel=auto, rebuilding the chain
     and keeping its rows) and in PyTorch (kernel=torch, which never calls the kernel); float64."""
     out = run_interpreted(MODEL_CHECK)

@@ -92,8 +92,9 @@ def test_bad_layout_is_a_config_error(capsys):
 @pytest.mark.parametrize("size", ["h512-l8", "h512-l8-gqa", "h512-l8-ckpt", "h512-l8-sel", "h512-l8-uoe"])
 def test_memory_estimate_within_20_percent_of_measured(size):
     env = {**child_env(), **measurement_env()}
-    out = subprocess.run([sys.executable, "-m", "bench.memory_plan", "--one", size], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600, check=True)
+    # two steps: the second is the first with optimizer states, where the peak is reached
+    out = subprocess.run([sys.executable, "-m", "bench.memory_plan", "--one", size, "--steps", "2"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600, check=True)
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert 0.8 <= result["ratio"] <= 1.2, result
 
