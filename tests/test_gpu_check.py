@@ -139,6 +139,11 @@ def test_unknown_family_is_rejected_before_any_work(tmp_path):
                          timeout=300)
     assert out.returncode == 2 and "unknown families ['dense-7b']" in out.stderr
     assert not list(tmp_path.iterdir())
+    # a Triton kernel check on the CPU runs under the interpreter, which must be on when Triton loads
+    env = {k: v for k, v in child_env().items() if k != "TRITON_INTERPRET"}
+    one = [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--one", "check:lisa_flash"]
+    out = subprocess.run(one, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "set TRITON_INTERPRET=1" in out.stderr, out.stderr[-2000:]
 
 
 def test_shell_entry_without_gpu_says_so_and_exits_0():

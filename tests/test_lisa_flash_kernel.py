@@ -149,12 +149,12 @@ def test_fused_lisa_equals_plain_lisa_under_interpreter():
 
 def test_model_trains_through_fused_lisa_as_explicit_scores():
     """A model with LISA chains of three after a softmax layer and of two after a relu layer
-    (grouped-query heads, FFN alignment in groups of 2, one sequence of 24) gives the loss and every
-    gradient of the explicit scores (kernel=naive) with kernel=auto: the kernel runs the first two layers of
-    each chain (the second rebuilding the first's alignment), the third layer builds its rows by
-    blocks from the second's (keep_chain_scores on); also within documents; float64. The same for
-    linear alignment whose groups read two key heads each, where the kernel runs the LISA layers
-    right after full layers and the others attend over score features."""
+    (grouped-query heads, FFN alignment in groups of 2, one sequence of 24) gives the loss and
+    every gradient of the explicit scores (kernel=naive) with kernel=auto: the kernel runs the
+    first two layers of each chain (the second rebuilding the first's alignment), the third layer
+    builds its rows by blocks from the second's (keep_chain_scores on); also within documents;
+    float64. The same for linear alignment whose groups read two key heads each, where the kernel
+    runs the LISA layers right after full layers and the others attend over score features."""
     out = run_interpreted(MODEL_CHECK)
     depths, errors = out["depths"], out["errors"]
     assert depths["naive"] == [] and depths["naive-docs"] == [], depths
