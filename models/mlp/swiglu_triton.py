@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import on_its_device
+from models.attention.kernels import accumulator, on_its_device
 
 BLOCK = 1024
 
@@ -42,10 +42,6 @@ def _backward(GU, DH, DGU, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
     tl.store(DGU + pairs, tl.join(d_gate, d_up).to(DGU.dtype.element_ty), mask=keep[:, None])
 
 
-def _acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
@@ -55,7 +51,7 @@ class _SwiGLU(torch.autograd.Function):
         n = h.numel()
         if n:  # an expert without rows launches nothing
             with on_its_device(h):
-                _forward[(triton.cdiv(n, BLOCK),)](gate_up, h, n, BLOCK=BLOCK, ACC=_acc(gate_up.dtype))
+                _forward[(triton.cdiv(n, BLOCK),)](gate_up, h, n, BLOCK=BLOCK, ACC=accumulator(gate_up.dtype))
         return h
 
     @staticmethod
@@ -68,7 +64,7 @@ class _SwiGLU(torch.autograd.Function):
         if n:
             with on_its_device(grad):
                 grid = (triton.cdiv(n, BLOCK),)
-                _backward[grid](gate_up, grad, d_gate_up, n, BLOCK=BLOCK, ACC=_acc(gate_up.dtype))
+                _backward[grid](gate_up, grad, d_gate_up, n, BLOCK=BLOCK, ACC=accumulator(gate_up.dtype))
         return d_gate_up
 
 

@@ -23,3 +23,11 @@ def on_its_device(x: torch.Tensor):
     """A context that launches kernels on x's GPU (Triton launches on the current one), or anywhere
     for CPU tensors (the interpreter)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def accumulator(dtype: torch.dtype):
+    """The Triton type kernels accumulate in for inputs of `dtype`: float64 for float64 (the tests'
+    reference precision), else float32."""
+    import triton.language as tl  # here: this module is imported where Triton may be missing
+
+    return tl.float64 if dtype == torch.float64 else tl.float32

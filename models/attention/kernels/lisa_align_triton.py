@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import triton_interpreted
+from models.attention.kernels import accumulator, triton_interpreted
 from models.attention.kernels.triton_dot import dot as _dot
 
 
@@ -108,7 +108,7 @@ def _sizes(scores: torch.Tensor, mix: torch.Tensor, w1: torch.Tensor) -> dict:
     interpreted = triton_interpreted()
     return dict(GP=max(16, triton.next_power_of_2(group)), HP=max(16, triton.next_power_of_2(hidden)),
                 IEEE=scores.dtype in (torch.float32, torch.float64),
-                ACC=tl.float64 if scores.dtype == torch.float64 else tl.float32,
+                ACC=accumulator(scores.dtype),
                 groups=groups, group=group, hidden=hidden, interpreted=interpreted)
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import triton_interpreted
+from models.attention.kernels import accumulator, triton_interpreted
 
 
 @triton.jit
@@ -133,7 +133,7 @@ def lisa_decode(source: torch.Tensor, qr: torch.Tensor, kr: torch.Tensor, v: tor
         heads, group, hidden, rank, dv, heads // v.shape[1], keys, chunk, splits,
         GP=triton.next_power_of_2(group), HP=max(1, triton.next_power_of_2(hidden)),
         RP=triton.next_power_of_2(rank), DP=dp, BN=block, RELU=relu_normaliser is not None, FFN=ffn is not None,
-        STORE=store_scores, ACC=tl.float64 if acc == torch.float64 else tl.float32)
+        STORE=store_scores, ACC=accumulator(acc))
     part_o = part_o[..., :dv]
     if relu_normaliser is not None:
         out = part_o.sum(2) / relu_normaliser.to(acc)

@@ -25,7 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import LISA_FLASH_MAX_GROUP, LISA_FLASH_MAX_WIDTH, triton_interpreted
+from models.attention.kernels import (
+    LISA_FLASH_MAX_GROUP,
+    LISA_FLASH_MAX_WIDTH,
+    accumulator,
+    triton_interpreted,
+)
 from models.attention.kernels.lisa_align_triton import _gelu_and_slope
 from models.attention.kernels.relu_triton import NORMALIZER_CODES, _document_starts, _normaliser, _starts
 from models.attention.kernels.triton_dot import dot as _dot
@@ -598,7 +603,7 @@ class _FlashLISA(torch.autograd.Function):
         lse = torch.empty(batch, heads, seq, dtype=acc, device=v.device)
         exact = qs.dtype in (torch.float32, torch.float64)  # else tensor-core products of 16-bit inputs
         meta = dict(G=group, HID=hidden, DEPTH=depth, NORM=norm, DOCS=docs, IEEE=exact,
-                    ACC=tl.float64 if acc == torch.float64 else tl.float32, DP=_padded(width),
+                    ACC=accumulator(acc), DP=_padded(width),
                     RP=_padded(rank), VP=_padded(dv))
         strides = (*qs.stride()[:3], *ks.stride()[:3], *qa.stride()[:3], *v.stride()[:3], *out.stride()[:3])
         sizes = (heads, groups, seq, width, rank, dv, heads // ks.shape[1], heads // v.shape[1], float(seq))

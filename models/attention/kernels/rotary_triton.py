@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import on_its_device
+from models.attention.kernels import accumulator, on_its_device
 
 
 @triton.jit
@@ -48,13 +48,12 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -
     out = torch.empty(batch, heads, seq, width, dtype=x.dtype, device=x.device)
     padded = triton.next_power_of_2(half)
     rows = max(1, min(64, 4096 // padded))
-    acc = tl.float64 if x.dtype == torch.float64 else tl.float32
     if not out.numel():
         return out
     grid = (batch * heads, triton.cdiv(seq, rows))
     with on_its_device(x):
         _rotate[grid](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), x.stride(2),
-                      heads, seq, HALF=half, HP=padded, BS=rows, SIGN=sign, ACC=acc)
+                      heads, seq, HALF=half, HP=padded, BS=rows, SIGN=sign, ACC=accumulator(x.dtype))
     return out
 
 
