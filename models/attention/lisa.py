@@ -65,7 +65,7 @@ from torch.utils.checkpoint import checkpoint
 from models import registry
 from models.attention.base import ProjectedAttention, expand_kv, local_heads, projected_activations
 from models.attention.flex import block_mask_for
-from models.attention.kernels import LISA_FLASH_MAX_GROUP, LISA_FLASH_MAX_WIDTH, triton_interpreted
+from models.attention.kernels import LISA_FLASH_MAX_GROUP, LISA_FLASH_MAX_WIDTH
 from models.attention.relu import relu_attend, relu_normaliser, relu_weights
 from models.attention.shared_scores import (
     RowCut,
@@ -80,6 +80,7 @@ from models.attention.shared_scores import (
 from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ConfigError, ModelConfig
 from models.layers import Rotary, column_linear, row_linear
+from models.triton_launch import triton_interpreted
 
 
 @dataclass

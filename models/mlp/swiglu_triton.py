@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import accumulator, on_its_device
+from models.triton_launch import accumulator, on_its_device
 
 BLOCK = 1024
 

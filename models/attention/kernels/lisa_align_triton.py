@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import accumulator, triton_interpreted
 from models.attention.kernels.triton_dot import dot as _dot
+from models.triton_launch import accumulator, triton_interpreted
 
 
 @triton.jit

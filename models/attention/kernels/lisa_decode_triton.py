@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import accumulator, triton_interpreted
+from models.triton_launch import accumulator, triton_interpreted
 
 
 @triton.jit

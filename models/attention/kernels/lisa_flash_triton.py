@@ -25,16 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import (
-    LISA_FLASH_MAX_GROUP,
-    LISA_FLASH_MAX_WIDTH,
-    accumulator,
-    triton_interpreted,
-)
+from models.attention.kernels import LISA_FLASH_MAX_GROUP, LISA_FLASH_MAX_WIDTH
 from models.attention.kernels.lisa_align_triton import _gelu_and_slope
 from models.attention.kernels.relu_triton import NORMALIZER_CODES, _document_starts, _normaliser, _starts
 from models.attention.kernels.triton_dot import dot as _dot
 from models.attention.masks import document_bounds
+from models.triton_launch import accumulator, triton_interpreted
 
 SOFTMAX = -1  # the NORM code of softmax sources; relu sources use relu_triton.NORMALIZER_CODES
 

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from models.attention.kernels import triton_interpreted
 from models.attention.kernels.triton_dot import dot as _dot
 from models.attention.masks import document_bounds
+from models.triton_launch import triton_interpreted
 
 NORMALIZER_CODES = {"none": 0, "prefix": 1, "content": 2, "seqlen": 3}
 
