@@ -138,6 +138,7 @@ def grouped_gemm_check(device: str) -> dict:
     """bf16 grouped GEMMs (torch._grouped_mm; CUTLASS's kernel on Hopper) against the per-expert
     loop: the loss and all gradients of one forward and backward of a tiny UoE model."""
     from models.gpt import GPT
+    from models.moe.routing import GroupedGemm
     from pretrain.config import load_config
 
     cfg_path = FAMILIES["uoe-1b"][0]
@@ -149,7 +150,7 @@ def grouped_gemm_check(device: str) -> dict:
     for grouped in (False, True):
         for module in model.modules():
             if hasattr(module, "grouped_gemm"):  # the expert dispatchers
-                module.grouped_gemm = grouped
+                module.grouped_gemm = GroupedGemm(enabled=grouped)
         model.zero_grad()
         loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()

@@ -16,7 +16,8 @@ size, De = expert-data-parallel size D / EP):
                  attention kinds (4h + 3k)/t (q, k, v, rotated q and k, attention output,
                  output-projection input; k = K/V width, h without grouped-query attention) + a*s/t
                  attention scores for kinds that store them (all but flash softmax), for the MLPs
-                 4f/t (gate/up output, activation, product; f = active MLP width), routed MLPs
+                 4f/t (gate/up output, activation, product; f = active MLP width; 3f/t where the
+                 SwiGLU runs fused, on a GPU or with train.compile: no activation), routed MLPs
                  2kh more for the dispatch's copies (k = top_k) and UoE 4/t per routing neuron, one
                  more in overlap mode and one more scored by silu (6, 8 in overlap mode, where a rank
                  holds parts of experts; models/moe/uoe.py: activations); full activation
@@ -63,15 +64,18 @@ class Layout:
     bf16: bool
     checkpointing: str  # none | full | selective
     grouped_experts: bool = False  # experts run as grouped GEMMs (model.moe.grouped_gemm on the --gpu)
+    fused_swiglu: bool = False  # SwiGLU as one kernel: on a GPU, or with train.compile
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
     t, h = layout.tensor, cfg.hidden_size
     elem = 2 if layout.bf16 else 4
     # Flash softmax kernels run in bf16 on GPUs only.
-    kinds = ActivationLayout(tensor=t, seq=seq, flash=layout.bf16, selective=layout.checkpointing == "selective")
-    per_layer = [4 * h + attention_kind(k).activations(cfg, kinds)
-                 + mlp_kind(cfg.mlp_kind(i)).activations(cfg, t) for i, k in enumerate(cfg.attention_kinds())]
+    kinds = ActivationLayout(tensor=t, seq=seq, flash=layout.bf16,
+                             selective=layout.checkpointing == "selective", fused_swiglu=layout.fused_swiglu)
+    per_layer = [4 * h + attention_kind(kind).activations(cfg, kinds)
+                 + mlp_kind(cfg.mlp_kind(layer)).activations(cfg, kinds)
+                 for layer, kind in enumerate(cfg.attention_kinds())]
     handed_on = sum(attention_kind(k).handed_on(cfg, kinds) for k in cfg.attention_kinds()
                     if attention_kind(k).handed_on)
     tokens = layout.micro_batch * seq
@@ -133,11 +137,11 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     moe = cfg.model.moe
     # the routed experts' width: UoE's rest neurons, a router MoE's expert_hidden_size (validate
     # refuses sizing=carved for it, the only case where the two differ)
-    grouped, bf16_only = grouped_gemm_mode(moe.grouped_gemm, COMPUTE_CAPABILITY.get(gpu),
-                                           cfg.model.hidden_size, moe.rest_neurons() // p.tensor)
-    grouped = grouped and (bf16 or not bf16_only)
+    grouped = grouped_gemm_mode(moe.grouped_gemm, COMPUTE_CAPABILITY.get(gpu), cfg.model.hidden_size,
+                                moe.rest_neurons() // p.tensor).runs(bf16)
+    fused_swiglu = gpu != "cpu" or t.compile == "true"  # train.compile=auto compiles on a GPU
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
-                    t.activation_checkpointing, grouped)  # checkpointing: none | full | selective
+                    t.activation_checkpointing, grouped, fused_swiglu)
     memory = memory_breakdown(cfg, layout)
     total = peak_bytes(memory)
     fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context

@@ -140,6 +140,13 @@ def gate_and_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate, up
 
 
+def swiglu_kept(fused: bool) -> int:
+    """Elements per neuron and token that w_out(swiglu(w_in(x))) keeps for backward: the gate/up
+    output (2) and the product (1); the formula SiLU's output too, where the fused kernel and
+    compiled blocks recompute it."""
+    return 3 if fused else 4
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of interleaved gate/up rows [..., 2w] -> [..., w]. Eagerly on a GPU one
     Triton kernel (models/mlp/swiglu_triton.py), which keeps only gate_up for backward;

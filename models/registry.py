@@ -47,6 +47,9 @@ class ActivationLayout:
     seq: int
     flash: bool  # softmax attention runs a fused kernel that keeps no scores (bf16 on GPU)
     selective: bool  # train.activation_checkpointing=selective: the attention core is recomputed
+    # SwiGLU runs fused (on a GPU eagerly its Triton kernel; compiled, inductor's), keeping gate/up
+    # and the product but not SiLU's output (models.layers.swiglu_kept)
+    fused_swiglu: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class MLPKind:
     name: str
     module: Callable[[ModelConfig, int], nn.Module]  # (cfg, layer) -> that layer's MLP
     params: Callable[[ModelConfig], tuple[int, int]]  # (total, active per token) of one layer
-    activations: Callable[[ModelConfig, int], float]  # (cfg, tensor size) -> elements per token
+    # Activation elements per token one layer keeps for the backward pass (planner).
+    activations: Callable[[ModelConfig, ActivationLayout], float]
     # Parameters of one layer that expert parallelism shards (the routed experts).
     expert_params: Callable[[ModelConfig], int] | None = None
     routed: bool = False  # experts in DeepSpeed's MoE container: expert parallelism, ZeRO 0-2 only

@@ -90,7 +90,7 @@ register_attention(AttentionKind(
 ))
 register_mlp(MLPKind(
     name="toy_mlp", module=ToyMLP, params=lambda cfg: (2 * cfg.hidden_size * cfg.toy_mlp.width,) * 2,
-    activations=lambda cfg, tensor: 2 * cfg.toy_mlp.width / tensor, validate=check_toy_mlp,
+    activations=lambda cfg, layout: 2 * cfg.toy_mlp.width / layout.tensor, validate=check_toy_mlp,
 ))
 
 TOY = {"model.plugins": f"[{PLUGIN}]", "model.attention": "toy_attention", "model.mlp": "toy_mlp",

@@ -571,9 +571,11 @@ def test_uoe_layer_keeps_what_the_planner_counts(score):
     within 15% of its activation elements per token, and no fp32 tensor as wide as the routing
     neurons is among it (the scores come from fp32 norms of the activations themselves)."""
     from models.moe.uoe import UnionOfExperts, activations
+    from models.registry import ActivationLayout
     from tests.dist_utils import single_process_group
 
     tokens, experts = 512, 8
+    eager_cpu = ActivationLayout(tensor=1, seq=tokens, flash=False, selective=False)  # the formula's SwiGLU
     measured, planned = {}, {}
     with single_process_group():
         for routing in (32, 64):
@@ -594,7 +596,7 @@ def test_uoe_layer_keeps_what_the_planner_counts(score):
             for skip in (x, *layer.parameters()):
                 kept.pop(skip.untyped_storage().data_ptr(), None)
             measured[routing] = sum(nbytes for nbytes, _, _ in kept.values()) / tokens / 2
-            planned[routing] = activations(cfg, 1)
+            planned[routing] = activations(cfg, eager_cpu)
             wide_fp32 = [n for _, dtype, n in kept.values()
                          if dtype == torch.float32 and n >= tokens * routing]
             assert not wide_fp32, wide_fp32

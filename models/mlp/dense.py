@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.config import ConfigError, ModelConfig
-from models.layers import SwiGLU
+from models.layers import SwiGLU, swiglu_kept
 from models.registry import LlamaMapping, MLPKind, ParallelSizes, register_mlp
 
 
@@ -35,8 +35,6 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 
 register_mlp(MLPKind(
     name="dense", module=lambda cfg, layer: SwiGLU(cfg), params=params,
-    # gate/up output, activation, product (4 x width) per token on this rank's slice; the eager GPU
-    # kernel (models/mlp/swiglu_triton.py) keeps no activation: 3 there, so this overestimates
-    activations=lambda cfg, tensor: 4 * cfg.ffn_hidden_size / tensor,
+    activations=lambda cfg, layout: swiglu_kept(layout.fused_swiglu) * cfg.ffn_hidden_size / layout.tensor,
     validate=validate, llama=LlamaMapping(to_llama, from_llama), hf_remote=True,
 ))

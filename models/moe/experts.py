@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 from models.config import ModelConfig
 from models.layers import output_init, swiglu, tp_size
 from models.moe.dispatch import dispatch_combine
-from models.moe.routing import grouped_gemm_mode
+from models.moe.routing import GroupedGemm, grouped_gemm_mode
 
 
 def ep_world() -> int:
@@ -164,7 +164,7 @@ def grouped_swiglu(experts, inputs: torch.Tensor, rows_per_expert: torch.Tensor)
     return grouped_linear(hidden, offsets, [e.w_out for e in experts])
 
 
-def grouped_gemm_here(cfg: ModelConfig, local_width: int) -> tuple[bool, bool]:
+def grouped_gemm_here(cfg: ModelConfig, local_width: int) -> GroupedGemm:
     """models.moe.routing.grouped_gemm_mode on this machine's GPU."""
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     return grouped_gemm_mode(cfg.moe.grouped_gemm, capability, cfg.hidden_size, local_width)
@@ -176,13 +176,11 @@ _dispatch_eagerly = torch.compiler.disable(dispatch_combine)
 class _Dispatcher(nn.Module):
     """Stands where DeepSpeed's MOELayer stands (`deepspeed_moe`): holds `experts`."""
 
-    def __init__(self, experts: Experts, num_experts: int, grouped_gemm: bool = False,
-                 bf16_only: bool = False):
+    def __init__(self, experts: Experts, num_experts: int, grouped_gemm: GroupedGemm = GroupedGemm()):
         super().__init__()
         self.experts = experts
         self.num_experts = num_experts
         self.grouped_gemm = grouped_gemm
-        self.grouped_in_bf16_only = bf16_only
         self.ep_group = None
         self.l_aux = None
         self.exp_counts = None
@@ -199,7 +197,7 @@ class _Dispatcher(nn.Module):
         if group is not None and dist.get_world_size(group) == 1:
             group = None
         local = self.experts.deepspeed_experts
-        grouped = self.grouped_gemm and (x.dtype == torch.bfloat16 or not self.grouped_in_bf16_only)
+        grouped = self.grouped_gemm.runs(bf16=x.dtype == torch.bfloat16)
         run_local = partial(grouped_swiglu, local) if grouped else None
         # Without host syncs (dropless, experts local and grouped: torch._grouped_mm's fused kernel
         # on Hopper, or a CPU) torch.compile traces the dispatch with the rest of the block;
@@ -233,7 +231,7 @@ class ExpertContainer(MoE):
         self.num_local_experts = num_experts // ep
         self.width = width
         experts = Experts(ExpertMLP(cfg.hidden_size, width), self.num_local_experts, self.expert_group_name)
-        self.deepspeed_moe = _Dispatcher(experts, num_experts, *grouped_gemm_here(cfg, width // tp_size()))
+        self.deepspeed_moe = _Dispatcher(experts, num_experts, grouped_gemm_here(cfg, width // tp_size()))
         if ep == 1:
             self.deepspeed_moe.ep_group = _SINGLE
         self._init_weights(cfg, ep_rank() if ep > 1 else 0)

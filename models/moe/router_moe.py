@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel import (
 from torch import nn
 
 from models.config import ConfigError, ModelConfig
-from models.layers import SwiGLU, tp_size
+from models.layers import SwiGLU, swiglu_kept, tp_size
 from models.moe.experts import ExpertContainer
 from models.moe.routing import (
     RoutedLayer,
@@ -29,7 +29,7 @@ from models.moe.routing import (
     is_sparse_layer,
     validate_routed,
 )
-from models.registry import MLPKind, ParallelSizes, register_mlp
+from models.registry import ActivationLayout, MLPKind, ParallelSizes, register_mlp
 
 
 class RouterMoE(RoutedLayer):
@@ -82,9 +82,15 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
                                  "shared_hidden_size": moe.shared_hidden_size})
 
 
+def activations(cfg: ModelConfig, layout: ActivationLayout) -> float:
+    """Elements per token kept for backward: the SwiGLUs of the top_k experts and the shared expert,
+    and the dispatch's copies."""
+    active_neurons = cfg.moe.top_k * cfg.moe.expert_hidden_size + cfg.moe.shared_hidden_size
+    return swiglu_kept(layout.fused_swiglu) * active_neurons / layout.tensor + dispatch_activations(cfg)
+
+
 register_mlp(MLPKind(
     name="moe", module=RouterMoE, params=params, expert_params=expert_params, routed=True,
-    activations=lambda cfg, tensor: 4 * (cfg.moe.top_k * cfg.moe.expert_hidden_size
-                                         + cfg.moe.shared_hidden_size) / tensor + dispatch_activations(cfg),
+    activations=activations,
     applies_to=is_sparse_layer, validate=validate, hf_remote=True,
 ))

@@ -48,19 +48,29 @@ def grouped_gemm_problem(hidden: int, local_width: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class GroupedGemm:
+    """model.moe.grouped_gemm resolved for a device: whether routed experts run as grouped GEMMs."""
+    enabled: bool = False
+    bf16_only: bool = False  # auto: torch._grouped_mm's fused kernel was measured in bf16 only
+
+    def runs(self, bf16: bool) -> bool:
+        """Whether they do for inputs in bf16 (True) or in another type."""
+        return self.enabled and (bf16 or not self.bf16_only)
+
+
 def grouped_gemm_mode(setting: str, compute_capability: tuple[int, int] | None, hidden: int,
-                      local_width: int) -> tuple[bool, bool]:
+                      local_width: int) -> GroupedGemm:
     """model.moe.grouped_gemm on a device (compute_capability None: no GPU) for experts of
-    local_width neurons per tensor-parallel rank: (grouped, in bf16 only). true: grouped in any
-    type (its sizes are checked by validate_routed); false: never; auto: in bf16 on Hopper GPUs
-    where the sizes allow."""
+    local_width neurons per tensor-parallel rank. true: grouped in any type (its sizes are checked
+    by validate_routed); false: never; auto: in bf16 on Hopper GPUs where the sizes allow."""
     setting = parse_switch(setting, "model.moe.grouped_gemm")  # also a boolean assigned in code
     if setting != "auto":
-        return setting == "true", False
+        return GroupedGemm(enabled=setting == "true")
     if grouped_gemm_problem(hidden, local_width):
-        return False, False
+        return GroupedGemm()
     hopper = compute_capability is not None and compute_capability[0] == GROUPED_GEMM_FUSED_MAJOR
-    return hopper, hopper
+    return GroupedGemm(enabled=hopper, bf16_only=True)
 
 
 @dataclass

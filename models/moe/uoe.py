@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from models.config import ConfigError, ModelConfig
-from models.layers import column_linear, gate_and_up, row_linear, tp_size
+from models.layers import column_linear, gate_and_up, row_linear, swiglu, swiglu_kept, tp_size
 from models.moe.experts import ExpertContainer
 from models.moe.routing import (
     RoutedLayer,
@@ -46,7 +46,7 @@ from models.moe.routing import (
     scores_from_norms,
     validate_routed,
 )
-from models.registry import MLPKind, ParallelSizes, register_mlp
+from models.registry import ActivationLayout, MLPKind, ParallelSizes, register_mlp
 
 SCORES = ("h", "silu", "z")
 VSE_MODES = ("overlap", "disjoint")
@@ -80,9 +80,12 @@ class UnionOfExperts(RoutedLayer):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         gate_up, _ = self.vse_in(x)
-        z, up = gate_and_up(gate_up)
-        h = F.silu(z) * up
-        a = {"h": h, "silu": F.silu(z) if self.score == "silu" else None, "z": z}[self.score]
+        h = swiglu(gate_up)  # eagerly on a GPU one kernel, as the experts' (models.layers.swiglu)
+        if self.score == "h":
+            a = h
+        else:
+            z, _ = gate_and_up(gate_up)
+            a = F.silu(z) if self.score == "silu" else z
         sq = self.square_sums(a)
         if tp_size() > 1:
             sq = reduce_from_tensor_model_parallel_region(sq)
@@ -183,20 +186,21 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
         )
 
 
-def activations(cfg: ModelConfig, tensor: int) -> float:
-    """Elements per token kept for backward: the routed experts' 4 per active neuron (gate/up output,
-    activation, product) and the dispatch's copies; per routing neuron those 4, in overlap mode the
-    weighted product, and what scores the experts: the silu activations (score=silu) where a
-    tensor-parallel rank holds whole experts, else the fp32 squares and the routing weights spread
-    over the neurons (in overlap mode)."""
-    moe = cfg.moe
+def activations(cfg: ModelConfig, layout: ActivationLayout) -> float:
+    """Elements per token kept for backward: the SwiGLU's per active neuron (models.layers.swiglu_kept)
+    and the dispatch's copies; per routing neuron, besides its SwiGLU's, in overlap mode the weighted
+    product, and what scores the experts: the silu activations (score=silu) where a tensor-parallel
+    rank holds whole experts, else the fp32 squares and the routing weights spread over the neurons
+    (in overlap mode)."""
+    moe, tensor = cfg.moe, layout.tensor
     per_expert = moe.resolved_routing_neurons()
     routing_neurons = moe.num_experts * per_expert
     whole_experts = not per_expert or holds_whole_experts(routing_neurons, per_expert, tensor)  # 0: invalid
     overlap = moe.vse_mode == "overlap"
     scoring = (moe.score == "silu") if whole_experts else 2 + overlap
-    per_routing_neuron = 4 + overlap + scoring
-    routed = 4 * moe.top_k * moe.rest_neurons() + per_routing_neuron * routing_neurons
+    swiglu_elements = swiglu_kept(layout.fused_swiglu)
+    per_routing_neuron = swiglu_elements + overlap + scoring
+    routed = swiglu_elements * moe.top_k * moe.rest_neurons() + per_routing_neuron * routing_neurons
     return routed / tensor + dispatch_activations(cfg)
 
 
