@@ -774,6 +774,27 @@ def test_converted_lisa_chains_keep_their_scores_unless_told():
     assert chained_lisa_layers(["softmax", "lisa", "lisa", "lisa", "relu", "lisa"]) == [1, 2]
 
 
+def test_conversion_keeps_chains_within_max_chain():
+    """With a chain limit (convert_lisa --max-chain) layer choice by similarity skips a layer that
+    would make more LISA layers in a row, even the most similar one, and takes the next; a listed set
+    that would is refused, naming the run; a chain of the source's own that no new layer joins is
+    not the conversion's concern."""
+    from models.attention.lisa_conversion import chains, conversion_problem, propose_layers
+
+    kinds = ["softmax"] * 8
+    sim = {layer: {"similarity": 0.9 - 0.01 * layer} for layer in range(1, 8)}  # earlier: more similar
+    assert propose_layers(sim, kinds, 1, 0.5, 0.75) == [1, 2, 3, 4, 5, 6]
+    assert propose_layers(sim, kinds, 1, 0.5, 0.75, max_chain=2) == [1, 2, 4, 5, 7]
+    assert propose_layers(sim, kinds, 1, 0.5, 0.75, max_chain=1) == [1, 3, 5, 7]
+    assert conversion_problem(kinds, [2, 3, 4], 1, max_chain=2) == \
+        "layers 2-4 would be 3 LISA layers in a row, more than 2"
+    assert conversion_problem(kinds, [2, 3, 4], 1) is None
+    source = ["softmax", "lisa", "lisa", "lisa", "softmax", "softmax", "softmax"]
+    assert chains(source) == [(1, 3)]
+    assert conversion_problem(source, [5], 1, max_chain=2) is None
+    assert conversion_problem(source, [4], 1, max_chain=2) == "layers 1-4 would be 4 LISA layers in a row, more than 2"
+
+
 def test_convert_lisa_matches_heads_within_alignment_groups(single_process):
     """A source whose layer 2 is layer 1 with heads swapped inside each alignment group of 2:
     the conversion finds the permutation, sets the alignment to it and, with the zero-started

@@ -7,7 +7,8 @@
 2. On calibration batches (DIR/train) measures, for each layer l, how similar its attention maps
    are to layer l-1's after matching heads (greedy one-to-one matching on the per-head cosine
    similarity of the maps, averaged over the batch).
-3. Chooses layers, never the first model.lisa.keep_full_layers and at most --max-fraction of them:
+3. Chooses layers, never the first model.lisa.keep_full_layers, at most --max-fraction of them and
+   (--max-chain N) never more than N LISA layers in a row:
    auto = similarity >= --threshold, most similar first; sensitivity = each candidate converted
    alone and its validation-loss increase measured, then least sensitive first while the measured
    increase of the whole set stays within --loss-budget (relative, before training); or the list.
@@ -40,6 +41,7 @@ from models.attention.lisa import qk_compression
 from models.attention.lisa_conversion import (
     QK_INITS,
     build_lisa_model,
+    conversion_problem,
     layer_similarity,
     lisa_config,
     new_parameters,
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-fraction", type=float, default=None,
                         help="at most this share of layers (default 0.75 for auto, 0.84 for sensitivity: "
                              "the most the method's authors share)")
+    parser.add_argument("--max-chain", type=int, default=0,
+                        help="at most this many LISA layers in a row (0: any); 2 keeps every LISA layer "
+                             "on the fused GPU kernel, which runs chains of up to two")
     parser.add_argument("--loss-budget", type=float, default=0.05,
                         help="sensitivity: largest relative validation-loss increase before training")
     parser.add_argument("--qk-init", choices=QK_INITS, default="own", help="the low-rank Q/K's start")
@@ -155,14 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_fraction is None:
         args.max_fraction = 0.84 if args.layers == "sensitivity" else 0.75
     if args.layers == "auto":
-        layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction)
+        layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction,
+                                args.max_chain)
     elif args.layers == "sensitivity":
         layers, sensitivity = sensitive_layers(source, cfg, sim, lambda m: val_loss(m, val, args.micro_batch),
-                                               args.qk_init, args.loss_budget, args.max_fraction)
+                                               args.qk_init, args.loss_budget, args.max_fraction,
+                                               args.max_chain)
         print("loss increase converting each layer alone: "
               + ", ".join(f"{layer}: {100 * v:+.2f}%" for layer, v in sensitivity.items()))
     else:
         layers = listed
+        problem = conversion_problem(kinds, layers, cfg.lisa.keep_full_layers, args.max_chain)
+        if problem:
+            raise ToolError(f"--layers {args.layers}: {problem}; choose other layers"
+                            + (" or a larger --max-chain" if "in a row" in problem else ""))
     if not layers:
         raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
                         "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "

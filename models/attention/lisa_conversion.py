@@ -87,8 +87,9 @@ def family(kinds: list[str], layer: int) -> str | None:
     return registry.attention_kind(source).score_family if source else None
 
 
-def conversion_problem(kinds: list[str], layers: list[int], keep_full: int) -> str | None:
-    """Why turning `layers` into LISA layers would change what the model computes, or None.
+def conversion_problem(kinds: list[str], layers: list[int], keep_full: int, max_chain: int = 0) -> str | None:
+    """Why turning `layers` into LISA layers would change what the model computes, or make a chain
+    of more than `max_chain` LISA layers in a row (0: any) that holds a new one; None if nothing.
     A LISA layer applies the attention function of the nearest earlier layer that computes its own
     scores, so a replaced layer (and every existing LISA layer) must keep its softmax / ReLU family."""
     new = list(kinds)
@@ -105,29 +106,48 @@ def conversion_problem(kinds: list[str], layers: list[int], keep_full: int) -> s
         if got is None or got != want:
             return (f"layer {layer} would share from a {registry.score_source(new, layer)} layer but computes "
                     f"{want} attention")
+    for first, last in chains(new):
+        if max_chain and last - first + 1 > max_chain and any(first <= layer <= last for layer in layers):
+            return (f"layers {first}-{last} would be {last - first + 1} LISA layers in a row, "
+                    f"more than {max_chain}")
     return None
 
 
+def chains(kinds: list[str]) -> list[tuple[int, int]]:
+    """(first, last) of each run of layers in a row that reuse the previous layer's scores."""
+    runs: list[tuple[int, int]] = []
+    for layer, kind in enumerate(kinds):
+        if not registry.attention_kind(kind).reads_previous_scores:
+            continue
+        if runs and runs[-1][1] == layer - 1:
+            runs[-1] = (runs[-1][0], layer)
+        else:
+            runs.append((layer, layer))
+    return runs
+
+
 def propose_layers(sim: dict[int, dict], kinds: list[str], keep_full: int, threshold: float,
-                   max_fraction: float) -> list[int]:
-    """Most similar layers first, each kept only if the set stays convertible."""
-    ranked = sorted((l for l in sim if conversion_problem(kinds, [l], keep_full) is None),
+                   max_fraction: float, max_chain: int = 0) -> list[int]:
+    """Most similar layers first, each kept only if the set stays convertible (and its chains
+    within max_chain)."""
+    ranked = sorted((l for l in sim if conversion_problem(kinds, [l], keep_full, max_chain) is None),
                     key=lambda l: -sim[l]["similarity"])
     limit = max(1, int(max_fraction * len(kinds)))
     chosen: list[int] = []
     for layer in ranked:
         if len(chosen) < limit and sim[layer]["similarity"] >= threshold and \
-                conversion_problem(kinds, chosen + [layer], keep_full) is None:
+                conversion_problem(kinds, chosen + [layer], keep_full, max_chain) is None:
             chosen.append(layer)
     return sorted(chosen or ranked[:1])
 
 
 def sensitive_layers(source, cfg, sim: dict[int, dict], loss, qk_init: str, budget: float,
-                     max_fraction: float) -> tuple[list[int], dict[int, float]]:
+                     max_fraction: float, max_chain: int = 0) -> tuple[list[int], dict[int, float]]:
     """Layer choice by measured sensitivity. `loss(model)` is a validation loss. Every candidate
     layer is converted alone (no training) and its relative loss increase over the source's
     measured; then, least sensitive first, a layer joins when the measured increase of the whole
-    set stays within `budget`, up to `max_fraction` of the layers. Returns (layers, increase alone)."""
+    set stays within `budget` (and its chains within max_chain), up to `max_fraction` of the layers.
+    Returns (layers, increase alone)."""
     base = loss(source)
     kinds, keep = cfg.attention_kinds(), cfg.lisa.keep_full_layers
 
@@ -143,8 +163,8 @@ def sensitive_layers(source, cfg, sim: dict[int, dict], loss, qk_init: str, budg
     chosen: list[int] = []
     for layer in sorted(alone, key=alone.get):
         trial = sorted(chosen + [layer])
-        if len(chosen) < limit and alone[layer] <= budget and conversion_problem(kinds, trial, keep) is None \
-                and increase(trial) <= budget:
+        if len(chosen) < limit and alone[layer] <= budget and \
+                conversion_problem(kinds, trial, keep, max_chain) is None and increase(trial) <= budget:
             chosen = trial
     return chosen, alone
 
