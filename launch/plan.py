@@ -16,11 +16,12 @@ size, De = expert-data-parallel size D / EP):
                  attention kinds (4h + 3k)/t (q, k, v, rotated q and k, attention output,
                  output-projection input; k = K/V width, h without grouped-query attention) + a*s/t
                  attention scores for kinds that store them (all but flash softmax), for the MLPs
-                 4f/t (gate/up output, activation, product; f = active MLP width; 3f/t where the
-                 SwiGLU runs fused, on a GPU or with train.compile: no activation), routed MLPs
-                 2kh more for the dispatch's copies (k = top_k) and UoE 4/t per routing neuron, one
-                 more in overlap mode and one more scored by silu (6, 8 in overlap mode, where a rank
-                 holds parts of experts; models/moe/uoe.py: activations); full activation
+                 4f/t (gate/up output, activation, product; f = active MLP width; 3f/t on a GPU,
+                 where the SwiGLU runs fused: no activation), routed MLPs 2kh more for the
+                 dispatch's copies (k = top_k) and UoE the SwiGLU's 4/t (3/t) per routing neuron,
+                 one more in overlap mode and one more scored by silu (6 and 8, 5 and 7 on a GPU, in
+                 overlap mode, where a rank holds parts of experts; models/moe/uoe.py:
+                 activations); full activation
                  checkpointing keeps h per layer plus one layer's full set, selective drops the
                  scores term (the attention core is recomputed); plus the fp32 logits, 2 x V/t per token;
                  with grouped-GEMM experts (model.moe.grouped_gemm on --gpu) one layer's local
@@ -64,7 +65,7 @@ class Layout:
     bf16: bool
     checkpointing: str  # none | full | selective
     grouped_experts: bool = False  # experts run as grouped GEMMs (model.moe.grouped_gemm on the --gpu)
-    fused_swiglu: bool = False  # SwiGLU as one kernel: on a GPU, or with train.compile
+    fused_swiglu: bool = False  # SwiGLU as one kernel (a GPU's Triton kernel; compiled blocks keep as much)
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
@@ -139,7 +140,8 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     # refuses sizing=carved for it, the only case where the two differ)
     grouped = grouped_gemm_mode(moe.grouped_gemm, COMPUTE_CAPABILITY.get(gpu), cfg.model.hidden_size,
                                 moe.rest_neurons() // p.tensor).runs(bf16)
-    fused_swiglu = gpu != "cpu" or t.compile == "true"  # train.compile=auto compiles on a GPU
+    # Not for train.compile on a CPU: its routed experts run eagerly unless grouped (the formula).
+    fused_swiglu = gpu != "cpu"
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
                     t.activation_checkpointing, grouped, fused_swiglu)
     memory = memory_breakdown(cfg, layout)

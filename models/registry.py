@@ -47,8 +47,8 @@ class ActivationLayout:
     seq: int
     flash: bool  # softmax attention runs a fused kernel that keeps no scores (bf16 on GPU)
     selective: bool  # train.activation_checkpointing=selective: the attention core is recomputed
-    # SwiGLU runs fused (on a GPU eagerly its Triton kernel; compiled, inductor's), keeping gate/up
-    # and the product but not SiLU's output (models.layers.swiglu_kept)
+    # SwiGLU runs fused (on a GPU: eagerly its Triton kernel; compiled blocks keep as much), keeping
+    # gate/up and the product but not SiLU's output (models.layers.swiglu_kept)
     fused_swiglu: bool = False
 
 

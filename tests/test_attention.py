@@ -792,7 +792,8 @@ def test_conversion_keeps_chains_within_max_chain():
     source = ["softmax", "lisa", "lisa", "lisa", "softmax", "softmax", "softmax"]
     assert chains(source) == [(1, 3)]
     assert conversion_problem(source, [5], 1, max_chain=2) is None
-    assert conversion_problem(source, [4], 1, max_chain=2) == "layers 1-4 would be 4 LISA layers in a row, more than 2"
+    assert conversion_problem(source, [4], 1, max_chain=2) == \
+        "layers 1-4 would be 4 LISA layers in a row, more than 2"
 
 
 def test_convert_lisa_matches_heads_within_alignment_groups(single_process):

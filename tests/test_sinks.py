@@ -163,6 +163,8 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     assert f"--out {out} exists and is not empty" in capsys.readouterr().err
     assert convert_main(common + ["--out", str(tmp_path / "new"), "--layers", "3,x"]) == 2
     assert "--layers '3,x': give auto, sensitivity or layer indices" in capsys.readouterr().err
+    assert convert_main(common + ["--out", str(tmp_path / "new"), "--max-chain", "-1"]) == 2
+    assert "--max-chain -1: give a number of LISA layers in a row" in capsys.readouterr().err
     assert convert_main(common + ["--out", str(run), "--overwrite"]) == 2  # a run: never, even with --overwrite
     assert "holds checkpoints of a run" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()

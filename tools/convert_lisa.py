@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ToolError(f"--out {out} exists and is not empty (a run directory there would get another model's "
                         "config); choose a new directory or pass --overwrite")
+    if args.max_chain < 0:
+        raise ToolError(f"--max-chain {args.max_chain}: give a number of LISA layers in a row, or 0 for any")
     listed = None
     if args.layers not in ("auto", "sensitivity"):
         try:

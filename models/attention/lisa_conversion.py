@@ -155,7 +155,7 @@ def sensitive_layers(source, cfg, sim: dict[int, dict], loss, qk_init: str, budg
         return loss(build_lisa_model(source, cfg, lisa_config(cfg, layers), layers, sim, qk_init)) / base - 1
 
     def candidate(layer: int) -> bool:  # residual needs the previous layer's own Q/K
-        return conversion_problem(kinds, [layer], keep) is None and \
+        return conversion_problem(kinds, [layer], keep, max_chain) is None and \
             (qk_init != "residual" or hasattr(source.blocks[layer - 1].attn, "qkv"))
 
     alone = {layer: increase([layer]) for layer in range(len(kinds)) if candidate(layer)}

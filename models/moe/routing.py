@@ -70,7 +70,7 @@ def grouped_gemm_mode(setting: str, compute_capability: tuple[int, int] | None, 
     if grouped_gemm_problem(hidden, local_width):
         return GroupedGemm()
     hopper = compute_capability is not None and compute_capability[0] == GROUPED_GEMM_FUSED_MAJOR
-    return GroupedGemm(enabled=hopper, bf16_only=True)
+    return GroupedGemm(enabled=True, bf16_only=True) if hopper else GroupedGemm()
 
 
 @dataclass
