@@ -42,6 +42,9 @@ FAMILIES = {  # name: (config, overrides)
     "uoe-1b grouped-gemm": ("configs/1b_uoe.yaml", ["model.moe.grouped_gemm=true"]),
     "uoe-1b grouped-gemm compiled": ("configs/1b_uoe.yaml",
                                      ["model.moe.grouped_gemm=true", "train.compile=true"]),
+    # LISA's cheap alignment: linear, its groups within grouped-query K/V groups (score features one
+    # head wide, attended by flash kernels); as good as the FFN one in bench.attention_train --set lisa
+    "hybrid-1b linear-gqa": ("configs/hybrid_1b.yaml", ["model.lisa.align_hidden=0", "model.num_kv_heads=4"]),
 }
 TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "model.num_heads=4",
         "model.ffn_hidden_size=256", "model.max_seq_len=64",
