@@ -142,8 +142,8 @@ def gate_and_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def swiglu_kept(fused: bool) -> int:
     """Elements per neuron and token that w_out(swiglu(w_in(x))) keeps for backward: the gate/up
-    output (2) and the product (1); the formula SiLU's output too, where the fused kernel and
-    compiled blocks recompute it."""
+    output (2) and the product (1), and with the formula SiLU's output too, which the fused kernel
+    and compiled blocks recompute."""
     return 3 if fused else 4
 
 

@@ -172,10 +172,12 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{layer}: {100 * v:+.2f}%" for layer, v in sensitivity.items()))
     else:
         layers = listed
-        problem = conversion_problem(kinds, layers, cfg.lisa.keep_full_layers, args.max_chain)
+        keep = cfg.lisa.keep_full_layers
+        problem = conversion_problem(kinds, layers, keep, args.max_chain)
         if problem:
+            chain_only = conversion_problem(kinds, layers, keep) is None
             raise ToolError(f"--layers {args.layers}: {problem}; choose other layers"
-                            + (" or a larger --max-chain" if "in a row" in problem else ""))
+                            + (" or a larger --max-chain" if chain_only else ""))
     if not layers:
         raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
                         "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "
