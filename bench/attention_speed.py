@@ -11,7 +11,9 @@ built by query blocks), lisa_torch (by query blocks in PyTorch, model.lisa.kerne
 (model.lisa.align_hidden = 0: linear head mixing in groups of 4 heads, each reading 4 K/V heads: on a
 GPU the fused kernel, else attending over score features), lisa_linear_torch (over score features
 everywhere, model.lisa.kernel=torch), lisa_linear_gqa (the same after a grouped-query layer whose
-one K/V head serves the alignment group: features of width head_dim + rank), lisa_naive
+one K/V head serves the alignment group: on a GPU the fused kernel on the mixed queries, one head at
+a time, else attending over features of width head_dim + rank), lisa_linear_torch_gqa (over those
+features everywhere), lisa_naive
 (lisa_linear on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit
 scores) and softmax+publish (a softmax layer that hands its scores to a following LISA layer). A
 kind with `_bs<rows>` appended (lisa_bs256) runs its query blocks at that size instead of the
@@ -35,7 +37,8 @@ from pathlib import Path
 import torch
 
 KINDS = ["softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch", "lisa_linear",
-         "lisa_linear_torch", "lisa_linear_gqa", "lisa_naive", "lisa_ffn_naive", "softmax+publish"]
+         "lisa_linear_torch", "lisa_linear_gqa", "lisa_linear_torch_gqa", "lisa_naive", "lisa_ffn_naive",
+         "softmax+publish"]
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
@@ -53,7 +56,7 @@ def build(kind: str, hidden: int, heads: int, seq: int):
         cfg.attention = "softmax,lisa"
         ffn = kind in ("lisa", "lisa_torch", "lisa_ffn_naive")
         cfg.lisa.align_hidden = cfg.lisa.align_hidden if ffn else 0
-        cfg.lisa.kernel = "naive" if kind.endswith("_naive") else "torch" if kind.endswith("_torch") else "auto"
+        cfg.lisa.kernel = "naive" if kind.endswith("_naive") else "torch" if "_torch" in kind else "auto"
         return build_attention(cfg, 1), cfg
     cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu", "softmax_gqa": "softmax"}.get(kind, kind)
     cfg.relu_attention.kernel = "torch" if kind == "relu_torch" else "auto"

@@ -53,11 +53,12 @@ TINY = ["model.vocab_size=512", "model.hidden_size=128", "model.num_layers=4", "
 TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4 layers
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
 # _gqa: one K/V head, against softmax_gqa (bench.attention_speed); lisa_torch: lisa by the PyTorch path
-# (query blocks) instead of the fused kernel, lisa_linear_torch: lisa_linear over score features instead
-# of the fused kernel; docs: within 4 documents (FlexAttention, Triton on GPU).
+# (query blocks) instead of the fused kernel, lisa_linear_torch (_gqa): lisa_linear (_gqa) over score
+# features instead of the fused kernel; docs: within 4 documents (FlexAttention, Triton on GPU).
 ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch",
-                   "lisa_ffn_naive", "lisa_linear", "lisa_linear_torch", "lisa_linear_gqa", "softmax+publish",
-                   "softmax docs", "softmax_sink docs", "relu docs", "lisa_linear docs")
+                   "lisa_ffn_naive", "lisa_linear", "lisa_linear_torch", "lisa_linear_gqa",
+                   "lisa_linear_torch_gqa", "softmax+publish", "softmax docs", "softmax_sink docs",
+                   "relu docs", "lisa_linear docs")
 ATTENTION_SEQS = (2048, 4096)
 # Kinds whose forward + backward is also profiled at the first length (their top operators in the row,
 # the operator table in -profiles.txt): where a LISA layer's time goes, beside its reference.
@@ -233,7 +234,7 @@ def lisa_align_check(device: str) -> dict:
     return {"max_rel_error": errors, "match": ok}
 
 
-def lisa_test_model(attention: str, sizes: dict, kernel: str = "auto"):
+def lisa_test_model(attention: str, sizes: dict, kernel: str = "auto", align_hidden: int = 16):
     """A GPT of these kinds (model.attention) and sizes whose LISA layers (alignment groups of 4)
     have random low-rank keys and alignment weights at their scale: they start at zero."""
     from models.attention.lisa import LISAAttention
@@ -242,6 +243,7 @@ def lisa_test_model(attention: str, sizes: dict, kernel: str = "auto"):
 
     cfg = ModelConfig(attention=attention, **sizes)
     cfg.lisa.keep_full_layers, cfg.lisa.align_group, cfg.lisa.kernel = 1, 4, kernel
+    cfg.lisa.align_hidden = align_hidden
     torch.manual_seed(0)
     model, noise = GPT(cfg), torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -257,10 +259,13 @@ def lisa_flash_check(device: str) -> dict:
     """The fused LISA kernel (models.attention.kernels.lisa_flash_triton) in a model against the
     explicit scores in float64 (model.lisa.kernel auto / naive): a softmax layer, or a relu layer
     within documents, then two LISA layers (the second runs the chain of both alignments), FFN
-    alignment in groups of 4, grouped-query heads, random alignment and low-rank weights. Per case:
-    the largest error of the loss and of every gradient (error()), and how often the kernel ran (two
-    layers per forward, or the case fails). On a GPU in bf16, the kernel's type there: passes under
-    twice the PyTorch path's bf16 error (kernel=torch), or under 3e-2, and under 0.1 in any case.
+    alignment in groups of 4, grouped-query heads (4 query heads per K/V head), random alignment and
+    low-rank weights; and the softmax case with linear alignment, whose first LISA layer the kernel
+    runs on the mixed queries (the second attends over score features). Per case: the largest error
+    of the loss and of every gradient (error()), and how often the kernel ran (two layers per
+    forward, one with linear alignment, or the case fails). On a GPU in bf16, the kernel's type
+    there: passes under twice the PyTorch path's bf16 error (kernel=torch), or under 3e-2, and under
+    0.1 in any case.
     --device cpu runs it in fp32 under Triton's interpreter at tiny sizes (passes under 1e-4)."""
     import models.attention.kernels.lisa_flash_triton as fused
 
@@ -276,8 +281,9 @@ def lisa_flash_check(device: str) -> dict:
     kernel = fused.flash_lisa
     fused.flash_lisa = lambda *args: calls.append(1) or kernel(*args)
 
-    def run(attention: str, kernel: str, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
-        model = lisa_test_model(attention, sizes, kernel).to(dev, dtype)
+    def run(case: str, kernel: str, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        attention, linear = case.split()[0], "linear" in case
+        model = lisa_test_model(attention, sizes, kernel, align_hidden=0 if linear else 16).to(dev, dtype)
         loss = model(tokens[:, :-1], tokens[:, 1:], documents if attention == "rll" else None)
         loss.backward()
         return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
@@ -292,17 +298,17 @@ def lisa_flash_check(device: str) -> dict:
         return max(errs)
 
     errors, pytorch, ran, ok = {}, {}, {}, True
-    for attention in ("sll", "rll"):  # softmax; relu (prefix) within documents
-        case = f"{attention}{' docs' if attention == 'rll' else ''} {str(dtype)[6:]}"
-        want = run(attention, "naive", torch.float64)
+    for layers in ("sll", "rll docs", "sll linear"):  # softmax; relu (prefix) within documents
+        case = f"{layers} {str(dtype)[6:]}"
+        want = run(layers, "naive", torch.float64)
         before = len(calls)
-        errors[case] = error(run(attention, "auto", dtype), want)
+        errors[case] = error(run(layers, "auto", dtype), want)
         ran[case] = len(calls) - before
-        ok &= ran[case] == 2
+        ok &= ran[case] == (1 if "linear" in layers else 2)
         if cpu:
             ok &= errors[case] < 1e-4
         else:
-            pytorch[case] = error(run(attention, "torch", dtype), want)
+            pytorch[case] = error(run(layers, "torch", dtype), want)
             ok &= errors[case] < min(0.1, max(3e-2, 2 * pytorch[case]))
     fused.flash_lisa = kernel
     return {"max_rel_error": errors, "pytorch_bf16_error": pytorch, "kernel_calls": ran, "match": ok}

@@ -5,9 +5,10 @@
 Triton compiles to PTX on any machine and ships NVIDIA's ptxas, so a kernel that would not compile
 for the GPU (an operation the interpreter accepts and the compiler does not) fails here, before any
 GPU time is spent, and `ptxas -v` gives each kernel's registers and spilled bytes at every tile size
---tiles gives (default: the tile each kernel launches with, lisa_flash_triton.GPU_TILES): spills in
+--tiles gives (default: the tile each kernel launches with, lisa_flash_triton.gpu_tiles): spills in
 the inner loops cost memory traffic, so they bound the tile sizes worth timing. Sizes are those of
-configs/hybrid_1b.yaml (head_dim 128, rank 16, groups of 4, FFN width 16), bf16, softmax sources.
+configs/hybrid_1b.yaml (head_dim 128, rank 16, groups of 4, FFN width 16), bf16, softmax sources;
+then the one-head specialisation (group 1, linear alignment: the queries mixed before the kernel).
 The per-block alignment kernel (lisa_align_triton, where the fused layer does not run) is compiled
 too, at its launch sizes. Writes kernel_compile_sm<arch>.json. Needs Triton (not a GPU).
 """
@@ -90,22 +91,26 @@ def main(argv: list[str] | None = None) -> dict:
                         "GPU_TILES)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    from models.attention.kernels.lisa_flash_triton import GPU_TILES
+    from models.attention.kernels.lisa_flash_triton import gpu_tiles
 
     chosen = None
     if args.tiles:
         chosen = [tuple(int(x) for x in tile.split(",")) for tile in args.tiles.split(";")]
     rows = []
-    print(f"{'kernel':<18} {'depth':>5} {'tile':>10} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem KB':>8} "
-          f"{'s':>5}")
-    for depth in args.depths:
+    print(f"{'kernel':<18} {'group':>5} {'depth':>5} {'tile':>10} {'warps':>5} {'regs':>5} {'spill B':>8} "
+          f"{'smem KB':>8} {'s':>5}")
+    # the sizes' groups of 4 heads with the FFN alignment at each depth, then one head alone with
+    # linear alignment (mixed queries, one key head per group)
+    specialisations = [(depth, SIZES["G"], SIZES["HID"]) for depth in args.depths] + [(1, 1, 0)]
+    for depth, group, hidden in specialisations:
         for name, kernel, extra in kernels():
-            for bm, bn, warps in chosen or [GPU_TILES[name]]:
-                constants = dict(SIZES, DEPTH=depth, ACC=_float32(), BM=bm, BN=bn, **extra)
-                row = dict(kernel=name, depth=depth, block_q=bm, block_k=bn, warps=warps,
-                           **compile_one(kernel, constants, warps, args.arch))
+            for bm, bn, warps in chosen or [gpu_tiles(group, hidden)[name]]:
+                constants = dict(SIZES, G=group, HID=hidden, DEPTH=depth, ACC=_float32(), BM=bm, BN=bn,
+                                 **extra)
+                row = dict(kernel=name, group=group, hidden=hidden, depth=depth, block_q=bm, block_k=bn,
+                           warps=warps, **compile_one(kernel, constants, warps, args.arch))
                 rows.append(row)
-                print(f"{name:<18} {depth:>5} {f'{bm}x{bn}':>10} {warps:>5} {row['registers']:>5} "
+                print(f"{name:<18} {group:>5} {depth:>5} {f'{bm}x{bn}':>10} {warps:>5} {row['registers']:>5} "
                       f"{row['spill_bytes']:>8} {row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}",
                       flush=True)
     import models.attention.kernels.lisa_align_triton as align
@@ -118,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = dict(kernel=name, block=blocks["BLOCK"],
                    **compile_one(kernel, constants, 4, args.arch, ALIGN_SIZES))
         rows.append(row)
-        print(f"{name:<18} {'':>5} {row['block']:>10} {4:>5} {row['registers']:>5} {row['spill_bytes']:>8} "
-              f"{row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}", flush=True)
+        print(f"{name:<18} {'':>5} {'':>5} {row['block']:>10} {4:>5} {row['registers']:>5} "
+              f"{row['spill_bytes']:>8} {row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}", flush=True)
     result = {"arch": args.arch, "sizes": dict(SIZES), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_compile_sm{args.arch}.json"

@@ -90,11 +90,11 @@ def ffn_chain_model(kernel: str, keep_chain_scores: bool):
     return model
 
 
-def linear_mixing_model(kernel: str):
-    """sllrl in float64 without grouped-query heads: linear alignment in groups of 2 heads, each group
-    reading two key heads (what the fused LISA kernel runs on a GPU right after a full layer), the
-    mixing weights random."""
-    cfg = small_cfg("sllrl")
+def linear_mixing_model(kernel: str, kv_heads: int = 0):
+    """sllrl in float64: linear alignment in groups of 2 heads, the mixing weights random. Without
+    grouped-query heads each group reads two key heads; with kv_heads=2 one key head serves each
+    group (both run by the fused LISA kernel on a GPU right after a full layer)."""
+    cfg = small_cfg("sllrl", num_kv_heads=kv_heads)
     cfg.relu_attention.kernel, cfg.relu_attention.normalizer = "torch", "content"
     cfg.lisa.align_hidden, cfg.lisa.kernel = 0, kernel
     model = build(cfg).double().train()
@@ -858,7 +858,8 @@ def test_planner_counts_no_features_where_the_fused_kernel_runs_linear_alignment
     """Linear alignment in groups of 2 heads without grouped-query attention (two key heads per
     group): on a GPU the fused kernel runs the LISA layers right after full layers (1 and 4 of
     sllrl), which keep their inputs only, as an FFN-aligned layer does; layer 2 attends over score
-    features (2 key heads x head_dim 16 + rank 2, + rank 2 per head of layer 1's group) either way."""
+    features (2 key heads x head_dim 16 + rank 2, + rank 2 per head of layer 1's group) either way.
+    With one key head per group the same, and the mixed queries kept too."""
     from models.attention.base import projected_activations
     from models.attention.lisa import lisa_activations
     from models.registry import ActivationLayout
@@ -876,3 +877,10 @@ def test_planner_counts_no_features_where_the_fused_kernel_runs_linear_alignment
     linear.lisa.kernel = "torch"  # no Triton kernels: features everywhere
     assert 3 * lisa_activations(linear, gpu) == (2 * first_features + features
                                                   + 3 * projected_activations(linear, gpu, stores_scores=False))
+    # one key head per group (2 K/V heads): the kernel takes layers 1 and 4 with their queries mixed,
+    # kept beside the scaled ones; layer 2's features are one key head wide
+    gqa, gqa_ffn = small_cfg("sllrl", num_kv_heads=2), small_cfg("sllrl", num_kv_heads=2)
+    gqa.lisa.align_hidden = 0
+    features = 2 * gqa.num_heads * (16 + 2 + 2 * 2)
+    first = lisa_activations(gqa_ffn, gpu) + gqa.hidden_size
+    assert 3 * lisa_activations(gqa, gpu) == 2 * first + features + projected_activations(gqa, gpu, False)

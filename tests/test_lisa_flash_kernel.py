@@ -95,26 +95,27 @@ import models.attention.kernels.lisa_flash_triton as fused
 from tests.dist_utils import single_process_group
 from tests.test_attention import VOCAB, ffn_chain_model, linear_mixing_model
 
-calls = []
+calls, groups = [], []  # per kernel call: its stages, and the heads per group it took
 kernel = fused.flash_lisa
-fused.flash_lisa = lambda *a: calls.append(len(a[2])) or kernel(*a)
+fused.flash_lisa = lambda *a: calls.append(len(a[2])) or groups.append(a[2][0][0].shape[-1]) or kernel(*a)
 gen = torch.Generator().manual_seed(3)
 # one sequence (the kernel test covers batches) of ten documents, one across the two query blocks
 tokens = torch.randint(0, VOCAB, (1, 24), generator=gen)
 documents = torch.cumsum(torch.rand(1, 24, generator=gen) < 0.2, 1)
-results, depths = {}, {}
+results, depths, taken = {}, {}, {}
 with single_process_group():
     for name, kernel_name, docs in (("auto", "auto", None), ("auto-docs", "auto", documents),
                                     ("naive", "naive", None), ("naive-docs", "naive", documents),
-                                    ("linear-auto", "auto", None), ("linear-naive", "naive", None)):
+                                    ("linear-auto", "auto", None), ("linear-naive", "naive", None),
+                                    ("linear-gqa-auto", "auto", None), ("linear-gqa-naive", "naive", None)):
         if name.startswith("linear"):
-            model = linear_mixing_model(kernel_name)
+            model = linear_mixing_model(kernel_name, 2 if "gqa" in name else 0)
         else:
             model = ffn_chain_model(kernel_name, True)  # no rows kept where the kernel runs: layer 3 rebuilds
         before = len(calls)
         loss = model(tokens, torch.roll(tokens, -1, 1), docs)
         loss.backward()
-        depths[name] = calls[before:]
+        depths[name], taken[name] = calls[before:], groups[before:]
         results[name] = (float(loss), {n: p.grad for n, p in model.named_parameters()})
 errors = {}
 for name, (loss, grads) in results.items():
@@ -122,7 +123,7 @@ for name, (loss, grads) in results.items():
     # per gradient, the largest error past torch.testing.assert_close's rtol=1e-9, atol=1e-10 (<= 0: close)
     errors[name] = [abs(loss - ref_loss)] + [float(((grads[n] - g).abs() - 1e-10 - 1e-9 * g.abs()).max())
                                              for n, g in ref_grads.items()]
-print(json.dumps({"errors": errors, "depths": depths}))
+print(json.dumps({"errors": errors, "depths": depths, "groups": taken}))
 """
 
 
@@ -139,7 +140,8 @@ def test_fused_lisa_equals_plain_lisa_under_interpreter():
              ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 40, True, "float64", "interpreter"],
              ["none", 2, 1, 3, 2, 1, 8, 4, 8, 17, False, "float64", "interpreter"],
              ["seqlen", 4, 4, 16, 4, 2, 16, 16, 16, 20, False, "float32", "interpreter"],
-             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 80, True, "float64", "gpu"]]
+             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 80, True, "float64", "gpu"],
+             ["softmax", 4, 1, 0, 2, 1, 8, 4, 8, 150, True, "float64", "gpu"]]
     errors = run_interpreted(KERNEL_CHECK, json.dumps(cases))
     assert len(errors) == len(cases)
     for case, errs in errors.items():
@@ -154,7 +156,8 @@ def test_model_trains_through_fused_lisa_as_explicit_scores():
     first two layers of each chain (the second rebuilding the first's alignment), the third layer
     builds its rows by blocks from the second's (keep_chain_scores on); also within documents;
     float64. The same for linear alignment whose groups read two key heads each, where the kernel
-    runs the LISA layers right after full layers and the others attend over score features."""
+    runs the LISA layers right after full layers and the others attend over score features, and
+    with one key head per group, where it takes those layers' queries mixed, one head at a time."""
     out = run_interpreted(MODEL_CHECK)
     depths, errors = out["depths"], out["errors"]
     assert depths["naive"] == [] and depths["naive-docs"] == [], depths
@@ -163,5 +166,8 @@ def test_model_trains_through_fused_lisa_as_explicit_scores():
         assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])
     # linear alignment over two key heads per group: the kernel runs each LISA layer right after a full
     # layer (1 and 4), layer 2 attends over the score features layer 1 hands on
-    assert depths["linear-auto"] == [1, 1] and depths["linear-naive"] == [], depths
-    assert errors["linear-auto"][0] < 1e-12 and max(errors["linear-auto"][1:]) <= 0, errors["linear-auto"]
+    # one key head per group: the same layers, their queries mixed before the kernel (groups of one)
+    for name, group in (("linear-auto", 2), ("linear-gqa-auto", 1)):
+        assert depths[name] == [1, 1] and depths[name.replace("auto", "naive")] == [], depths
+        assert out["groups"][name] == [group, group], out["groups"]
+        assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])

@@ -27,8 +27,11 @@ keeps its fused kernel. With model.lisa.kernel=auto (or torch) no layer keeps se
   PyTorch path). The feature width is (distinct keys per alignment group) x head_dim + rank, so it
   costs about a softmax layer when the alignment group lies within a K/V group (grouped-query
   attention) and g times more QK work without (on an H200 at the 1B hybrid width, 4.7x / 12.9x a
-  softmax layer at 2048 / 4096). There, on a GPU, a LISA layer right after a full layer runs the
-  fused kernel below instead, which mixes the group's products: one product per head.
+  softmax layer at 2048 / 4096). On a GPU a LISA layer right after a full layer runs the fused
+  kernel below instead: where a group reads several key heads, the kernel mixes the group's
+  products (one product per head); where one key head serves the group, the queries are mixed
+  first and the kernel takes each head alone, as flash attention does (features would need the
+  low-rank keys beside the shared key per query head, and the values padded to their width).
 - The FFN alignment is non-linear in the scores. It, and linear alignment whose groups do not line
   up with the K/V groups, build the scores a block of model.lisa.block_size query rows at a time
   (source rows, alignment, low-rank term, weights, values) and recompute each block in backward.
@@ -94,9 +97,10 @@ class LISAConfig:
     align_group: int = 0
     keep_full_layers: int = 2  # the first layers never share attention
     # auto: linear alignment attends over the shared scores as features, the FFN alignment builds
-    # them by query blocks (no seq^2 tensors either way); on a GPU the FFN-aligned layer runs as one
-    # fused kernel (kernels/lisa_flash_triton.py; else its blocks' alignment, and decoding, as fused
-    # kernels); torch: the same without Triton kernels; naive: always the explicit scores.
+    # them by query blocks (no seq^2 tensors either way); on a GPU one fused kernel
+    # (kernels/lisa_flash_triton.py) runs a LISA layer right after a full one, and the second of a
+    # chain with the FFN alignment (else the FFN alignment of each block, and decoding, run as
+    # fused kernels); torch: the same without Triton kernels; naive: always the explicit scores.
     kernel: str = "auto"
     # Query rows per block: of the scores when kernel=auto builds them by blocks, and of the FFN's
     # hidden layer on explicit scores. 128 rather than 256: less of the diagonal block's masked half
@@ -165,14 +169,18 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     explicit scores. Linear alignment with groups that line up with the K/V groups
     (SharedScores.mixable): the score features (queries and keys of feature_width per head) under
     fused kernels, except where the fused LISA kernel runs. It, and scores built by query blocks:
-    the inputs only, the source layer's scaled queries among them."""
+    the inputs only, the source layer's scaled queries among them (and, where the kernel takes
+    them mixed, the mixed ones too)."""
     if cfg.lisa.kernel == "naive":
         return projected_activations(cfg, layout, stores_scores=True)
     by_rows = projected_activations(cfg, layout, stores_scores=False) + cfg.hidden_size / layout.tensor
     if builds_by_rows(cfg):
         return by_rows
     kinds = cfg.attention_kinds()
-    fused = fused_over_several_key_heads(cfg, layout)
+    fused = fused_linear(cfg, layout)
+    _, group, _ = lisa_sizes(cfg)
+    if fused and cfg.num_heads // cfg.kv_heads % group == 0:  # queries mixed before the kernel
+        by_rows += cfg.hidden_size / layout.tensor
     # the fused kernel runs the first LISA layer after each full one; those after a LISA layer
     # attend over features
     later = len(chained_lisa_layers(kinds)) if fused else kinds.count("lisa")
@@ -182,13 +190,16 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     return (first * by_rows + later * over_features) / max(1, first + later)
 
 
-def fused_over_several_key_heads(cfg: ModelConfig, layout: registry.ActivationLayout) -> bool:
-    """Whether the fused kernel runs linear alignment whose groups read several key heads
-    (LISAAttention.mixes_key_heads), as it does on a GPU in bf16 right after a full layer."""
+def fused_linear(cfg: ModelConfig, layout: registry.ActivationLayout) -> bool:
+    """Whether the fused kernel runs linear alignment (groups that line up with the K/V groups), as
+    it does on a GPU in bf16 right after a full layer: groups that read several key heads
+    (LISAAttention.mixes_key_heads) up to LISA_FLASH_MAX_GROUP heads, groups within one key head of
+    any size (their queries mixed first)."""
     rank, group, hidden = lisa_sizes(cfg)
     share = cfg.num_heads // cfg.kv_heads
-    return (layout.flash and cfg.lisa.kernel == "auto" and not hidden and share % group != 0
-            and group <= LISA_FLASH_MAX_GROUP and max(cfg.head_dim, rank) <= LISA_FLASH_MAX_WIDTH)
+    return (layout.flash and cfg.lisa.kernel == "auto" and not hidden and groups_line_up(share, group)
+            and (share % group == 0 or group <= LISA_FLASH_MAX_GROUP)
+            and max(cfg.head_dim, rank) <= LISA_FLASH_MAX_WIDTH)
 
 
 def builds_by_rows(cfg: ModelConfig) -> bool:
@@ -474,23 +485,28 @@ class LISAAttention(nn.Module):
         run: it needs kernel=auto, a GPU in bf16 / fp16 (or Triton's interpreter), alignment groups of
         at most LISA_FLASH_MAX_GROUP heads, widths up to LISA_FLASH_MAX_WIDTH, and scores from a layer's own
         projections, directly or through one LISA layer (a chain of two; the previous layer's
-        alignment is then rebuilt in the kernel)."""
-        if self.kernel != "auto" or self.align.group > LISA_FLASH_MAX_GROUP:
+        alignment is then rebuilt in the kernel). Linear alignment whose groups each read one key
+        head mixes the source's queries first: the kernel then takes each head as a group of one,
+        one product per tile as in flash attention, whatever the group's size."""
+        if self.kernel != "auto" or not (q.is_cuda or triton_interpreted()):
             return None
-        if not (q.is_cuda or triton_interpreted()):
-            return None
-        stages = [(*self.align.weights(), q, k)]
+        stages, group = [(*self.align.weights(), q, k)], self.align.group
         if isinstance(shared, AlignedScores):
             stages.insert(0, (*shared.align.weights(), shared.q, shared.k))
             shared = shared.shared
         if not isinstance(shared, SharedScores):  # kept rows, or a longer chain
+            return None
+        if len(stages) == 1 and not self.align.hidden and not self.mixes_key_heads(shared):
+            shared = shared.mixed(self.align.mix, group)
+            stages, group = [(q.new_ones(q.shape[1], 1, 1), None, None, None, None, q, k)], 1
+        if group > LISA_FLASH_MAX_GROUP:
             return None
         try:
             from models.attention.kernels.lisa_flash_triton import flash_lisa, supports
         except ImportError:  # no Triton on this machine
             return None
         source_q, source_k = shared.features()
-        if not supports(source_q.shape[-1], q.shape[-1], v.shape[-1], self.align.group, q.dtype):
+        if not supports(source_q.shape[-1], q.shape[-1], v.shape[-1], group, q.dtype):
             return None
         normalizer = self.relu.normalizer if self.family == "relu" else "softmax"
         return flash_lisa(source_q, source_k, stages, v, normalizer, ctx.get("document_ids"))
@@ -553,8 +569,7 @@ class LISAAttention(nn.Module):
         recompute = ctx.get("recompute_attention")  # selective activation checkpointing
         if self.factored(shared, ctx):
             # the fused kernel where the source is a full layer's own projections (one block)
-            direct = len(shared.blocks) == 1 and self.mixes_key_heads(shared)
-            o = self.flash(shared, q, k, v, ctx) if direct else None
+            o = self.flash(shared, q, k, v, ctx) if len(shared.blocks) == 1 else None
             if o is not None and not self.publish_scores:
                 return o
             scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)

@@ -161,8 +161,10 @@ class SharedScores:
             batch, heads, seq, width = b.q.shape
             n = heads // group
             if b.share % group == 0:  # one key for the whole group: mix the queries
-                q = torch.einsum("bngsw,nhg->bnhsw", b.q.reshape(batch, n, group, seq, width), mix)
-                out.append(ScoreBlock(q.reshape(b.q.shape), b.k, b.share))
+                # a matmul over the group's rows keeps the queries for backward as they are (an
+                # einsum keeps a permuted copy)
+                q = mix @ b.q.reshape(batch, n, group, seq * width)
+                out.append(ScoreBlock(q.view(b.q.shape), b.k, b.share))
                 continue
             c = group // b.share  # distinct keys per group, each read by `share` of its heads
             q = torch.einsum("bncrsw,nhcr->bnhscw", b.q.reshape(batch, n, c, b.share, seq, width),

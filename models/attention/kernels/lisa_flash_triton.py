@@ -569,11 +569,20 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
 # per thread.
 GPU_TILES = {"forward": (16, 32, 4), "backward_q": (16, 32, 4), "backward_weights": (16, 64, 8),
              "backward_kv": (16, 16, 4), "backward_v": (32, 32, 8)}
+# One head per group and linear alignment (queries mixed before the kernel): one product per tile, as
+# in flash attention, so the tiles grow to flash attention's 64 x 64, none of them spilling for sm_90
+# at the 1B hybrid's sizes (bench.kernel_compile).
+ONE_HEAD_GPU_TILES = {"forward": (64, 64, 4), "backward_q": (64, 64, 8), "backward_weights": (64, 64, 8),
+                      "backward_kv": (64, 64, 8), "backward_v": (64, 64, 4)}
 INTERPRETED_TILES = (16, 16, 4)  # small: the interpreter runs every tile in numpy
 
 
-def _tiles(kernel: str) -> dict:
-    bm, bn, warps = INTERPRETED_TILES if triton_interpreted() else GPU_TILES[kernel]
+def gpu_tiles(group: int, hidden: int) -> dict:
+    return ONE_HEAD_GPU_TILES if group == 1 and hidden == 0 else GPU_TILES
+
+
+def _tiles(kernel: str, meta: dict) -> dict:
+    bm, bn, warps = INTERPRETED_TILES if triton_interpreted() else gpu_tiles(meta["G"], meta["HID"])[kernel]
     return dict(BM=bm, BN=bn, num_warps=warps, num_stages=2)
 
 
@@ -603,7 +612,7 @@ class _FlashLISA(torch.autograd.Function):
                     RP=_padded(rank), VP=_padded(dv))
         strides = (*qs.stride()[:3], *ks.stride()[:3], *qa.stride()[:3], *v.stride()[:3], *out.stride()[:3])
         sizes = (heads, groups, seq, width, rank, dv, heads // ks.shape[1], heads // v.shape[1], float(seq))
-        tiles = _tiles("forward")
+        tiles = _tiles("forward", meta)
         _forward[(triton.cdiv(seq, tiles["BM"]), batch * groups)](
             qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, out, lse, starts, *strides, *sizes, **meta,
             **tiles)
@@ -623,17 +632,19 @@ class _FlashLISA(torch.autograd.Function):
         if meta["NORM"] == SOFTMAX:
             delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
         pw = group * group + (2 * group * hidden + hidden + group if hidden else 0)
-        weights = _tiles("backward_weights")
+        weights = _tiles("backward_weights", meta)
         blocks = triton.cdiv(seq, weights["BM"])
         part = torch.zeros(batch * groups, blocks, depth, pw, dtype=lse.dtype, device=qs.device)
         dqs, dqa = torch.empty_like(qs), torch.empty_like(qa)
         dqb = torch.empty_like(qb) if depth == 2 else dqa
         args = (qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, dqs, dqa, dqb,
                 part, *strides, *sizes, pw, blocks)
-        queries = _tiles("backward_q")
+        queries = _tiles("backward_q", meta)
         _backward_q[(triton.cdiv(seq, queries["BM"]), batch * groups)](*args, WEIGHTS=False, **meta,
                                                                         **queries)
-        _backward_q[(blocks, batch * groups)](*args, WEIGHTS=True, **meta, **weights)
+        trained = any(ctx.needs_input_grad[7:12])  # the alignment weights (not a constant mix)
+        if trained:
+            _backward_q[(blocks, batch * groups)](*args, WEIGHTS=True, **meta, **weights)
         # per query head; in float32 where grouped-query heads sum them, rounded once after the sum
         dks = torch.empty(batch, heads, seq, width, device=ks.device,
                           dtype=ks.dtype if ks.shape[1] == heads else lse.dtype)
@@ -643,7 +654,8 @@ class _FlashLISA(torch.autograd.Function):
         dkb = torch.empty_like(kb) if depth == 2 else dka
         args = (qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, ends, dks, dka,
                 dkb, dv_, *strides, *sizes)
-        for values, tiles in ((False, _tiles("backward_kv")), (True, _tiles("backward_v"))):  # keys, values
+        for values, kernel in ((False, "backward_kv"), (True, "backward_v")):  # keys, values
+            tiles = _tiles(kernel, meta)
             grid = (triton.cdiv(seq, tiles["BN"]), batch * groups)
             _backward_kv[grid](*args, VALUES=values, **meta, **tiles)
         # per query head -> per K/V head (a head serves `share` consecutive query heads)
@@ -652,9 +664,9 @@ class _FlashLISA(torch.autograd.Function):
         total = part.view(batch, groups, blocks, depth, pw).sum((0, 2)).transpose(0, 1)  # [depth, groups, pw]
         widths = [group * group] + ([hidden * group, hidden, group * hidden, group] if hidden else [])
         grads = total.split(widths, -1)
-        dmix = grads[0].reshape(mix.shape).to(mix.dtype)
+        dmix = grads[0].reshape(mix.shape).to(mix.dtype) if trained else None
         dw = [None] * 4
-        if hidden:
+        if hidden and trained:
             dw = [g.reshape(p.shape).to(p.dtype) for g, p in zip(grads[1:], (w1, b1, w2, b2))]
         second = (dqb, dkb) if depth == 2 else (None, None)
         return (dqs, dks, dqa, dka, *second, dv_, dmix, *dw, None, None, None)
