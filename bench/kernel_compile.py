@@ -70,14 +70,17 @@ def compile_one(kernel, constants: dict, warps: int, arch: int, sizes: tuple[str
             "shared_bytes": compiled.metadata.shared}
 
 
-def kernels():
-    """(name, jit function, extra constants) of each kernel the fused LISA layer launches."""
+def kernels(group: int, hidden: int):
+    """(name, jit function, extra constants) of each kernel the fused LISA layer launches at these
+    sizes (with one head per group a key block's pass takes the keys' and values' gradients)."""
     import models.attention.kernels.lisa_flash_triton as flash
 
-    return [("forward", flash._forward, {}), ("backward_q", flash._backward_q, {"WEIGHTS": False}),
-            ("backward_weights", flash._backward_q, {"WEIGHTS": True}),
-            ("backward_kv", flash._backward_kv, {"VALUES": False}),
-            ("backward_v", flash._backward_kv, {"VALUES": True})]
+    launched = [("forward", flash._forward, {}), ("backward_q", flash._backward_q, {"WEIGHTS": False}),
+                ("backward_weights", flash._backward_q, {"WEIGHTS": True})]
+    if flash.one_head(group, hidden):
+        return launched + [("backward_kv", flash._backward_kv, {"KEYS": True, "VALUES": True})]
+    return launched + [("backward_kv", flash._backward_kv, {"KEYS": True, "VALUES": False}),
+                       ("backward_v", flash._backward_kv, {"KEYS": False, "VALUES": True})]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     # linear alignment (mixed queries, one key head per group)
     specialisations = [(depth, SIZES["G"], SIZES["HID"]) for depth in args.depths] + [(1, 1, 0)]
     for depth, group, hidden in specialisations:
-        for name, kernel, extra in kernels():
+        for name, kernel, extra in kernels(group, hidden):
             for bm, bn, warps in chosen or [gpu_tiles(group, hidden)[name]]:
                 constants = dict(SIZES, G=group, HID=hidden, DEPTH=depth, ACC=_float32(), BM=bm, BN=bn,
                                  **extra)

@@ -10,13 +10,15 @@ For a query block and one alignment group of g <= 4 heads, a tile of keys gives
 and the tile of S_depth goes into an online softmax (softmax sources) or ReLU(S) / n_i (relu
 sources) and its product with the values, as in flash attention. Forward keeps the output and,
 for softmax, each row's log-sum-exp. Backward recomputes the tiles per query block, for the
-queries' gradients (source and low-rank) and, in a second pass, the alignment weights'; and per key
-block, for the keys' and, in a second pass, the values' (apart, as each pair would not fit in
-registers together). The alignment's weight gradients are sums over every score; each program adds
-its tiles' sums to its own slot (no contention) and those slots are added up after the kernel. A
-group's heads are separate tiles (up to four, the unused ones never computed) and the alignment
-mixes them with scalar weights, so no tile changes layout. Under TRITON_INTERPRET=1 the kernels
-run on CPU tensors (how the tests check them).
+queries' gradients (source and low-rank) and, in a second pass, the alignment weights' (skipped
+where none needs a gradient); and per key block, for the keys' and, in a second pass, the values'
+(apart, as each pair would not fit in registers together, except with one head per group). The
+alignment's weight gradients are sums over every score; each program adds its tiles' sums to its
+own slot (no contention) and those slots are added up after the kernel. A group's heads are
+separate tiles (up to four, the unused ones never computed) and the alignment mixes them with
+scalar weights, so no tile changes layout. Linear alignment within one K/V head comes as groups of
+one head on mixed queries (models.attention.lisa). Under TRITON_INTERPRET=1 the kernels run on CPU
+tensors (how the tests check them).
 """
 
 from __future__ import annotations
@@ -490,14 +492,14 @@ def _backward_q(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, 
 @triton.jit
 def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA, STARTS, ENDS, DKS, DKA, DKB,
                  DV_, sqs_b, sqs_h, sqs_s, sks_b, sks_h, sks_s, sr_b, sr_h, sr_s, sv_b, sv_h, sv_s, so_b,
-                 so_h, so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, VALUES: tl.constexpr,
-                 G: tl.constexpr,
+                 so_h, so_s, H, NG, S, D, R, DV, SHARE_K, SHARE_V, seq_len, KEYS: tl.constexpr,
+                 VALUES: tl.constexpr, G: tl.constexpr,
                  HID: tl.constexpr, DEPTH: tl.constexpr, NORM: tl.constexpr, DOCS: tl.constexpr,
                  IEEE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr,
                  RP: tl.constexpr, VP: tl.constexpr):
-    """The gradients of one key block's source and low-rank keys, or with VALUES its values', per
-    query head (DKS, DV_ laid out like the output with widths D and DV; DKA, DKB like the low-rank
-    features): apart, as both would not fit in registers."""
+    """The gradients of one key block's source and low-rank keys (KEYS) and its values' (VALUES),
+    per query head (DKS, DV_ laid out like the output with widths D and DV; DKA, DKB like the
+    low-rank features): apart for groups of several heads, as both would not fit in registers."""
     block, bg = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, n = bg // NG, bg % NG
     h = n * G
@@ -536,7 +538,7 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
                                  lb + 2 * S, S, DV, norm, dv2, 2, G, NORM, VALUES, IEEE, ACC, VP)
         d3, dv3 = _key_pass_grad(f3, keep, rows, cols, DO, oo + 3 * so_h, so_s, V, vo3, sv_s, LSE, DELTA,
                                  lb + 3 * S, S, DV, norm, dv3, 3, G, NORM, VALUES, IEEE, ACC, VP)
-        if not VALUES:
+        if KEYS:
             e0, e1, e2, e3, g0, g1, g2, g3 = _chain_grads(s0, s1, s2, s3, x0, x1, x2, x3, d0, d1, d2, d3, MIX,
                                                           W1, B1, W2, B2, MIX, 0, n, NG, G, HID, DEPTH, False,
                                                           ACC)
@@ -555,7 +557,7 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
     # per query head, laid out [batch, heads, seq, width] (contiguous)
     if VALUES:
         _store_group(DV_, lb * DV, S * DV, DV, cols, S, DV, dv0, dv1, dv2, dv3, G, VP)
-    else:
+    if KEYS:
         _store_group(DKS, lb * D, S * D, D, cols, S, D, dks0, dks1, dks2, dks3, G, DP)
         _store_group(DKA, ro, sr_h, sr_s, cols, S, R, dka0, dka1, dka2, dka3, G, RP)
         _store_group(DKB, ro, sr_h, sr_s, cols, S, R, dkb0, dkb1, dkb2, dkb3, GB, RP)
@@ -570,15 +572,22 @@ def _backward_kv(QS, KS, QA, KA, QB, KB, V, MIX, W1, B1, W2, B2, DO, LSE, DELTA,
 GPU_TILES = {"forward": (16, 32, 4), "backward_q": (16, 32, 4), "backward_weights": (16, 64, 8),
              "backward_kv": (16, 16, 4), "backward_v": (32, 32, 8)}
 # One head per group and linear alignment (queries mixed before the kernel): one product per tile, as
-# in flash attention, so the tiles grow to flash attention's 64 x 64, none of them spilling for sm_90
-# at the 1B hybrid's sizes (bench.kernel_compile).
+# in flash attention, so the tiles grow to flash attention's 64 x 64 and a key block's pass takes the
+# keys' and the values' gradients at once (spilling 28 bytes per thread for sm_90 at the 1B hybrid's
+# sizes, where its second pass would recompute every tile; the others spill nothing:
+# bench.kernel_compile).
 ONE_HEAD_GPU_TILES = {"forward": (64, 64, 4), "backward_q": (64, 64, 8), "backward_weights": (64, 64, 8),
-                      "backward_kv": (64, 64, 8), "backward_v": (64, 64, 4)}
+                      "backward_kv": (64, 64, 8)}
 INTERPRETED_TILES = (16, 16, 4)  # small: the interpreter runs every tile in numpy
 
 
+def one_head(group: int, hidden: int) -> bool:
+    """Whether the kernels take one head per group with linear alignment (one product per tile)."""
+    return group == 1 and hidden == 0
+
+
 def gpu_tiles(group: int, hidden: int) -> dict:
-    return ONE_HEAD_GPU_TILES if group == 1 and hidden == 0 else GPU_TILES
+    return ONE_HEAD_GPU_TILES if one_head(group, hidden) else GPU_TILES
 
 
 def _tiles(kernel: str, meta: dict) -> dict:
@@ -654,10 +663,13 @@ class _FlashLISA(torch.autograd.Function):
         dkb = torch.empty_like(kb) if depth == 2 else dka
         args = (qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, ends, dks, dka,
                 dkb, dv_, *strides, *sizes)
-        for values, kernel in ((False, "backward_kv"), (True, "backward_v")):  # keys, values
+        passes = [(True, False, "backward_kv"), (False, True, "backward_v")]  # keys, then values
+        if one_head(group, hidden):  # one product per tile: both in one pass
+            passes = [(True, True, "backward_kv")]
+        for keys, values, kernel in passes:
             tiles = _tiles(kernel, meta)
             grid = (triton.cdiv(seq, tiles["BN"]), batch * groups)
-            _backward_kv[grid](*args, VALUES=values, **meta, **tiles)
+            _backward_kv[grid](*args, KEYS=keys, VALUES=values, **meta, **tiles)
         # per query head -> per K/V head (a head serves `share` consecutive query heads)
         dks = dks.view(batch, ks.shape[1], -1, seq, width).sum(2).to(ks.dtype)
         dv_ = dv_.view(batch, v.shape[1], -1, seq, dv).sum(2).to(v.dtype)
