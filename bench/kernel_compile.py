@@ -8,7 +8,8 @@ GPU time is spent, and `ptxas -v` gives each kernel's registers and spilled byte
 --tiles gives (default: the tile each kernel launches with, lisa_flash_triton.gpu_tiles): spills in
 the inner loops cost memory traffic, so they bound the tile sizes worth timing. Sizes are those of
 configs/hybrid_1b.yaml (head_dim 128, rank 16, groups of 4, FFN width 16), bf16, softmax sources;
-then the one-head specialisation (group 1, linear alignment: the queries mixed before the kernel).
+then linear alignment: one head per group (the queries mixed before the kernel) and a chain's
+second layer (groups of 4, two stages).
 The per-block alignment kernel (lisa_align_triton, where the fused layer does not run) is compiled
 too, at its launch sizes. Writes kernel_compile_sm<arch>.json. Needs Triton (not a GPU).
 """
@@ -100,11 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiles:
         chosen = [tuple(int(x) for x in tile.split(",")) for tile in args.tiles.split(";")]
     rows = []
-    print(f"{'kernel':<18} {'group':>5} {'depth':>5} {'tile':>10} {'warps':>5} {'regs':>5} {'spill B':>8} "
-          f"{'smem KB':>8} {'s':>5}")
-    # the sizes' groups of 4 heads with the FFN alignment at each depth, then one head alone with
-    # linear alignment (mixed queries, one key head per group)
-    specialisations = [(depth, SIZES["G"], SIZES["HID"]) for depth in args.depths] + [(1, 1, 0)]
+    print(f"{'kernel':<18} {'group':>5} {'ffn':>5} {'depth':>5} {'tile':>10} {'warps':>5} {'regs':>5} "
+          f"{'spill B':>8} {'smem KB':>8} {'s':>5}")
+    # the sizes' groups of 4 heads with the FFN alignment at each depth, then linear alignment: one
+    # head alone (mixed queries, one key head per group), and a chain's second layer
+    specialisations = [(depth, SIZES["G"], SIZES["HID"]) for depth in args.depths]
+    specialisations += [(1, 1, 0), (2, SIZES["G"], 0)]
     for depth, group, hidden in specialisations:
         for name, kernel, extra in kernels(group, hidden):
             for bm, bn, warps in chosen or [gpu_tiles(group, hidden)[name]]:
@@ -113,9 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
                 row = dict(kernel=name, group=group, hidden=hidden, depth=depth, block_q=bm, block_k=bn,
                            warps=warps, **compile_one(kernel, constants, warps, args.arch))
                 rows.append(row)
-                print(f"{name:<18} {group:>5} {depth:>5} {f'{bm}x{bn}':>10} {warps:>5} {row['registers']:>5} "
-                      f"{row['spill_bytes']:>8} {row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}",
-                      flush=True)
+                print(f"{name:<18} {group:>5} {hidden:>5} {depth:>5} {f'{bm}x{bn}':>10} {warps:>5} "
+                      f"{row['registers']:>5} {row['spill_bytes']:>8} {row['shared_bytes'] / 1024:>8.1f} "
+                      f"{row['compile_s']:>5}", flush=True)
     import models.attention.kernels.lisa_align_triton as align
 
     block, steps = align.BACKWARD_BLOCKS
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         row = dict(kernel=name, block=blocks["BLOCK"],
                    **compile_one(kernel, constants, 4, args.arch, ALIGN_SIZES))
         rows.append(row)
-        print(f"{name:<18} {'':>5} {'':>5} {row['block']:>10} {4:>5} {row['registers']:>5} "
+        print(f"{name:<18} {'':>5} {'':>5} {'':>5} {row['block']:>10} {4:>5} {row['registers']:>5} "
               f"{row['spill_bytes']:>8} {row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}", flush=True)
     result = {"arch": args.arch, "sizes": dict(SIZES), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -320,7 +320,7 @@ def test_lisa_identity_alignment_reproduces_previous_weights(single_process, sou
 def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_heads, group):
     """Linear alignment over score features (kernel auto) against the explicit-scores reference,
     along a chain of two LISA layers: logits and every gradient, float64; the planner's feature
-    width is the mean of the two layers'."""
+    width is each layer's."""
     from models.attention.lisa import feature_width
     from models.attention.masks import document_ids
     from models.attention.shared_scores import SharedScores
@@ -346,7 +346,7 @@ def test_lisa_score_features_equal_explicit_scores(single_process, source, kv_he
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
         published = published or ctx["attention_scores"]
     assert all(isinstance(published[layer], SharedScores) for layer in (0, 1, 2))  # no seq^2 scores built
-    assert (published[1].width + published[2].width) / 2 == feature_width(cfg)
+    assert [published[1].width, published[2].width] == [feature_width(cfg, 1), feature_width(cfg, 2)]
     (fast, fast_grads), (ref, ref_grads) = results
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
     for name, g in ref_grads.items():
@@ -857,30 +857,44 @@ def test_planner_counts_sink_scores_only_where_flex_attention_does_not_run():
 def test_planner_counts_no_features_where_the_fused_kernel_runs_linear_alignment():
     """Linear alignment in groups of 2 heads without grouped-query attention (two key heads per
     group): on a GPU the fused kernel runs the LISA layers right after full layers (1 and 4 of
-    sllrl), which keep their inputs only, as an FFN-aligned layer does; layer 2 attends over score
-    features (2 key heads x head_dim 16 + rank 2, + rank 2 per head of layer 1's group) either way.
-    With one key head per group the same, and the mixed queries kept too."""
+    sllrl), which keep their inputs only, as an FFN-aligned layer does, and a chain's second layer
+    (2), which keeps the first one's mixed queries and keys (2 key heads x head_dim 16 wide); a
+    third (slllrl) attends over score features (2 x 16 + rank 2, + rank 2 per head of each earlier
+    layer's group), and so does the second where the keys side by side are wider than the kernel
+    takes (head_dim 128). With one key head per group the queries are mixed first, and kept beside
+    the scaled ones; the chain's second layer keeps nothing more. Without the kernels (CPU, or
+    kernel=torch) every layer attends over features."""
     from models.attention.base import projected_activations
     from models.attention.lisa import lisa_activations
     from models.registry import ActivationLayout
 
     gpu = ActivationLayout(tensor=1, seq=24, flash=True, selective=False)
     cpu = ActivationLayout(tensor=1, seq=24, flash=False, selective=False)
-    linear, ffn = small_cfg("sllrl"), small_cfg("sllrl")
-    linear.lisa.align_hidden = 0
-    features = 2 * linear.num_heads * (2 * 16 + 2 + 2 * 2)
-    assert 3 * lisa_activations(linear, gpu) == (2 * lisa_activations(ffn, gpu) + features
-                                                  + projected_activations(linear, gpu, stores_scores=False))
-    first_features = 2 * linear.num_heads * (2 * 16 + 2)
-    assert 3 * lisa_activations(linear, cpu) == (2 * first_features + features
+
+    def configs(attention: str, **extra):
+        linear, ffn = small_cfg(attention, **extra), small_cfg(attention, **extra)
+        linear.lisa.align_hidden = 0
+        return linear, ffn, projected_activations(linear, gpu, stores_scores=False)
+
+    linear, ffn, inputs = configs("sllrl")
+    hidden, heads = linear.hidden_size, linear.num_heads
+    second = inputs + 2 * hidden + linear.kv_width  # the first layer's mixed queries and keys
+    assert 3 * lisa_activations(linear, gpu) == 2 * lisa_activations(ffn, gpu) + second
+    features = {depth: 2 * heads * (2 * 16 + 2 + 2 * 2 * (depth - 1)) for depth in (1, 2, 3)}
+    assert 3 * lisa_activations(linear, cpu) == (2 * features[1] + features[2]
                                                   + 3 * projected_activations(linear, cpu, stores_scores=True))
     linear.lisa.kernel = "torch"  # no Triton kernels: features everywhere
-    assert 3 * lisa_activations(linear, gpu) == (2 * first_features + features
-                                                  + 3 * projected_activations(linear, gpu, stores_scores=False))
-    # one key head per group (2 K/V heads): the kernel takes layers 1 and 4 with their queries mixed,
-    # kept beside the scaled ones; layer 2's features are one key head wide
-    gqa, gqa_ffn = small_cfg("sllrl", num_kv_heads=2), small_cfg("sllrl", num_kv_heads=2)
-    gqa.lisa.align_hidden = 0
-    features = 2 * gqa.num_heads * (16 + 2 + 2 * 2)
-    first = lisa_activations(gqa_ffn, gpu) + gqa.hidden_size
-    assert 3 * lisa_activations(gqa, gpu) == 2 * first + features + projected_activations(gqa, gpu, False)
+    assert 3 * lisa_activations(linear, gpu) == 2 * features[1] + features[2] + 3 * inputs
+    longer, longer_ffn, _ = configs("slllrl")
+    assert 4 * lisa_activations(longer, gpu) == (2 * lisa_activations(longer_ffn, gpu) + second
+                                                  + inputs + features[3])
+    wide = ModelConfig(hidden_size=512, num_heads=4, num_layers=5, attention="sllrl",  # head_dim 128, rank 16
+                       lisa=LISAConfig(align_group=2, keep_full_layers=1, align_hidden=0))
+    wide_ffn = ModelConfig(hidden_size=512, num_heads=4, num_layers=5, attention="sllrl",
+                           lisa=LISAConfig(align_group=2, keep_full_layers=1))
+    wide_features = 2 * 4 * (2 * 128 + 16 + 2 * 16)
+    assert 3 * lisa_activations(wide, gpu) == (2 * lisa_activations(wide_ffn, gpu) + wide_features
+                                                + projected_activations(wide, gpu, stores_scores=False))
+    # one key head per group (2 K/V heads)
+    gqa, gqa_ffn, gqa_inputs = configs("sllrl", num_kv_heads=2)
+    assert 3 * lisa_activations(gqa, gpu) == 2 * (lisa_activations(gqa_ffn, gpu) + hidden) + gqa_inputs

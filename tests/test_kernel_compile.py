@@ -17,11 +17,13 @@ def test_fused_lisa_kernels_compile_for_sm90(tmp_path):
 
     result = main(["--depths", "2", "--out", str(tmp_path)])  # each kernel at the tile it launches with
     flash = ["forward", "backward_q", "backward_weights", "backward_kv"]
-    # groups of 4 with the FFN alignment in a chain of two, then one head alone (linear alignment: a
-    # key block's one pass takes the values' gradients too)
-    assert [(row["kernel"], row.get("group"), row.get("depth")) for row in result["rows"]] == \
-        [(name, 4, 2) for name in flash + ["backward_v"]] + [(name, 1, 1) for name in flash] + \
-        [("align_forward", None, None), ("align_backward", None, None)], result["rows"]
+    # groups of 4 with the FFN alignment in a chain of two, then linear alignment: one head alone (a
+    # key block's one pass takes the values' gradients too) and a chain's second layer
+    kinds = [(row["kernel"], row.get("group"), row.get("hidden"), row.get("depth")) for row in result["rows"]]
+    aligns = [("align_forward", None, None, None), ("align_backward", None, None, None)]
+    assert kinds == ([(name, 4, 16, 2) for name in flash + ["backward_v"]]
+                     + [(name, 1, 0, 1) for name in flash]
+                     + [(name, 4, 0, 2) for name in flash + ["backward_v"]] + aligns), result["rows"]
     for row in result["rows"]:
         assert row["spill_bytes"] <= SPILL_BUDGET and 0 < row["shared_bytes"] <= SHARED_BYTES, row
     # one head alone launches flash attention's 64 x 64 tiles

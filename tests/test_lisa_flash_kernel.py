@@ -155,19 +155,20 @@ def test_model_trains_through_fused_lisa_as_explicit_scores():
     every gradient of the explicit scores (kernel=naive) with kernel=auto: the kernel runs the
     first two layers of each chain (the second rebuilding the first's alignment), the third layer
     builds its rows by blocks from the second's (keep_chain_scores on); also within documents;
-    float64. The same for linear alignment whose groups read two key heads each, where the kernel
-    runs the LISA layers right after full layers and the others attend over score features, and
-    with one key head per group, where it takes those layers' queries mixed, one head at a time."""
+    float64. The same for linear alignment whose groups read two key heads each, and with one key
+    head per group, where the kernel takes the queries of the LISA layers right after full layers
+    mixed, one head at a time; in both it runs a chain's second layer on the first one's mixed
+    queries and keys (its low-rank term added first)."""
     out = run_interpreted(MODEL_CHECK)
     depths, errors = out["depths"], out["errors"]
     assert depths["naive"] == [] and depths["naive-docs"] == [], depths
     for name in ("auto", "auto-docs"):
         assert depths[name] == [1, 2, 1, 2], (name, depths[name])
         assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])
-    # linear alignment over two key heads per group: the kernel runs each LISA layer right after a full
-    # layer (1 and 4), layer 2 attends over the score features layer 1 hands on
-    # one key head per group: the same layers, their queries mixed before the kernel (groups of one)
-    for name, group in (("linear-auto", 2), ("linear-gqa-auto", 1)):
-        assert depths[name] == [1, 1] and depths[name.replace("auto", "naive")] == [], depths
-        assert out["groups"][name] == [group, group], out["groups"]
+    # linear alignment: the kernel runs layers 1 and 4, right after full layers (over two key heads per
+    # group, or on mixed queries, groups of one, where one key head serves the group), and layer 2
+    # in two stages, the first one's features as its source
+    for name, first in (("linear-auto", 2), ("linear-gqa-auto", 1)):
+        assert depths[name] == [1, 2, 1] and depths[name.replace("auto", "naive")] == [], depths
+        assert out["groups"][name] == [first, 2, first], out["groups"]
         assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])

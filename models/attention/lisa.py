@@ -31,7 +31,9 @@ keeps its fused kernel. With model.lisa.kernel=auto (or torch) no layer keeps se
   kernel below instead: where a group reads several key heads, the kernel mixes the group's
   products (one product per head); where one key head serves the group, the queries are mixed
   first and the kernel takes each head alone, as flash attention does (features would need the
-  low-rank keys beside the shared key per query head, and the values padded to their width).
+  low-rank keys beside the shared key per query head, and the values padded to their width). The
+  second LISA layer of a chain runs the kernel too, on the first one's mixed queries and keys with
+  its low-rank term added first, where those keys fit the kernel's width.
 - The FFN alignment is non-linear in the scores. It, and linear alignment whose groups do not line
   up with the K/V groups, build the scores a block of model.lisa.block_size query rows at a time
   (source rows, alignment, low-rank term, weights, values) and recompute each block in backward.
@@ -148,58 +150,70 @@ def qk_compression(cfg: ModelConfig) -> float:
     return (cfg.hidden_size + cfg.kv_width) / (2 * cfg.num_heads * rank)
 
 
-def feature_width(cfg: ModelConfig, first_ones: bool = True) -> float:
-    """Width of the score features this model's LISA layers attend over, the mean over its LISA
-    layers (so the planner's sum over layers is exact; without first_ones, over those after another
-    LISA layer): (distinct keys per alignment group) x head_dim + rank right after a full layer, and
-    group x rank more for each LISA layer before it in a chain (its low-rank keys, side by side per
-    group)."""
-    rank, group, _ = lisa_sizes(cfg)
-    share = cfg.num_heads // cfg.kv_heads
+def chain_depths(kinds: list[str]) -> list[int]:
+    """Per LISA layer, in order, how many LISA layers in a row end at it (1: right after a full
+    layer)."""
     depths, depth = [], 0
-    for kind in cfg.attention_kinds():
+    for kind in kinds:
         depth = depth + 1 if kind == "lisa" else 0
-        if depth > (0 if first_ones else 1):
-            depths.append(depth - 1)
-    return max(1, group // share) * cfg.head_dim + rank + group * rank * sum(depths) / max(1, len(depths))
+        if depth:
+            depths.append(depth)
+    return depths
+
+
+def keys_per_group(cfg: ModelConfig) -> int:
+    """Distinct K/V heads an alignment group reads (1 where one serves the whole group)."""
+    _, group, _ = lisa_sizes(cfg)
+    return max(1, group // (cfg.num_heads // cfg.kv_heads))
+
+
+def feature_width(cfg: ModelConfig, depth: int) -> int:
+    """Width of the score features a LISA layer at this chain depth attends over with linear
+    alignment: (distinct keys per alignment group) x head_dim + rank, and group x rank more for each
+    LISA layer before it in the chain (its low-rank keys, side by side per group)."""
+    rank, group, _ = lisa_sizes(cfg)
+    return keys_per_group(cfg) * cfg.head_dim + rank + group * rank * (depth - 1)
 
 
 def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
     """Elements per token kept for backward, the mean over the LISA layers. Naive kernel: the
     explicit scores. Linear alignment with groups that line up with the K/V groups
     (SharedScores.mixable): the score features (queries and keys of feature_width per head) under
-    fused kernels, except where the fused LISA kernel runs. It, and scores built by query blocks:
-    the inputs only, the source layer's scaled queries among them (and, where the kernel takes
-    them mixed, the mixed ones too)."""
+    fused kernels, except where the fused LISA kernel runs (fused_linear_depth). It, and scores built
+    by query blocks: the inputs only, the source layer's scaled queries among them (and, where the
+    kernel takes them mixed, the mixed ones too; a chain's second layer, the first one's mixed
+    queries and keys where they were not kept already)."""
     if cfg.lisa.kernel == "naive":
         return projected_activations(cfg, layout, stores_scores=True)
-    by_rows = projected_activations(cfg, layout, stores_scores=False) + cfg.hidden_size / layout.tensor
+    hidden, t = cfg.hidden_size, layout.tensor
+    inputs_only = projected_activations(cfg, layout, stores_scores=False)
     if builds_by_rows(cfg):
-        return by_rows
-    kinds = cfg.attention_kinds()
-    fused = fused_linear(cfg, layout)
-    _, group, _ = lisa_sizes(cfg)
-    if fused and cfg.num_heads // cfg.kv_heads % group == 0:  # queries mixed before the kernel
-        by_rows += cfg.hidden_size / layout.tensor
-    # the fused kernel runs the first LISA layer after each full one; those after a LISA layer
-    # attend over features
-    later = len(chained_lisa_layers(kinds)) if fused else kinds.count("lisa")
-    first = kinds.count("lisa") - later
-    features = 2 * cfg.num_heads * feature_width(cfg, first_ones=not fused) / layout.tensor if later else 0.0
-    over_features = projected_activations(cfg, layout, stores_scores=not layout.flash) + features
-    return (first * by_rows + later * over_features) / max(1, first + later)
+        return inputs_only + hidden / t
+    keys, fused = keys_per_group(cfg), fused_linear_depth(cfg, layout)
+    kept = {1: inputs_only + (1 if keys > 1 else 2) * hidden / t,  # the scaled (and mixed) queries
+            2: inputs_only + ((keys * hidden + cfg.kv_width) / t if keys > 1 else 0.0)}
+    over_features = projected_activations(cfg, layout, stores_scores=not layout.flash)
+    depths = chain_depths(cfg.attention_kinds())
+    features = {depth: over_features + 2 * cfg.num_heads * feature_width(cfg, depth) / t for depth in depths}
+    total = sum(kept[depth] if depth <= fused else features[depth] for depth in depths)
+    return total / max(1, len(depths))
 
 
-def fused_linear(cfg: ModelConfig, layout: registry.ActivationLayout) -> bool:
-    """Whether the fused kernel runs linear alignment (groups that line up with the K/V groups), as
-    it does on a GPU in bf16 right after a full layer: groups that read several key heads
-    (LISAAttention.mixes_key_heads) up to LISA_FLASH_MAX_GROUP heads, groups within one key head of
-    any size (their queries mixed first)."""
+def fused_linear_depth(cfg: ModelConfig, layout: registry.ActivationLayout) -> int:
+    """How deep into a chain of LISA layers with linear alignment the fused kernel runs, as it does
+    on a GPU in bf16 / fp16 (LISAAttention.flash): 0 nowhere; 1 right after a full layer, for groups
+    that read several key heads up to LISA_FLASH_MAX_GROUP heads and for groups within one key head
+    of any size (their queries mixed first); 2 also the second layer of a chain, on the first one's
+    mixed queries and keys, where they fit the kernel (groups up to LISA_FLASH_MAX_GROUP heads,
+    keys side by side up to LISA_FLASH_MAX_WIDTH wide)."""
     rank, group, hidden = lisa_sizes(cfg)
     share = cfg.num_heads // cfg.kv_heads
-    return (layout.flash and cfg.lisa.kernel == "auto" and not hidden and groups_line_up(share, group)
+    if not (layout.flash and cfg.lisa.kernel == "auto" and not hidden and groups_line_up(share, group)
             and (share % group == 0 or group <= LISA_FLASH_MAX_GROUP)
-            and max(cfg.head_dim, rank) <= LISA_FLASH_MAX_WIDTH)
+            and max(cfg.head_dim, rank) <= LISA_FLASH_MAX_WIDTH):
+        return 0
+    chains = group <= LISA_FLASH_MAX_GROUP and keys_per_group(cfg) * cfg.head_dim <= LISA_FLASH_MAX_WIDTH
+    return 2 if chains else 1
 
 
 def builds_by_rows(cfg: ModelConfig) -> bool:
@@ -479,15 +493,17 @@ class LISAAttention(nn.Module):
                 kept.append((start, s))
         return torch.cat(parts, dim=-2), (KeptRows(kept) if keep else None)
 
-    def flash(self, shared, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict
-              ) -> torch.Tensor | None:
+    def flash(self, shared, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict,
+              mixed: SharedScores | None = None) -> torch.Tensor | None:
         """The output by the fused kernel (kernels/lisa_flash_triton.py), or None where it does not
         run: it needs kernel=auto, a GPU in bf16 / fp16 (or Triton's interpreter), alignment groups of
         at most LISA_FLASH_MAX_GROUP heads, widths up to LISA_FLASH_MAX_WIDTH, and scores from a layer's own
-        projections, directly or through one LISA layer (a chain of two; the previous layer's
-        alignment is then rebuilt in the kernel). Linear alignment whose groups each read one key
-        head mixes the source's queries first: the kernel then takes each head as a group of one,
-        one product per tile as in flash attention, whatever the group's size."""
+        projections, directly or through one LISA layer (a chain of two: the previous layer's
+        alignment is rebuilt in the kernel; with linear alignment the kernel reads its mixed queries
+        and keys as the source and adds its low-rank term in a first stage that mixes nothing).
+        `mixed`: linear alignment whose groups each read one key head, the source's scores with their
+        queries mixed by this layer (SharedScores.mixed); the kernel then takes each head as a group
+        of one, one product per tile as in flash attention, whatever the group's size."""
         if self.kernel != "auto" or not (q.is_cuda or triton_interpreted()):
             return None
         stages, group = [(*self.align.weights(), q, k)], self.align.group
@@ -496,9 +512,14 @@ class LISAAttention(nn.Module):
             shared = shared.shared
         if not isinstance(shared, SharedScores):  # kept rows, or a longer chain
             return None
-        if len(stages) == 1 and not self.align.hidden and not self.mixes_key_heads(shared):
-            shared = shared.mixed(self.align.mix, group)
-            stages, group = [(q.new_ones(q.shape[1], 1, 1), None, None, None, None, q, k)], 1
+        if mixed is not None:
+            shared, stages, group = mixed, [(q.new_ones(q.shape[1], 1, 1), None, None, None, None, q, k)], 1
+        elif not self.align.hidden and len(shared.blocks) == 2:  # a linear LISA layer's: source, low rank
+            source, low = shared.blocks
+            if low.share != 1:
+                return None
+            same = torch.eye(group, dtype=q.dtype, device=q.device).expand(q.shape[1] // group, group, group)
+            shared, stages = SharedScores([source]), [(same, None, None, None, None, low.q, low.k), *stages]
         if group > LISA_FLASH_MAX_GROUP:
             return None
         try:
@@ -568,11 +589,17 @@ class LISAAttention(nn.Module):
         """The attention output [batch, heads, seq, head_dim] by the PyTorch paths."""
         recompute = ctx.get("recompute_attention")  # selective activation checkpointing
         if self.factored(shared, ctx):
-            # the fused kernel where the source is a full layer's own projections (one block)
-            o = self.flash(shared, q, k, v, ctx) if len(shared.blocks) == 1 else None
+            mixed = None
+            if len(shared.blocks) == 1 and not self.mixes_key_heads(shared):  # one key head per group
+                mixed = shared.mixed(self.align.mix, self.align.group)  # for the kernel and the next layer
+            # the fused kernel where the source is a full layer's own projections (one block), or a
+            # LISA layer reading them (two)
+            o = self.flash(shared, q, k, v, ctx, mixed) if len(shared.blocks) <= 2 else None
             if o is not None and not self.publish_scores:
                 return o
-            scores = shared.mixed(self.align.mix, self.align.group).plus(q, k)
+            if mixed is None:
+                mixed = shared.mixed(self.align.mix, self.align.group)
+            scores = mixed.plus(q, k)
             if o is not None:  # a following LISA layer attends over the features
                 self.publish(ctx, scores)
                 return o
