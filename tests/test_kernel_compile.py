@@ -34,15 +34,21 @@ def test_fused_lisa_kernels_compile_for_sm90(tmp_path):
 @pytest.mark.slow
 def test_fused_lisa_variants_compile_for_sm90():
     """The specialisations the hybrid configs' other layers and the tests' cases take: relu sources
-    (prefix normaliser) within documents, groups of 2, linear alignment, one stage."""
+    (prefix normaliser) within documents, linear alignment, one stage, in groups of 2 and of one
+    head (at its own tiles, the keys' and values' pass at once); one head per group in a chain of
+    two (align_group 1)."""
     import triton.language as tl
 
     import models.attention.kernels.lisa_flash_triton as flash
     from bench.kernel_compile import SIZES, compile_one
 
-    for name, kernel, extra in (("forward", flash._forward, {}),
-                                ("backward_kv", flash._backward_kv, {"KEYS": True, "VALUES": False})):
-        bm, bn, warps = flash.gpu_tiles(2, 0)[name]
-        constants = dict(SIZES, G=2, HID=0, NORM=1, DOCS=True, DEPTH=1, ACC=tl.float32, BM=bm, BN=bn, **extra)
-        row = compile_one(kernel, constants, warps, 90)
-        assert row["spill_bytes"] <= SPILL_BUDGET and 0 < row["shared_bytes"] <= SHARED_BYTES, (name, row)
+    for group, depth, norm, docs in ((2, 1, 1, True), (1, 1, 1, True), (1, 2, -1, False)):
+        both = flash.one_head(group, 0)
+        for name, kernel, extra in (("forward", flash._forward, {}),
+                                    ("backward_kv", flash._backward_kv, {"KEYS": True, "VALUES": both})):
+            bm, bn, warps = flash.gpu_tiles(group, 0)[name]
+            constants = dict(SIZES, G=group, HID=0, NORM=norm, DOCS=docs, DEPTH=depth, ACC=tl.float32, BM=bm,
+                             BN=bn, **extra)
+            row = compile_one(kernel, constants, warps, 90)
+            assert row["spill_bytes"] <= SPILL_BUDGET and 0 < row["shared_bytes"] <= SHARED_BYTES, \
+                (group, depth, name, row)

@@ -52,7 +52,7 @@ def reference(qs, ks, stages, v, normalizer, documents):
 
 
 errors = {}
-for normalizer, heads, group, hidden, kv, depth, d, rank, dv, seq, docs, dtype, tiles in json.loads(
+for normalizer, heads, group, hidden, kv, depth, d, rank, dv, seq, docs, dtype, tiles, mix in json.loads(
         sys.argv[1]):
     dtype = getattr(torch, dtype)
     # "gpu": the tile sizes the kernels launch with on a GPU (GPU_TILES) instead of the interpreter's
@@ -68,19 +68,21 @@ for normalizer, heads, group, hidden, kv, depth, d, rank, dv, seq, docs, dtype, 
         if hidden:
             ffn = (r(groups, hidden, group), r(groups, hidden), r(groups, group, hidden, scale=0.5),
                    r(groups, group))
-        stages.append((r(groups, group, group, scale=0.7), *ffn, r(b, heads, seq, rank, scale=0.5),
-                       r(b, heads, seq, rank, scale=0.5)))
+        mixing = r(groups, group, group, scale=0.7)
+        if mix == "constant":  # needs no gradient: the kernel skips the alignment weights' pass
+            mixing = mixing.detach()
+        stages.append((mixing, *ffn, r(b, heads, seq, rank, scale=0.5), r(b, heads, seq, rank, scale=0.5)))
     documents = None
     if docs:
         documents = torch.cumsum(torch.rand(b, seq, generator=gen) < 0.15, 1)
-    inputs = [qs, ks, v] + [t for st in stages for t in st if t is not None]
+    inputs = [qs, ks, v] + [t for st in stages for t in st if t is not None and t.requires_grad]
     ref = reference(qs, ks, stages, v, normalizer, documents)
     weight = torch.randn(ref.shape, generator=gen, dtype=dtype)
     want = torch.autograd.grad((ref * weight).sum(), inputs)
     out = flash_lisa(qs, ks, stages, v, normalizer, documents)
     got = torch.autograd.grad((out * weight).sum(), inputs)
     key = f"{normalizer}/{heads}h/g{group}/hid{hidden}/kv{kv}/depth{depth}/{d},{rank},{dv}/seq{seq}"
-    key += f"/docs{docs}/{tiles}-tiles/{dtype}"
+    key += f"/docs{docs}/{mix}-mix/{tiles}-tiles/{dtype}"
     # the output relative to its largest value, gradients to max(1, their largest)
     errors[key] = [float((out.detach() - ref.detach()).abs().max() / ref.abs().max())]
     assert out.dtype == dtype and all(g.shape == w.shape and g.dtype == w.dtype for g, w in zip(got, want))
@@ -95,9 +97,10 @@ import models.attention.kernels.lisa_flash_triton as fused
 from tests.dist_utils import single_process_group
 from tests.test_attention import VOCAB, ffn_chain_model, linear_mixing_model
 
-calls, groups = [], []  # per kernel call: its stages, and the heads per group it took
+calls, groups, sources = [], [], []  # per kernel call: its stages, heads per group, source queries
 kernel = fused.flash_lisa
-fused.flash_lisa = lambda *a: calls.append(len(a[2])) or groups.append(a[2][0][0].shape[-1]) or kernel(*a)
+fused.flash_lisa = lambda *a: (calls.append(len(a[2])) or groups.append(a[2][0][0].shape[-1])
+                               or sources.append(a[0].data_ptr()) or kernel(*a))
 gen = torch.Generator().manual_seed(3)
 # one sequence (the kernel test covers batches) of ten documents, one across the two query blocks
 tokens = torch.randint(0, VOCAB, (1, 24), generator=gen)
@@ -116,6 +119,8 @@ with single_process_group():
         loss = model(tokens, torch.roll(tokens, -1, 1), docs)
         loss.backward()
         depths[name], taken[name] = calls[before:], groups[before:]
+        if name == "linear-gqa-auto":  # one tensor of mixed queries for layer 1's kernel and layer 2's
+            shared_queries = sources[before] == sources[before + 1]
         results[name] = (float(loss), {n: p.grad for n, p in model.named_parameters()})
 errors = {}
 for name, (loss, grads) in results.items():
@@ -123,7 +128,7 @@ for name, (loss, grads) in results.items():
     # per gradient, the largest error past torch.testing.assert_close's rtol=1e-9, atol=1e-10 (<= 0: close)
     errors[name] = [abs(loss - ref_loss)] + [float(((grads[n] - g).abs() - 1e-10 - 1e-9 * g.abs()).max())
                                              for n, g in ref_grads.items()]
-print(json.dumps({"errors": errors, "depths": depths, "groups": taken}))
+print(json.dumps({"errors": errors, "depths": depths, "groups": taken, "shared_queries": shared_queries}))
 """
 
 
@@ -132,20 +137,25 @@ def test_fused_lisa_equals_plain_lisa_under_interpreter():
     each stage) against a plain implementation: softmax and every ReLU normaliser; one stage and a
     chain of two; groups of 4, 3, 2 and 1, FFN widths 16 and 5 and linear alignment; grouped-query
     keys and values; widths and lengths that are not powers of two or multiples of the blocks;
-    within documents; float64 and float32; at the interpreter's tile sizes and, in one case over
-    several blocks of each, at those the kernels launch with on a GPU."""
-    cases = [["softmax", 8, 4, 5, 2, 2, 8, 2, 8, 21, False, "float64", "interpreter"],
-             ["prefix", 6, 3, 16, 3, 2, 12, 6, 8, 21, False, "float64", "interpreter"],
-             ["content", 4, 2, 0, 1, 1, 8, 4, 16, 33, True, "float64", "interpreter"],
-             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 40, True, "float64", "interpreter"],
-             ["none", 2, 1, 3, 2, 1, 8, 4, 8, 17, False, "float64", "interpreter"],
-             ["seqlen", 4, 4, 16, 4, 2, 16, 16, 16, 20, False, "float32", "interpreter"],
-             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 80, True, "float64", "gpu"],
-             ["softmax", 4, 1, 0, 2, 1, 8, 4, 8, 150, True, "float64", "gpu"]]
+    within documents; float64 and float32; at the interpreter's tile sizes and, over several blocks
+    of each, at those the kernels launch with on a GPU (groups of 4 with the FFN alignment; one head
+    per group with linear alignment, its mixing trained or constant, which skips the weights'
+    pass)."""
+    cases = [["softmax", 8, 4, 5, 2, 2, 8, 2, 8, 21, False, "float64", "interpreter", "trained"],
+             ["prefix", 6, 3, 16, 3, 2, 12, 6, 8, 21, False, "float64", "interpreter", "trained"],
+             ["content", 4, 2, 0, 1, 1, 8, 4, 16, 33, True, "float64", "interpreter", "trained"],
+             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 40, True, "float64", "interpreter", "trained"],
+             ["none", 2, 1, 3, 2, 1, 8, 4, 8, 17, False, "float64", "interpreter", "trained"],
+             ["seqlen", 4, 4, 16, 4, 2, 16, 16, 16, 20, False, "float32", "interpreter", "trained"],
+             ["softmax", 4, 4, 16, 2, 2, 8, 4, 8, 80, True, "float64", "gpu", "trained"],
+             # one head per group with linear alignment: its own tiles, keys and values in one pass
+             ["softmax", 4, 1, 0, 2, 1, 8, 4, 8, 150, True, "float64", "gpu", "trained"],
+             ["prefix", 4, 1, 0, 2, 1, 8, 4, 8, 70, False, "float64", "gpu", "constant"]]
     errors = run_interpreted(KERNEL_CHECK, json.dumps(cases))
     assert len(errors) == len(cases)
     for case, errs in errors.items():
-        assert len(errs) == (18 if "depth2" in case else 11 if "hid0" not in case else 7)
+        inputs = 18 if "depth2" in case else 11 if "hid0" not in case else 7
+        assert len(errs) == inputs - ("constant-mix" in case), (case, errs)
         assert max(errs) < (1e-5 if case.endswith("float32") else 1e-12), (case, errs)
 
 
@@ -172,3 +182,4 @@ def test_model_trains_through_fused_lisa_as_explicit_scores():
         assert depths[name] == [1, 2, 1] and depths[name.replace("auto", "naive")] == [], depths
         assert out["groups"][name] == [first, 2, first], out["groups"]
         assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])
+    assert out["shared_queries"]  # the chain's second layer keeps no copy of them

@@ -100,9 +100,9 @@ class LISAConfig:
     keep_full_layers: int = 2  # the first layers never share attention
     # auto: linear alignment attends over the shared scores as features, the FFN alignment builds
     # them by query blocks (no seq^2 tensors either way); on a GPU one fused kernel
-    # (kernels/lisa_flash_triton.py) runs a LISA layer right after a full one, and the second of a
-    # chain with the FFN alignment (else the FFN alignment of each block, and decoding, run as
-    # fused kernels); torch: the same without Triton kernels; naive: always the explicit scores.
+    # (kernels/lisa_flash_triton.py) runs a LISA layer right after a full one and the second of a
+    # chain (else the FFN alignment of each block, and decoding, run as fused kernels); torch: the
+    # same without Triton kernels; naive: always the explicit scores.
     kernel: str = "auto"
     # Query rows per block: of the scores when kernel=auto builds them by blocks, and of the FFN's
     # hidden layer on explicit scores. 128 rather than 256: less of the diagonal block's masked half

@@ -180,7 +180,11 @@ class SharedScores:
 
     def features(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [batch, heads, seq, width], keys [batch, heads / share, seq, width]) whose
-        products are the scores; keys keep a common share, else one per head."""
+        products are the scores; keys keep a common share, else one per head. One block's are its
+        own tensors (not copies: a kernel that keeps them for backward shares them with the layers
+        that keep them too)."""
+        if len(self.blocks) == 1:
+            return self.blocks[0].q, self.blocks[0].k
         shares = {b.share for b in self.blocks}
         keys = [b.k if len(shares) == 1 else _per_head(b.k, self.heads) for b in self.blocks]
         return torch.cat([b.q for b in self.blocks], -1), torch.cat(keys, -1)
