@@ -514,8 +514,8 @@ class LISAAttention(nn.Module):
             return None
         if mixed is not None:
             shared, stages, group = mixed, [(q.new_ones(q.shape[1], 1, 1), None, None, None, None, q, k)], 1
-        elif not self.align.hidden and len(shared.blocks) == 2:  # a linear LISA layer's: source, low rank
-            source, low = shared.blocks
+        elif not self.align.hidden and len(stages) == 1 and len(shared.blocks) == 2:  # a linear LISA layer's
+            source, low = shared.blocks  # its mixed source and its low-rank term
             if low.share != 1:
                 return None
             same = torch.eye(group, dtype=q.dtype, device=q.device).expand(q.shape[1] // group, group, group)
