@@ -263,9 +263,8 @@ def lisa_flash_check(device: str) -> dict:
     low-rank weights; and the softmax case with linear alignment, whose first LISA layer the kernel
     runs on the mixed queries and the second on the first one's mixed queries and keys. Per case:
     the largest error of the loss and of every gradient (error()), and how often the kernel ran (two
-    layers per forward, or the case fails). On a GPU in bf16, the kernel's type
-    there: passes under twice the PyTorch path's bf16 error (kernel=torch), or under 3e-2, and under
-    0.1 in any case.
+    layers per forward, or the case fails). On a GPU in bf16, the kernel's type there: passes under
+    twice the PyTorch path's bf16 error (kernel=torch), or under 3e-2, and under 0.1 in any case.
     --device cpu runs it in fp32 under Triton's interpreter at tiny sizes (passes under 1e-4)."""
     import models.attention.kernels.lisa_flash_triton as fused
 
