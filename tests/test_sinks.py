@@ -155,7 +155,8 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     p = report["params"]
     assert p["converted"] < p["source"] and 0 < p["trained"] < 0.1 * p["converted"]
     assert all(v == v and v < 10 for v in report["val_loss"].values())
-    # Refused before the model is read: an --out that holds a run, layer indices that are not numbers.
+    # Refused before the model is read: an --out that holds a run, layer indices that are not numbers,
+    # shards that are not there.
     from tools.convert_lisa import main as convert_main
 
     common = ["--checkpoint", str(tmp_path / "no_such_run"), "--calib-shards", str(root / "shards")]
@@ -168,6 +169,15 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     assert convert_main(common + ["--out", str(run), "--overwrite"]) == 2  # a run: never, even with --overwrite
     assert "holds checkpoints of a run" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+    assert convert_main(common + ["--out", str(tmp_path / "new"), "--calib-shards", str(tmp_path)]) == 2
+    assert f"--calib-shards {tmp_path}: no train/index.json there" in capsys.readouterr().err
+    # Layers that cannot be converted: refused before the calibration passes.
+    ckpt = str(run / "checkpoints" / "step_00000004")
+    assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"), "--layers", "1",
+                         "--out", str(tmp_path / "new")]) == 2
+    said = capsys.readouterr()
+    assert "--layers 1: layer 1 is within model.lisa.keep_full_layers=2" in said.err
+    assert "sim to l-1" not in said.out
     assert "val loss: source" in proc.stdout
     saved = torch.load(out / "lisa_model.pt", weights_only=False)
     assert saved["model"]["attention"] == report["attention"]

@@ -124,11 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise ToolError(f"--layers {args.layers!r}: give auto, sensitivity or layer indices such as 4,5,7") from None
 
+    shards = Path(args.calib_shards)
+    if not (shards / "train" / "index.json").is_file():
+        raise ToolError(f"--calib-shards {shards}: no train/index.json there; give the shards directory a run "
+                        "trained on (the one with train/ and val/ that data_prep wrote)")
     source, cfg, meta = load_model(args.checkpoint)
     for p in source.parameters():
         p.requires_grad_(False)
     kinds = cfg.attention_kinds()
-    shards = Path(args.calib_shards)
+    if listed is not None:  # before the calibration passes
+        keep = cfg.lisa.keep_full_layers if args.keep_full_layers is None else args.keep_full_layers
+        problem = conversion_problem(kinds, listed, keep, args.max_chain)
+        if problem:
+            chain_only = conversion_problem(kinds, listed, keep) is None
+            raise ToolError(f"--layers {args.layers}: {problem}; choose other layers"
+                            + (" or a larger --max-chain" if chain_only else ""))
     run_cfg = run_config(resolve_checkpoint(args.checkpoint))
     bos = run_bos(run_cfg, meta)
 
@@ -172,12 +182,6 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{layer}: {100 * v:+.2f}%" for layer, v in sensitivity.items()))
     else:
         layers = listed
-        keep = cfg.lisa.keep_full_layers
-        problem = conversion_problem(kinds, layers, keep, args.max_chain)
-        if problem:
-            chain_only = conversion_problem(kinds, layers, keep) is None
-            raise ToolError(f"--layers {args.layers}: {problem}; choose other layers"
-                            + (" or a larger --max-chain" if chain_only else ""))
     if not layers:
         raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
                         "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "
