@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shards = Path(args.calib_shards)
     if not (shards / "train" / "index.json").is_file():
-        raise ToolError(f"--calib-shards {shards}: no train/index.json there; give the shards directory a run "
-                        "trained on (the one with train/ and val/ that data_prep wrote)")
+        raise ToolError(f"--calib-shards {shards}: no train/index.json there; give the shards directory "
+                        "a run trained on (the one with train/ and val/ that data_prep wrote)")
     source, cfg, meta = load_model(args.checkpoint)
     for p in source.parameters():
         p.requires_grad_(False)
