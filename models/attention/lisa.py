@@ -151,13 +151,12 @@ def qk_compression(cfg: ModelConfig) -> float:
 
 
 def chain_depths(kinds: list[str]) -> list[int]:
-    """Per LISA layer, in order, how many LISA layers in a row end at it (1: right after a full
-    layer)."""
+    """Per layer, how many LISA layers in a row end at it (0: a full layer; 1: a LISA layer right
+    after a full one)."""
     depths, depth = [], 0
     for kind in kinds:
         depth = depth + 1 if kind == "lisa" else 0
-        if depth:
-            depths.append(depth)
+        depths.append(depth)
     return depths
 
 
@@ -193,7 +192,7 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     kept = {1: inputs_only + (1 if keys > 1 else 2) * hidden / t,  # the scaled (and mixed) queries
             2: inputs_only + ((keys * hidden + cfg.kv_width) / t if keys > 1 else 0.0)}
     over_features = projected_activations(cfg, layout, stores_scores=not layout.flash)
-    depths = chain_depths(cfg.attention_kinds())
+    depths = [depth for depth in chain_depths(cfg.attention_kinds()) if depth]
     features = {depth: over_features + 2 * cfg.num_heads * feature_width(cfg, depth) / t for depth in depths}
     total = sum(kept[depth] if depth <= fused else features[depth] for depth in depths)
     return total / max(1, len(depths))
@@ -225,7 +224,8 @@ def builds_by_rows(cfg: ModelConfig) -> bool:
 
 def chained_lisa_layers(kinds: list[str]) -> list[int]:
     """The LISA layers another LISA layer follows (what keep_chain_scores keeps the scores of)."""
-    return [i for i, kind in enumerate(kinds[:-1]) if kind == "lisa" and kinds[i + 1] == "lisa"]
+    depths = chain_depths(kinds)
+    return [i for i, (depth, next_depth) in enumerate(zip(depths, depths[1:])) if depth and next_depth]
 
 
 def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float:
@@ -240,7 +240,8 @@ def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float
     chained = chained_lisa_layers(kinds)
     if layout.flash and cfg.lisa.kernel == "auto" and lisa_sizes(cfg)[1] <= LISA_FLASH_MAX_GROUP \
             and cfg.head_dim <= LISA_FLASH_MAX_WIDTH:
-        chained = [i for i in chained if i >= 2 and kinds[i - 1] == kinds[i - 2] == "lisa"]
+        depths = chain_depths(kinds)
+        chained = [i for i in chained if depths[i] >= 3]
     chained = len(chained) / kinds.count("lisa")
     return chained * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
 
