@@ -643,7 +643,11 @@ class _FlashLISA(torch.autograd.Function):
         pw = group * group + (2 * group * hidden + hidden + group if hidden else 0)
         weights = _tiles("backward_weights", meta)
         blocks = triton.cdiv(seq, weights["BM"])
-        part = torch.zeros(batch * groups, blocks, depth, pw, dtype=lse.dtype, device=qs.device)
+        trained = any(ctx.needs_input_grad[7:12])  # the alignment weights (not a constant mix)
+        # each program's slots for the weights' sums (an unused pointer where none is trained)
+        part = lse
+        if trained:
+            part = torch.zeros(batch * groups, blocks, depth, pw, dtype=lse.dtype, device=qs.device)
         dqs, dqa = torch.empty_like(qs), torch.empty_like(qa)
         dqb = torch.empty_like(qb) if depth == 2 else dqa
         args = (qs, ks, qa, ka, qb, kb, v, mix, w1, b1, w2, b2, grad_out, lse, delta, starts, dqs, dqa, dqb,
@@ -651,7 +655,6 @@ class _FlashLISA(torch.autograd.Function):
         queries = _tiles("backward_q", meta)
         _backward_q[(triton.cdiv(seq, queries["BM"]), batch * groups)](*args, WEIGHTS=False, **meta,
                                                                         **queries)
-        trained = any(ctx.needs_input_grad[7:12])  # the alignment weights (not a constant mix)
         if trained:
             _backward_q[(blocks, batch * groups)](*args, WEIGHTS=True, **meta, **weights)
         # per query head; in float32 where grouped-query heads sum them, rounded once after the sum
@@ -673,13 +676,14 @@ class _FlashLISA(torch.autograd.Function):
         # per query head -> per K/V head (a head serves `share` consecutive query heads)
         dks = dks.view(batch, ks.shape[1], -1, seq, width).sum(2).to(ks.dtype)
         dv_ = dv_.view(batch, v.shape[1], -1, seq, dv).sum(2).to(v.dtype)
-        total = part.view(batch, groups, blocks, depth, pw).sum((0, 2)).transpose(0, 1)  # [depth, groups, pw]
-        widths = [group * group] + ([hidden * group, hidden, group * hidden, group] if hidden else [])
-        grads = total.split(widths, -1)
-        dmix = grads[0].reshape(mix.shape).to(mix.dtype) if trained else None
-        dw = [None] * 4
-        if hidden and trained:
-            dw = [g.reshape(p.shape).to(p.dtype) for g, p in zip(grads[1:], (w1, b1, w2, b2))]
+        dmix, dw = None, [None] * 4
+        if trained:
+            total = part.view(batch, groups, blocks, depth, pw).sum((0, 2)).transpose(0, 1)  # [depth, ...]
+            widths = [group * group] + ([hidden * group, hidden, group * hidden, group] if hidden else [])
+            grads = total.split(widths, -1)
+            dmix = grads[0].reshape(mix.shape).to(mix.dtype)
+            if hidden:
+                dw = [g.reshape(p.shape).to(p.dtype) for g, p in zip(grads[1:], (w1, b1, w2, b2))]
         second = (dqb, dkb) if depth == 2 else (None, None)
         return (dqs, dks, dqa, dka, *second, dv_, dmix, *dw, None, None, None)
 
