@@ -244,7 +244,7 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys):
 
 
 @pytest.mark.slow
-def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
+def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path, capsys):
     from transformers import LlamaForCausalLM
 
     from data_prep.tokenizer import load_tokenizer
@@ -283,6 +283,10 @@ def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path):
     draws = [generate(model, [5, 6], 8, temperature=1.5, top_p=0.9, eos_id=None,
                       generator=torch.Generator().manual_seed(s)) for s in (0, 0, 1)]
     assert draws[0] == draws[1] and len(draws[0]) == 8 and all(0 <= t < vocab for t in draws[0] + draws[2])
+    from tools.generate import main as generate_main
+
+    assert generate_main(["--checkpoint", str(tmp_path / "no_run"), "--prompt-ids", "5,x"]) == 2  # read first
+    assert "--prompt-ids '5,x': give comma-separated token ids" in capsys.readouterr().err
     tiny_p = generate(model, [5, 6], 4, temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(3))
     assert tiny_p == generate(model, [5, 6], 4, greedy=True)
 

@@ -112,7 +112,7 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path):
+def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, capsys):
     _, run = hybrid_run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     sinks = [r for r in records if "sinks/sink_rate" in r]
@@ -138,6 +138,13 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path):
         for h in range(4):
             assert report["alpha1"][l][h] == pytest.approx(last[f"sinks/layer{l:02d}/head{h:02d}/alpha1"], abs=1e-4)
     assert (out / "sink_heatmap.png").stat().st_size > 1000
+    # Shards asked for that hold no validation split: an error, not a report over random tokens.
+    from tools.sink_report import main as sink_report
+
+    none = tmp_path / "none"
+    assert sink_report(["--checkpoint", str(run), "--out", str(none), "--shards", str(tmp_path)]) == 2
+    assert f"--shards {tmp_path}: no val/index.json there" in capsys.readouterr().err
+    assert not none.exists()
 
 
 @pytest.mark.slow

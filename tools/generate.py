@@ -47,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0.0 < args.top_p <= 1.0 or args.max_new_tokens < 0 or args.temperature < 0:
         raise ToolError("--top-p must be in (0, 1], --max-new-tokens >= 0 and --temperature >= 0 (0 = greedy)")
+    given_ids = None
+    if args.prompt_ids is not None:
+        try:
+            given_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ToolError(f"--prompt-ids {args.prompt_ids!r}: give comma-separated token ids such as "
+                            "5,6,7") from None
     device = tool_device(args.device)
     tag_dir = resolve_checkpoint(args.checkpoint)
     meta = read_meta(tag_dir)
@@ -61,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if bos is not None and prompt_ids[:1] != [bos]:
             prompt_ids = [bos] + prompt_ids
     else:
-        prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        prompt_ids = given_ids
     model, cfg, _ = load_model(tag_dir)
     model.to(device)
     bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]

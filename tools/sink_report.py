@@ -35,6 +35,8 @@ def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> 
         try:
             batches = load_val_batches(full)
         except Exception as err:  # noqa: BLE001 - fall back to random tokens, but say so
+            if shards:  # asked for: never replaced by random tokens
+                raise ToolError(f"--shards {shards}: cannot read its val/ split ({err})") from None
             print(f"warning: could not read validation shards ({err}); using random tokens", file=sys.stderr)
             batches = []
         if batches:
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ)
     parser.add_argument("--eps", type=float, default=DEFAULT_EPS)
     args = parser.parse_args(argv)
+    if args.shards and not (Path(args.shards) / "val" / "index.json").is_file():
+        raise ToolError(f"--shards {args.shards}: no val/index.json there; give a shards directory with a "
+                        "validation split (data_prep.build_shards with --val-fraction above 0)")
     ckpt = resolve_checkpoint(args.checkpoint)
     model, cfg, meta = load_model(ckpt)
     tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
