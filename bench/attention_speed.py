@@ -15,7 +15,10 @@ one K/V head serves the alignment group: on a GPU the fused kernel on the mixed 
 a time, else attending over features of width head_dim + rank), lisa_linear_torch_gqa (over those
 features everywhere), lisa_naive
 (lisa_linear on explicit scores, model.lisa.kernel=naive), lisa_ffn_naive (lisa on explicit
-scores) and softmax+publish (a softmax layer that hands its scores to a following LISA layer). A
+scores) and softmax+publish (a softmax layer that hands its scores to a following LISA layer).
+lisa_chain and lisa_linear_chain_gqa time lisa and lisa_linear_gqa as the hybrid configs place LISA
+layers, two in a row after a full layer (the second reads what the first hands on; kept chain scores
+as in configs/hybrid_*.yaml): their time and kept memory are the mean per LISA layer. A
 kind with `_bs<rows>` appended (lisa_bs256) runs its query blocks at that size instead of the
 default model.lisa.block_size / model.relu_attention.block_size.
 `kept MB` is the memory one forward allocates and still holds when it returns (what its backward
@@ -37,8 +40,26 @@ from pathlib import Path
 import torch
 
 KINDS = ["softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch", "lisa_linear",
-         "lisa_linear_torch", "lisa_linear_gqa", "lisa_linear_torch_gqa", "lisa_naive", "lisa_ffn_naive",
-         "softmax+publish"]
+         "lisa_linear_torch", "lisa_linear_gqa", "lisa_linear_torch_gqa", "lisa_chain",
+         "lisa_linear_chain_gqa", "lisa_naive", "lisa_ffn_naive", "softmax+publish"]
+
+
+class LISAChain(torch.nn.Module):
+    """Layers 1 and 2 of (full, lisa, lisa): the second reads the scores the first hands on, as
+    models.gpt's blocks pass them; both take the same input, and their outputs are summed."""
+
+    layers = 2
+
+    def __init__(self, cfg):
+        from models.registry import build_attention
+
+        super().__init__()
+        self.first, self.second = build_attention(cfg, 1), build_attention(cfg, 2)
+
+    def forward(self, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        out = self.first(x, ctx)
+        handed_on = ctx.pop("published_scores")
+        return out + self.second(x, {**ctx, "shared_scores": handed_on})
 
 
 def build(kind: str, hidden: int, heads: int, seq: int):
@@ -46,6 +67,8 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     from models.registry import build_attention
 
     kind, _, rows = kind.partition("_bs")
+    chain = "_chain" in kind
+    kind = kind.replace("_chain", "")
     cfg = ModelConfig(hidden_size=hidden, num_heads=heads, num_layers=2, max_seq_len=seq, attention="softmax",
                       num_kv_heads=1 if kind.endswith("_gqa") else 0)
     if rows:
@@ -53,11 +76,13 @@ def build(kind: str, hidden: int, heads: int, seq: int):
     cfg.lisa.keep_full_layers = 1
     cfg.lisa.align_group = min(4, heads)  # as in configs/hybrid_*.yaml
     if kind.startswith("lisa"):
-        cfg.attention = "softmax,lisa"
+        cfg.attention = "softmax,lisa,lisa" if chain else "softmax,lisa"
+        cfg.num_layers = 3 if chain else 2
+        cfg.lisa.keep_chain_scores = chain
         ffn = kind in ("lisa", "lisa_torch", "lisa_ffn_naive")
         cfg.lisa.align_hidden = cfg.lisa.align_hidden if ffn else 0
         cfg.lisa.kernel = "naive" if kind.endswith("_naive") else "torch" if "_torch" in kind else "auto"
-        return build_attention(cfg, 1), cfg
+        return (LISAChain(cfg) if chain else build_attention(cfg, 1)), cfg
     cfg.attention = {"softmax+publish": "softmax", "relu_torch": "relu", "softmax_gqa": "softmax"}.get(kind, kind)
     cfg.relu_attention.kernel = "torch" if kind == "relu_torch" else "auto"
     module = build_attention(cfg, 0)
@@ -97,7 +122,8 @@ def layer_and_inputs(kind: str, hidden: int, heads: int, seq: int, batch: int, d
 
 def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats: int, device,
               documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
-    """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq])."""
+    """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq]); per
+    layer for a chain."""
     module, (x, q, k), ctx = layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
     times = []
     for i in range(repeats + 1):
@@ -112,24 +138,25 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
             times.append(time.perf_counter() - t0)
         x.grad = q.grad = k.grad = None
         module.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return statistics.median(times) / getattr(module, "layers", 1)
 
 
 def kept_bytes(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
                documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes one forward allocates and still holds when it returns (for backward, and the output)."""
+    """Bytes one forward allocates and still holds when it returns (for backward, and the output); per
+    layer for a chain."""
     module, (x, _, _), ctx = layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
-    inputs = ctx()
+    inputs, layers = ctx(), getattr(module, "layers", 1)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         out = module(x, inputs)
         torch.cuda.synchronize()
-        return torch.cuda.memory_allocated() - before
+        return (torch.cuda.memory_allocated() - before) // layers
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         out = module(x, inputs)  # noqa: F841 - held until counted
-    return sum(event.self_cpu_memory_usage for event in prof.key_averages())
+    return sum(event.self_cpu_memory_usage for event in prof.key_averages()) // layers
 
 
 DECODE_LAYERS = {"softmax": ["softmax", "softmax"], "softmax_sink": ["softmax", "softmax_sink"],

@@ -54,11 +54,12 @@ TINY_HYBRID = ["model.attention=skrl"]  # softmax, softmax_sink, relu, lisa in 4
 # One attention layer per kind at the 1B hybrid width (configs/hybrid_1b.yaml: hidden 2048, 16 heads).
 # _gqa: one K/V head, against softmax_gqa (bench.attention_speed); lisa_torch: lisa by the PyTorch path
 # (query blocks) instead of the fused kernel, lisa_linear_torch (_gqa): lisa_linear (_gqa) over score
-# features instead of the fused kernel; docs: within 4 documents (FlexAttention, Triton on GPU).
+# features instead of the fused kernel; _chain: the mean per layer of two LISA layers in a row after a
+# full one, as the hybrid configs place them; docs: within 4 documents (FlexAttention, Triton on GPU).
 ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch",
-                   "lisa_ffn_naive", "lisa_linear", "lisa_linear_torch", "lisa_linear_gqa",
-                   "lisa_linear_torch_gqa", "softmax+publish", "softmax docs", "softmax_sink docs",
-                   "relu docs", "lisa_linear docs")
+                   "lisa_chain", "lisa_ffn_naive", "lisa_linear", "lisa_linear_torch", "lisa_linear_gqa",
+                   "lisa_linear_torch_gqa", "lisa_linear_chain_gqa", "softmax+publish", "softmax docs",
+                   "softmax_sink docs", "relu docs", "lisa_linear docs")
 ATTENTION_SEQS = (2048, 4096)
 # Kinds whose forward + backward is also profiled at the first length (their top operators in the row,
 # the operator table in -profiles.txt): where a LISA layer's time goes, beside its reference.

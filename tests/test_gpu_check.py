@@ -63,7 +63,8 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     for name, c in report["correctness"].items():
         assert c["match"] and len(c["cpu"]) == 3, (name, c)
     attention = report["attention"]
-    assert {r["kind"] for r in attention.values()} >= {"softmax", "softmax_sink", "relu", "lisa", "lisa_linear_gqa"}
+    kinds = {"softmax", "softmax_sink", "relu", "lisa", "lisa_linear_gqa"}
+    assert {r["kind"] for r in attention.values()} >= kinds | {"lisa_chain", "lisa_linear_chain_gqa"}
     for name, r in attention.items():
         assert "error" not in r and r["train_ms"] > 0, (name, r)
         if r["kind"] in ("softmax", "softmax_sink", "relu", "lisa"):
