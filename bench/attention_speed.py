@@ -216,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     dev = device()
     seqs = [int(s) for s in args.seqs.split(",")]
     kinds = args.kinds.split(",")
+    name_width = max(16, *(len(k) + 1 for k in kinds))
     rows = []
     print(f"attention forward+backward, batch {args.batch}, hidden {args.hidden}, heads {args.heads}, "
           f"device {dev.type} ({torch.get_num_threads()} threads), median of {args.repeats}")
-    print(f"{'kind':<16}" + "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}{'kept MB':>9}" for s in seqs)
+    print(f"{'kind':<{name_width}}" + "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}{'kept MB':>9}" for s in seqs)
           + "   (_gqa kinds against softmax_gqa)")
     results, kept = {k: {} for k in kinds}, {k: {} for k in kinds}
     for s in seqs:
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             results[k][s] = time_kind(k, args.hidden, args.heads, s, args.batch, args.repeats, dev)
             kept[k][s] = kept_bytes(k, args.hidden, args.heads, s, args.batch, dev) / 2**20
     for k in kinds:
-        line = f"{k:<16}"
+        line = f"{k:<{name_width}}"
         for s in seqs:
             base = results.get("softmax_gqa" if k.endswith("_gqa") else "softmax", {}).get(s)
             ms, rel = 1000 * results[k][s], results[k][s] / base if base else float("nan")

@@ -237,10 +237,9 @@ def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float
     if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel != "naive" and builds_by_rows(cfg)):
         return 0.0
     kinds = cfg.attention_kinds()
-    chained = chained_lisa_layers(kinds)
+    chained, depths = chained_lisa_layers(kinds), chain_depths(kinds)
     if layout.flash and cfg.lisa.kernel == "auto" and lisa_sizes(cfg)[1] <= LISA_FLASH_MAX_GROUP \
             and cfg.head_dim <= LISA_FLASH_MAX_WIDTH:
-        depths = chain_depths(kinds)
         chained = [i for i in chained if depths[i] >= 3]
     chained = len(chained) / kinds.count("lisa")
     return chained * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
