@@ -12,7 +12,7 @@ import torch
 
 from models.sinks import head_stats, scalars, sink_stats
 from tests import dist_utils
-from tests.dist_utils import REPO, train
+from tests.dist_utils import REPO, single_process_group, train
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
 
@@ -144,6 +144,12 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, 
     none = tmp_path / "none"
     assert sink_report(["--checkpoint", str(run), "--out", str(none), "--shards", str(tmp_path)]) == 2
     assert f"--shards {tmp_path}: no val/index.json there" in capsys.readouterr().err
+    empty = tmp_path / "empty_val"  # an older build's val split with no shards listed
+    (empty / "val").mkdir(parents=True)
+    (empty / "val" / "index.json").write_text(json.dumps({"version": 2, "shards": []}))
+    with single_process_group():  # the model is read in this process
+        assert sink_report(["--checkpoint", str(run), "--out", str(none), "--shards", str(empty)]) == 2
+    assert f"--shards {empty}: no samples in their val/ split" in capsys.readouterr().err
     assert not none.exists()
 
 
@@ -180,8 +186,9 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     assert f"--calib-shards {tmp_path}: no train/index.json there" in capsys.readouterr().err
     # Layers that cannot be converted: refused before the calibration passes.
     ckpt = str(run / "checkpoints" / "step_00000004")
-    assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"), "--layers", "1",
-                         "--out", str(tmp_path / "new")]) == 2
+    with single_process_group():  # the model is read in this process
+        assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"), "--layers", "1",
+                             "--out", str(tmp_path / "new")]) == 2
     said = capsys.readouterr()
     assert "--layers 1: layer 1 is within model.lisa.keep_full_layers=2" in said.err
     assert "sim to l-1" not in said.out

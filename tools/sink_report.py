@@ -33,14 +33,15 @@ def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> 
             full.data.shards, full.data.mix = shards, []  # --shards replaces the run's mixture too
         full.train.micro_batch, full.train.eval_batches = batch, 1
         try:
-            batches = load_val_batches(full)
+            batches, problem = load_val_batches(full), "no samples in their val/ split"
         except Exception as err:  # noqa: BLE001 - fall back to random tokens, but say so
-            if shards:  # asked for: never replaced by random tokens
-                raise ToolError(f"--shards {shards}: cannot read its val/ split ({err})") from None
-            print(f"warning: could not read validation shards ({err}); using random tokens", file=sys.stderr)
-            batches = []
+            batches, problem = [], f"cannot read them: {err}"
         if batches:
             return batches[0][:, :seq], f"validation shards {full.data.shards}"
+        if shards:  # asked for: never replaced by random tokens
+            raise ToolError(f"--shards {shards}: {problem}; give a shards directory with a validation split")
+        print(f"warning: validation shards {full.data.shards}: {problem}; using random tokens",
+              file=sys.stderr)
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen), "random tokens"
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ)
     parser.add_argument("--eps", type=float, default=DEFAULT_EPS)
     args = parser.parse_args(argv)
-    if args.shards and not (Path(args.shards) / "val" / "index.json").is_file():
+    if args.shards and "://" not in args.shards and not (Path(args.shards) / "val" / "index.json").is_file():
         raise ToolError(f"--shards {args.shards}: no val/index.json there; give a shards directory with a "
                         "validation split (data_prep.build_shards with --val-fraction above 0)")
     ckpt = resolve_checkpoint(args.checkpoint)
