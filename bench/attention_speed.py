@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"attention forward+backward, batch {args.batch}, hidden {args.hidden}, heads {args.heads}, "
           f"device {dev.type} ({torch.get_num_threads()} threads), median of {args.repeats}")
-    print(f"{'kind':<{name_width}}" + "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}{'kept MB':>9}" for s in seqs)
+    columns = "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}{'kept MB':>9}" for s in seqs)
+    print(f"{'kind':<{name_width}}" + columns
           + "   (_gqa kinds against softmax_gqa)")
     results, kept = {k: {} for k in kinds}, {k: {} for k in kinds}
     for s in seqs:
