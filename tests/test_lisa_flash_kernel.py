@@ -94,6 +94,8 @@ MODEL_CHECK = """
 import json
 import torch
 import models.attention.kernels.lisa_flash_triton as fused
+from models.attention.lisa import chain_depths, fused_depth
+from models.registry import ActivationLayout
 from tests.dist_utils import single_process_group
 from tests.test_attention import VOCAB, ffn_chain_model, linear_mixing_model
 
@@ -105,7 +107,8 @@ gen = torch.Generator().manual_seed(3)
 # one sequence (the kernel test covers batches) of ten documents, one across the two query blocks
 tokens = torch.randint(0, VOCAB, (1, 24), generator=gen)
 documents = torch.cumsum(torch.rand(1, 24, generator=gen) < 0.2, 1)
-results, depths, taken = {}, {}, {}
+results, depths, taken, planned = {}, {}, {}, {}
+gpu = ActivationLayout(tensor=1, seq=24, flash=True, selective=False)
 with single_process_group():
     for name, kernel_name, docs in (("auto", "auto", None), ("auto-docs", "auto", documents),
                                     ("naive", "naive", None), ("naive-docs", "naive", documents),
@@ -119,6 +122,9 @@ with single_process_group():
         loss = model(tokens, torch.roll(tokens, -1, 1), docs)
         loss.backward()
         depths[name], taken[name] = calls[before:], groups[before:]
+        # the planner's view: the chain depths at which the kernel runs
+        fused = fused_depth(model.cfg, gpu)
+        planned[name] = [d for d in chain_depths(model.cfg.attention_kinds()) if 0 < d <= fused]
         if name == "linear-gqa-auto":  # one tensor of mixed queries for layer 1's kernel and layer 2's
             shared_queries = sources[before] == sources[before + 1]
         results[name] = (float(loss), {n: p.grad for n, p in model.named_parameters()})
@@ -128,7 +134,8 @@ for name, (loss, grads) in results.items():
     # per gradient, the largest error past torch.testing.assert_close's rtol=1e-9, atol=1e-10 (<= 0: close)
     errors[name] = [abs(loss - ref_loss)] + [float(((grads[n] - g).abs() - 1e-10 - 1e-9 * g.abs()).max())
                                              for n, g in ref_grads.items()]
-print(json.dumps({"errors": errors, "depths": depths, "groups": taken, "shared_queries": shared_queries}))
+print(json.dumps({"errors": errors, "depths": depths, "groups": taken, "planned": planned,
+                  "shared_queries": shared_queries}))
 """
 
 
@@ -167,10 +174,12 @@ def test_model_trains_through_fused_lisa_as_explicit_scores():
     float64. The same for linear alignment whose groups read two key heads each, and with one key
     head per group, where the kernel takes the queries of the LISA layers right after full layers
     mixed, one head at a time; in both it runs a chain's second layer on the first one's mixed
-    queries and keys (its low-rank term added first)."""
+    queries and keys (its low-rank term added first). The planner (fused_depth) names the same
+    layers."""
     out = run_interpreted(MODEL_CHECK)
     depths, errors = out["depths"], out["errors"]
     assert depths["naive"] == [] and depths["naive-docs"] == [], depths
+    assert depths == out["planned"], out["planned"]
     for name in ("auto", "auto-docs"):
         assert depths[name] == [1, 2, 1, 2], (name, depths[name])
         assert errors[name][0] < 1e-12 and max(errors[name][1:]) <= 0, (name, errors[name])

@@ -178,7 +178,7 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     """Elements per token kept for backward, the mean over the LISA layers. Naive kernel: the
     explicit scores. Linear alignment with groups that line up with the K/V groups
     (SharedScores.mixable): the score features (queries and keys of feature_width per head) under
-    fused kernels, except where the fused LISA kernel runs (fused_linear_depth). It, and scores built
+    fused kernels, except where the fused LISA kernel runs (fused_depth). It, and scores built
     by query blocks: the inputs only, the source layer's scaled queries among them (and, where the
     kernel takes them mixed, the mixed ones too; a chain's second layer, the first one's mixed
     queries and keys where they were not kept already)."""
@@ -188,7 +188,7 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     inputs_only = projected_activations(cfg, layout, stores_scores=False)
     if builds_by_rows(cfg):
         return inputs_only + hidden / t
-    keys, fused = keys_per_group(cfg), fused_linear_depth(cfg, layout)
+    keys, fused = keys_per_group(cfg), fused_depth(cfg, layout)
     kept = {1: inputs_only + (1 if keys > 1 else 2) * hidden / t,  # the scaled (and mixed) queries
             2: inputs_only + ((keys * hidden + cfg.kv_width) / t if keys > 1 else 0.0)}
     over_features = projected_activations(cfg, layout, stores_scores=not layout.flash)
@@ -198,21 +198,24 @@ def lisa_activations(cfg: ModelConfig, layout: registry.ActivationLayout) -> flo
     return total / max(1, len(depths))
 
 
-def fused_linear_depth(cfg: ModelConfig, layout: registry.ActivationLayout) -> int:
-    """How deep into a chain of LISA layers with linear alignment the fused kernel runs, as it does
-    on a GPU in bf16 / fp16 (LISAAttention.flash): 0 nowhere; 1 right after a full layer, for groups
-    that read several key heads up to LISA_FLASH_MAX_GROUP heads and for groups within one key head
-    of any size (their queries mixed first); 2 also the second layer of a chain, on the first one's
-    mixed queries and keys, where they fit the kernel (groups up to LISA_FLASH_MAX_GROUP heads,
-    keys side by side up to LISA_FLASH_MAX_WIDTH wide)."""
-    rank, group, hidden = lisa_sizes(cfg)
-    share = cfg.num_heads // cfg.kv_heads
-    if not (layout.flash and cfg.lisa.kernel == "auto" and not hidden and groups_line_up(share, group)
-            and (share % group == 0 or group <= LISA_FLASH_MAX_GROUP)
-            and max(cfg.head_dim, rank) <= LISA_FLASH_MAX_WIDTH):
+def fused_depth(cfg: ModelConfig, layout: registry.ActivationLayout) -> int:
+    """How deep into a chain of LISA layers the fused kernel runs, as LISAAttention.flash decides on
+    a GPU in bf16 / fp16: 0 nowhere; 1 right after a full layer; 2 also the second layer of a chain.
+    Scores built by query blocks (builds_by_rows): both, for groups up to LISA_FLASH_MAX_GROUP heads
+    (the second layer rebuilding the first one's alignment). Linear alignment over score features:
+    the first, for groups that read several key heads up to LISA_FLASH_MAX_GROUP heads and for
+    groups within one key head of any size (their queries mixed first); the second too, on the first
+    one's mixed queries and keys, where they fit the kernel (groups up to LISA_FLASH_MAX_GROUP heads,
+    keys side by side up to LISA_FLASH_MAX_WIDTH wide). tests/test_lisa_flash_kernel.py checks the
+    model's kernel calls against it."""
+    rank, group, _ = lisa_sizes(cfg)
+    if not (layout.flash and cfg.lisa.kernel == "auto" and max(cfg.head_dim, rank) <= LISA_FLASH_MAX_WIDTH):
         return 0
-    chains = group <= LISA_FLASH_MAX_GROUP and keys_per_group(cfg) * cfg.head_dim <= LISA_FLASH_MAX_WIDTH
-    return 2 if chains else 1
+    if builds_by_rows(cfg):
+        return 2 if group <= LISA_FLASH_MAX_GROUP else 0
+    if group > LISA_FLASH_MAX_GROUP:  # only where one key head serves the group (queries mixed first)
+        return 1 if (cfg.num_heads // cfg.kv_heads) % group == 0 else 0
+    return 2 if keys_per_group(cfg) * cfg.head_dim <= LISA_FLASH_MAX_WIDTH else 1
 
 
 def builds_by_rows(cfg: ModelConfig) -> bool:
@@ -232,16 +235,13 @@ def lisa_handed_on(cfg: ModelConfig, layout: registry.ActivationLayout) -> float
     """Elements per token a LISA layer keeps for the next one: with keep_chain_scores, where the
     scores are built by query blocks, the kept rows of each LISA layer a LISA layer follows; the
     mean over the LISA layers, so the planner's sum over layers is exact. On a GPU the fused kernel
-    runs the first two layers of a chain and keeps no rows: only layers from the third on (built by
-    query blocks) keep theirs, for a fourth and later."""
+    runs the first two layers of a chain (fused_depth) and keeps no rows: only layers from the third
+    on (built by query blocks) keep theirs, for a fourth and later."""
     if not (cfg.lisa.keep_chain_scores and cfg.lisa.kernel != "naive" and builds_by_rows(cfg)):
         return 0.0
-    kinds = cfg.attention_kinds()
-    chained, depths = chained_lisa_layers(kinds), chain_depths(kinds)
-    if layout.flash and cfg.lisa.kernel == "auto" and lisa_sizes(cfg)[1] <= LISA_FLASH_MAX_GROUP \
-            and cfg.head_dim <= LISA_FLASH_MAX_WIDTH:
-        chained = [i for i in chained if depths[i] >= 3]
-    chained = len(chained) / kinds.count("lisa")
+    kinds, fused = cfg.attention_kinds(), fused_depth(cfg, layout)
+    depths = chain_depths(kinds)
+    chained = len([i for i in chained_lisa_layers(kinds) if depths[i] > fused]) / kinds.count("lisa")
     return chained * cfg.num_heads / layout.tensor * kept_rows_per_token(layout.seq, cfg.lisa.block_size)
 
 
