@@ -660,6 +660,11 @@ def comparison(report: dict) -> list[str]:
     lines = ["", f"Against {base['path']} ({base['date']}, {base['gpu']}): before -> now", "",
              "| row | " + " | ".join(k for keys in BASELINE_KEYS.values() for k in keys) + " |",
              "|---|" + "---|" * sum(len(keys) for keys in BASELINE_KEYS.values())]
+    gpu = report["environment"].get("gpu")
+    if base["gpu"] != gpu:  # e.g. an H100 run against an H200 one: memory bandwidth and clocks differ
+        lines[2:2] = ["", f"Different devices ({base['gpu']} before, {gpu} now): times and tokens/s compare "
+                      "the hardware as much as the code; ratios within each run (x softmax) and MFU compare "
+                      "the code."]
     for part, keys in BASELINE_KEYS.items():
         for name, before in base[part].items():
             now = report.get(part, {}).get(name, {})

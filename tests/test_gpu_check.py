@@ -76,6 +76,7 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert "| lisa @ 64 |" in table and "- attention lisa @ 64: " in table
     now = report["throughput"]["dense-1b"]
     assert f"Against {earlier} (2026-01-01, GPU X): before -> now" in table
+    assert "Different devices (GPU X before, cpu" in table
     assert now["mfu"] is None and "| gone |" not in table  # a CPU has no MFU: its cell stays empty
     tokens, peak = now["tokens_per_s"], now["peak_memory_gb"]
     assert f"| dense-1b | 1,000 -> {tokens:,.0f} |  | 1.00 -> {peak:.2f} |" in table
