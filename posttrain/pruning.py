@@ -106,10 +106,12 @@ def select(scores: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], coun
 
 @torch.no_grad()
 def response_cross_entropy(model, batches: list) -> float:
-    """Mean NLL per response token over `batches` (posttrain.batches rows)."""
+    """Mean NLL per response token over `batches` (posttrain.batches rows; a batch's optional
+    "documents" [batch, seq] ids keep attention within documents, as a run with data.document_mask)."""
     total, count = 0.0, 0.0
     for batch in batches:
-        logp = losses.token_logprobs(model.logits(batch["tokens"][:, :-1]), batch["tokens"][:, 1:])
+        ctx = {"document_ids": batch["documents"]} if batch.get("documents") is not None else None
+        logp = losses.token_logprobs(model.logits(batch["tokens"][:, :-1], ctx), batch["tokens"][:, 1:])
         trained = batch["trained"][:, 1:].float()
         total += float(-(logp * trained).sum())
         count += float(trained.sum())

@@ -310,6 +310,50 @@ def test_evaluation_batches_are_never_padded_past_the_model_positions():
         assert torch.isfinite(torch.tensor(response_cross_entropy(build(), batches))).all()
 
 
+def test_utility_shards_are_read_as_the_run_reads_them():
+    """The utility guard's cross-entropy on validation shards attends within documents where the
+    run did (a batch's "documents"): the model's own loss with those ids, not the loss across them."""
+    from models.attention.masks import document_ids
+    from posttrain.pruning import response_cross_entropy
+
+    tokens = torch.randint(4, 400, (2, 33), generator=torch.Generator().manual_seed(0))
+    tokens[:, 10] = tokens[:, 21] = 2  # three documents per row, split by EOS
+    documents = document_ids(tokens[:, :-1], 2)
+    with single_process_group():
+        model = build()
+        with torch.no_grad():
+            within = float(model(tokens[:, :-1], tokens[:, 1:], documents))
+            across = float(model(tokens[:, :-1], tokens[:, 1:]))
+        batch = {"tokens": tokens, "trained": torch.ones_like(tokens, dtype=torch.bool)}
+        with_ids = {**batch, "documents": documents}
+        assert response_cross_entropy(model, [with_ids]) == pytest.approx(within, rel=1e-5)
+        assert response_cross_entropy(model, [batch]) == pytest.approx(across, rel=1e-5)
+    assert abs(within - across) > 1e-4
+
+
+def test_pruned_run_keeps_the_source_special_ids_and_encodes_with_its_bos():
+    """A pretraining run whose samples began with BOS: the responses are encoded with it and the
+    pruned run's meta keeps its id (generate, evaluate and export read it there); a post-trained
+    source's chat format is used and kept as it is."""
+    from posttrain.chat import ChatFormat
+    from pretrain.config import Config
+    from pretrain.data import run_bos
+    from tools.prune_unsafe import carried_meta, source_format
+
+    meta = {"eos_id": 2, "bos_id": 1, "tokenizer_sha256": "abc", "step": 40, "model": {}}
+    assert source_format(meta, bos=1).add_bos and not source_format(meta, bos=None).add_bos
+    carried = carried_meta(meta)
+    assert carried == {"eos_id": 2, "bos_id": 1}
+    run = Config()  # the pruned run's config keeps the source's data.start_with_bos
+    run.data.start_with_bos = True
+    assert run_bos(run, carried) == 1
+    chat = {"system_prefix": "S: ", "user_prefix": "U: ", "assistant_prefix": "A: ", "turn_end": "\n",
+            "add_bos": False}
+    post_trained = {"eos_id": 2, "posttrain": {"chat": chat, "method": "sft"}}
+    assert source_format(post_trained, bos=None) == ChatFormat(**chat)
+    assert carried_meta(post_trained) == {"eos_id": 2, "posttrain": {"chat": chat}}
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--search", "beam", "--beam-width", "0"], "--beam-width 0: must be at least 1"),
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
@@ -333,7 +377,6 @@ def test_prune_unsafe_refuses_bad_arguments_before_loading(tmp_path, capsys, ext
 def test_prune_unsafe_refuses_to_delete_its_source_and_empty_inputs_before_loading(tmp_path, tok_dir, capsys,
                                                                                      monkeypatch):
     import pretrain.consolidate
-
     from data_prep.tokenizer import load_tokenizer
     from pretrain.checkpoint import save_weights_run
     from pretrain.config import load_config

@@ -74,6 +74,23 @@ class Sampler:
         return sum(label == "unsafe" for label in self.label(answers)) / max(len(answers), 1)
 
 
+def source_format(meta: dict, bos: int | None) -> ChatFormat:
+    """How the responses are encoded: the chat format the source was post-trained with (its meta),
+    else the default turns, beginning with BOS where the source run's samples did (bos: run_bos)."""
+    chat = meta.get("posttrain", {}).get("chat")
+    return ChatFormat(**chat) if chat else ChatFormat(add_bos=bos is not None)
+
+
+def carried_meta(meta: dict) -> dict:
+    """What the pruned run keeps of the source's checkpoint meta: the special ids and the chat
+    format the next tools read (generate, evaluate and export add BOS by the bos_id), not the old
+    run's data."""
+    carried = {k: meta[k] for k in ("eos_id", "bos_id", "special_ids") if k in meta}
+    if "chat" in meta.get("posttrain", {}):
+        carried["posttrain"] = {"chat": meta["posttrain"]["chat"]}
+    return carried
+
+
 def make_labeller(args):
     if args.rules:
         return labels.RuleLabeller(args.rules)
@@ -165,8 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                         "choose another directory")
     meta = read_meta(tag_dir)
     sp = run_tokenizer(tag_dir, args.tokenizer, meta)
-    chat = meta.get("posttrain", {}).get("chat")
-    encoder = ChatEncoder(sp, ChatFormat(**chat) if chat else ChatFormat())
+    from pretrain.consolidate import load_model, run_config
+    from pretrain.data import run_bos
+
+    run = run_config(tag_dir)
+    bos = run_bos(run, meta)
+    encoder = ChatEncoder(sp, source_format(meta, bos))
     report = BadInputReport()
     utility_rows = [Row(*encoder.conversation(m)) for m, _ in records.read(args.utility, sft_messages, report)]
     if args.utility and not utility_rows:
@@ -175,8 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     eval_prompts = labels.read_prompts(args.eval_prompts, report) if args.eval_prompts else []
     if args.eval_prompts and not eval_prompts:
         raise ToolError(f"--eval-prompts {' '.join(args.eval_prompts)} holds no usable prompt ({report.summary()})")
-
-    from pretrain.consolidate import load_model, run_config
 
     model, cfg, _ = load_model(tag_dir)
     sampler = Sampler(model, encoder, args, labeller) if labeller is not None else None
@@ -220,14 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     cap = cfg.max_seq_len + 1
     utility = chunked(utility_rows, args.batch_size, pad, cap)
     if args.shards:  # every token of a sample counts: the cross-entropy is the validation loss
-        from pretrain.data import read_samples
+        from models.attention.masks import document_ids
+        from pretrain.data import read_samples, starting_with
         from tools.evaluate import split_dir
 
         samples = read_samples(split_dir(args.shards, "val"), args.shard_samples)
         if samples.shape[1] - 1 > cfg.max_seq_len or int(samples.max()) >= cfg.vocab_size:
             raise ToolError(f"--shards {args.shards}: samples of {samples.shape[1] - 1} tokens or ids beyond the "
                             "vocabulary; give shards built for this model and tokenizer")
-        utility = [{"tokens": rows, "trained": torch.ones_like(rows, dtype=torch.bool)}
+        samples = samples if bos is None else starting_with(samples, bos)  # as the run's loader and evaluate
+        eos = meta.get("eos_id") if run is not None and run.data.document_mask else None
+        utility = [{"tokens": rows, "trained": torch.ones_like(rows, dtype=torch.bool),
+                    "documents": None if eos is None else document_ids(rows[:, :-1], eos)}
                    for rows in samples.split(args.batch_size)]
     pruner = Pruner(model, {k: chunked(v, args.batch_size, pad, cap) for k, v in sets["calibration"].items()},
                     {k: chunked(v, args.batch_size, pad, cap) for k, v in sets["heldout"].items()},
@@ -249,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     run_cfg.train.precision, run_cfg.train.init_from, run_cfg.train.resume = "fp32", "", "auto"
     summary = {"method": args.method, "search": "one-shot" if args.one_shot else args.search, "sparsity": state.scores["sparsity"],
                "pruned_weights": state.pruned(), "source": str(tag_dir)}
-    carried = {k: meta[k] for k in ("eos_id",) if k in meta}
-    if "chat" in meta.get("posttrain", {}):  # its chat format, for the next tools (not the old run's data)
-        carried["posttrain"] = {"chat": meta["posttrain"]["chat"]}
+    carried = carried_meta(meta)
     if meta.get("heads"):
         print(f"note: the pruned checkpoint holds the LM only, not the source's {', '.join(meta['heads'])}",
               file=sys.stderr)
