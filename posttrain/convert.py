@@ -95,9 +95,11 @@ def _ultrafeedback_completion(completion, report, where) -> tuple[str, dict] | N
 
 
 def ultrafeedback_rows(rec: dict, report: BadInputReport, where: str):
-    if "completions" in rec:  # the published form: every completion of a prompt in one row
+    if rec.get("completions") is not None:  # the published form: every completion of a prompt in one row
         prompt = text_field(_either(rec, "instruction", "prompt"), "instruction")
-        completions = rec["completions"] if isinstance(rec["completions"], list) else []
+        completions = rec["completions"]
+        if not isinstance(completions, list):
+            raise BadRecord(f"'completions' is {type(completions).__name__}; expected a list of completions")
         for i, completion in enumerate(completions):
             done = _ultrafeedback_completion(completion, report, f"{where} completion {i}")
             if done:

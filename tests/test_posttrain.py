@@ -414,6 +414,14 @@ def test_ultrafeedback_both_shapes_and_na_ratings(tmp_path):
     assert convert("ultrafeedback", [str(tmp_path / "nulls.jsonl")], tmp_path / "nulls_out.jsonl")["pairs"] == 1
     (pair,) = [json.loads(line) for line in (tmp_path / "nulls_out.jsonl").read_text().splitlines()]
     assert (pair["prompt"], pair["chosen"], pair["rejected"]) == ("Q5", "c-good", "c-bad")
+    # completions that are not a list are counted as bad rows; a null one is the flat form's empty field
+    odd = [{"instruction": "Q6", "completions": {"a": 1}}, {"instruction": "Q6", "completions": "text"},
+           dict(prompt="Q7", completions=None, **completion("n-good", 5, 5, 5, 5)),
+           dict(prompt="Q7", completions=None, **completion("n-bad", 1, 1, 1, 1))]
+    (tmp_path / "odd.jsonl").write_text("\n".join(json.dumps(r) for r in odd) + "\n")
+    result = convert("ultrafeedback", [str(tmp_path / "odd.jsonl")], tmp_path / "odd_out.jsonl")
+    assert result["pairs"] == 1 and result["bad"]["count"] == 2, result
+    assert "expected a list of completions" in json.dumps(result["bad"])
 
 
 # ---- real runs on gloo
