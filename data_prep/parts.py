@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,9 @@ def parse_size(text: int | str) -> int:
     try:
         value = float(s) * mult
     except ValueError:
-        raise ValueError(f"size {text!r}: use a number of bytes or e.g. 64mb, 1gb") from None
+        value = math.nan
+    if not math.isfinite(value):  # inf and nan parse as floats
+        raise ValueError(f"size {text!r}: use a number of bytes or e.g. 64mb, 1gb")
     if value < 1:
         raise ValueError(f"size {text!r} must be at least one byte")
     return int(value)

@@ -45,6 +45,8 @@ def parse_time(text: str) -> int:
 def sbatch_lines(args: argparse.Namespace) -> list[str]:
     """#SBATCH lines of the cluster flags both submit commands take (GPUs, partition, account, ...)."""
     lines = []
+    if getattr(args, "cpus_per_task", None) is not None and args.cpus_per_task < 1:
+        raise SubmitError(f"--cpus-per-task {args.cpus_per_task} must be >= 1")
     if args.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
     for flag in ("partition", "account", "qos", "constraint", "cpus_per_task"):
@@ -60,10 +62,16 @@ def sbatch_lines(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+# What an #SBATCH line cannot carry in a value: sbatch splits it at spaces, reads '%' as a filename
+# pattern, '#' as the start of a comment, quotes as quoting and '\' as an escape.
+SBATCH_UNSAFE = r"[\s%#'\"\\]"
+
+
 def check_slurm_path(path, what: str) -> None:
-    """A path that goes on an #SBATCH line (--output, --chdir), which cannot hold spaces or '%'."""
-    if re.search(r"[\s%]", str(path)):
-        raise SubmitError(f"{what} {path}: an #SBATCH line cannot take a path with spaces or '%'")
+    """A path that goes on an #SBATCH line (--output, --chdir)."""
+    if re.search(SBATCH_UNSAFE, str(path)):
+        raise SubmitError(f"{what} {path}: an #SBATCH line cannot take a path with spaces, '%', '#', quotes "
+                          "or backslashes")
 
 
 def check_repo(repo: Path) -> None:
@@ -72,8 +80,8 @@ def check_repo(repo: Path) -> None:
 
 
 def check_job_name(name: str, flag: str = "--job-name") -> None:
-    if not name or re.search(r"\s", name):
-        raise SubmitError(f"{flag} {name!r} must be a word without spaces")
+    if not name or re.search(SBATCH_UNSAFE, name):
+        raise SubmitError(f"{flag} {name!r} must be a word without spaces, '%', '#', quotes or backslashes")
 
 
 def submit(args_and_script: list[str]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
@@ -85,6 +86,8 @@ def check_script_settings(args: argparse.Namespace, out: Path) -> None:
     """What the scripts' #SBATCH lines take from the command line."""
     check_slurm_path(out, "--out")
     check_job_name(args.job_name)
+    if args.max_running is not None and args.max_running < 1:
+        raise SubmitError(f"--max-running {args.max_running} must be >= 1 (leave it out for no limit)")
     sbatch_lines(args)  # checks --sbatch-arg
 
 
@@ -108,7 +111,9 @@ def pending_tasks(out: Path, plan: dict, tasks: int) -> list[int]:
 
 
 def _absolute(path: str | None) -> str | None:
-    return None if path is None else str(Path(path).expanduser().resolve())
+    """An absolute path to the same name: links are not followed, so that a source named by a link is
+    keyed (--split-key relative) by the name a local build keys it by."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
 def submit_build(args: argparse.Namespace) -> int:

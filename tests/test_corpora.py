@@ -177,8 +177,9 @@ def test_parts_are_cut_by_the_corpus_alone(tmp_path):
     with pytest.raises(ValueError, match="--task must be below --tasks"):
         P.tasks_parts(parts, 2, 2)
     assert P.parse_size("64mb") == 64 << 20 and P.parse_size("1.5kb") == 1536
-    with pytest.raises(ValueError, match="e.g. 64mb"):
-        P.parse_size("lots")
+    for bad in ("lots", "inf", "nan", "-inf gb"):
+        with pytest.raises(ValueError, match="e.g. 64mb"):
+            P.parse_size(bad)
 
 
 def test_a_large_json_lines_file_is_cut_at_line_starts(tmp_path, tok_dir, capsys):

@@ -106,7 +106,26 @@ def test_prep_overwrite_keeps_a_finished_build_when_an_argument_is_wrong(tmp_pat
     assert (out / "manifest.json").is_file() and (out / "train").is_dir()
     assert main(prep_args(tmp_path, tok_dir, "--tasks", "0")) == 2
     assert "--tasks 0 must be >= 1" in capsys.readouterr().err
+    # values sbatch itself would refuse, once --overwrite had cleared the build
+    for extra, message in ((["--cpus-per-task", "0"], "--cpus-per-task 0 must be >= 1"),
+                           (["--max-running", "-1"], "--max-running -1 must be >= 1"),
+                           (["--out", str(tmp_path / "run#2")], "cannot take a path with spaces, '%', '#'"),
+                           (["--job-name", "prep'2"], "must be a word without spaces, '%', '#', quotes")):
+        assert main(prep_args(tmp_path, tok_dir, "--overwrite", *extra)) == 2
+        assert message in capsys.readouterr().err, extra
+    assert (out / "manifest.json").is_file() and (out / "train").is_dir()
     assert not (tmp_path / "sbatch_calls").exists()
+
+
+def test_prep_sources_named_by_links_keep_their_names(tmp_path, monkeypatch):
+    """A source given by a link is keyed (--split-key relative) by the link's name, as a local build
+    keys it: the same documents go to val."""
+    from launch.submit_prep import _absolute
+
+    (tmp_path / "dump-2024.jsonl").write_text("")
+    (tmp_path / "latest.jsonl").symlink_to(tmp_path / "dump-2024.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert _absolute("latest.jsonl") == str(tmp_path / "latest.jsonl")
 
 
 def test_prep_tasks_take_skip_unreadable(tmp_path, tok_dir, slurm_bin, capsys):
