@@ -199,7 +199,8 @@ class Trainer:
         self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics, tuple(self.last_metrics)))
 
     def _validate(self, step: int) -> None:
-        if not self.val_batches:
+        if not self.val_batches:  # e.g. resumed without the val split: nothing is due any more
+            self.validation_due = None
             return
         val = self.evaluate()
         self.validation_due = step if val is None else None  # None: a signal interrupted it

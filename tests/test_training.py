@@ -142,6 +142,11 @@ def test_a_validation_interrupted_by_a_signal_runs_after_the_resume(data, tmp_pa
     assert "running the validation the stop interrupted" in again.stdout, again.stdout + again.stderr[-3000:]
     assert "stopping at step 4 on SIGUSR1" in again.stdout and "saved checkpoint" not in again.stdout
     assert val_losses(run) == {}
+    # Resumed without validation (train.eval_batches=0) the interrupted one is no longer due: it trains on.
+    no_val = tmp_path / "no_val"
+    shutil.copytree(run, no_val)
+    on = train(2, tiny_overrides(data, no_val, **common, **{"train.eval_batches": 0, "train.stop_at_step": 5}))
+    assert "stopping at step" not in on.stdout and sorted(losses(no_val))[-1] == 5, on.stdout
     last = train(2, tiny_overrides(data, run, **common))
     assert "step 4: running the validation the stop interrupted" in last.stdout
     want, got = val_losses(straight), val_losses(run)
