@@ -372,11 +372,12 @@ def _validate_eval(e: EvalConfig) -> None:
         raise ConfigError(f"eval.downstream_tasks: {error}")
 
 
-def validate_data(cfg: Config) -> dict:
-    """Match the model against every source's manifest and the tokenizer, before training starts.
+def validate_data(cfg: Config, world_size: int | None = None) -> dict:
+    """Match the model against every source's manifest and the tokenizer, and (given the world size)
+    the train split against one micro-batch per data-parallel rank, before training starts.
     Returns the first local source's manifest ({} when all are remote)."""
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
-    manifests, tokenizer = [], None
+    manifests, tokenizer, train_samples = [], None, 0
     for source in cfg.data.sources:
         if "://" in source.shards:
             continue
@@ -421,6 +422,17 @@ def validate_data(cfg: Config) -> dict:
                               "data_prep.build_shards and a tokenizer with BOS, or set "
                               "data.start_with_bos=false")
         manifests.append(manifest)
+        index = Path(source.shards) / "train" / "index.json"
+        if index.is_file():
+            train_samples += sum(shard["samples"] for shard in json.loads(index.read_text())["shards"])
+    if world_size and len(manifests) == len(cfg.data.sources):
+        # Streaming gives each data-parallel rank ceil(samples / ranks) of an epoch; the loader drops
+        # a last partial micro-batch, so fewer than one micro-batch each would give no batch at all.
+        ranks = world_size // cfg.parallel.tensor
+        if -(-train_samples // ranks) < cfg.train.micro_batch:
+            raise ConfigError(f"the train split holds {train_samples} samples, fewer than train.micro_batch="
+                              f"{cfg.train.micro_batch} for each of the {ranks} data-parallel ranks: lower "
+                              "train.micro_batch (or the ranks), or build more data")
     if cfg.data.start_with_bos and not manifests:
         raise ConfigError("data.start_with_bos=true needs the BOS id from a local manifest.json, but every "
                           "data source is remote: set data.start_with_bos=false")

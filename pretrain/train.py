@@ -55,7 +55,7 @@ class Task:
         """Config and data checks before any process group; returns the data's manifest
         (tokenizer_sha256, eos_id, ...)."""
         validate(cfg, world_size)
-        return validate_data(cfg)
+        return validate_data(cfg, world_size)
 
     def build_model(self, cfg: Config) -> torch.nn.Module:
         from models.gpt import GPT

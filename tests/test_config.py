@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pretrain.config import ConfigError, load_config, validate, validate_data
-from tests.synthetic import write_synthetic_shards
+from tests.synthetic import FAKE_TOKENIZER_SHA, write_synthetic_shards
 
 
 def test_yaml_numbers_and_empty_values(tmp_path):
@@ -123,6 +123,12 @@ def test_data_mismatch_errors(tmp_path):
     cfg = load_config(None, [f"data.shards={tmp_path}/nowhere"])
     with pytest.raises(ConfigError, match="build shards with"):
         validate_data(cfg)
+    # 8 train samples: two data-parallel ranks get 4 each, one micro-batch of 4; four ranks get 2
+    meta.write_text(json.dumps({"vocab_size": 256, "sha256": FAKE_TOKENIZER_SHA}))
+    cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=256", "train.micro_batch=4"])
+    assert validate_data(cfg, world_size=2)["seq_len"] == 32
+    with pytest.raises(ConfigError, match="holds 8 samples, fewer than train.micro_batch=4 for each of the 4"):
+        validate_data(cfg, world_size=4)
 
 
 def test_mixture_sources_are_checked_one_by_one(tmp_path):

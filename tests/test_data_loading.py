@@ -1,6 +1,7 @@
 """Streaming loader partitioning: data-parallel ranks read disjoint samples, tensor-parallel
 peers identical ones."""
 
+import pytest
 import torch
 
 from tests.dist_utils import spawn
@@ -86,8 +87,7 @@ def test_an_empty_val_index_is_no_val_split(tmp_path):
 def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch):
     """Remote shards (any URL streaming downloads from) are checked for a val split by their index,
     as local ones are; here the "remote" is a directory under a URL scheme of the test's own."""
-    from streaming.base.storage import LocalDownloader
-    from streaming.base.storage import download
+    from streaming.base.storage import LocalDownloader, download
 
     from pretrain.config import load_config
     from pretrain.data import load_val_sets
@@ -145,3 +145,13 @@ def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch
         again = torch.cat(list(build_loader(cfg, "train", shuffle=False)))
     assert again.shape == first.shape and not torch.equal(again, first)
     assert len(list((tmp_path / "cache" / "n7" / "shards").glob("train-*"))) == 1  # the old copy is gone
+
+
+def test_an_epoch_without_a_micro_batch_is_a_clear_error():
+    """Remote shards too small for one micro-batch per rank (validate_data checks local ones)."""
+    from pretrain.data import Batches
+
+    with pytest.raises(RuntimeError, match="lower train.micro_batch"):
+        next(Batches([]))
+    batches = Batches([[1], [2]])
+    assert [next(batches) for _ in range(3)] == [[1], [2], [1]]  # a new epoch after the last
