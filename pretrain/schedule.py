@@ -86,7 +86,7 @@ class LRSchedule(LambdaLR):
 
     def load_state_dict(self, state: dict) -> None:
         if "last_batch_iteration" in state:  # DeepSpeed's WarmupCosineLR, which older checkpoints hold
-            self.last_epoch = state["last_batch_iteration"]
+            self.last_epoch = state["last_batch_iteration"] + 1  # it counts from -1, LambdaLR from 0
             return
         super().load_state_dict(state)
 

@@ -288,18 +288,23 @@ def test_schedule_rates_and_config_errors():
 
 
 def test_schedule_takes_the_step_count_of_deepspeed_cosine_state():
-    """Checkpoints written with DeepSpeed's WarmupCosineLR hold {"last_batch_iteration": n}: the
-    schedule continues from step n at this config's rates."""
+    """Checkpoints written with DeepSpeed's WarmupCosineLR hold {"last_batch_iteration": n - 1} after
+    n steps (it counts from -1): the schedule continues from step n at this config's rates."""
     import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
     from pretrain.config import TrainConfig
     from pretrain.schedule import LRSchedule
 
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.AdamW([param], lr=1.0)
+    old = WarmupCosineLR(optimizer, total_num_steps=10, warmup_num_steps=2)
+    for _ in range(5):  # five steps taken before the checkpoint
+        optimizer.step()
+        old.step()
     t = TrainConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1, lr=1.0)
     scheduler = LRSchedule(optimizer, t)
-    scheduler.load_state_dict({"last_batch_iteration": 5})
+    scheduler.load_state_dict(old.state_dict())
     scheduler.follow_config()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(COSINE[5], abs=1e-4)
     optimizer.step()
