@@ -454,6 +454,10 @@ def test_export_formats_and_unsupported_imports(tmp_path, capsys):
           "num_attention_heads": 4, "num_key_value_heads": 3, "num_hidden_layers": 1, "intermediate_size": 96,
           "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
          "unsupported Llama settings: num_key_value_heads=3 does not divide num_attention_heads=4; rope_scaling"),
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 96,  # newer transformers
+          "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}},
+         "unsupported Llama settings: rope_parameters={'rope_type': 'llama3'"),
     ):
         model_dir = tmp_path / f"hf_{time.monotonic_ns()}"
         model_dir.mkdir()

@@ -68,6 +68,9 @@ def check_supported(hf: dict) -> None:
         problems.append("attention_bias / mlp_bias (the framework's projections have no bias)")
     if hf.get("rope_scaling"):
         problems.append(f"rope_scaling={hf['rope_scaling']!r} (only plain RoPE)")
+    rope = hf.get("rope_parameters") or {}  # newer configs: the RoPE type and theta together
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters={rope!r} (only plain RoPE)")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if hf["hidden_size"] % heads or head_dim * heads != hf["hidden_size"]:
         problems.append(f"head_dim={head_dim} x heads={heads} != hidden_size={hf['hidden_size']}")
