@@ -54,6 +54,7 @@ class Block(nn.Module):
         self.attn = build_attention(cfg, layer)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = build_mlp(cfg, layer)
+        self.mlp_takes_mask = getattr(self.mlp, "takes_token_mask", False)  # routed MLPs: padding apart
 
     def forward(self, x: torch.Tensor, ctx: dict, shared_scores=None) -> torch.Tensor:
         """shared_scores: what the previous layer published, for an attention kind that reuses them.
@@ -62,6 +63,8 @@ class Block(nn.Module):
         every layer (no guard on which layers published, so no recompilation per layer)."""
         ctx["shared_scores"] = shared_scores
         x = x + self.attn(self.attn_norm(x), ctx)
+        if self.mlp_takes_mask:
+            return x + self.mlp(self.mlp_norm(x), ctx.get("token_mask"))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -126,7 +129,9 @@ class GPT(nn.Module):
             module.compile(**options)
 
     def hidden_states(self, tokens: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
-        """The final (normed) hidden states [batch, seq, hidden], whole on every tensor-parallel rank."""
+        """The final (normed) hidden states [batch, seq, hidden], whole on every tensor-parallel rank.
+        ctx["token_mask"] (bool [batch, seq], optional): the real tokens of a padded batch, which
+        routed MLPs count alone in their balancing, capacity and statistics."""
         ctx = {} if ctx is None else ctx
         cache = ctx.get("kv_cache")  # models.attention.kv_cache: the new tokens follow its positions
         offset = ctx["position_offset"] = cache.length if cache is not None else 0

@@ -75,7 +75,10 @@ def collate_rows(rows: list[Row], pad_id: int, cap: int | None = None) -> dict[s
     trained = np.zeros((len(rows), length), dtype=bool)
     for i, r in enumerate(rows):
         tokens[i, :len(r.ids)], trained[i, :len(r.ids)] = r.ids, r.trained
-    batch = {"tokens": torch.from_numpy(tokens), "trained": torch.from_numpy(trained)}
+    lengths = torch.tensor([len(r.ids) for r in rows])
+    # the inputs (tokens[:, :-1]) that are not padding: routed MLPs keep padding out of their balance
+    real = torch.arange(length - 1)[None, :] < lengths[:, None]
+    batch = {"tokens": torch.from_numpy(tokens), "trained": torch.from_numpy(trained), "real": real}
     if rows[0].documents is not None:
         # Padding after the last example is a document of its own (it sees only padding).
         documents = np.full((len(rows), length), -1, dtype=np.int64)

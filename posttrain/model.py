@@ -34,12 +34,17 @@ class PostTrainModel(GPT):
 
     def _logprobs(self, model: GPT, batch: dict) -> torch.Tensor:
         tokens = batch["tokens"]
-        ctx = {"document_ids": batch["documents"]} if "documents" in batch else None
+        ctx = {"token_mask": batch["real"]} if "real" in batch else {}
+        if "documents" in batch:
+            ctx["document_ids"] = batch["documents"]
         return losses.token_logprobs(model.logits(tokens[:, :-1], ctx), tokens[:, 1:])
 
     def predict_scores(self, prompt_tokens: torch.Tensor, prompt_last: torch.Tensor) -> torch.Tensor:
         """The value head on the raw prompts: [batch, objectives] in [0, 1]."""
-        return self.value_head(last_token_states(self.hidden_states(prompt_tokens), prompt_last))
+        positions = torch.arange(prompt_tokens.shape[1], device=prompt_tokens.device)
+        real = positions[None, :] <= prompt_last[:, None]
+        hidden = self.hidden_states(prompt_tokens, {"token_mask": real})
+        return self.value_head(last_token_states(hidden, prompt_last))
 
     def forward(self, batch: dict) -> torch.Tensor:
         metrics: dict[str, torch.Tensor] = {}

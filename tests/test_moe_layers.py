@@ -443,7 +443,7 @@ def _param_counts_exact(rank: int) -> None:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         stats = model.blocks[0].mlp.stats
         routed = int(stats.as_tensor()[:cfg.moe.num_experts].sum())
-        assert stats.tokens == 12 and stats.forwards == 1 and routed == 12 * cfg.moe.top_k
+        assert stats.totals()["tokens"] == 12 and stats.forwards == 1 and routed == 12 * cfg.moe.top_k
         assert all(p.grad is not None for p in model.parameters() if not is_moe_param(p)), kind
 
 
@@ -562,6 +562,37 @@ def test_router_z_loss_is_added_to_the_aux_loss_and_counted():
         metrics = RoutingTelemetry.collect([layer])
         assert metrics["layer0/router_z_loss"] == pytest.approx(float(want.detach()))
         assert "layer0/router_z_loss" not in RoutingTelemetry.collect([plain])
+
+
+@pytest.mark.parametrize("kind", ["uoe", "moe"])
+def test_padding_takes_no_part_in_routing(kind):
+    """A padded batch with its token mask routes its real tokens as those tokens alone: the same
+    outputs, capacity drops, aux loss (and router z-loss), bias counts and statistics; padding
+    (here one repeated vector, as padding's hidden states are) would otherwise crowd two experts."""
+    from tests.dist_utils import single_process_group
+
+    extra = {"router_z_loss_coef": 0.1} if kind == "moe" else {}
+    cfg = make_cfg(kind, capacity_factor=1.0, bias_update_rate=0.1, **extra)
+    gen = torch.Generator().manual_seed(0)
+    real = torch.randn(12, D, generator=gen)
+    lengths = (4, 8)
+    padded = torch.randn(D, generator=gen).expand(2, 10, D).clone()
+    padded[0, :4], padded[1, :8] = real[:4], real[4:]
+    mask = torch.arange(10)[None, :] < torch.tensor(lengths)[:, None]
+    with single_process_group():
+        alone, masked = build(kind, cfg), build(kind, cfg)
+        want = alone(real)
+        got = masked(padded, mask)
+        assert int(masked.last_dropped) == int(alone.last_dropped) > 0
+        torch.testing.assert_close(got[mask], want)
+        torch.testing.assert_close(masked.aux_loss, alone.aux_loss)
+        assert torch.equal(masked.pending_counts, alone.pending_counts)
+        torch.testing.assert_close(masked.stats.as_tensor(), alone.stats.as_tensor())
+        assert masked.stats.totals()["tokens"] == 12
+        unmasked = build(kind, cfg)
+        unmasked(padded)  # without the mask the 8 padding tokens count (and take capacity)
+        assert unmasked.stats.totals()["tokens"] == 20 and not torch.equal(unmasked.pending_counts,
+                                                                            alone.pending_counts)
 
 
 @pytest.mark.parametrize("score", ["h", "silu"])

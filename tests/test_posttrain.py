@@ -108,6 +108,9 @@ def test_sft_loss_is_the_mean_over_response_tokens_padded_or_packed(encoder):
         torch.manual_seed(1)
         model = PostTrainModel(model_config(), "sft").eval()
         padded = collate_rows([a, b], pad_id=3)
+        # the inputs that are not padding (routed MLPs count only these: test_moe_layers)
+        width = padded["tokens"].shape[1] - 1
+        assert padded["real"].tolist() == [[i < len(r.ids) for i in range(width)] for r in (a, b)]
         sums = [_reference_nll(model, torch.from_numpy(r.ids)[None], torch.from_numpy(r.trained)[None]) for r in (a, b)]
         expected = sum(s for s, _ in sums) / sum(c for _, c in sums)
         torch.testing.assert_close(model(padded), expected, rtol=1e-5, atol=1e-6)

@@ -34,15 +34,16 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Assignments per expert [num_experts] (int64) of expert_ids [A] in 0..num_experts-1. A
-    scatter, not torch.bincount, whose output shape depends on the data: torch.compile would
-    split the graph there."""
+def expert_counts(expert_ids: torch.Tensor, num_experts: int, counted: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Assignments per expert [num_experts] (int64) of expert_ids [A] in 0..num_experts-1, only
+    those with counted [A] (int64 0 / 1) where given. A scatter, not torch.bincount, whose output
+    shape depends on the data: torch.compile would split the graph there."""
     counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
-    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids) if counted is None else counted)
 
 
-def capacity_mask(expert_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+def capacity_mask(expert_ids: torch.Tensor, num_experts: int, capacity: int | torch.Tensor) -> torch.Tensor:
     """Keep the first `capacity` assignments of every expert, in token order (position policy).
 
     expert_ids: [A] flattened (token-major) assignments. Returns a bool mask [A]."""

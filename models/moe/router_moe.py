@@ -42,17 +42,20 @@ class RouterMoE(RoutedLayer):
         self.shared = SwiGLU(cfg, moe.shared_hidden_size) if moe.shared_hidden_size > 0 else None
         self.experts = ExpertContainer(cfg, self.num_experts, moe.expert_hidden_size, ep_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        valid = None if token_mask is None else token_mask.reshape(-1)
         logits = F.linear(x.float(), self.router.float())
         probs = torch.softmax(logits, dim=-1)
         # route() takes softmax over the selected scores; on log-probabilities that is exactly the
         # renormalised top-k of p, and the aux loss's softmax of log p is p itself.
         # The bias (when enabled) is thus added to log p for selection; telemetry reports p.
-        expert_ids, _, weights = self.route(torch.log_softmax(logits, dim=-1), stat_scores=probs)
+        expert_ids, _, weights = self.route(torch.log_softmax(logits, dim=-1), stat_scores=probs, valid=valid)
         if self.training and self.router_z_loss_coef > 0:
-            z = self.router_z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+            z = torch.logsumexp(logits, dim=-1).square()
+            z = z.mean() if valid is None else (z * valid).sum() / valid.sum().clamp_min(1)
+            z = self.router_z_loss_coef * z
             self.aux_loss = z if self.aux_loss is None else self.aux_loss + z
             self.record(router_z=z.detach())
         if tp_size() > 1:

@@ -13,6 +13,9 @@ Conventions (documented choices):
   With rate 0 the bias stays as it is (zero unless an earlier phase of the run learned it).
 * capacity factor c > 0: every expert keeps its first ceil(T * K / N * c) assignments in token
   order (this rank's tokens); the rest are dropped (contribute nothing) and counted.
+* padding (a token mask, as post-training's padded batches give): T counts the real tokens only,
+  and padding takes no part in the aux loss, the bias counts, capacity or the statistics. Dropless,
+  padding is still computed (its outputs reach nothing real); with capacity it is dropped.
 """
 
 from __future__ import annotations
@@ -178,20 +181,27 @@ def recomputing() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float) -> torch.Tensor:
-    """scores [T, N]; counts [N]: the assignments each expert got (expert_counts)."""
+def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float,
+                    valid: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [T, N]; counts [N]: the assignments each expert got (expert_counts); valid: bool [T],
+    the tokens that count (None: all)."""
     probs = torch.softmax(scores.float(), dim=-1)
     T, num_experts = scores.shape
-    return coef * num_experts / top_k * torch.sum((counts.float() / T) * probs.mean(0))
+    if valid is None:
+        return coef * num_experts / top_k * torch.sum((counts.float() / T) * probs.mean(0))
+    real = valid.sum().clamp_min(1).float()
+    mean_probs = (probs * valid[:, None]).sum(0) / real
+    return coef * num_experts / top_k * torch.sum((counts.float() / real) * mean_probs)
 
 
 class RoutingStats:
     """Training-forward sums since the last read: tokens per expert, dropped assignments, score sums,
-    aux loss and (UoE) output norms. What the device computes is summed on the device (no forward
-    waits for the GPU) and read, in one collective, on log steps; token counts are known on the host."""
+    aux loss and (UoE) output norms. They are summed on the device (no forward waits for the GPU)
+    and read, in one collective, on log steps; only the count of forwards is kept on the host."""
 
-    ON_DEVICE = ("dropped", "aux", "router_z", "vse_norm", "routed_norm")
-    ON_HOST = ("tokens", "assignments", "forwards")
+    # tokens and assignments: on the device, as a token mask (padding) makes them device counts
+    ON_DEVICE = ("dropped", "aux", "router_z", "vse_norm", "routed_norm", "tokens", "assignments")
+    ON_HOST = ("forwards",)
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
@@ -203,19 +213,20 @@ class RoutingStats:
 
     def reset(self) -> None:
         self.device_sums: torch.Tensor | None = None  # float64 [counts N, score sums N, ON_DEVICE]
-        self.tokens = self.assignments = self.forwards = 0
+        self.forwards = 0
 
     def _sums(self, device: torch.device) -> torch.Tensor:
         if self.device_sums is None:  # on the device of the first training forward
             self.device_sums = torch.zeros(self.device_size, dtype=torch.float64, device=device)
         return self.device_sums
 
-    def add_forward(self, counts: torch.Tensor, score_sum: torch.Tensor, tokens: int, assignments: int) -> None:
+    def add_forward(self, counts: torch.Tensor, score_sum: torch.Tensor, tokens: int | torch.Tensor,
+                    assignments: int | torch.Tensor) -> None:
         sums = self._sums(counts.device)
         sums[:self.num_experts] += counts
         sums[self.num_experts:2 * self.num_experts] += score_sum
-        self.tokens += tokens
-        self.assignments += assignments
+        for name, value in (("tokens", tokens), ("assignments", assignments)):
+            sums[2 * self.num_experts + self.ON_DEVICE.index(name)] += value
         self.forwards += 1
 
     def add(self, name: str, value: torch.Tensor) -> None:
@@ -225,8 +236,12 @@ class RoutingStats:
         """[counts N, score sums N, *ON_DEVICE, *ON_HOST] as float64 on `device`."""
         sums = (torch.zeros(self.device_size, dtype=torch.float64, device=device)
                 if self.device_sums is None else self.device_sums.to(device))
-        host = torch.tensor([self.tokens, self.assignments, self.forwards], dtype=torch.float64, device=device)
+        host = torch.tensor([self.forwards], dtype=torch.float64, device=device)
         return torch.cat([sums, host])
+
+    def totals(self) -> dict[str, float]:
+        """The sums besides the per-expert ones, by name (waits for the device)."""
+        return dict(zip(self.ON_DEVICE + self.ON_HOST, self.as_tensor()[2 * self.num_experts:].tolist()))
 
     @classmethod
     def size(cls, num_experts: int) -> int:
@@ -234,7 +249,10 @@ class RoutingStats:
 
 
 class RoutedLayer(nn.Module):
-    """Base of the sparse MLPs: selection, aux loss, bias, capacity and statistics."""
+    """Base of the sparse MLPs: selection, aux loss, bias, capacity and statistics. Their forward
+    takes (x [..., hidden], token_mask [...] bool or None: the real tokens, padding False)."""
+
+    takes_token_mask = True  # models.gpt.Block passes ctx["token_mask"]
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -253,29 +271,38 @@ class RoutedLayer(nn.Module):
         self.stats = RoutingStats(self.num_experts)
         self.last_dropped = 0
 
-    def route(self, scores: torch.Tensor, stat_scores: torch.Tensor | None = None):
-        """scores: fp32 [T, N] (higher = better). Returns (expert_ids [T, K] with -1 for dropped,
+    def route(self, scores: torch.Tensor, stat_scores: torch.Tensor | None = None,
+              valid: torch.Tensor | None = None):
+        """scores: fp32 [T, N] (higher = better); valid: bool [T], the real tokens (None: all; see
+        the module's docstring for padding). Returns (expert_ids [T, K] with -1 for dropped,
         selected ids [T, K], weights fp32 [T, K]). `stat_scores` replaces `scores` in the telemetry."""
         T = scores.shape[0]
         # The bias is model state: once learned it keeps steering selection, also with updates off.
         selection = scores.detach() + self.router_bias
         selected = selection.topk(self.top_k, dim=-1).indices
         weights = torch.softmax(scores.gather(-1, selected), dim=-1)
-        counts = expert_counts(selected.reshape(-1), self.num_experts) if self.training else None
+        counted = None if valid is None else valid.long().repeat_interleave(self.top_k)  # per assignment
+        counts = expert_counts(selected.reshape(-1), self.num_experts, counted) if self.training else None
         if self.training and self.aux_loss_coef > 0:
-            self.aux_loss = switch_aux_loss(scores, counts, self.top_k, self.aux_loss_coef)
+            self.aux_loss = switch_aux_loss(scores, counts, self.top_k, self.aux_loss_coef, valid)
         else:
             self.aux_loss = None
         expert_ids = selected
         dropped = 0
         if self.may_drop():  # evaluation and inference route every token
-            capacity = math.ceil(T * self.top_k / self.num_experts * self.capacity_factor)
-            keep = capacity_mask(selected.reshape(-1), self.num_experts, capacity).view_as(selected)
+            ids, experts, real = selected.reshape(-1), self.num_experts, T
+            if valid is not None:  # padding queues for an expert of its own, then is dropped
+                ids, experts, real = torch.where(counted.bool(), ids, experts), experts + 1, valid.sum()
+            capacity = real * self.top_k / self.num_experts * self.capacity_factor
+            capacity = math.ceil(capacity) if valid is None else torch.ceil(capacity)
+            keep = capacity_mask(ids, experts, capacity).view_as(selected)
+            if valid is not None:
+                keep = keep & valid[:, None]
+            dropped = (~keep).sum() if valid is None else (~keep & valid[:, None]).sum()
             expert_ids = torch.where(keep, selected, torch.full_like(selected, -1))
-            dropped = (~keep).sum()
         self.last_dropped = dropped  # a device tensor with capacity dropping: read it only when needed
         if self.training:
-            self._record_routing(counts, scores if stat_scores is None else stat_scores, dropped)
+            self._record_routing(counts, scores if stat_scores is None else stat_scores, dropped, valid)
         return expert_ids, selected, weights
 
     # The statistics are kept outside torch.compile's graphs (train.compile compiles routed blocks
@@ -283,13 +310,17 @@ class RoutedLayer(nn.Module):
     # when it runs.
     @torch.compiler.disable
     @torch.no_grad()
-    def _record_routing(self, counts: torch.Tensor, scores: torch.Tensor, dropped) -> None:
+    def _record_routing(self, counts: torch.Tensor, scores: torch.Tensor, dropped,
+                        valid: torch.Tensor | None) -> None:
         if recomputing():  # count each training forward once
             return
         if self.bias_update_rate > 0:
             self.pending_counts += counts.to(self.pending_counts.dtype)
-        T = scores.shape[0]
-        self.stats.add_forward(counts.double(), scores.detach().double().sum(0), T, T * self.top_k)
+        scores = scores.detach().double()
+        tokens = scores.shape[0]
+        if valid is not None:
+            scores, tokens = scores * valid[:, None], valid.sum()
+        self.stats.add_forward(counts.double(), scores.sum(0), tokens, tokens * self.top_k)
         if self.capacity_factor > 0:
             self.stats.add("dropped", dropped)
         if self.aux_loss is not None:

@@ -76,7 +76,7 @@ class UnionOfExperts(RoutedLayer):
         self.whole_experts = holds_whole_experts(width, self.routing_neurons, tp_size())
         self.first_expert, self.local_experts = start // self.routing_neurons, local // self.routing_neurons
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         gate_up, _ = self.vse_in(x)
@@ -90,7 +90,8 @@ class UnionOfExperts(RoutedLayer):
         if tp_size() > 1:
             sq = reduce_from_tensor_model_parallel_region(sq)
         scores = scores_from_norms(sq)
-        expert_ids, _, weights = self.route(scores)
+        valid = None if token_mask is None else token_mask.reshape(-1)
+        expert_ids, _, weights = self.route(scores, valid=valid)
         if tp_size() > 1:
             weights = copy_to_tensor_model_parallel_region(weights)
         if self.vse_mode == "overlap":  # kept assignments only: a capacity-dropped one adds no scale
@@ -103,7 +104,8 @@ class UnionOfExperts(RoutedLayer):
         if tp_size() > 1:
             y_r = reduce_from_tensor_model_parallel_region(y_r)
         if self.training and self.stats.measure_norms:
-            self.record(norms=True, vse_norm=y_vse, routed_norm=y_r)
+            real = 1.0 if valid is None else valid[:, None]
+            self.record(norms=True, vse_norm=y_vse * real, routed_norm=y_r * real)
         return (y_vse + y_r).view(shape)
 
     def square_sums(self, a: torch.Tensor) -> torch.Tensor:
