@@ -185,14 +185,19 @@ class GPT(nn.Module):
         self.last_metrics = metrics
         return loss + aux + (z if z is not None else 0.0)
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, applied: bool = True) -> None:
         """Every layer's own update after an optimizer step (routed layers move their selection
         bias): the outermost submodules that define after_optimizer_step, each once, found on the
-        first call. Layers may hold collectives here: every rank calls it after every step."""
+        first call. Layers may hold collectives here: every rank calls it after every step. A step
+        that was not applied (train.skip_spikes; every rank decides alike) updates nothing either:
+        layers that define after_skipped_step forget what the step's batch told them instead."""
         if self._step_layers is None:
             self._step_layers = _outermost_with(self, "after_optimizer_step")
         for layer in self._step_layers:
-            layer.after_optimizer_step()
+            if applied:
+                layer.after_optimizer_step()
+            elif hasattr(layer, "after_skipped_step"):
+                layer.after_skipped_step()
 
     def aux_loss(self) -> torch.Tensor | float:
         losses = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]

@@ -1,7 +1,8 @@
 """Loss-spike protection (train.skip_spikes): an optimizer step whose loss or gradient norm is more
 than train.spike_sigmas standard deviations above the mean of the last train.spike_window accepted
-steps is skipped: no parameter or optimizer-state update, while the batch is consumed and the
-learning-rate schedule moves on as for any step.
+steps is skipped: no parameter or optimizer-state update (nor of routed layers' selection bias:
+GPT.after_optimizer_step), while the batch is consumed and the learning-rate schedule moves on as
+for any step.
 
 A non-finite gradient norm is always skipped. After MAX_CONSECUTIVE_SKIPS skips in a row the level
 has moved for good and the window starts over. The loss is the data-parallel mean and the gradient
@@ -65,6 +66,10 @@ class SpikeGuard:
             self.decision = (bool(reason), reason)
             self._grad_norm = grad_norm
         return self.decision[0]
+
+    def skipping(self) -> bool:
+        """Between the optimizer step and end_step: whether the step was skipped."""
+        return self.decision is not None and self.decision[0]
 
     def end_step(self, step: int) -> str:
         """After the optimizer step: the reason the step was skipped ('' when it was applied)."""

@@ -126,7 +126,7 @@ class Trainer:
                 sums[name] = sums.get(name, 0.0) + value.float()
         self.last_metrics = {name: value / self.cfg.train.grad_accum for name, value in sums.items()}
         # Part of the optimizer step: validation and the checkpoint of this step see its result.
-        self.model.after_optimizer_step()
+        self.model.after_optimizer_step(applied=self.spikes is None or not self.spikes.skipping())
         return total / self.cfg.train.grad_accum
 
     @torch.no_grad()

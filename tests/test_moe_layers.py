@@ -564,6 +564,31 @@ def test_router_z_loss_is_added_to_the_aux_loss_and_counted():
         assert "layer0/router_z_loss" not in RoutingTelemetry.collect([plain])
 
 
+def test_a_skipped_step_moves_no_selection_bias():
+    """train.skip_spikes: a step that was not applied leaves the bias as it was and forgets its
+    batch's counts; the next applied step moves it by its own counts only."""
+    from models.gpt import GPT
+    from models.moe.routing import sparse_layers
+    from tests.dist_utils import single_process_group
+
+    cfg = make_cfg("uoe", bias_update_rate=0.25)
+    cfg.vocab_size, cfg.num_heads = 256, 2
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        layers = sparse_layers(model)
+        model(tokens[:, :-1], tokens[:, 1:])
+        assert all(float(layer.pending_counts.sum()) == 16 * K for layer in layers)
+        model.after_optimizer_step(applied=False)
+        assert all(not layer.router_bias.any() and not layer.pending_counts.any() for layer in layers)
+        model(tokens[:, :-1], tokens[:, 1:])
+        counts = [layer.pending_counts.clone() for layer in layers]
+        model.after_optimizer_step()
+        for layer, c in zip(layers, counts):
+            torch.testing.assert_close(layer.router_bias, 0.25 * torch.sign(c.mean() - c))
+
+
 @pytest.mark.parametrize("kind", ["uoe", "moe"])
 def test_padding_takes_no_part_in_routing(kind):
     """A padded batch with its token mask routes its real tokens as those tokens alone: the same

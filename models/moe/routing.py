@@ -351,6 +351,11 @@ class RoutedLayer(nn.Module):
         self.router_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
         self.pending_counts.zero_()
 
+    @torch.no_grad()
+    def after_skipped_step(self) -> None:
+        """A step that was not applied moves the bias neither: its batch's counts are dropped."""
+        self.pending_counts.zero_()
+
 
 def sparse_layers(model: nn.Module) -> list[RoutedLayer]:
     return [m for m in model.modules() if isinstance(m, RoutedLayer)]
