@@ -35,8 +35,11 @@ def torch_save_atomic(obj, path: Path) -> None:
     """torch.save to `path` whole or not at all (a temporary file beside it, renamed over it): an
     interrupted save leaves no file that looks valid."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # what a failed save or rename leaves
 
 
 def rng_state() -> dict:

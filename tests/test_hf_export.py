@@ -395,8 +395,10 @@ def test_imported_llama_converts_to_lisa(data, imported, dist_env, tmp_path, cap
 
 
 @pytest.mark.slow
-def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, capsys):
+def test_bad_inputs_fail_clearly_and_write_nothing(runs, imported, dist_env, tmp_path, capsys):
+    from tools.consolidate import main as consolidate_main
     from tools.export import main as export_main
+    from tools.import_hf import main as import_main
 
     def export_fails(checkpoint, *needles):
         out = tmp_path / f"out_{time.monotonic_ns()}"
@@ -423,6 +425,25 @@ def test_bad_inputs_fail_clearly_and_write_nothing(runs, dist_env, tmp_path, cap
     (z3_missing / "rank_00001.pt").unlink()
     export_fails(z3_missing, "missing 2 file", "zero_pp_rank_1_mp_rank_00_optim_states.pt", "rank_00001.pt")
     export_fails(tmp_path / "nowhere", "no complete checkpoint")
+
+    # An --out that is the source or holds it (--overwrite would delete what is read), or a file.
+    run_copy = tmp_path / "run_copy"
+    shutil.copytree(runs["tp2_zero2"], run_copy)
+    for out in (run_copy, tmp_path):
+        assert export_main(["--checkpoint", str(run_copy), "--out", str(out), "--overwrite"]) == 2
+        assert f"--out {out} holds the checkpoint" in capsys.readouterr().err
+    hf_model = imported[1].parent / "src"
+    assert import_main(["--model", str(hf_model), "--out", str(hf_model), "--overwrite"]) == 2
+    assert "holds the Hugging Face model" in capsys.readouterr().err
+    assert (run_copy / "checkpoints").is_dir() and (hf_model / "config.json").is_file()
+    (tmp_path / "a_file").write_text("")
+    assert export_main(["--checkpoint", str(run_copy), "--out", str(tmp_path / "a_file")]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    new = ["--out", str(tmp_path / "new")]
+    assert export_main(["--checkpoint", str(run_copy), *new, "--max-shard-size", "5XB"]) == 2
+    assert "--max-shard-size 5XB" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert consolidate_main(["--checkpoint", str(run_copy), "--out", str(tmp_path), "--overwrite"]) == 2
+    assert "is a directory; give the .pt file" in capsys.readouterr().err
 
 
 def test_export_formats_and_unsupported_imports(tmp_path, capsys):

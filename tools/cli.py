@@ -7,6 +7,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from data_prep.readers import FileReadError
@@ -44,6 +45,19 @@ def reports_errors(*extra: type[BaseException]):
                 return 2
         return wrapped
     return decorate
+
+
+def check_out_dir(out: Path, sources: dict[str, Path | str | None]) -> None:
+    """--out of a tool that writes a directory, replaced whole (--overwrite): not a file, and not the
+    source it reads or a folder holding it (what is read first would be deleted). `sources`:
+    {what: path}; None entries are skipped."""
+    if out.exists() and not out.is_dir():
+        raise ToolError(f"--out {out} is a file; give a directory")
+    where = out.resolve()
+    for what, source in sources.items():
+        if source is not None and where in (Path(source).resolve(), *Path(source).resolve().parents):
+            raise ToolError(f"--out {out} holds {what} ({source}); writing it would delete that: choose "
+                            "another directory")
 
 
 def tool_device(name: str):

@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if out.is_dir():
+        raise ToolError(f"--out {out} is a directory; give the .pt file to write")
     if out.exists() and not args.overwrite:
         raise ToolError(f"--out {out} exists; choose a new file or pass --overwrite")
     model, cfg, meta = load_model(args.checkpoint)

@@ -55,7 +55,7 @@ from models import registry
 from models.config import ModelConfig
 from pretrain.checkpoint_format import EXPERT_KEY, read_meta, resolve_checkpoint
 from pretrain.consolidate import full_state_dict, run_config, split_heads
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
 
 
 class ExportError(ToolError):
@@ -346,12 +346,20 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     out = Path(out)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose {', '.join(DTYPES)}")
+    check_out_dir(out, {})
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    try:  # a bad size fails here, not after the weights are read
+        split_torch_state_dict_into_shards({}, max_shard_size=max_shard_size)
+    except ValueError as err:
+        raise ExportError(f"--max-shard-size {max_shard_size}: {err}") from None
     tag_dir = resolve_checkpoint(checkpoint)
     meta = read_meta(tag_dir)
     fmt = export_format(ModelConfig.from_dict(meta["model"]))
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta) if with_tokenizer else None
+    check_out_dir(out, {"the checkpoint": tag_dir, "the tokenizer": tokenizer_dir})
     run_cfg = run_config(tag_dir)
     add_bos = bool(run_cfg is not None and run_cfg.data.start_with_bos)  # as the model trained
     from pretrain.checkpoint import directory_in_place

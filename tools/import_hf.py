@@ -38,7 +38,7 @@ import torch
 
 from models import registry
 from models.config import ModelConfig
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
 
 
 class UnsupportedModel(ToolError):
@@ -129,6 +129,7 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     from pretrain.distributed import init_single_process
 
     model_dir, out = Path(model_dir), Path(out)
+    check_out_dir(out, {"the Hugging Face model": model_dir, "the tokenizer": tokenizer})
     hf_cfg = read_hf_config(model_dir)
     check_supported(hf_cfg)
     if out.exists() and any(out.iterdir()) and not overwrite:

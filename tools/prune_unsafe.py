@@ -43,7 +43,7 @@ from posttrain.pruning import METHODS, ONE_SHOT_METHODS, Pruner, SearchConfig, s
 from posttrain.records import sft_messages
 from pretrain.checkpoint_format import read_meta, resolve_checkpoint
 from pretrain.telemetry import peak_memory_gb
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
 from tools.export import run_tokenizer
 
 
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    check_out_dir(out, {})
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ToolError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
     labeller = make_labeller(args)
@@ -177,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.target_unsafe_rate, args.objective)
     started = time.perf_counter()
     tag_dir = resolve_checkpoint(args.checkpoint)
-    if args.overwrite and out.resolve() in (tag_dir.resolve(), *tag_dir.resolve().parents):
-        raise ToolError(f"--out {out} holds the checkpoint being pruned ({tag_dir}); --overwrite would delete it: "
-                        "choose another directory")
+    check_out_dir(out, {"the checkpoint being pruned": tag_dir})
     meta = read_meta(tag_dir)
     sp = run_tokenizer(tag_dir, args.tokenizer, meta)
     from pretrain.consolidate import load_model, run_config
