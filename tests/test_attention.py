@@ -760,6 +760,25 @@ def converted(source, cfg, layers, qk_init, tokens):
     return build_lisa_model(source, cfg, lisa_config(cfg, layers), layers, sim, qk_init), sim
 
 
+def test_conversion_measures_a_model_within_documents_as_evaluate_does(single_process):
+    """convert_lisa's losses (and so its sensitivity choice) of a run trained with
+    data.document_mask attend within documents, as tools.evaluate and the trainer do."""
+    from models.attention.lisa_conversion import layer_similarity
+    from tools.convert_lisa import documents_of, val_loss
+    from tools.evaluate import evaluate_rows
+
+    model = build(small_cfg("ssss")).eval()
+    rows = torch.randint(4, VOCAB, (4, 25), generator=torch.Generator().manual_seed(0))
+    rows[:, 7], rows[:, 15] = 2, 2  # EOS: three documents a row
+    within = val_loss(model, rows, 2, eos=2)
+    assert within == pytest.approx(evaluate_rows(model, rows, 2, 2)["loss"], rel=1e-6)
+    assert val_loss(model, rows, 2) == pytest.approx(evaluate_rows(model, rows, 2)["loss"], rel=1e-6)
+    assert abs(within - val_loss(model, rows, 2)) > 1e-4
+    inputs = rows[:, :-1]
+    apart = layer_similarity(model, [inputs], [documents_of(inputs, 2)])
+    assert apart[2]["heads"] != layer_similarity(model, [inputs])[2]["heads"]
+
+
 def test_converted_lisa_chains_keep_their_scores_unless_told():
     """lisa_config turns keep_chain_scores on where the new LISA layers form a chain, off where
     they do not, and leaves the choice to an explicit argument."""
@@ -794,6 +813,12 @@ def test_conversion_keeps_chains_within_max_chain():
     assert conversion_problem(source, [5], 1, max_chain=2) is None
     assert conversion_problem(source, [4], 1, max_chain=2) == \
         "layers 1-4 would be 4 LISA layers in a row, more than 2"
+    # a softmax_sink layer: LISA after it computes plain softmax, so it is never replaced (its sink
+    # logit would be lost), while it may stay as the source of a LISA layer after it
+    sinks = ["softmax", "softmax_sink", "softmax"]
+    assert "a softmax_sink layer: a LISA layer computes plain softmax" in conversion_problem(sinks, [1], 1)
+    assert conversion_problem(sinks, [2], 1) is None
+    assert propose_layers({1: {"similarity": 0.9}, 2: {"similarity": 0.8}}, sinks, 1, 0.5, 1.0) == [2]
 
 
 def test_convert_lisa_matches_heads_within_alignment_groups(single_process):

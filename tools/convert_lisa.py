@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from models.attention.lisa import qk_compression
+from models.attention.masks import document_ids
 from models.attention.lisa_conversion import (
     QK_INITS,
     build_lisa_model,
@@ -53,24 +54,34 @@ from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples, run_bos, starting_with
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
+
+
+def documents_of(tokens: torch.Tensor, eos: int | None) -> torch.Tensor | None:
+    """The document ids a run with data.document_mask attends within (eos: its EOS id), else None."""
+    return None if eos is None else document_ids(tokens, eos)
 
 
 @torch.no_grad()
-def val_loss(model, rows: torch.Tensor, micro: int) -> float:
+def val_loss(model, rows: torch.Tensor, micro: int, eos: int | None = None) -> float:
     model.eval()
-    losses = [float(model(b[:, :-1], b[:, 1:])) for b in rows.split(micro)]
+    losses = [float(model(b[:, :-1], b[:, 1:], documents_of(b[:, :-1], eos))) for b in rows.split(micro)]
     return sum(losses) / len(losses)
 
 
 @torch.no_grad()
-def forward_tokens_per_s(model, rows: torch.Tensor, repeats: int = 3) -> float:
+def forward_tokens_per_s(model, rows: torch.Tensor, eos: int | None = None, repeats: int = 3) -> float:
     model.eval()
     tokens = rows[:, :-1]
-    model.logits(tokens)  # warm-up
+    documents = documents_of(tokens, eos)
+
+    def ctx():  # a new one per forward, which fills it in
+        return None if documents is None else {"document_ids": documents}
+
+    model.logits(tokens, ctx())  # warm-up
     t0 = time.perf_counter()
     for _ in range(repeats):
-        model.logits(tokens)
+        model.logits(tokens, ctx())
     return repeats * tokens.numel() / (time.perf_counter() - t0)
 
 
@@ -109,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                              "follow each other)")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    check_out_dir(out, {})
     if (out / "checkpoints").exists():
         raise ToolError(f"--out {out} holds checkpoints of a run: training there would resume them instead of "
                         "starting from the converted model; choose a new directory")
@@ -141,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                             + (" or a larger --max-chain" if chain_only else ""))
     run_cfg = run_config(resolve_checkpoint(args.checkpoint))
     bos = run_bos(run_cfg, meta)
+    eos = meta.get("eos_id") if run_cfg is not None and run_cfg.data.document_mask else None  # as it trained
 
     def samples(split: str, count: int):  # as the run's loader gave them
         rows = read_samples(shards / split, count)
@@ -149,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     calib = samples("train", args.calib_batches * args.micro_batch)
     val = samples("val" if (shards / "val").is_dir() else "train", args.val_samples)
 
-    sim = layer_similarity(source, [b[:, :-1] for b in calib.split(args.micro_batch)])
+    calib_inputs = [b[:, :-1] for b in calib.split(args.micro_batch)]
+    sim = layer_similarity(source, calib_inputs, [documents_of(b, eos) for b in calib_inputs])
     print(f"{'layer':>5} {'kind':<13} {'sim to l-1 (matched)':>20} {'(same index)':>12}  head match")
     for layer in range(len(kinds)):
         s = sim.get(layer)
@@ -175,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction,
                                 args.max_chain)
     elif args.layers == "sensitivity":
-        layers, sensitivity = sensitive_layers(source, cfg, sim, lambda m: val_loss(m, val, args.micro_batch),
-                                               args.qk_init, args.loss_budget, args.max_fraction,
-                                               args.max_chain)
+        def loss_of(model):
+            return val_loss(model, val, args.micro_batch, eos)
+
+        layers, sensitivity = sensitive_layers(source, cfg, sim, loss_of, args.qk_init, args.loss_budget,
+                                               args.max_fraction, args.max_chain)
         print("loss increase converting each layer alone: "
               + ", ".join(f"{layer}: {100 * v:+.2f}%" for layer, v in sensitivity.items()))
     else:
@@ -196,29 +212,29 @@ def main(argv: list[str] | None = None) -> int:
     for p in trainable:
         p.requires_grad_(True)
 
-    loss_source = val_loss(source, val, args.micro_batch)
-    loss_init = val_loss(model, val, args.micro_batch)
+    loss_source = val_loss(source, val, args.micro_batch, eos)
+    loss_init = val_loss(model, val, args.micro_batch, eos)
     opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     model.train()
     train_rows = samples("train", max(args.steps, 1) * args.micro_batch)
     t0 = time.perf_counter()
     for step, batch in enumerate(train_rows.split(args.micro_batch)[: args.steps]):
-        loss = model(batch[:, :-1], batch[:, 1:])
+        loss = model(batch[:, :-1], batch[:, 1:], documents_of(batch[:, :-1], eos))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if (step + 1) % max(1, args.steps // 5) == 0:
             print(f"step {step + 1}/{args.steps} | train loss {loss.item():.4f}", flush=True)
     train_s = time.perf_counter() - t0
-    loss_after = val_loss(model, val, args.micro_batch)
+    loss_after = val_loss(model, val, args.micro_batch, eos)
 
     n_source = sum(p.numel() for p in source.parameters())
     n_new = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in trainable)
     qk_source = len(layers) * cfg.hidden_size * (cfg.hidden_size + cfg.kv_width)  # Q and (grouped) K
     qk_new = sum(model.blocks[i].attn.qk.weight.numel() for i in layers)
-    tps_source = forward_tokens_per_s(source, val[: args.micro_batch])
-    tps_new = forward_tokens_per_s(model, val[: args.micro_batch])
+    tps_source = forward_tokens_per_s(source, val[: args.micro_batch], eos)
+    tps_new = forward_tokens_per_s(model, val[: args.micro_batch], eos)
     report = {
         "checkpoint": str(args.checkpoint), "layers": layers, "attention": new_cfg.attention,
         "qk_init": args.qk_init, "sensitivity": sensitivity,

@@ -54,11 +54,12 @@ def greedy_match(sim: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def layer_similarity(model, batches: list[torch.Tensor]) -> dict[int, dict]:
-    """For l >= 1: {"similarity": matched mean cosine, "unmatched": same-index mean cosine, "match": [...]}."""
+def layer_similarity(model, batches: list[torch.Tensor], documents: list | None = None) -> dict[int, dict]:
+    """For l >= 1: {"similarity": matched mean cosine, "unmatched": same-index mean cosine, "match": [...]}.
+    documents: per batch its document ids (a model trained within documents), or None."""
     sims: dict[int, torch.Tensor] = {}
-    for tokens in batches:
-        maps = capture_attention(model, tokens)
+    for tokens, docs in zip(batches, documents or [None] * len(batches)):
+        maps = capture_attention(model, tokens, docs)
         for layer in (layer for layer in maps if layer - 1 in maps):  # layers whose kinds expose weights
             s = head_similarity(maps[layer - 1], maps[layer])
             sims[layer] = sims.get(layer, 0) + s / len(batches)
@@ -91,13 +92,19 @@ def conversion_problem(kinds: list[str], layers: list[int], keep_full: int, max_
     """Why turning `layers` into LISA layers would change what the model computes, or make a chain
     of more than `max_chain` LISA layers in a row (0: any) that holds a new one; None if nothing.
     A LISA layer applies the attention function of the nearest earlier layer that computes its own
-    scores, so a replaced layer (and every existing LISA layer) must keep its softmax / ReLU family."""
+    scores, so a replaced layer (and every existing LISA layer) must keep its softmax / ReLU family,
+    and a replaced layer must compute its family's plain function (softmax_sink adds a sink logit,
+    which a LISA layer has not)."""
     new = list(kinds)
     for layer in layers:
         if layer < max(keep_full, 1):
             return f"layer {layer} is within model.lisa.keep_full_layers={keep_full}"
-        if registry.attention_kind(kinds[layer]).reads_previous_scores:
+        kind = registry.attention_kind(kinds[layer])
+        if kind.reads_previous_scores:
             return f"layer {layer} is already a LISA layer"
+        if kind.name != kind.score_family:
+            return (f"layer {layer} is a {kind.name} layer: a LISA layer computes plain {kind.score_family} "
+                    f"attention, so converting it would drop what {kind.name} adds")
         new[layer] = "lisa"
     for layer, kind in enumerate(new):
         if kind != "lisa":
