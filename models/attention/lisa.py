@@ -623,6 +623,9 @@ class LISAAttention(nn.Module):
 def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) -> None:
     """Where lisa layers may go and whether their sizes fit."""
     lisa = cfg.lisa
+    for key in ("align_group", "align_hidden", "keep_full_layers", "rank"):
+        if getattr(lisa, key) < 0:
+            raise ConfigError(f"model.lisa.{key}={getattr(lisa, key)} must be >= 0 (see the key's comment)")
     early = [i for i, k in enumerate(kinds[: lisa.keep_full_layers]) if k == "lisa"]
     if early:
         raise ConfigError(
