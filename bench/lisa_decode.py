@@ -197,7 +197,8 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
         model = GPT(wide).eval()
         hf = hf_model(model, wide).to(device, dtype)
         models[name] = (model.to(device, dtype), hf, wide)
-        out[name] = {"attention": wide.attention, "params": sum(p.numel() for p in model.parameters())}
+        out[name] = {"attention": wide.attention, "keep_chain_scores": wide.lisa.keep_chain_scores,
+                     "params": sum(p.numel() for p in model.parameters())}
         print(f"speed: built {name} ({out[name]['params'] / 1e6:.1f}M parameters)", flush=True)
     samples = {name: {} for name in models}
 
@@ -283,6 +284,7 @@ def layouts_of(results: Path) -> list[tuple[str, object]]:
     """The source and converted layouts of an earlier run's results file: its rows' attention kinds on
     the source's config (SOURCE_CONFIG, SOURCE_LAYERS) with that run's --source-overrides and
     --align-hidden, the first layer kept full as the conversion keeps it."""
+    from models.attention.lisa import chained_lisa_layers
     from pretrain.config import load_config
 
     saved = json.loads(results.read_text())
@@ -297,6 +299,9 @@ def layouts_of(results: Path) -> list[tuple[str, object]]:
         cfg.attention, cfg.lisa.keep_full_layers = row["attention"], 1
         if meta.get("align_hidden") is not None:
             cfg.lisa.align_hidden = meta["align_hidden"]
+        # as the conversion set it (rows from before it was recorded: where LISA layers form chains)
+        chains = bool(chained_lisa_layers(cfg.attention_kinds()))
+        cfg.lisa.keep_chain_scores = row.get("keep_chain_scores", chains)
         layouts.append((row["model"], cfg))
     return layouts
 
@@ -309,7 +314,8 @@ def qk_params(model, cfg) -> int:
 
 
 def measure(name: str, model, cfg, val_loss: float, prompt, batch, args) -> dict:
-    row = {"model": name, "attention": cfg.attention, "val_loss": val_loss, "perplexity": math.exp(val_loss),
+    row = {"model": name, "attention": cfg.attention, "keep_chain_scores": cfg.lisa.keep_chain_scores,
+           "val_loss": val_loss, "perplexity": math.exp(val_loss),
            "qk_params": qk_params(model, cfg), **decode_times(model, cfg, prompt, args.new, args.repeats),
            "train_step_ms": train_step_ms(model, batch, args.repeats)}
     print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'model'})}", flush=True)

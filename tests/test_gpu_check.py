@@ -222,6 +222,8 @@ def test_lisa_decode_speed_part_runs_alone_on_earlier_layouts(tmp_path):
     for name, row in zip(speed["models"], rows):
         model = speed["models"][name]
         assert model["attention"] == row["attention"]
+        # as the conversion sets it: kept where LISA layers form a chain (train_step times that)
+        assert model["keep_chain_scores"] == ("lisa,lisa" in row["attention"]), name
         for key in ("framework_decode@16", "hf_decode@16", "equal_memory_decode@16", "train_step"):
             assert model[key]["median_s"] > 0 and model[key]["x_source"] > 0, (name, key, model[key])
         shared = row["attention"].count("lisa")
