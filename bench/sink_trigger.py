@@ -11,6 +11,8 @@ with normaliser n_i = visible keys / 1 / seq_len), then a linear read-out.
 Reported per model: final MSE (all / trigger / non-trigger positions), attention mass on BOS at
 non-trigger queries per layer and head (softmax: probability; ReLU: absolute weight ReLU(s)/n_i),
 ReLU row totals at non-trigger queries, and Sink_1^0.3 (alpha_1 over all queries, as in Gu et al.).
+A run whose trigger MSE is not below half of what predicting zero there gives did not learn the task
+(`learned_trigger` false, `no` in the table): its attention statistics are no evidence either way.
 
     python -m bench.sink_trigger [--steps 2500] [--lr 1e-2] [--workers 2] [--out bench/results]
 """
@@ -122,6 +124,11 @@ def evaluate(model: TriggerModel, spec: TaskSpec, gen: torch.Generator, batch: i
             "share1_per_head": share, "sink_rate_0.3": float((flat_alpha > 0.3).float().mean())}, maps, inputs
 
 
+def learned(loss_trigger: float, zero_baseline: float) -> bool:
+    """Whether a run learned the task: its trigger MSE below half of predicting zero there."""
+    return loss_trigger < 0.5 * zero_baseline
+
+
 def train_model(kind: str, layers: int, heads: int, steps: int, spec: TaskSpec = TaskSpec(), width: int = 32,
                 seed: int = 0, batch: int = 64, lr: float = 1e-3, normalizer: str = "prefix",
                 keep_maps: bool = False) -> dict:
@@ -219,16 +226,24 @@ def main(argv: list[str] | None = None) -> int:
             results = pool.map(_run_one, jobs)
     else:
         results = [_run_one(j) for j in jobs]
-    print(f"{'model':<20} {'loss':>8} {'trig':>7} {'nontrig':>8} {'BOS@nontrig':>11} {'min head':>8} "
-          f"{'max head':>8} {'row tot':>7} {'Sink1':>6} {'s':>5}")
+    for r in results:
+        r["learned_trigger"] = learned(r["loss_trigger"], zero_baseline)
+    print(f"{'model':<20} {'loss':>8} {'trig':>7} {'learned':>7} {'nontrig':>8} {'BOS@nontrig':>11} "
+          f"{'min head':>8} {'max head':>8} {'row tot':>7} {'Sink1':>6} {'s':>5}")
     for r in results:
         name = f"{r['kind']}{'/' + r['normalizer'] if r['normalizer'] else ''} {r['layers']}L{r['heads']}H"
         bos = torch.tensor(r["bos_mass_nontrigger_per_head"])
-        print(f"{name:<20} {r['loss']:>8.5f} {r['loss_trigger']:>7.4f} {r['loss_nontrigger']:>8.5f} "
-              f"{r['bos_mass_nontrigger']:>11.4f} {bos.min():>8.4f} {bos.max():>8.4f} "
-              f"{r['row_total_nontrigger']:>7.4f} {r['sink_rate_0.3']:>6.2f} {r['seconds']:>5.0f}")
+        learnt = "yes" if r["learned_trigger"] else "no"
+        print(f"{name:<20} {r['loss']:>8.5f} {r['loss_trigger']:>7.4f} {learnt:>7} "
+              f"{r['loss_nontrigger']:>8.5f} {r['bos_mass_nontrigger']:>11.4f} {bos.min():>8.4f} "
+              f"{bos.max():>8.4f} {r['row_total_nontrigger']:>7.4f} {r['sink_rate_0.3']:>6.2f} "
+              f"{r['seconds']:>5.0f}")
+    if not all(r["learned_trigger"] for r in results):
+        print("runs marked no did not learn the trigger (its MSE is near that of predicting zero): their "
+              "attention statistics are no evidence")
     (out / "sink_trigger.json").write_text(json.dumps({"spec": asdict(spec), "width": args.width, "lr": args.lr,
-                                                       "steps": args.steps, "zero_baseline_trigger": zero_baseline,
+                                                       "steps": args.steps, "seed": args.seed,
+                                                       "zero_baseline_trigger": zero_baseline,
                                                        "results": results}, indent=1))
     print(f"wrote {out / 'sink_trigger.json'}")
     return 0
