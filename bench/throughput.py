@@ -23,12 +23,19 @@ from pretrain.distributed import destroy_distributed, init_single_process
 from pretrain.engine import build_engine, param_groups
 
 
+def sync() -> None:
+    if torch.cuda.is_available():  # the GPU's queued work, not the host's launches, is what is timed
+        torch.cuda.synchronize()
+
+
 def timed(step_fn, batches: list[torch.Tensor], warmup: int = 2) -> float:
     for batch in batches[:warmup]:
         step_fn(batch)
+    sync()
     start = time.perf_counter()
     for batch in batches[warmup:]:
         step_fn(batch)
+    sync()
     return time.perf_counter() - start
 
 
@@ -57,6 +64,7 @@ def main() -> None:
     plain_model = GPT(cfg.model)  # megatron layers hold process groups, which deepcopy cannot copy
     plain_model.load_state_dict(model.state_dict())
     engine = build_engine(cfg, model)
+    plain_model.to(engine.device)  # both loops on the engine's device
     t = cfg.train
     optimizer = torch.optim.AdamW(param_groups(plain_model), lr=t.lr, betas=(t.beta1, t.beta2),
                                   weight_decay=t.weight_decay)
@@ -76,6 +84,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.model.vocab_size, (args.batch, args.seq + 1), generator=gen)
                for _ in range(args.steps + 2)]
+    batches = [batch.to(engine.device) for batch in batches]
     tokens = args.steps * args.batch * args.seq
     plain_tps, framework_tps = [], []
     for _ in range(args.trials):
@@ -84,7 +93,7 @@ def main() -> None:
     ratios = [f / p for f, p in zip(framework_tps, plain_tps)]
     result = {
         "model": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq, "batch": args.batch},
-        "zero_stage": args.zero_stage, "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "zero_stage": args.zero_stage, "device": str(engine.device),
         "threads": torch.get_num_threads(),
         "plain_tokens_per_s": plain_tps, "framework_tokens_per_s": framework_tps,
         "ratio_median": statistics.median(ratios), "ratios": ratios,
