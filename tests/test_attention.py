@@ -14,7 +14,7 @@ from models.attention.sink import sink_softmax_attention, sink_softmax_weights
 from models.attention.softmax import causal_softmax, softmax_attention
 from models.config import ModelConfig
 from models.registry import validate_model
-from tests.dist_utils import single_process_group, spawn
+from tests.dist_utils import REPO, single_process_group, spawn
 
 VOCAB = 128
 
@@ -562,6 +562,23 @@ def test_planner_counts_kept_chain_rows_only_where_the_fused_kernel_does_not_run
     wide = small_cfg("sllll")
     wide.num_heads, wide.lisa.kernel, wide.lisa.keep_chain_scores, wide.lisa.align_group = 8, "auto", True, 8
     assert lisa_handed_on(wide, gpu) == lisa_handed_on(wide, cpu) > 0
+
+
+def test_lisa_score_flops_count_its_own_products():
+    """A LISA layer's training FLOPs per token beyond its parameters: its rank-r products, the
+    alignment (mixing, FFN) and the values, not a softmax layer's full-width products (at the 1B
+    hybrid's sizes 0.70x those; at this tiny width the FFN alignment costs more than them)."""
+    from models.attention.lisa import lisa_score_flops
+    from models.counting import flops_per_token, param_counts
+    from pretrain.config import load_config
+
+    cfg = small_cfg("ssl")  # hidden 64, 4 heads; rank 2, groups of 2, FFN width 16
+    s, d, heads, rank, group, hid = 24, 64, 4, 2, 2, 16
+    matmul = param_counts(cfg)["total"] - cfg.padded_vocab_size * d  # untied: the embedding is a lookup
+    lisa = 3 * s * (heads * (2 * rank + 2 * group + 4 * hid) + 2 * d)
+    assert flops_per_token(cfg, s) == 6 * matmul + 2 * 12 * d * s + lisa
+    hybrid = load_config(str(REPO / "configs/hybrid_1b.yaml")).model
+    assert lisa_score_flops(hybrid, 2048) / (12 * hybrid.hidden_size * 2048) == pytest.approx(5760 / 8192)
 
 
 def test_lisa_qk_compression_and_exact_param_count(single_process):

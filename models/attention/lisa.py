@@ -143,6 +143,17 @@ def lisa_param_count(cfg: ModelConfig) -> int:
     return 2 * cfg.num_heads * rank * d + d * cfg.kv_width + d * d + lisa_align_params(cfg)
 
 
+def lisa_score_flops(cfg: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token of one LISA layer's score and value products, counted as Megatron
+    counts a softmax layer's (every key; backward twice the forward): per head and key the rank-r
+    query-key product, the alignment of the scores (the group's mixing weights, and the FFN's two
+    layers), and per key the weights times the values. The source's products it reads are the
+    source layer's (a kernel that recomputes them does more work than the model needs)."""
+    rank, group, hidden = lisa_sizes(cfg)
+    per_key = cfg.num_heads * (2 * rank + 2 * group + 4 * hidden) + 2 * cfg.hidden_size
+    return 3.0 * per_key * seq
+
+
 def qk_compression(cfg: ModelConfig) -> float:
     """Full attention's Q/K parameters divided by a LISA layer's (head_dim / rank without
     grouped-query attention)."""
@@ -654,7 +665,7 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
 
 
 registry.register_attention(registry.AttentionKind(
-    name="lisa", letter="l", module=LISAAttention, params=lisa_param_count,
+    name="lisa", letter="l", module=LISAAttention, params=lisa_param_count, score_flops=lisa_score_flops,
     activations=lisa_activations, handed_on=lisa_handed_on, reads_previous_scores=True, validate=validate,
     hf_remote=True,
 ))
