@@ -106,7 +106,7 @@ class LISAConfig:
     kernel: str = "auto"
     # Query rows per block: of the scores when kernel=auto builds them by blocks, and of the FFN's
     # hidden layer on explicit scores. 128 rather than 256: less of the diagonal block's masked half
-    # aligned, and a block's scores closer to cache (bench.lisa_train_step).
+    # aligned, and a block's scores closer to cache (bench/results/attention_speed_h1024_blocks.json).
     block_size: int = 128
     # A LISA layer followed by another keeps the score rows it builds by blocks (about
     # heads x seq^2 / 2 per sequence, until backward) and hands them on: the next layer reads them
