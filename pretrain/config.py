@@ -295,7 +295,8 @@ def validate(cfg: Config, world_size: int) -> None:
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
     if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 (0 = no warmup: the schedule starts at once)")
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 "
+                          "(0 = no warmup: the schedule starts at once)")
     for key, zero in (("stop_at_step", "run to train.steps"), ("eval_batches", "no validation"),
                       ("grad_clip", "no clipping"), ("weight_decay", "none")):
         if getattr(t, key) < 0:

@@ -249,9 +249,9 @@ class Batches:
         try:
             return next(self._it)
         except StopIteration:  # a whole epoch without one micro-batch (validate_data checks local shards)
-            raise RuntimeError("an epoch of the train data gave no micro-batch: it holds fewer samples than "
-                               "train.micro_batch per data-parallel rank; lower train.micro_batch or use more "
-                               "data") from None
+            raise RuntimeError("an epoch of the train data gave no micro-batch: it holds fewer "
+                               "samples than train.micro_batch per data-parallel rank; lower "
+                               "train.micro_batch or use more data") from None
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()

@@ -131,7 +131,8 @@ def test_data_mismatch_errors(tmp_path):
     meta.write_text(json.dumps({"vocab_size": 256, "sha256": FAKE_TOKENIZER_SHA}))
     cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=256", "train.micro_batch=4"])
     assert validate_data(cfg, world_size=2)["seq_len"] == 32
-    with pytest.raises(ConfigError, match="holds 8 samples, fewer than train.micro_batch=4 for each of the 4"):
+    too_few = "holds 8 samples, fewer than train.micro_batch=4 for each of the 4 "
+    with pytest.raises(ConfigError, match=too_few):
         validate_data(cfg, world_size=4)
 
 

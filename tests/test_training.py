@@ -145,7 +145,8 @@ def test_a_validation_interrupted_by_a_signal_runs_after_the_resume(data, tmp_pa
     # Resumed without validation (train.eval_batches=0) the interrupted one is no longer due: it trains on.
     no_val = tmp_path / "no_val"
     shutil.copytree(run, no_val)
-    on = train(2, tiny_overrides(data, no_val, **common, **{"train.eval_batches": 0, "train.stop_at_step": 5}))
+    no_validation = {"train.eval_batches": 0, "train.stop_at_step": 5}
+    on = train(2, tiny_overrides(data, no_val, **common, **no_validation))
     assert "stopping at step" not in on.stdout and sorted(losses(no_val))[-1] == 5, on.stdout
     last = train(2, tiny_overrides(data, run, **common))
     assert "step 4: running the validation the stop interrupted" in last.stdout
