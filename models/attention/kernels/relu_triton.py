@@ -233,6 +233,8 @@ class _TritonReLUAttention(torch.autograd.Function):
         return dq, dk_, dv_, None, None, None, None
 
 
+# Run as it is inside torch.compile'd blocks (train.compile): a graph break, as for the other kernels.
+@torch.compiler.disable
 def triton_relu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalizer: str,
                           scale: float | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, seq, d_qk], k [batch, kv_heads, seq, d_qk], v [batch, kv_heads, seq, d_v]
