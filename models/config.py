@@ -181,7 +181,9 @@ class ModelConfig:
             raise ConfigError(f"{which} is not divisible by parallel.tensor={tensor}; "
                               "choose a tensor-parallel size that divides the (K/V) heads")
         if self.padded_vocab_size % tensor:
-            raise ConfigError(f"model.vocab_pad_to={self.vocab_pad_to} must be a multiple of parallel.tensor={tensor}")
+            raise ConfigError(f"the padded vocabulary ({self.padded_vocab_size}, model.vocab_pad_to="
+                              f"{self.vocab_pad_to}) must divide by parallel.tensor={tensor}: make "
+                              "model.vocab_pad_to a multiple of it")
 
 
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))

@@ -96,6 +96,8 @@ def test_bad_overrides(override, message):
     (["model.attention=ssl", "model.num_layers=3", "model.lisa.align_hidden=-4"], 1,
      "model.lisa.align_hidden=-4 must be >= 0"),
     (["model.vocab_pad_to=0"], 1, "model.vocab_pad_to=0 must be >= 1"),
+    (["model.vocab_size=4096", "model.vocab_pad_to=3", "parallel.tensor=4"], 4,
+     r"the padded vocabulary \(4098, model.vocab_pad_to=3\) must divide by parallel.tensor=4"),
     (["profile.start_step=300", "train.steps=200"], 1, "after the last step"),
     (["profile.start_step=5", "profile.steps=0"], 1, "must be >= 1"),
     (["profile.start_step=5", "profile.ranks=0,8"], 8, "names rank 8, but the world has 8 ranks"),
