@@ -67,10 +67,6 @@ class SpikeGuard:
             self._grad_norm = grad_norm
         return self.decision[0]
 
-    def skipping(self) -> bool:
-        """Between the optimizer step and end_step: whether the step was skipped."""
-        return self.decision is not None and self.decision[0]
-
     def end_step(self, step: int) -> str:
         """After the optimizer step: the reason the step was skipped ('' when it was applied)."""
         skipped, reason = self.decision if self.decision is not None else (False, "")
@@ -97,12 +93,15 @@ class SpikeGuard:
 
 
 class SkipStepAdamW(torch.optim.AdamW):
-    """torch's AdamW whose step does nothing while ``should_skip()`` says so."""
+    """torch's AdamW whose step does nothing while ``should_skip()`` says so (``skipped`` tells
+    whether the last step did)."""
 
     should_skip: Callable[[], bool] = staticmethod(lambda: False)
+    skipped = False
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.should_skip():
+        self.skipped = self.should_skip()
+        if self.skipped:
             return None
         return super().step(closure)

@@ -125,8 +125,10 @@ class Trainer:
             for name, value in self.model.last_metrics.items():  # e.g. the z-loss, part of the loss
                 sums[name] = sums.get(name, 0.0) + value.float()
         self.last_metrics = {name: value / self.cfg.train.grad_accum for name, value in sums.items()}
-        # Part of the optimizer step: validation and the checkpoint of this step see its result.
-        self.model.after_optimizer_step(applied=self.spikes is None or not self.spikes.skipping())
+        # Part of the optimizer step: validation and the checkpoint of this step see its result. A step
+        # that changed no parameter (a spike, a non-finite norm, an fp16 overflow) moves nothing else.
+        skipped = getattr(self.engine.basic_optimizer, "skipped", False)
+        self.model.after_optimizer_step(applied=self.engine.was_step_applied() and not skipped)
         return total / self.cfg.train.grad_accum
 
     @torch.no_grad()

@@ -593,19 +593,23 @@ def test_a_skipped_step_moves_no_selection_bias():
 def test_padding_takes_no_part_in_routing(kind):
     """A padded batch with its token mask routes its real tokens as those tokens alone: the same
     outputs, capacity drops, aux loss (and router z-loss), bias counts and statistics; padding
-    (here one repeated vector, as padding's hidden states are) would otherwise crowd two experts."""
+    (here one repeated vector, as padding's hidden states are) would otherwise crowd two experts.
+    100 real tokens at capacity factor 1.1: 55.000000000000007 assignments per expert, 56 as the
+    unmasked batch counts them (55 in float32); a bias sends every token to experts 0 and 1."""
     from tests.dist_utils import single_process_group
 
     extra = {"router_z_loss_coef": 0.1} if kind == "moe" else {}
-    cfg = make_cfg(kind, capacity_factor=1.0, bias_update_rate=0.1, **extra)
+    cfg = make_cfg(kind, capacity_factor=1.1, bias_update_rate=0.1, **extra)
     gen = torch.Generator().manual_seed(0)
-    real = torch.randn(12, D, generator=gen)
-    lengths = (4, 8)
-    padded = torch.randn(D, generator=gen).expand(2, 10, D).clone()
-    padded[0, :4], padded[1, :8] = real[:4], real[4:]
-    mask = torch.arange(10)[None, :] < torch.tensor(lengths)[:, None]
+    real = torch.randn(100, D, generator=gen)
+    lengths = (40, 60)
+    padded = torch.randn(D, generator=gen).expand(2, 70, D).clone()
+    padded[0, :40], padded[1, :60] = real[:40], real[40:]
+    mask = torch.arange(70)[None, :] < torch.tensor(lengths)[:, None]
     with single_process_group():
         alone, masked = build(kind, cfg), build(kind, cfg)
+        for layer in (alone, masked):
+            layer.router_bias.copy_(torch.tensor([50.0, 50.0, 0.0, 0.0]))
         want = alone(real)
         got = masked(padded, mask)
         assert int(masked.last_dropped) == int(alone.last_dropped) > 0
@@ -613,11 +617,11 @@ def test_padding_takes_no_part_in_routing(kind):
         torch.testing.assert_close(masked.aux_loss, alone.aux_loss)
         assert torch.equal(masked.pending_counts, alone.pending_counts)
         torch.testing.assert_close(masked.stats.as_tensor(), alone.stats.as_tensor())
-        assert masked.stats.totals()["tokens"] == 12
+        assert masked.stats.totals()["tokens"] == 100 and int(alone.last_dropped) == 2 * (100 - 56)
         unmasked = build(kind, cfg)
-        unmasked(padded)  # without the mask the 8 padding tokens count (and take capacity)
-        assert unmasked.stats.totals()["tokens"] == 20 and not torch.equal(unmasked.pending_counts,
-                                                                            alone.pending_counts)
+        unmasked(padded)  # without the mask the 40 padding tokens count (and take capacity)
+        assert unmasked.stats.totals()["tokens"] == 140 and not torch.equal(unmasked.pending_counts,
+                                                                             alone.pending_counts)
 
 
 @pytest.mark.parametrize("score", ["h", "silu"])

@@ -292,7 +292,9 @@ class RoutedLayer(nn.Module):
         if self.may_drop():  # evaluation and inference route every token
             ids, experts, real = selected.reshape(-1), self.num_experts, T
             if valid is not None:  # padding queues for an expert of its own, then is dropped
-                ids, experts, real = torch.where(counted.bool(), ids, experts), experts + 1, valid.sum()
+                # float64, as math.ceil computes the count of an unmasked batch (float32 rounds some down)
+                ids, experts = torch.where(counted.bool(), ids, experts), experts + 1
+                real = valid.sum(dtype=torch.float64)
             capacity = real * self.top_k / self.num_experts * self.capacity_factor
             capacity = math.ceil(capacity) if valid is None else torch.ceil(capacity)
             keep = capacity_mask(ids, experts, capacity).view_as(selected)
