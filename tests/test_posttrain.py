@@ -123,6 +123,33 @@ def test_sft_loss_is_the_mean_over_response_tokens_padded_or_packed(encoder):
         assert not torch.allclose(model(packed), expected, rtol=1e-4)
 
 
+def test_padding_stays_out_of_routing_in_post_training():
+    """A padded batch through the policy (SFT, and SGA's value head on the raw prompts): its UoE
+    layers count the real tokens only (the token mask reaches them through every block)."""
+    from models.moe.routing import sparse_layers
+    from pretrain.config import load_config
+    from posttrain.model import PostTrainModel
+
+    uoe = {"model.mlp": "uoe", "model.moe.num_experts": 4, "model.moe.top_k": 2,
+           "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 16}
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**MODEL, **uoe}.items()]).model
+    rng = random.Random(0)
+    rows = [response_row([rng.randrange(4, 400) for _ in range(n)], [5, 6, 2]) for n in (3, 9)]
+    batch = collate_rows(rows, pad_id=3)
+    with single_process_group():
+        torch.manual_seed(0)
+        head = {"hidden_size": cfg.hidden_size, "objectives": ["a"], "layers": 1, "width": 8, "dropout": 0.0}
+        model = PostTrainModel(cfg, "sft", value_head=head).train()
+        model(batch)
+        lengths = [len(r.ids) for r in rows]  # padded to a multiple of 8: 16 positions, 15 inputs
+        assert all(layer.stats.totals()["tokens"] == sum(lengths) for layer in sparse_layers(model))
+        prompts = torch.tensor([[7, 8, 3, 3], [7, 8, 9, 10]])
+        for layer in sparse_layers(model):
+            layer.stats.reset()
+        model.predict_scores(prompts, torch.tensor([1, 3]))
+        assert all(layer.stats.totals()["tokens"] == 6 for layer in sparse_layers(model))
+
+
 # ---- DPO and SGA losses
 
 
