@@ -66,6 +66,12 @@ def run_bos(cfg: Config | None, meta: dict) -> int | None:
     return meta.get("bos_id") if cfg is not None and cfg.data.start_with_bos else None
 
 
+def run_document_eos(cfg: Config | None, meta: dict) -> int | None:
+    """The EOS id a run's attention stops at between documents (data.document_mask; the id from its
+    checkpoint meta or data manifest), else None."""
+    return meta.get("eos_id") if cfg is not None and cfg.data.document_mask else None
+
+
 def collate_fn(cfg: Config):
     """Samples -> one [B, seq_len + 1] batch, as data.* asks (picklable for loader workers)."""
     return functools.partial(_collate, bos=sample_bos(cfg))

@@ -17,7 +17,7 @@ from megatron.core import parallel_state as ps
 from models.attention.masks import document_ids
 from pretrain import checkpoint, checkpoint_format, signals
 from pretrain.config import Config
-from pretrain.data import Batches, all_batches, split_batch
+from pretrain.data import Batches, all_batches, run_document_eos, split_batch
 from pretrain.distributed import dp_mean
 from pretrain.engine import invalid_global_norm
 from pretrain.spikes import SpikeGuard
@@ -76,7 +76,7 @@ class Trainer:
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
         self.last_metrics: dict[str, torch.Tensor] = {}  # the model's own metrics of the last step
         # data.document_mask: the EOS id that ends each document of a sample (from the manifest).
-        self.document_eos: int | None = meta.get("eos_id") if cfg.data.document_mask else None
+        self.document_eos: int | None = run_document_eos(cfg, meta)
         self.spikes: SpikeGuard | None = None
         # The step whose validation a signal interrupted: saved with its checkpoint, so the resumed
         # run validates those weights before it trains on.

@@ -397,6 +397,7 @@ def test_imported_llama_converts_to_lisa(data, imported, dist_env, tmp_path, cap
 @pytest.mark.slow
 def test_bad_inputs_fail_clearly_and_write_nothing(runs, imported, dist_env, tmp_path, capsys):
     from tools.consolidate import main as consolidate_main
+    from tools.convert_experts import main as convert_experts_main
     from tools.export import main as export_main
     from tools.import_hf import main as import_main
 
@@ -443,7 +444,14 @@ def test_bad_inputs_fail_clearly_and_write_nothing(runs, imported, dist_env, tmp
     assert export_main(["--checkpoint", str(run_copy), *new, "--max-shard-size", "5XB"]) == 2
     assert "--max-shard-size 5XB" in capsys.readouterr().err and not (tmp_path / "new").exists()
     assert consolidate_main(["--checkpoint", str(run_copy), "--out", str(tmp_path), "--overwrite"]) == 2
-    assert "is a directory; give the .pt file" in capsys.readouterr().err
+    assert "is a directory; give the file to write" in capsys.readouterr().err
+    tag = run_copy / "checkpoints" / "step_00000002"
+    inside = tag / "mp_rank_00_model_states.pt"  # a file of the checkpoint being read
+    assert consolidate_main(["--checkpoint", str(tag), "--out", str(inside), "--overwrite"]) == 2
+    assert "lies in the checkpoint" in capsys.readouterr().err
+    assert convert_experts_main([str(tag), str(inside), "--overwrite"]) == 2
+    assert "lies in the checkpoint" in capsys.readouterr().err
+    assert (tag / "COMPLETE").is_file() and inside.stat().st_size > 0
 
 
 def test_export_formats_and_unsupported_imports(tmp_path, capsys):

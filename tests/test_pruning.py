@@ -393,8 +393,16 @@ def test_prune_unsafe_refuses_to_delete_its_source_and_empty_inputs_before_loadi
         raise AssertionError("the model was loaded before the inputs were checked")
 
     monkeypatch.setattr(pretrain.consolidate, "load_model", no_loading)
-    assert main(argv + ["--out", str(tmp_path), "--overwrite"]) == 2
+    assert main(argv + ["--out", str(tmp_path), "--overwrite"]) == 2  # holds the responses file too
+    assert f"--out {tmp_path} holds --responses {responses}" in capsys.readouterr().err
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text(responses.read_text())
+    assert main(["--checkpoint", str(tmp_path / "base"), "--responses", str(elsewhere), "--overwrite",
+                 "--out", str(tmp_path / "base")]) == 2
     assert "holds the checkpoint being pruned" in capsys.readouterr().err
+    (tmp_path / "link").symlink_to(tmp_path / "base")
+    assert main(argv + ["--out", str(tmp_path / "link"), "--overwrite"]) == 2
+    assert "is a link; give the directory itself" in capsys.readouterr().err
     assert (tmp_path / "base").is_dir()
     (tmp_path / "chat.jsonl").write_text("{not json\n" + json.dumps({"messages": "none"}) + "\n")
     assert main(argv + ["--out", str(tmp_path / "out"), "--utility", str(tmp_path / "chat.jsonl")]) == 2

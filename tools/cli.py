@@ -48,16 +48,33 @@ def reports_errors(*extra: type[BaseException]):
 
 
 def check_out_dir(out: Path, sources: dict[str, Path | str | None]) -> None:
-    """--out of a tool that writes a directory, replaced whole (--overwrite): not a file, and not the
-    source it reads or a folder holding it (what is read first would be deleted). `sources`:
-    {what: path}; None entries are skipped."""
+    """--out of a tool that writes a directory, replaced whole (--overwrite): not a file or a link,
+    and not what the tool reads or a folder holding it (what is read first would be deleted).
+    `sources`: {what: path}; None entries are skipped."""
+    if out.is_symlink():
+        raise ToolError(f"--out {out} is a link; give the directory itself ({out.resolve()})")
     if out.exists() and not out.is_dir():
         raise ToolError(f"--out {out} is a file; give a directory")
     where = out.resolve()
-    for what, source in sources.items():
-        if source is not None and where in (Path(source).resolve(), *Path(source).resolve().parents):
+    for what, source in _resolved(sources):
+        if where == source or where in source.parents:
             raise ToolError(f"--out {out} holds {what} ({source}); writing it would delete that: choose "
                             "another directory")
+
+
+def check_out_file(out: Path, sources: dict[str, Path | str | None]) -> None:
+    """--out of a tool that writes one file: not a directory, and not inside what the tool reads
+    (replacing a file there would corrupt it)."""
+    if out.is_dir():
+        raise ToolError(f"--out {out} is a directory; give the file to write")
+    where = out.resolve()
+    for what, source in _resolved(sources):
+        if where == source or source in where.parents:
+            raise ToolError(f"--out {out} lies in {what} ({source}); choose a file elsewhere")
+
+
+def _resolved(sources: dict[str, Path | str | None]) -> list[tuple[str, Path]]:
+    return [(what, Path(source).resolve()) for what, source in sources.items() if source is not None]
 
 
 def tool_device(name: str):

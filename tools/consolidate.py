@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import torch_save_atomic
+from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.consolidate import load_model
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.cli import ToolError, argument_parser, check_out_file, reports_errors, run
 
 
 @reports_errors()
@@ -27,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    if out.is_dir():
-        raise ToolError(f"--out {out} is a directory; give the .pt file to write")
+    check_out_file(out, {"the checkpoint": resolve_checkpoint(args.checkpoint)})
     if out.exists() and not args.overwrite:
         raise ToolError(f"--out {out} exists; choose a new file or pass --overwrite")
     model, cfg, meta = load_model(args.checkpoint)

@@ -22,7 +22,7 @@ import torch
 from pretrain.checkpoint import torch_save_atomic
 from pretrain.checkpoint_format import EXPERT_KEY, local_expert_state, read_meta, resolve_checkpoint
 from pretrain.consolidate import describe_layout, rank_state
-from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.cli import ToolError, argument_parser, check_out_file, reports_errors, run
 
 
 def expert_major_state(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch.Tensor]:
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    check_out_file(out, {"the checkpoint": args.checkpoint})
     if out.exists() and not args.overwrite:
         raise ToolError(f"{out} exists; choose another file or pass --overwrite")
     state = expert_major_state(args.checkpoint, args.mp_rank)

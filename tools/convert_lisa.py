@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 
 from models.attention.lisa import qk_compression
-from models.attention.masks import document_ids
 from models.attention.lisa_conversion import (
     QK_INITS,
     build_lisa_model,
@@ -49,11 +48,12 @@ from models.attention.lisa_conversion import (
     propose_layers,
     sensitive_layers,
 )
+from models.attention.masks import document_ids
 from pretrain.checkpoint import torch_save_atomic
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import save_config
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import read_samples, run_bos, starting_with
+from pretrain.data import read_samples, run_bos, run_document_eos, starting_with
 from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
 
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                             + (" or a larger --max-chain" if chain_only else ""))
     run_cfg = run_config(resolve_checkpoint(args.checkpoint))
     bos = run_bos(run_cfg, meta)
-    eos = meta.get("eos_id") if run_cfg is not None and run_cfg.data.document_mask else None  # as it trained
+    eos = run_document_eos(run_cfg, meta)  # as it trained
 
     def samples(split: str, count: int):  # as the run's loader gave them
         rows = read_samples(shards / split, count)

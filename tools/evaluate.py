@@ -31,7 +31,7 @@ from megatron.core import tensor_parallel
 from models.attention.masks import document_ids
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import read_samples, run_bos, starting_with
+from pretrain.data import read_samples, run_bos, run_document_eos, starting_with
 from pretrain.downstream import empty_task_error, evaluate_tasks, load_task, task_name
 from tools.cli import ToolError, argument_parser, reports_errors, run, tool_device
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     run = run_config(resolve_checkpoint(args.checkpoint))
     bos = run_bos(run, meta)  # as the run's loader
     if location is not None:
-        eos = meta.get("eos_id") if run is not None and run.data.document_mask else None
+        eos = run_document_eos(run, meta)
         rows = read_samples(location, args.batches * args.batch_size)
         rows = rows if bos is None else starting_with(rows, bos)
         result.update(evaluate_rows(model, rows, args.batch_size, eos), shards=str(location),

@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    check_out_dir(out, {})
+    inputs = {f"--{flag} {path}": path for flag in ("responses", "prompts", "utility", "eval-prompts")
+              for path in getattr(args, flag.replace("-", "_")) or []}
+    inputs.update({f"--{flag}": getattr(args, flag) for flag in ("shards", "tokenizer", "rules",
+                                                                 "classifier")})
+    check_out_dir(out, inputs)  # --overwrite replaces the directory after these are read
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ToolError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
     labeller = make_labeller(args)
@@ -178,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                           args.target_unsafe_rate, args.objective)
     started = time.perf_counter()
     tag_dir = resolve_checkpoint(args.checkpoint)
-    check_out_dir(out, {"the checkpoint being pruned": tag_dir})
+    check_out_dir(out, {"the checkpoint being pruned": tag_dir})  # --checkpoint may name a run, resolved here
     meta = read_meta(tag_dir)
     sp = run_tokenizer(tag_dir, args.tokenizer, meta)
     from pretrain.consolidate import load_model, run_config
-    from pretrain.data import run_bos
+    from pretrain.data import run_bos, run_document_eos
 
     run = run_config(tag_dir)
     bos = run_bos(run, meta)
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolError(f"--shards {args.shards}: samples of {samples.shape[1] - 1} tokens or ids beyond the "
                             "vocabulary; give shards built for this model and tokenizer")
         samples = samples if bos is None else starting_with(samples, bos)  # as the run's loader and evaluate
-        eos = meta.get("eos_id") if run is not None and run.data.document_mask else None
+        eos = run_document_eos(run, meta)
         utility = [{"tokens": rows, "trained": torch.ones_like(rows, dtype=torch.bool),
                     "documents": None if eos is None else document_ids(rows[:, :-1], eos)}
                    for rows in samples.split(args.batch_size)]

@@ -20,7 +20,7 @@ from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, SinkStats, measure
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import Config
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import load_val_batches
+from pretrain.data import load_val_batches, run_document_eos
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg, meta = load_model(ckpt)
     tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
     full = run_config(ckpt)
-    eos = meta.get("eos_id") if full is not None and full.data.document_mask else None
+    eos = run_document_eos(full, meta)
     stats = measure(model, tokens, document_ids(tokens, eos) if eos is not None else None)  # as training attended
     if stats is None:
         raise ToolError(f"no attention layer of this model ({cfg.attention}) exposes its weights; "
