@@ -2,7 +2,7 @@
 
     python -m bench.throughput [--steps 20 --trials 3 --zero-stage 1 --hidden 256 --layers 4]
 
-Single process (DP=1, TP=1). Trials alternate between the two loops so machine noise hits both;
+Single process (DP=1, TP=1), fp32 in both. Trials alternate between the two loops so machine noise hits both;
 the result is the ratio of tokens/s. Prints a table and writes bench/results/throughput.json.
 """
 
@@ -58,6 +58,7 @@ def main() -> None:
                             max_seq_len=args.seq)
     cfg.parallel.zero_stage = args.zero_stage
     cfg.train.micro_batch, cfg.train.steps, cfg.train.warmup_steps = args.batch, 10**6, 10
+    cfg.train.precision = "fp32"  # as the plain loop runs (auto would be bf16 on a GPU)
 
     torch.manual_seed(0)
     model = GPT(cfg.model)
@@ -93,7 +94,7 @@ def main() -> None:
     ratios = [f / p for f, p in zip(framework_tps, plain_tps)]
     result = {
         "model": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq, "batch": args.batch},
-        "zero_stage": args.zero_stage, "device": str(engine.device),
+        "zero_stage": args.zero_stage, "device": str(engine.device), "precision": cfg.train.precision,
         "threads": torch.get_num_threads(),
         "plain_tokens_per_s": plain_tps, "framework_tokens_per_s": framework_tps,
         "ratio_median": statistics.median(ratios), "ratios": ratios,

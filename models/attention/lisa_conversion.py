@@ -102,6 +102,8 @@ def conversion_problem(kinds: list[str], layers: list[int], keep_full: int, max_
         kind = registry.attention_kind(kinds[layer])
         if kind.reads_previous_scores:
             return f"layer {layer} is already a LISA layer"
+        if kind.score_family is None:
+            return f"layer {layer} is a {kind.name} layer, whose attention a LISA layer cannot compute"
         if kind.name != kind.score_family:
             return (f"layer {layer} is a {kind.name} layer: a LISA layer computes plain {kind.score_family} "
                     f"attention, so converting it would drop what {kind.name} adds")
