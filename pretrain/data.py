@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -27,7 +28,9 @@ _cleaned = False
 
 
 def clean_shared_memory_once() -> None:
-    """Shared memory left by a killed run breaks the next start; clear it before any dataset."""
+    """Shared memory left by a killed run breaks the next start; clear it before any dataset. It
+    clears the whole node's, a live run's too: tools never call it (they read through temporary
+    local folders), and two training runs on one node need a /dev/shm each."""
     global _cleaned
     if not _cleaned:
         from streaming.base.util import clean_stale_shared_memory
@@ -183,9 +186,10 @@ def has_samples(location: dict) -> bool:
     return bool(json.loads(text)["shards"])
 
 
-def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
+def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tensor]]:
     """Fixed validation sets, one per source with a val split (the same samples at every
-    evaluation, split by data-parallel rank): {source name: batches}; "" names data.shards."""
+    evaluation, split by data-parallel rank): {source name: batches}; "" names data.shards.
+    apart (tools): read through a temporary local folder, beside any run on this node."""
     from streaming import StreamingDataset
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -196,13 +200,18 @@ def load_val_sets(cfg: Config) -> dict[str, list[torch.Tensor]]:
         location = _split_location(cfg, source, "val")
         if not has_samples(location):
             continue  # no val split (shards built with --val-fraction 0)
-        clean_shared_memory_once()
-        dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
-        batches = []
-        for b in range(cfg.train.eval_batches):
-            # len(dataset) counts this rank's share; indexing is over all samples.
-            indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
-            batches.append(collate([dataset[i] for i in indices]))
+        folder = tempfile.TemporaryDirectory(prefix="pretrain-val-") if apart else contextlib.nullcontext()
+        with folder as tmp:
+            if apart:
+                location = {"remote": location["remote"] or location["local"], "local": tmp}
+            else:
+                clean_shared_memory_once()
+            dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
+            batches = []
+            for b in range(cfg.train.eval_batches):
+                # len(dataset) counts this rank's share; indexing is over all samples.
+                indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
+                batches.append(collate([dataset[i] for i in indices]))
         sets[source.name] = batches
     return sets
 
@@ -212,20 +221,19 @@ def all_batches(val_sets: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
     return [batch for batches in val_sets.values() for batch in batches]
 
 
-def load_val_batches(cfg: Config) -> list[torch.Tensor]:
-    return all_batches(load_val_sets(cfg))
+def load_val_batches(cfg: Config, apart: bool = False) -> list[torch.Tensor]:
+    return all_batches(load_val_sets(cfg, apart))
 
 
 def read_samples(location: str | Path, count: int) -> torch.Tensor:
     """The first `count` samples [count, seq + 1] of one split directory, in order, wrapping
-    around a small split (for tools that read shards outside training). Compressed shards are
-    decompressed into a temporary folder, not next to themselves."""
+    around a small split (for tools that read shards outside training). Read through a temporary
+    local folder (compressed shards decompressed there, not next to themselves), and without
+    clearing the node's streaming shared memory: a run on this node keeps its loader's state."""
     from streaming import StreamingDataset
 
-    clean_shared_memory_once()
     with tempfile.TemporaryDirectory(prefix="pretrain-samples-") as tmp:
-        where = {"remote": str(location), "local": tmp} if compressed_split(Path(location)) else {"local": str(location)}
-        dataset = StreamingDataset(**where, shuffle=False, batch_size=1)
+        dataset = StreamingDataset(remote=str(location), local=tmp, shuffle=False, batch_size=1)
         n = len(dataset)
         if n == 0:
             raise ValueError(f"{location} holds no samples")

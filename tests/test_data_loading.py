@@ -155,3 +155,29 @@ def test_an_epoch_without_a_micro_batch_is_a_clear_error():
         next(Batches([]))
     batches = Batches([[1], [2]])
     assert [next(batches) for _ in range(3)] == [[1], [2], [1]]  # a new epoch after the last
+
+
+def test_tools_read_shards_beside_a_run_without_clearing_its_shared_memory(tmp_path, monkeypatch):
+    """Clearing streaming's shared memory clears a live run's on the same node (its resume offset
+    among it); tools read through a temporary local folder and never clear it."""
+    import streaming.base.util
+
+    from pretrain.config import load_config
+    from pretrain.data import load_val_batches, read_samples
+    from tests.dist_utils import single_process_group
+
+    def cleared():
+        raise AssertionError("a tool cleared the node's streaming shared memory")
+
+    import pretrain.data
+
+    monkeypatch.setattr(streaming.base.util, "clean_stale_shared_memory", cleared)
+    monkeypatch.setattr(pretrain.data, "_cleaned", False)  # as in a tool's own process
+    root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
+    rows = read_samples(root / "shards" / "val", 10)
+    assert rows.shape == (10, 33) and torch.equal(rows[8], rows[0])  # 8 samples, wrapped around
+    cfg = load_config(None, [f"data.shards={root / 'shards'}", "model.max_seq_len=32", "train.micro_batch=2",
+                             "train.eval_batches=2"])
+    with single_process_group():
+        batches = load_val_batches(cfg, apart=True)
+    assert [b.shape for b in batches] == [(2, 33), (2, 33)] and torch.equal(batches[0], rows[:2])

@@ -33,7 +33,7 @@ def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> 
             full.data.shards, full.data.mix = shards, []  # --shards replaces the run's mixture too
         full.train.micro_batch, full.train.eval_batches = batch, 1
         try:
-            batches, problem = load_val_batches(full), "no samples in their val/ split"
+            batches, problem = load_val_batches(full, apart=True), "no samples in their val/ split"
         except Exception as err:  # noqa: BLE001 - fall back to random tokens, but say so
             batches, problem = [], f"cannot read them: {err}"
         if batches:
