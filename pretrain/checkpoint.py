@@ -64,8 +64,9 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0 and (ckpt_dir / tag).exists():
         # An earlier save of this step (crashed, maybe at another world size): none of its files may
-        # mix with this one's, and its COMPLETE must not vouch for a half-rewritten directory.
-        shutil.rmtree(ckpt_dir / tag)
+        # mix with this one's, and its COMPLETE must not vouch for a half-rewritten directory (the
+        # marker goes first: a kill during the removal leaves no complete-looking remainder).
+        remove_checkpoint(ckpt_dir / tag, ignore_errors=False)
     dist.barrier()
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
@@ -98,11 +99,18 @@ def _torch_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
+def remove_checkpoint(tag_dir: Path, ignore_errors: bool = True) -> None:
+    """Delete a checkpoint directory, its COMPLETE marker first: interrupted, what is left is a
+    partial checkpoint, which resume refuses and the next save clears."""
+    (tag_dir / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(tag_dir, ignore_errors=ignore_errors)
+
+
 def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
     complete = sorted(d.name for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and (d / COMPLETE).exists())
     for name in complete[:-keep_last]:
         if name != keep:
-            shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+            remove_checkpoint(ckpt_dir / name)
             shutil.rmtree(ckpt_dir / "universal" / name, ignore_errors=True)  # its cached conversion
     # Partial checkpoints older than the newest complete one are leftovers of crashed saves.
     for d in ckpt_dir.iterdir():

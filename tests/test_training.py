@@ -391,3 +391,23 @@ def test_mixture_resumes_exactly_and_validates_each_source(tmp_path):
     assert val["val/loss"] == pytest.approx((val["val/web/loss"] + val["val/code/loss"]) / 2, rel=1e-6)
     assert f"val loss {val['val/loss']:.4f} (web {val['val/web/loss']:.4f}, code {val['val/code/loss']:.4f})" \
         in out.stdout
+
+
+def test_a_checkpoint_is_removed_marker_first(tmp_path, monkeypatch):
+    """Retention and a save over an earlier one of the same step delete the COMPLETE marker before
+    the files: a process killed part-way leaves a partial checkpoint, never a complete-looking one."""
+    import pretrain.checkpoint as checkpoint
+    from pretrain.checkpoint_format import COMPLETE
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / COMPLETE).write_text("{}")
+    (tag / "mp_rank_00_model_states.pt").write_text("")
+
+    def killed(path, ignore_errors=False):
+        raise KeyboardInterrupt  # the process dies inside the removal
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.remove_checkpoint(tag)
+    assert not (tag / COMPLETE).exists() and (tag / "mp_rank_00_model_states.pt").exists()
