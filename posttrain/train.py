@@ -152,6 +152,9 @@ class PostTrainTask(Task):
                                 ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cfg.train.eval_batches)
         return {"": batches} if batches else {}
 
+    def resumed_data(self, cfg: PostTrainConfig, saved: dict, marker: dict, logger) -> dict:
+        return saved  # ExampleBatches checks its own data (its size) when it loads the state
+
     def meta(self, cfg: PostTrainConfig) -> dict:
         from posttrain.value_head import spec
 

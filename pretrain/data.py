@@ -63,6 +63,36 @@ def sample_bos(cfg: Config) -> int | None:
     raise ValueError("data.start_with_bos=true needs a local manifest.json with bos_id (validate_data)")
 
 
+def sources_record(cfg: Config) -> list[dict]:
+    """What the train loader reads, for the checkpoint marker: each source's name, shards and
+    weight, and a fingerprint of its local train split's index (None for remote shards)."""
+    record = []
+    for source in cfg.data.sources:
+        index = Path(source.shards) / "train" / "index.json"
+        fingerprint = hashlib.sha256(index.read_bytes()).hexdigest()[:16] if "://" not in source.shards \
+            and index.is_file() else None
+        record.append({"name": source.name, "shards": source.shards, "weight": source.weight,
+                       "train_index": fingerprint})
+    return record
+
+
+def resumed_position(saved: dict, marker: dict, cfg: Config) -> tuple[dict, str | None]:
+    """The loader state to resume from a checkpoint's (`saved`, its marker `marker`), and why it
+    differs: where the train data changed since (sources, weights or rebuilt shards), the saved
+    position points into another epoch order, so the loader starts the next epoch of the new data."""
+    before, now = marker.get("data_sources"), sources_record(cfg)
+
+    def key(record: list[dict]) -> list[tuple]:  # local shards by their index: moved ones are the same
+        return [(s["name"], s["weight"], s["train_index"] or s["shards"]) for s in record]
+
+    if before is None or key(before) == key(now):
+        return saved, None
+    changes = [f"{s['name'] or 'data.shards'}: {s['shards']} weight {s['weight']}" for s in now]
+    return ({**saved, "epoch": saved["epoch"] + 1, "sample_in_epoch": 0},
+            f"the train data changed since the checkpoint (now {'; '.join(changes)}): starting epoch "
+            f"{saved['epoch'] + 1} of it from its first sample")
+
+
 def run_bos(cfg: Config | None, meta: dict) -> int | None:
     """The BOS id a run's samples begin with (data.start_with_bos; the id from its checkpoint meta),
     else None."""

@@ -80,7 +80,18 @@ class Task:
 
     def meta(self, cfg: Config) -> dict:
         """Entries of the checkpoint marker besides the model's, the tokenizer's and the layout's."""
-        return {}
+        from pretrain.data import sources_record
+
+        return {"data_sources": sources_record(cfg)}
+
+    def resumed_data(self, cfg: Config, saved: dict, marker: dict, logger) -> dict:
+        """The train loader's state to resume from (the checkpoint's, unless the data changed)."""
+        from pretrain.data import resumed_position
+
+        state, why = resumed_position(saved, marker, cfg)
+        if why:
+            logger.print(why)
+        return state
 
     def trainer(self, cfg: Config, engine, batches, val_sets: dict, logger, meta: dict, callbacks: list):
         from pretrain.trainer import Trainer
@@ -165,8 +176,9 @@ def run(cfg: Config, task: Task | None = None) -> int:
         logger.print(f"started from the weights of {init_path}")
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path, universal or None)
-        batches.load_state_dict(state["data"])
-        start_step = checkpoint_format.read_meta(resume_path)["step"]
+        marker = checkpoint_format.read_meta(resume_path)
+        batches.load_state_dict(task.resumed_data(cfg, state["data"], marker, logger))
+        start_step = marker["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}"
                      + (f" on another layout, through {universal}" if universal else ""))
     trainer = task.trainer(cfg, engine, batches, task.val_sets(cfg), logger, meta, build_callbacks(cfg, model))
