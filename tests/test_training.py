@@ -416,12 +416,11 @@ def test_a_checkpoint_is_removed_marker_first(tmp_path, monkeypatch):
 def test_a_resume_on_changed_train_data_starts_a_new_epoch(data, tmp_path):
     """The checkpoint records the train data (sources, weights, each local split's index); resumed
     on other data (here a second source mixed in) the saved position would point into another epoch
-    order, so the loader starts the next epoch, and says so. The same data resumes in place."""
+    order, so the loader starts the next epoch, and says so. (The same data resumes in place: the
+    resume tests above reproduce the uninterrupted losses.)"""
     other = write_synthetic_shards(tmp_path / "other", seed=7)
     run = tmp_path / "run"
     train(1, tiny_overrides(data, run, **{"train.steps": 6, "train.stop_at_step": 2}))
-    same = train(1, tiny_overrides(data, run, **{"train.steps": 6, "train.stop_at_step": 4}))
-    assert "resumed from" in same.stdout and "the train data changed" not in same.stdout
     mix = f"data.mix=[{{shards: {data / 'shards'}, name: web}}, {{shards: {other / 'shards'}, name: other}}]"
     changed = train(1, tiny_overrides(data, run, **{"train.steps": 6}) + [mix])
     assert "the train data changed since the checkpoint" in changed.stdout, changed.stdout[-2000:]
