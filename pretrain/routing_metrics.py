@@ -30,7 +30,7 @@ from pretrain.trainer import Callback
 def summarize(layer: RoutedLayer, totals: torch.Tensor) -> dict[str, float]:
     n = layer.num_experts
     counts, score_sum = totals[:n], totals[n:2 * n]
-    sums = dict(zip(RoutingStats.ON_DEVICE + RoutingStats.ON_HOST, totals[2 * n:].tolist()))
+    sums = RoutingStats.named(totals, n)
     tokens, dropped, assignments = sums["tokens"], sums["dropped"], sums["assignments"]
     aux, forwards, vse_norm, routed_norm = sums["aux"], sums["forwards"], sums["vse_norm"], sums["routed_norm"]
     out: dict[str, float] = {}

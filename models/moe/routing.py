@@ -241,7 +241,12 @@ class RoutingStats:
 
     def totals(self) -> dict[str, float]:
         """The sums besides the per-expert ones, by name (waits for the device)."""
-        return dict(zip(self.ON_DEVICE + self.ON_HOST, self.as_tensor()[2 * self.num_experts:].tolist()))
+        return self.named(self.as_tensor(), self.num_experts)
+
+    @classmethod
+    def named(cls, totals: torch.Tensor, num_experts: int) -> dict[str, float]:
+        """The sums besides the per-expert ones of an as_tensor() layout, by name."""
+        return dict(zip(cls.ON_DEVICE + cls.ON_HOST, totals[2 * num_experts:].tolist()))
 
     @classmethod
     def size(cls, num_experts: int) -> int:

@@ -104,8 +104,8 @@ class UnionOfExperts(RoutedLayer):
         if tp_size() > 1:
             y_r = reduce_from_tensor_model_parallel_region(y_r)
         if self.training and self.stats.measure_norms:
-            real = 1.0 if valid is None else valid[:, None]
-            self.record(norms=True, vse_norm=y_vse * real, routed_norm=y_r * real)
+            vse, routed = (y_vse, y_r) if valid is None else (y_vse * valid[:, None], y_r * valid[:, None])
+            self.record(norms=True, vse_norm=vse, routed_norm=routed)  # of the real tokens
         return (y_vse + y_r).view(shape)
 
     def square_sums(self, a: torch.Tensor) -> torch.Tensor:
