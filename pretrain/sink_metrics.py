@@ -19,7 +19,7 @@ class SinkMetricsCallback(Callback):
     def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
         seq = min(self.seq, trainer.cfg.model.max_seq_len)
         tokens = trainer.probe_tokens(seq)
-        documents = document_ids(tokens, trainer.document_eos) if trainer.document_eos is not None else None
+        documents = document_ids(tokens, trainer.document_eos)
         stats = measure(trainer.model, tokens, documents)  # the same on every rank: all or none have maps
         if stats is not None:
             trainer.logger.scalars(step, scalars(gathered(stats), self.eps, self.per_head), prefix="sinks/")

@@ -103,8 +103,6 @@ class Trainer:
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         """The engine's loss on one micro-batch (inputs and shifted labels, documents when masked)."""
         inputs, labels = split_batch(batch, self.device)
-        if self.document_eos is None:
-            return self.engine(inputs, labels)
         return self.engine(inputs, labels, document_ids(inputs, self.document_eos))
 
     def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:

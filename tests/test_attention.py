@@ -781,7 +781,8 @@ def test_conversion_measures_a_model_within_documents_as_evaluate_does(single_pr
     """convert_lisa's losses (and so its sensitivity choice) of a run trained with
     data.document_mask attend within documents, as tools.evaluate and the trainer do."""
     from models.attention.lisa_conversion import layer_similarity
-    from tools.convert_lisa import documents_of, val_loss
+    from models.attention.masks import document_ids
+    from tools.convert_lisa import val_loss
     from tools.evaluate import evaluate_rows
 
     model = build(small_cfg("ssss")).eval()
@@ -792,7 +793,7 @@ def test_conversion_measures_a_model_within_documents_as_evaluate_does(single_pr
     assert val_loss(model, rows, 2) == pytest.approx(evaluate_rows(model, rows, 2)["loss"], rel=1e-6)
     assert abs(within - val_loss(model, rows, 2)) > 1e-4
     inputs = rows[:, :-1]
-    apart = layer_similarity(model, [inputs], [documents_of(inputs, 2)])
+    apart = layer_similarity(model, [inputs], [document_ids(inputs, 2)])
     assert apart[2]["heads"] != layer_similarity(model, [inputs])[2]["heads"]
 
 

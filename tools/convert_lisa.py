@@ -57,15 +57,10 @@ from pretrain.data import read_samples, run_bos, run_document_eos, starting_with
 from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
 
 
-def documents_of(tokens: torch.Tensor, eos: int | None) -> torch.Tensor | None:
-    """The document ids a run with data.document_mask attends within (eos: its EOS id), else None."""
-    return None if eos is None else document_ids(tokens, eos)
-
-
 @torch.no_grad()
 def val_loss(model, rows: torch.Tensor, micro: int, eos: int | None = None) -> float:
     model.eval()
-    losses = [float(model(b[:, :-1], b[:, 1:], documents_of(b[:, :-1], eos))) for b in rows.split(micro)]
+    losses = [float(model(b[:, :-1], b[:, 1:], document_ids(b[:, :-1], eos))) for b in rows.split(micro)]
     return sum(losses) / len(losses)
 
 
@@ -73,7 +68,7 @@ def val_loss(model, rows: torch.Tensor, micro: int, eos: int | None = None) -> f
 def forward_tokens_per_s(model, rows: torch.Tensor, eos: int | None = None, repeats: int = 3) -> float:
     model.eval()
     tokens = rows[:, :-1]
-    documents = documents_of(tokens, eos)
+    documents = document_ids(tokens, eos)
 
     def ctx():  # a new one per forward, which fills it in
         return None if documents is None else {"document_ids": documents}
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     val = samples("val" if (shards / "val").is_dir() else "train", args.val_samples)
 
     calib_inputs = [b[:, :-1] for b in calib.split(args.micro_batch)]
-    sim = layer_similarity(source, calib_inputs, [documents_of(b, eos) for b in calib_inputs])
+    sim = layer_similarity(source, calib_inputs, [document_ids(b, eos) for b in calib_inputs])
     print(f"{'layer':>5} {'kind':<13} {'sim to l-1 (matched)':>20} {'(same index)':>12}  head match")
     for layer in range(len(kinds)):
         s = sim.get(layer)
@@ -219,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     train_rows = samples("train", max(args.steps, 1) * args.micro_batch)
     t0 = time.perf_counter()
     for step, batch in enumerate(train_rows.split(args.micro_batch)[: args.steps]):
-        loss = model(batch[:, :-1], batch[:, 1:], documents_of(batch[:, :-1], eos))
+        loss = model(batch[:, :-1], batch[:, 1:], document_ids(batch[:, :-1], eos))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

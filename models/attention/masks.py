@@ -11,8 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[batch, seq] -> document index per position; an EOS belongs to the document it ends."""
+def document_ids(tokens: torch.Tensor, eos_id: int | None) -> torch.Tensor | None:
+    """[batch, seq] -> document index per position; an EOS belongs to the document it ends. None
+    for eos_id None (a run without data.document_mask attends across documents)."""
+    if eos_id is None:
+        return None
     is_eos = (tokens == eos_id).long()
     return torch.cumsum(is_eos, dim=1) - is_eos
 
