@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 
+from pretrain import shared_memory
 from pretrain.config import Config, DataSource
 
 # streaming (which imports transformers) is imported where shards are read: processes that read
@@ -24,19 +25,27 @@ from pretrain.config import Config, DataSource
 if TYPE_CHECKING:
     from streaming import StreamingDataLoader
 
-_cleaned = False
+_released = False
 
 
-def clean_shared_memory_once() -> None:
-    """Shared memory left by a killed run breaks the next start; clear it before any dataset. It
-    clears the whole node's, a live run's too: tools never call it (they read through temporary
-    local folders), and two training runs on one node need a /dev/shm each."""
-    global _cleaned
-    if not _cleaned:
-        from streaming.base.util import clean_stale_shared_memory
+def release_shared_memory_once(cfg: Config) -> None:
+    """Release the streaming shared memory that killed processes left on this node (it would break
+    this run's start), once per process, before its first dataset: on each node's first rank while
+    the others wait. Blocks that live processes use, another run's or a tool's, are kept
+    (pretrain/shared_memory.py)."""
+    global _released
+    if _released:
+        return
+    import torch.distributed as dist
 
-        clean_stale_shared_memory()
-        _cleaned = True
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        released = shared_memory.release_stale(cache_root(cfg))
+        if released:
+            print(f"released the streaming shared memory of {len(released)} exited "
+                  f"process(es) on this node", flush=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    _released = True
 
 
 def _collate(samples: list[dict], bos: int | None = None) -> torch.Tensor:
@@ -166,7 +175,7 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     ignores the state and restarts at sample 0."""
     from streaming import Stream, StreamingDataLoader, StreamingDataset
 
-    clean_shared_memory_once()
+    release_shared_memory_once(cfg)
     sources = cfg.data.sources
     if cfg.data.mix:  # streaming draws weight / sum(weights) of every epoch from each source
         where = {"streams": [Stream(**_split_location(cfg, s, split), proportion=s.weight) for s in sources]}
@@ -181,6 +190,7 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         # Tensor-parallel peers are consecutive ranks and must see identical samples.
         replication=ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else None,
     )
+    shared_memory.register(dataset._shm_prefix_int)
     return StreamingDataLoader(
         dataset,
         batch_size=cfg.train.micro_batch,
@@ -235,8 +245,9 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
             if apart:
                 location = {"remote": location["remote"] or location["local"], "local": tmp}
             else:
-                clean_shared_memory_once()
+                release_shared_memory_once(cfg)
             dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
+            shared_memory.register(dataset._shm_prefix_int)
             batches = []
             for b in range(cfg.train.eval_batches):
                 # len(dataset) counts this rank's share; indexing is over all samples.
@@ -259,11 +270,12 @@ def read_samples(location: str | Path, count: int) -> torch.Tensor:
     """The first `count` samples [count, seq + 1] of one split directory, in order, wrapping
     around a small split (for tools that read shards outside training). Read through a temporary
     local folder (compressed shards decompressed there, not next to themselves), and without
-    clearing the node's streaming shared memory: a run on this node keeps its loader's state."""
+    releasing the node's streaming shared memory: a run on this node keeps its loader's state."""
     from streaming import StreamingDataset
 
     with tempfile.TemporaryDirectory(prefix="pretrain-samples-") as tmp:
         dataset = StreamingDataset(remote=str(location), local=tmp, shuffle=False, batch_size=1)
+        shared_memory.register(dataset._shm_prefix_int)
         n = len(dataset)
         if n == 0:
             raise ValueError(f"{location} holds no samples")

@@ -1,6 +1,8 @@
 """Streaming loader partitioning: data-parallel ranks read disjoint samples, tensor-parallel
 peers identical ones."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -157,22 +159,20 @@ def test_an_epoch_without_a_micro_batch_is_a_clear_error():
     assert [next(batches) for _ in range(3)] == [[1], [2], [1]]  # a new epoch after the last
 
 
-def test_tools_read_shards_beside_a_run_without_clearing_its_shared_memory(tmp_path, monkeypatch):
-    """Clearing streaming's shared memory clears a live run's on the same node (its resume offset
-    among it); tools read through a temporary local folder and never clear it."""
-    import streaming.base.util
-
+def test_tools_read_shards_beside_a_run_without_releasing_shared_memory(tmp_path, monkeypatch):
+    """Tools read through a temporary local folder and release no streaming shared memory: a
+    training start does that, before its first dataset (test_a_start_releases_...)."""
+    import pretrain.data
+    import pretrain.shared_memory
     from pretrain.config import load_config
     from pretrain.data import load_val_batches, read_samples
     from tests.dist_utils import single_process_group
 
-    def cleared():
-        raise AssertionError("a tool cleared the node's streaming shared memory")
+    def released(cache):
+        raise AssertionError("a tool released the node's streaming shared memory")
 
-    import pretrain.data
-
-    monkeypatch.setattr(streaming.base.util, "clean_stale_shared_memory", cleared)
-    monkeypatch.setattr(pretrain.data, "_cleaned", False)  # as in a tool's own process
+    monkeypatch.setattr(pretrain.shared_memory, "release_stale", released)
+    monkeypatch.setattr(pretrain.data, "_released", False)  # as in a tool's own process
     root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
     rows = read_samples(root / "shards" / "val", 10)
     assert rows.shape == (10, 33) and torch.equal(rows[8], rows[0])  # 8 samples, wrapped around
@@ -181,3 +181,74 @@ def test_tools_read_shards_beside_a_run_without_clearing_its_shared_memory(tmp_p
     with single_process_group():
         batches = load_val_batches(cfg, apart=True)
     assert [b.shape for b in batches] == [(2, 33), (2, 33)] and torch.equal(batches[0], rows[:2])
+
+
+def test_a_run_starting_on_the_node_keeps_a_live_runs_loader_state(tmp_path, monkeypatch):
+    """A start releases only the shared memory of exited processes. streaming's own cleaner cleared
+    a live run's too: a resumed run's next checkpoint then counted its position from the resume."""
+    import tempfile
+
+    import pretrain.data
+    from pretrain.config import load_config
+    from pretrain.data import Batches, build_loader
+
+    (tmp_path / "locks").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "locks"))  # no filelocks: prefixes from 0
+    root = write_synthetic_shards(tmp_path / "data", train=32)
+
+    def start(run: str, in_new_process: bool) -> Batches:
+        if in_new_process:
+            monkeypatch.setattr(pretrain.data, "_released", False)
+        cfg = load_config(None, [f"data.shards={root / 'shards'}", "model.max_seq_len=32",
+                                 "train.micro_batch=2", "data.num_workers=0", f"run.dir={tmp_path / run}"])
+        return Batches(build_loader(cfg, "train", shuffle=False))
+
+    first = start("first", True)
+    for _ in range(5):
+        next(first)
+    resumed = start("first", False)
+    resumed.load_state_dict(first.state_dict())
+    next(resumed), next(resumed)
+    assert resumed.state_dict()["sample_in_epoch"] == 14
+    start("second", True)  # another run starts on this node
+    assert resumed.state_dict()["sample_in_epoch"] == 14
+
+
+def test_a_start_releases_only_what_exited_processes_left(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import tempfile
+
+    from streaming.base.shared.prefix import _pack_locals
+
+    from pretrain import shared_memory
+
+    shm, locks, cache = tmp_path / "shm", tmp_path / "locks", tmp_path / "cache" / "run" / "node"
+    shm.mkdir(), locks.mkdir()
+    monkeypatch.setattr(shared_memory, "SHM_DIR", shm)
+    monkeypatch.setattr(tempfile, "tempdir", str(locks))
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+
+    def blocks(prefix: int, local: Path, owner: int | None = None) -> None:
+        (shm / f"{prefix:06}_locals").write_bytes(_pack_locals([str(local)], prefix))
+        (shm / f"{prefix:06}_resume").write_bytes(b"{}")
+        (locks / f"{prefix:06}_cache_filelock").touch()
+        if owner is not None:
+            shared_memory._owners_dir().mkdir(exist_ok=True)
+            start = shared_memory._start_time(owner) or "0"
+            (shared_memory._owners_dir() / f"{prefix:06}.{owner}").write_text(start)
+
+    blocks(1, tmp_path / "elsewhere", owner=exited.pid)  # a killed run's: released
+    blocks(2, cache / "shards" / "train", owner=os.getpid())  # in use here: kept
+    blocks(3, tmp_path / "elsewhere", owner=None)  # unregistered, another program's perhaps: kept
+    blocks(4, cache / "shards" / "val", owner=None)  # unregistered in this run's cache: released
+    assert shared_memory.release_stale(cache) == [1, 4]
+    left = sorted(p.name for p in shm.iterdir() if p.is_file())
+    assert left == ["000002_locals", "000002_resume", "000003_locals", "000003_resume"]
+    assert sorted(p.name for p in locks.iterdir()) == ["000002_cache_filelock", "000003_cache_filelock"]
+    assert [p.name for p in shared_memory._owners_dir().iterdir()] == [f"000002.{os.getpid()}"]
+
+    blocks(5, cache / "shards" / "train", owner=os.getppid())  # the same run, live in another process
+    with pytest.raises(RuntimeError, match=f"process {os.getppid()} .* already running"):
+        shared_memory.release_stale(cache)
