@@ -82,14 +82,23 @@ def test_trigger_task_trains():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: extra threads only contend
     try:
-        relu = train_model("relu", layers=1, heads=1, steps=40, spec=spec, width=16, seed=0, batch=32)
-        soft = train_model("softmax", layers=1, heads=2, steps=40, spec=spec, width=16, seed=0, batch=32)
+        common = dict(steps=40, spec=spec, width=16, seed=0, batch=32, keep_maps=True)
+        relu = train_model("relu", layers=1, heads=1, **common)
+        soft = train_model("softmax", layers=1, heads=2, **common)
     finally:
         torch.set_num_threads(threads)
+    _, _, trigger = make_batch(spec, 512, torch.Generator().manual_seed(10_000))  # evaluate's batch (seed 0)
+    queries = ~trigger
+    queries[:, 0] = False  # the BOS query sees only BOS
     for result in (relu, soft):
         assert result["loss_end"] < 0.8 * result["loss_start"], result
-        assert 0.0 <= result["bos_mass_nontrigger"] <= 1.0
-    assert relu["row_total_nontrigger"] >= 0.0
+        [weights] = result["_maps"]  # [B, H, T, T], one layer
+        bos = torch.stack([weights[:, h, :, 0][queries] for h in range(weights.shape[1])])
+        rows = torch.stack([weights[:, h].sum(-1)[queries] for h in range(weights.shape[1])])
+        assert result["bos_mass_nontrigger"] == pytest.approx(float(bos.mean(1).mean()), rel=1e-5)
+        assert result["row_total_nontrigger"] == pytest.approx(float(rows.mean(1).mean()), rel=1e-5)
+        assert 0 < result["bos_mass_nontrigger"] < 1
+    assert soft["row_total_nontrigger"] == pytest.approx(1.0, abs=1e-5)  # softmax rows sum to one
 
 
 @pytest.fixture(scope="module")
