@@ -99,22 +99,33 @@ def atomic_write(path: Path, data: bytes) -> None:
 ABANDONED = "abandoned"  # checkpoints/abandoned/<time>/: the tags after an explicitly resumed older one
 
 
-def set_aside_newer(run_dir: str | os.PathLike, resumed: Path) -> list[str]:
+def set_aside_newer(run_dir: str | os.PathLike, resumed: Path | None) -> list[str]:
     """When a run resumes an older checkpoint of its own (train.resume=RUN/checkpoints/step_X, a
     rollback), move the tags after it to checkpoints/abandoned/<time>/ and point `latest` at it: else
     the next train.resume=auto (every Slurm requeue) would resume the abandoned trajectory, and pruning
-    by name would delete the new one. Returns the tags moved. Rank 0 only, before any save."""
+    by name would delete the new one. `resumed` None (train.resume=none in a run directory that holds
+    checkpoints): all of them, and no `latest`. Returns the tags moved. Rank 0 only, before any save."""
     ckpt_dir = checkpoint_dir(run_dir)
-    resumed = Path(resumed).resolve()
-    if resumed.parent != ckpt_dir.resolve() or not TAG_PATTERN.match(resumed.name):
+    if resumed is not None:
+        resumed = Path(resumed).resolve()
+        if resumed.parent != ckpt_dir.resolve() or not TAG_PATTERN.match(resumed.name):
+            return []
+    if not ckpt_dir.is_dir():
         return []
-    newer = sorted(d for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and d.name > resumed.name)
+    newer = sorted(d for d in ckpt_dir.iterdir()
+                   if TAG_PATTERN.match(d.name) and (resumed is None or d.name > resumed.name))
     if newer:
-        aside = ckpt_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
-        aside.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside, n = ckpt_dir / ABANDONED / stamp, 1
+        while aside.exists():  # a second set-aside within the second
+            aside, n = ckpt_dir / ABANDONED / f"{stamp}-{n}", n + 1
+        aside.mkdir(parents=True)
         for d in newer:
             d.rename(aside / d.name)
-    atomic_write(ckpt_dir / LATEST, resumed.name.encode())
+    if resumed is None:
+        (ckpt_dir / LATEST).unlink(missing_ok=True)
+    else:
+        atomic_write(ckpt_dir / LATEST, resumed.name.encode())
     return [d.name for d in newer]
 
 

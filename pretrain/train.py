@@ -143,10 +143,12 @@ def run(cfg: Config, task: Task | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
-        if resume_path is not None and cfg.train.resume != "auto":
+        if cfg.train.resume != "auto":  # none, or a checkpoint: no later tag may stay to be resumed or kept
             moved = checkpoint_format.set_aside_newer(run_dir, resume_path)
             if moved:
-                print(f"resuming the older {resume_path.name}: set aside the later checkpoints {', '.join(moved)} in "
+                why = "starting afresh: set aside the checkpoints" if resume_path is None else \
+                    f"resuming the older {resume_path.name}: set aside the later checkpoints"
+                print(f"{why} {', '.join(moved)} in "
                       f"{checkpoint_format.checkpoint_dir(run_dir) / checkpoint_format.ABANDONED}", flush=True)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = task.build_model(cfg)

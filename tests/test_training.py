@@ -169,6 +169,13 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(data, tmp_path):
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]
     requeued = train(1, tiny_overrides(data, run, **{"train.lr": 1e-3}))
     assert "step_00000006 at step 6" in requeued.stdout
+    # Starting afresh in the run directory: its checkpoints would count against keep_last, and a
+    # requeue without `latest` would resume the newest of them.
+    fresh = train(1, tiny_overrides(data, run, **{"train.resume": "none", "train.stop_at_step": 2}))
+    aside = "starting afresh: set aside the checkpoints step_00000004, step_00000006, step_00000008"
+    assert aside in fresh.stdout
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002"]
+    assert (ckpt / "latest").read_text() == "step_00000002" and len(list((ckpt / "abandoned").iterdir())) == 2
 
 
 def test_resume_auto_ignores_partial_checkpoint(data, tmp_path):
