@@ -31,7 +31,7 @@ from launch import slurm_job
 from launch.entry_points import entry_point
 from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
                            parse_time, sbatch_lines, submit)
-from pretrain.checkpoint_format import CheckpointError
+from pretrain.checkpoint_format import CheckpointError, resolve_resume
 from pretrain.config import Config, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,8 +112,10 @@ def check_plugins(modules: list[str]) -> None:
                               "submitting (sbatch passes it on)")
 
 
-def resolve_config(args: argparse.Namespace, procs: int) -> Config:
-    """Load, make paths absolute, validate for the layout."""
+def resolve_config(args: argparse.Namespace, procs: int) -> tuple[Config, str]:
+    """Load, make paths absolute, validate for the layout. Returns the config the job's starts read
+    (train.resume=auto) and the train.resume of its first start (as given: auto, none, or a
+    checkpoint, made absolute and checked to be complete)."""
     entry = entry_point(args.post)
     cfg = load_config(args.config, args.overrides, entry.config_class)
 
@@ -128,7 +130,11 @@ def resolve_config(args: argparse.Namespace, procs: int) -> Config:
         elif value:
             setattr(obj, key, absolute(value))
     cfg.data.mix = [dataclasses.replace(source, shards=absolute(source.shards)) for source in cfg.data.mix]
-    cfg.train.resume = "auto"
+    first_resume = cfg.train.resume
+    if first_resume not in ("auto", "none"):
+        first_resume = absolute(first_resume)
+        resolve_resume(first_resume, cfg.run.dir)  # a complete checkpoint
+    cfg.train.resume = "auto"  # requeues resume the run's newest checkpoint
     check_slurm_path(cfg.run.dir, "run.dir=")
     check_job_name(args.job_name or cfg.run.name, "--job-name" if args.job_name else "the job name (run.name)")
     check_plugins(cfg.model.plugins)
@@ -137,7 +143,7 @@ def resolve_config(args: argparse.Namespace, procs: int) -> Config:
         entry.check(cfg, world)
     except ConfigError as err:
         raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})") from None
-    return cfg
+    return cfg, first_resume
 
 
 def env_lines(args: argparse.Namespace) -> list[str]:
@@ -149,7 +155,7 @@ def env_lines(args: argparse.Namespace) -> list[str]:
             f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (args.cpus_per_task or 1) // args.cpu_procs_per_node)}}}"]
 
 
-def render(cfg: Config, args: argparse.Namespace, procs: int) -> str:
+def render(cfg: Config, args: argparse.Namespace, procs: int, first_resume: str = "auto") -> str:
     signal_s = args.signal_seconds
     shutdown = args.shutdown_timeout if args.shutdown_timeout is not None else max(signal_s - 30, 10)
     run_dir = Path(cfg.run.dir)
@@ -163,6 +169,7 @@ def render(cfg: Config, args: argparse.Namespace, procs: int) -> str:
         "SBATCH_EXTRA": "\n".join(sbatch_lines(args)),
         "RUN_DIR_Q": shlex.quote(str(run_dir)),
         "CONFIG_Q": shlex.quote(str(run_dir / slurm_job.JOB_CONFIG)),
+        "FIRST_RESUME_Q": shlex.quote(first_resume),
         "PYTHON_Q": shlex.quote(args.python),
         "REPO_Q": shlex.quote(str(REPO)),
         "PROCS_PER_NODE": str(procs),
@@ -205,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         procs = check_args(args, parse_time(args.time))
         if not args.dry_run and shutil.which("sbatch") is None:
             raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
-        cfg = resolve_config(args, procs)
-        script = render(cfg, args, procs)
+        cfg, first_resume = resolve_config(args, procs)
+        script = render(cfg, args, procs, first_resume)
         run_dir = Path(cfg.run.dir)
         job = None if args.force or args.dry_run else active_job(run_dir)
         if job:
@@ -216,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}\nnothing was submitted", file=sys.stderr)
         return 2
     config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if first_resume != "auto":
+        print(f"train.resume={first_resume} applies to this job's first start; its requeues resume the run's "
+              "newest checkpoint (submit without train.resume to continue the run later)", file=sys.stderr)
     if args.dry_run:
         print(f"##### {run_dir / slurm_job.JOB_SCRIPT}")
         print(script, end="")

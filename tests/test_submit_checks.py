@@ -177,3 +177,42 @@ def test_prep_chain_refused_half_way_is_cancelled(tmp_path, tok_dir, slurm_bin, 
     assert code == 1 and "could not be cancelled" in err and "hash array job 1001" in err, err
     records = json.loads((tmp_path / "out" / SLURM_DIR / JOBS_FILE).read_text())["jobs"]
     assert records[-1]["jobs"] == {"hash array": "1001"}
+
+
+def test_submit_takes_train_resume_for_the_first_start_only(tmp_path, monkeypatch, capsys):
+    """train.resume (none, or a checkpoint to roll back to) applies to the job's first start; its
+    requeues resume the run's newest checkpoint, else each would start over or roll back again."""
+    import subprocess
+
+    from launch.submit import main
+    from tests.dist_utils import REPO
+
+    write_synthetic_shards(tmp_path / "web")
+    monkeypatch.chdir(tmp_path)
+    args = [str(REPO / "configs/tiny_dense.yaml"), "data.shards=web/shards", "data.tokenizer=web/tokenizer",
+            "model.vocab_size=256", "model.max_seq_len=32", "run.dir=run", "--nodes", "1",
+            "--cpu-procs-per-node", "1", "--time", "00:10:00", "--dry-run"]
+
+    def resume_at(script: str, restarts: str) -> str:
+        start = script.index("RESTARTS=")
+        lines = script[start:script.index("\nfi\n", script.index("RESUME=", start)) + 4]
+        env = {**os.environ, "SLURM_RESTART_COUNT": restarts}
+        return subprocess.run(["bash", "-c", lines + 'echo "$RESUME"'], env=env, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    assert main([*args, "train.resume=none"]) == 0
+    out = capsys.readouterr()
+    assert "train.resume=none applies to this job's first start" in out.err
+    assert 'train.resume="$RESUME"' in out.out and "resume: auto" in out.out  # the job's config
+    assert [resume_at(out.out, n) for n in ("0", "1")] == ["none", "auto"]
+    tag = tmp_path / "run" / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 2
+    assert "not a complete checkpoint" in capsys.readouterr().err
+    (tag / "COMPLETE").write_text("{}")
+    assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 0
+    script = capsys.readouterr().out
+    assert [resume_at(script, n) for n in ("0", "3")] == [str(tag), "auto"]
+    assert main(args) == 0
+    script = capsys.readouterr().out
+    assert [resume_at(script, n) for n in ("0", "1")] == ["auto", "auto"]

@@ -222,7 +222,8 @@ def test_dry_run_renders_a_valid_requeueing_script(cluster, data, config, tmp_pa
                  "#SBATCH --partition=debug", "trap 'forward USR1' USR1", "trap 'forward TERM' TERM",
                  'scontrol requeue "$SLURM_JOB_ID"', "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                  "--shutdown-timeout=\"$SHUTDOWN_TIMEOUT\"", "--rdzv-id=\"$SLURM_JOB_ID\"", "MAX_REQUEUES=2",
-                 "PROCS_PER_NODE=1", f"CONFIG={run_dir}/slurm_config.yaml", "train.resume=auto"):
+                 "PROCS_PER_NODE=1", f"CONFIG={run_dir}/slurm_config.yaml", "RESUME=auto",
+                 'train.resume="$RESUME"'):
         assert line in script, line
     assert "{{" not in script
     path = tmp_path / "train.sbatch"
