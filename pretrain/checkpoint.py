@@ -118,9 +118,14 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str | None, path: Path) -> None:
+RESUME_FIX = "point train.resume at a checkpoint of this model, use a new run.dir, or set train.resume=none"
+
+
+def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str | None, path: Path,
+                     fix: str = RESUME_FIX) -> None:
     """The checkpoint's model is the config's. Keys and sections the marker lacks (added since it was
-    written, or declared by a plug-in only one side lists) count at their defaults."""
+    written, or declared by a plug-in only one side lists) count at their defaults. `fix`: what the
+    error tells the user to do."""
     plugins = sorted({*meta["model"].get("plugins", []), *model_config_dict.get("plugins", [])})
     saved = ModelConfig.from_dict({**meta["model"], "plugins": plugins}).signature()
     wanted = ModelConfig.from_dict({**model_config_dict, "plugins": plugins}).signature()
@@ -128,8 +133,7 @@ def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str 
     if diff:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {wanted.get(k)!r}" for k in diff)
         raise CheckpointError(
-            f"checkpoint {path} belongs to another model ({details}); point train.resume at a "
-            "checkpoint of this model, use a new run.dir, or set train.resume=none"
+            f"checkpoint {path} belongs to another model ({details}); {fix}"
         )
     if tokenizer_sha256 and meta.get("tokenizer_sha256") and meta["tokenizer_sha256"] != tokenizer_sha256:
         raise CheckpointError(

@@ -34,11 +34,14 @@ def _state_file(path: Path) -> dict:
     return state
 
 
+INIT_FIX = "point train.init_from at a checkpoint of this model, or set model.* to the checkpoint's"
+
+
 def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
     """The source (tag directory or state file), checked (same model, tokenizer, every file
     present) before any process group or model exists."""
     if Path(path).is_file():
-        check_compatible({"model": _state_file(Path(path))["model"]}, model, None, Path(path))
+        check_compatible({"model": _state_file(Path(path))["model"]}, model, None, Path(path), INIT_FIX)
         return Path(path)
     try:
         tag = resolve_checkpoint(path)
@@ -46,7 +49,7 @@ def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
         describe_layout(tag, meta)
     except CheckpointError as err:
         raise CheckpointError(f"train.init_from={path}: {err}") from None
-    check_compatible(meta, model, tokenizer_sha256, tag)
+    check_compatible(meta, model, tokenizer_sha256, tag, INIT_FIX)
     return tag
 
 

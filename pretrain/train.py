@@ -115,8 +115,13 @@ def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dic
     if cfg.train.init_from:
         from pretrain.init_from import check_source
 
-        return manifest, None, check_source(cfg.train.init_from, cfg.to_dict()["model"],
-                                            manifest.get("tokenizer_sha256")), False
+        init_path = check_source(cfg.train.init_from, cfg.to_dict()["model"], manifest.get("tokenizer_sha256"))
+        own = checkpoint_format.checkpoint_dir(cfg.run.dir).resolve()
+        if cfg.train.resume == "none" and own in Path(init_path).resolve().parents:
+            raise checkpoint_format.CheckpointError(
+                f"train.init_from={cfg.train.init_from} is a checkpoint of run.dir itself, which "
+                "train.resume=none sets aside before training: start the new run in another run.dir")
+        return manifest, None, init_path, False
     return manifest, None, None, False
 
 

@@ -734,8 +734,12 @@ def test_init_from_refuses_another_model(imported, data, tmp_path):
     cfg = load_config(imported[1] / "config.yaml", overrides)
     assert prepare(cfg, 1)[2] == src
     cfg = load_config(imported[1] / "config.yaml", [*overrides, "model.ffn_hidden_size=128"])
-    with pytest.raises(CheckpointError, match="ffn_hidden_size"):
+    with pytest.raises(CheckpointError, match="ffn_hidden_size.*; point train.init_from at a checkpoint"):
         prepare(cfg, 1)
     cfg = load_config(imported[1] / "config.yaml", [*overrides[:-1], f"train.init_from={tmp_path / 'nothing'}"])
     with pytest.raises(CheckpointError, match="train.init_from"):
+        prepare(cfg, 1)
+    # Its own checkpoint, which train.resume=none would set aside before loading it.
+    cfg = load_config(imported[1] / "config.yaml", [*overrides, f"run.dir={imported[1]}", "train.resume=none"])
+    with pytest.raises(CheckpointError, match="a checkpoint of run.dir itself"):
         prepare(cfg, 1)
