@@ -62,20 +62,29 @@ def deepspeed_config(cfg: Config) -> dict:
     }
 
 
-def param_groups(model: nn.Module) -> list[dict]:
-    """No weight decay on norms and other vectors."""
+# 2: parameters marked `no_weight_decay` are not decayed; 1 (checkpoints saved before) decayed every
+# parameter of two or more dimensions. Recorded in checkpoints: a run resumes with its saved groups.
+DECAY_GROUPS = 2
+
+
+def param_groups(model: nn.Module, version: int = DECAY_GROUPS) -> list[dict]:
+    """No weight decay on norms and other vectors, nor on parameters a model marks
+    `no_weight_decay` (LISA's head mixing, which starts as the identity, and its 2-D biases)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            matrix = param.dim() >= 2 and (version < 2 or not getattr(param, "no_weight_decay", False))
+            (decay if matrix else no_decay).append(param)
     return [
         {"params": decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
 
 
-def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False):
-    """``load_universal``: the checkpoint to resume is a universal one (pretrain.universal)."""
+def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False,
+                 decay_groups: int = DECAY_GROUPS):
+    """``load_universal``: the checkpoint to resume is a universal one (pretrain.universal).
+    ``decay_groups``: the DECAY_GROUPS version of the checkpoint to resume."""
     import deepspeed
 
     config = deepspeed_config(cfg)
@@ -90,14 +99,14 @@ def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False):
 
         params = config.pop("optimizer")["params"]
         params.pop("torch_adam")
-        groups = param_groups(model)
+        groups = param_groups(model, decay_groups)
         if has_moe_layers(model)[0]:  # what DeepSpeed does for the optimizers it builds itself
             groups = configure_moe_param_groups(groups)
         optimizer = SkipStepAdamW(groups, lr=params.pop("lr"), betas=tuple(params.pop("betas")), **params)
         config["zero_allow_untested_optimizer"] = True  # ZeRO checks the exact type; this is torch's AdamW
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=None if optimizer is not None else param_groups(model),
+        model_parameters=None if optimizer is not None else param_groups(model, decay_groups),
         optimizer=optimizer,
         config=config,
         mpu=MegatronCoreMPU(),

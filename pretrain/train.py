@@ -129,7 +129,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     """Train per `cfg` (pretraining unless `task` says otherwise); returns the process exit code."""
     from models.counting import flops_per_token, param_counts
     from pretrain.callbacks import build_callbacks
-    from pretrain.engine import build_engine, describe_optimizer
+    from pretrain.engine import DECAY_GROUPS, build_engine, describe_optimizer
     from pretrain.telemetry import Logger
 
     task = task or Task()
@@ -161,14 +161,21 @@ def run(cfg: Config, task: Task | None = None) -> int:
         task.load_init(model, init_path)
     if switched_on(cfg.train.compile):
         model.compile_blocks()
-    engine = build_engine(cfg, model, load_universal=bool(universal))
+    # A run keeps the weight-decay groups it started with: its optimizer state is laid out by them.
+    saved = checkpoint_format.read_meta(resume_path) if resume_path is not None else {}
+    fresh_optimizer = resume_path is None or saved.get("optimizer_state") is False  # weights only: import_hf
+    decay_groups = DECAY_GROUPS if fresh_optimizer else saved.get("decay_groups", 1)
+    engine = build_engine(cfg, model, load_universal=bool(universal), decay_groups=decay_groups)
     batches = task.batches(cfg)
     counts = param_counts(cfg.model)
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
             "eos_id": manifest.get("eos_id"), "bos_id": manifest.get("bos_id"),
             "flops_per_token": flops_per_token(cfg.model), "params": counts,
-            "global_batch": global_batch(cfg, env.world_size), **task.meta(cfg)}
+            "global_batch": global_batch(cfg, env.world_size), "decay_groups": decay_groups, **task.meta(cfg)}
     logger = Logger(run_dir, env.rank)
+    if decay_groups < DECAY_GROUPS and any(getattr(p, "no_weight_decay", False) for p in model.parameters()):
+        logger.print("resumed with the weight-decay groups the checkpoint's optimizer state has: LISA's head "
+                     "mixing and biases decay as when the run started (a new run leaves them undecayed)")
     logger.print(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active), "
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "

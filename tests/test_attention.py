@@ -941,3 +941,25 @@ def test_planner_counts_no_features_where_the_fused_kernel_runs_linear_alignment
     # one key head per group (2 K/V heads)
     gqa, gqa_ffn, gqa_inputs = configs("sllrl", num_kv_heads=2)
     assert 3 * lisa_activations(gqa, gpu) == 2 * (lisa_activations(gqa_ffn, gpu) + hidden) + gqa_inputs
+
+
+def test_weight_decay_leaves_lisa_head_mixing_and_biases_alone(single_process):
+    """AdamW's decay pulls a parameter towards zero: right for weight matrices, wrong for LISA's head
+    mixing (it starts as the identity, the inherited scores) and its 2-D biases."""
+    from models.gpt import GPT
+    from pretrain.engine import param_groups
+
+    cfg = small_cfg("kssl")
+    cfg.lisa.align_hidden = 16
+    model = GPT(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in param_groups(model)}
+    align = [n for n in names.values() if ".align." in n]
+    assert sorted(n.rsplit(".", 1)[1] for n in align) == ["b1", "b2", "mix", "w1", "w2"]
+    assert [n.rsplit(".", 1)[1] for n in groups["no_decay"] if n in align] == ["b1", "b2", "mix"]
+    assert [n.rsplit(".", 1)[1] for n in groups["decay"] if n in align] == ["w1", "w2"]
+    assert all(model.get_parameter(n).dim() < 2 for n in groups["no_decay"] if n not in align)  # norms, sink
+    weights = {"embed.weight", "head.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.w_in.weight"}
+    assert weights <= set(groups["decay"])
+    before = {g["name"]: {names[id(p)] for p in g["params"]} for g in param_groups(model, version=1)}
+    assert set(align) <= before["decay"]  # the groups of checkpoints saved before: resumed as they were

@@ -113,6 +113,34 @@ def hybrid_run(tmp_path_factory):
     return root, run
 
 
+# pretrain.train as it was before LISA's head mixing left weight decay (DECAY_GROUPS 1).
+DECAYING_LISA_TRAIN = """
+import sys
+import pretrain.engine
+pretrain.engine.DECAY_GROUPS = 1
+from pretrain.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_resumes_with_the_weight_decay_groups_it_started_with(tmp_path):
+    """A checkpoint saved when LISA's head mixing was decayed (its marker records no decay_groups)
+    resumes with those groups: its optimizer state is laid out by them (DeepSpeed refuses others)."""
+    root = write_synthetic_shards(tmp_path / "data")
+    run, script = tmp_path / "run", tmp_path / "decaying_lisa_train.py"
+    script.write_text(DECAYING_LISA_TRAIN)
+    lisa = {"model.attention": "sl", "model.lisa.keep_full_layers": 1, "train.steps": 2,
+            "train.warmup_steps": 1, "train.save_interval": 2, "train.eval_batches": 0}
+    dist_utils.torchrun(1, [str(script), *tiny_overrides(root, run, **lisa)])
+    marker = run / "checkpoints" / "step_00000002" / "COMPLETE"
+    meta = json.loads(marker.read_text())
+    assert meta.pop("decay_groups") == 1
+    marker.write_text(json.dumps(meta))
+    out = train(1, tiny_overrides(root, run, **{**lisa, "train.steps": 3}))
+    assert "LISA's head mixing and biases decay as when the run started" in out.stdout
+    assert json.loads((run / "checkpoints" / "step_00000003" / "COMPLETE").read_text())["decay_groups"] == 1
+
+
 def run_module(*args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=dist_utils.child_env(),
                           capture_output=True, text=True, timeout=600)

@@ -279,6 +279,8 @@ class HeadAlign(nn.Module):
         groups, local = num_heads // group, local_heads // group
         # Full-size init then this rank's groups: the same model at every tensor-parallel size.
         self.mix = _split_param(torch.eye(group).expand(groups, group, group).clone(), local)
+        # Weight decay would pull the mixing from the identity (the inherited scores) towards zero.
+        self.mix.no_weight_decay = True
         self.hidden = hidden
         if not hidden:  # align_hidden = 0: linear head mixing only
             return
@@ -286,6 +288,7 @@ class HeadAlign(nn.Module):
         self.b1 = _split_param(torch.zeros(groups, hidden), local)
         self.w2 = _split_param(torch.zeros(groups, group, hidden), local)
         self.b2 = _split_param(torch.zeros(groups, group), local)
+        self.b1.no_weight_decay = self.b2.no_weight_decay = True  # biases, 2-D for their groups
 
     def nonlinear(self, s: torch.Tensor) -> torch.Tensor:
         """The FFN's part of the aligned scores: s [batch, groups, group, rows, keys] -> same shape.
