@@ -286,6 +286,11 @@ def validate(cfg: Config, world_size: int) -> None:
             "parallel.zero_stage=3 does not support expert layers (DeepSpeed refuses MoE with ZeRO-3); "
             f"use parallel.zero_stage=1 or 2 for {m.mlp} models"
         )
+    if p.expert > 1 and p.zero_stage == 0 and t.grad_clip > 0:
+        raise ConfigError(
+            f"parallel.zero_stage=0 with parallel.expert={p.expert} clips by a wrong norm (DeepSpeed "
+            "averages the ranks' norms where their experts' should add up): use parallel.zero_stage=1 or "
+            "2, or train.grad_clip=0")
     if not routed and p.expert != 1:
         experts = sorted(name for name, kind in registry.mlp_kinds().items() if kind.routed)
         raise ConfigError(f"parallel.expert > 1 needs an expert model: set model.mlp to one of {experts}")

@@ -59,6 +59,7 @@ def test_bad_overrides(override, message):
     (["parallel.expert=2"], 2, "needs an expert model"),
     (["model.mlp=uoe", "model.moe.num_experts=3", "parallel.expert=2"], 2, "num_experts=3 is not divisible"),
     (["model.mlp=moe", "parallel.zero_stage=3"], 1, "does not support expert layers"),
+    (["model.mlp=moe", "parallel.expert=2", "parallel.zero_stage=0"], 2, "clips by a wrong norm"),
     (["model.attention=sx"], 1, "unknown letters"),
     (["model.attention=softmax,relu", "model.num_layers=3"], 1, "lists 2 layers"),
     (["train.warmup_steps=500", "train.steps=100"], 1, "warmup_steps=500 must be smaller"),
