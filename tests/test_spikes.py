@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain.spikes import MAX_CONSECUTIVE_SKIPS, MIN_STEPS, SkipStepAdamW, SpikeGuard
-from tests.dist_utils import train
+from tests.dist_utils import torchrun, train
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
 
@@ -84,6 +84,8 @@ def test_planted_spikes_are_skipped_on_every_rank_and_resume_exactly(tmp_path):
     out = train(2, tiny_overrides(data, full, **extra))
     skipped = [int(line.split()[1].rstrip(":")) for line in out.stdout.splitlines() if "skipped as a spike" in line]
     assert len(skipped) >= 2 and all(s > 20 for s in skipped), out.stdout[-3000:]
+    loss = {r["step"]: r["loss"] for r in map(json.loads, (full / "losses.jsonl").read_text().splitlines())}
+    assert all(loss[s] > 1.3 * loss[s - 1] for s in skipped), (skipped, loss)  # each a jump: a planted batch
     ranks = [torch.load(full / "checkpoints" / "step_00000070" / f"rank_{r:05d}.pt", weights_only=False)["spikes"]
              for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["skipped_steps"] == skipped
@@ -100,13 +102,49 @@ def test_planted_spikes_are_skipped_on_every_rank_and_resume_exactly(tmp_path):
             if "skipped as a spike" in line] == [s for s in skipped if s > 35]
 
 
-def test_skip_spikes_builds_for_an_expert_model(tmp_path):
-    """DeepSpeed sorts expert parameters into their own groups only for optimizers it builds itself."""
+# pretrain.train whose optimizer also skips the step SKIP_AT_STEP, as for a spike.
+SKIPPING_TRAIN = """
+import os, sys
+from pretrain.train import Task, main
+from pretrain.trainer import Callback
+
+class StepNow(Callback):
+    def on_step_begin(self, trainer, step):
+        self.step = step
+
+class SkipOneStep(Task):
+    def trainer(self, cfg, engine, batches, val_sets, logger, meta, callbacks):
+        counter = StepNow()
+        trainer = super().trainer(cfg, engine, batches, val_sets, logger, meta, [*callbacks, counter])
+        guard, skip_at = engine.basic_optimizer.should_skip, int(os.environ["SKIP_AT_STEP"])
+        # Asked once per parameter group; the guard must see every call, as without this.
+        engine.basic_optimizer.should_skip = lambda: guard() | (counter.step == skip_at)
+        return trainer
+
+sys.exit(main(sys.argv[1:], SkipOneStep()))
+"""
+
+
+def test_a_skipped_step_of_an_expert_model_changes_no_weight_and_no_router_bias(tmp_path):
+    """Through the trainer: a skipped step leaves the weights and the aux-loss-free router bias as
+    the step before left them. It builds at all because DeepSpeed sorts expert parameters into
+    their own groups only for optimizers it builds itself."""
+    from pretrain.consolidate import full_state_dict
+
     data = write_synthetic_shards(tmp_path / "data")
-    run = tmp_path / "uoe"
-    out = train(1, tiny_overrides(data, run, **{"train.steps": 2, "train.warmup_steps": 1, "train.skip_spikes": "true", "model.mlp": "uoe",
-                                                "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 16}))
-    assert "AdamW (skips spikes)" in out.stdout and (run / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+    run, script = tmp_path / "uoe", tmp_path / "skipping_train.py"
+    script.write_text(SKIPPING_TRAIN)
+    overrides = tiny_overrides(data, run, **{
+        "train.steps": 2, "train.warmup_steps": 1, "train.skip_spikes": "true", "train.save_interval": 1,
+        "model.mlp": "uoe", "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 16,
+        "model.moe.bias_update_rate": 0.1})
+    out = torchrun(1, [str(script), *overrides], SKIP_AT_STEP="2")
+    assert "AdamW (skips spikes)" in out.stdout
+    (first, _, _), (second, _, _) = (full_state_dict(run / "checkpoints" / f"step_{s:08d}") for s in (1, 2))
+    biases = [name for name in first if name.endswith("router_bias")]
+    assert biases and all(first[name].abs().sum() > 0 for name in biases)  # step 1 moved them
+    changed = [name for name in first if not torch.equal(first[name], second[name])]
+    assert not changed, changed
 
 
 def test_bf16_refuses_a_non_finite_gradient_by_its_norm_without_the_overflow_scan(tmp_path):

@@ -34,11 +34,25 @@ def reference(data, tmp_path_factory):
     return losses(run)
 
 
+@pytest.fixture(scope="module")
+def data_parallel_run(data, tmp_path_factory):
+    """data_parallel_run(stage): the run directory of a DP = 2 run of STEPS steps at that ZeRO stage,
+    trained once for the tests that read it."""
+    runs = {}
+
+    def run(stage: int):
+        if stage not in runs:
+            runs[stage] = tmp_path_factory.mktemp(f"zero{stage}") / "run"
+            overrides = {"train.steps": STEPS, "parallel.zero_stage": stage}
+            train(2, tiny_overrides(data, runs[stage], **overrides))
+        return runs[stage]
+
+    return run
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_data_parallel_zero_matches_single_process(data, reference, tmp_path, stage):
-    run = tmp_path / "run"
-    train(2, tiny_overrides(data, run, **{"train.steps": STEPS, "parallel.zero_stage": stage}))
-    got = losses(run)
+def test_data_parallel_zero_matches_single_process(data_parallel_run, reference, stage):
+    got = losses(data_parallel_run(stage))
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
     for step in reference:
         assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (stage, step)
@@ -73,17 +87,27 @@ def test_tensor_parallel_training_matches_single_process(data, tmp_path):
             assert r["train/ce_loss"] + r["train/z_loss"] == pytest.approx(r["train/loss"], rel=1e-6)
 
 
-def test_resume_reproduces_uninterrupted_losses(data, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+@pytest.fixture(scope="module")
+def resumed_run(data, tmp_path_factory):
+    """An 8-step DP = 2 ZeRO-2 run straight through, and the same run stopped after step 4 and
+    resumed, profiling steps 3-5 on both ranks: (straight, resumed, first output, second output)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    straight, resumed = tmp / "straight", tmp / "resumed"
     common = {"train.steps": 8, "train.save_interval": 100, "parallel.zero_stage": 2}
+    profile = {"profile.start_step": 3, "profile.steps": 3, "profile.ranks": "all"}
     train(2, tiny_overrides(data, straight, **common))
-    first = train(2, tiny_overrides(data, resumed, **common, **{"train.stop_at_step": 4}))
+    first = train(2, tiny_overrides(data, resumed, **common, **profile, **{"train.stop_at_step": 4}))
+    second = train(2, tiny_overrides(data, resumed, **common, **profile))
+    return straight, resumed, first, second
+
+
+def test_resume_reproduces_uninterrupted_losses(resumed_run):
+    straight, resumed, first, second = resumed_run
     assert "stopping at train.stop_at_step=4" in first.stdout
-    second = train(2, tiny_overrides(data, resumed, **common))
     assert "resumed from" in second.stdout and "step_00000004" in second.stdout
     want, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 9))
-    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise on CPU
+    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise on CPU, profiled or not
     records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == list(range(1, 9))  # log_interval 1
@@ -125,12 +149,11 @@ def val_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
 
 
-def test_a_validation_interrupted_by_a_signal_runs_after_the_resume(data, tmp_path):
-    straight, run = tmp_path / "straight", tmp_path / "run"
+def test_a_validation_interrupted_by_a_signal_runs_after_the_resume(data, data_parallel_run, tmp_path):
+    straight, run = data_parallel_run(1), tmp_path / "run"  # ZeRO-1, the default
     script = tmp_path / "signalling_train.py"
     script.write_text(SIGNALLING_TRAIN)
     common = {"train.steps": STEPS, "train.log_interval": 100}  # validations at 4 and 6
-    train(2, tiny_overrides(data, straight, **common))
     # The signal reaches rank 1 just before step 4's validation: every rank leaves it at its first
     # batch, and the run saves step 4 and stops.
     first = torchrun(2, [str(script), *tiny_overrides(data, run, **common)], check=False, SIGNAL_AT_STEP="4")
@@ -360,13 +383,10 @@ def profiled_steps(trace) -> list[str]:
     return sorted(name for name in names if name.startswith("ProfilerStep#"))
 
 
-def test_profiler_traces_the_chosen_steps_across_a_resume(data, tmp_path):
+def test_profiler_traces_the_chosen_steps_across_a_resume(resumed_run):
     """profile.start_step=3 steps=3 is steps 3-5: the first run stops after step 4, so it writes
     steps 3-4 (after warming up in step 2); the resumed run profiles the rest, step 5, on both ranks."""
-    run = tmp_path / "run"
-    common = {"train.steps": 6, "profile.start_step": 3, "profile.steps": 3, "profile.ranks": "all"}
-    first = train(2, tiny_overrides(data, run, **common, **{"train.stop_at_step": 4}))
-    second = train(2, tiny_overrides(data, run, **common))
+    _, run, first, second = resumed_run
     rank1_log = (run / "logs" / "rank1.log").read_text()  # ranks other than 0 write there, not to the console
     for out, steps in ((first, "3-4"), (second, "5-5")):
         assert f"rank 0: profile of steps {steps} written" in out.stdout, out.stdout
@@ -377,7 +397,7 @@ def test_profiler_traces_the_chosen_steps_across_a_resume(data, tmp_path):
         assert len(profiled_steps(run / "profile" / f"rank{rank}_steps3-4.json.gz")) == 2
         assert len(profiled_steps(run / "profile" / f"rank{rank}_steps5-5.json.gz")) == 1
         assert "Self CPU" in (run / "profile" / f"rank{rank}_steps3-4.txt").read_text()
-    assert sorted(losses(run)) == list(range(1, 7))
+    assert sorted(losses(run)) == list(range(1, 9))
 
 
 def test_mixture_resumes_exactly_and_validates_each_source(tmp_path):
