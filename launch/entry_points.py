@@ -10,21 +10,23 @@ from typing import Callable
 class EntryPoint:
     module: str  # run as python -m MODULE --config CONFIG overrides...
     config_class: type
-    check: Callable  # (config, world size) -> None; raises ConfigError before anything starts
+    # (config, world size) -> None: every check the job makes before it starts (config, data,
+    # tokenizer, the checkpoint to resume or start from); raises ConfigError or CheckpointError.
+    check: Callable
     paths: tuple[tuple[str, str], ...]  # (section, key) of the path settings made absolute for Slurm
 
 
 def _check_pretrain(cfg, world_size: int) -> None:
-    from pretrain.train import Task
+    from pretrain.train import Task, prepare
 
-    Task().check(cfg, world_size)
+    prepare(cfg, world_size, Task())
 
 
 def _check_posttrain(cfg, world_size: int) -> None:
-    """Everything the job checks before it starts, data and tokenizer included."""
     from posttrain.train import PostTrainTask
+    from pretrain.train import prepare
 
-    PostTrainTask().check(cfg, world_size)
+    prepare(cfg, world_size, PostTrainTask())
 
 
 def entry_point(post: bool) -> EntryPoint:

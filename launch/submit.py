@@ -31,7 +31,7 @@ from launch import slurm_job
 from launch.entry_points import entry_point
 from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
                            parse_time, sbatch_lines, submit)
-from pretrain.checkpoint_format import CheckpointError, resolve_resume
+from pretrain.checkpoint_format import CheckpointError
 from pretrain.config import Config, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,19 +130,17 @@ def resolve_config(args: argparse.Namespace, procs: int) -> tuple[Config, str]:
         elif value:
             setattr(obj, key, absolute(value))
     cfg.data.mix = [dataclasses.replace(source, shards=absolute(source.shards)) for source in cfg.data.mix]
-    first_resume = cfg.train.resume
-    if first_resume not in ("auto", "none"):
-        first_resume = absolute(first_resume)
-        resolve_resume(first_resume, cfg.run.dir)  # a complete checkpoint
-    cfg.train.resume = "auto"  # requeues resume the run's newest checkpoint
+    if cfg.train.resume not in ("auto", "none"):
+        cfg.train.resume = absolute(cfg.train.resume)
     check_slurm_path(cfg.run.dir, "run.dir=")
     check_job_name(args.job_name or cfg.run.name, "--job-name" if args.job_name else "the job name (run.name)")
     check_plugins(cfg.model.plugins)
     world = args.nodes * procs
     try:
-        entry.check(cfg, world)
+        entry.check(cfg, world)  # as the first start will run
     except ConfigError as err:
         raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})") from None
+    first_resume, cfg.train.resume = cfg.train.resume, "auto"  # requeues resume the run's newest checkpoint
     return cfg, first_resume
 
 

@@ -53,6 +53,10 @@ def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_pat
     assert "has no '# single-gpu (80-141 GB):' line" in capsys.readouterr().err
     assert local_main([config, "--single-gpu", "--nproc", "2", "--dry-run", *fit_data]) == 2
     assert "runs one process" in capsys.readouterr().err
+    # The checkpoints a run would resume or start from are checked as the run checks them.
+    for bad in (f"train.resume={tmp_path / 'none_here'}", f"train.init_from={tmp_path / 'none_here'}"):
+        assert local_main(["configs/tiny_dense.yaml", "--dry-run", *fit_data, bad]) == 2
+        assert f"{tmp_path / 'none_here'}" in capsys.readouterr().err
 
 
 def test_reading_a_config_prints_nothing():

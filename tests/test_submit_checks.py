@@ -209,7 +209,10 @@ def test_submit_takes_train_resume_for_the_first_start_only(tmp_path, monkeypatc
     tag.mkdir(parents=True)
     assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 2
     assert "not a complete checkpoint" in capsys.readouterr().err
-    (tag / "COMPLETE").write_text("{}")
+    from pretrain.config import load_config
+
+    model = load_config(args[0], [a for a in args[1:] if "=" in a]).to_dict()["model"]
+    (tag / "COMPLETE").write_text(json.dumps({"model": model, "step": 4, "world_size": 1, "tensor_parallel": 1}))
     assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 0
     script = capsys.readouterr().out
     assert [resume_at(script, n) for n in ("0", "3")] == [str(tag), "auto"]
