@@ -743,3 +743,17 @@ def test_init_from_refuses_another_model(imported, data, tmp_path):
     cfg = load_config(imported[1] / "config.yaml", [*overrides, f"run.dir={imported[1]}", "train.resume=none"])
     with pytest.raises(CheckpointError, match="a checkpoint of run.dir itself"):
         prepare(cfg, 1)
+
+
+def test_evaluate_names_the_splits_the_shards_have(tmp_path):
+    """Shards built with --val-fraction 0 have no val split: the error says which splits there are."""
+    from tools.cli import ToolError
+    from tools.evaluate import split_dir
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "index.json").write_text("{}")
+    with pytest.raises(ToolError, match="has no val split, only train: choose one with --split"):
+        split_dir(tmp_path, "val", "--split")
+    assert split_dir(tmp_path, "train") == tmp_path / "train"
+    with pytest.raises(ToolError, match="neither"):
+        split_dir(tmp_path / "train" / "nothing", "val")

@@ -139,13 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     for p in source.parameters():
         p.requires_grad_(False)
     kinds = cfg.attention_kinds()
+    keep = cfg.lisa.keep_full_layers if args.keep_full_layers is None else args.keep_full_layers
     if listed is not None:  # before the calibration passes
-        keep = cfg.lisa.keep_full_layers if args.keep_full_layers is None else args.keep_full_layers
         problem = conversion_problem(kinds, listed, keep, args.max_chain)
         if problem:
             chain_only = conversion_problem(kinds, listed, keep) is None
             raise ToolError(f"--layers {args.layers}: {problem}; choose other layers"
                             + (" or a larger --max-chain" if chain_only else ""))
+    else:
+        problems = [conversion_problem(kinds, [layer], keep, args.max_chain) for layer in range(len(kinds))]
+        if all(problems):
+            raise ToolError(f"no layer of this {len(kinds)}-layer model can become a LISA layer: "
+                            + "; ".join(problems) + f" (--keep-full-layers sets how many stay, {keep} now)")
     run_cfg = run_config(resolve_checkpoint(args.checkpoint))
     bos = run_bos(run_cfg, meta)
     eos = run_document_eos(run_cfg, meta)  # as it trained
@@ -194,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         layers = listed
     if not layers:
-        raise ToolError("no layer can become a LISA layer here (see conversion_problem: keep_full_layers, "
-                        "existing LISA layers, softmax / ReLU families; with --layers sensitivity: none "
-                        "within --loss-budget)")
+        raise ToolError("no layer passed the selection: " + (
+            f"none has a map similarity of --threshold {args.threshold} to the layer before it (see the table)"
+            if args.layers == "auto" else f"none converted alone stays within --loss-budget {args.loss_budget}"))
     new_cfg = lisa_config(cfg, layers, args.keep_chain_scores)
     print(f"LISA layers: {layers}; attention {new_cfg.attention}; "
           f"keep_chain_scores {new_cfg.lisa.keep_chain_scores}")

@@ -36,12 +36,18 @@ from pretrain.downstream import empty_task_error, evaluate_tasks, load_task, tas
 from tools.cli import ToolError, argument_parser, reports_errors, run, tool_device
 
 
-def split_dir(shards: str | Path, split: str) -> Path:
+def split_dir(shards: str | Path, split: str, choose: str = "") -> Path:
+    """The split directory of a shards directory (or the split directory itself). `choose`: the
+    flag that picks another split, named when the shards have other splits but not this one."""
     shards = Path(shards)
     if (shards / "index.json").is_file():
         return shards
     if (shards / split / "index.json").is_file():
         return shards / split
+    others = sorted(d.parent.name for d in shards.glob("*/index.json"))
+    if others:  # shards built with --val-fraction 0 have no val split
+        raise ToolError(f"--shards {shards} has no {split} split, only {', '.join(others)}"
+                        + (f": choose one with {choose}" if choose else ""))
     raise ToolError(f"--shards {shards}: neither {shards / split / 'index.json'} nor {shards / 'index.json'} "
                     "exists; point at a directory written by data_prep.build_shards (or its split)")
 
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.shards and not args.tasks:
         raise ToolError("give --shards (validation loss) and/or --tasks (downstream accuracy)")
     device = tool_device(args.device)
-    location = split_dir(args.shards, args.split) if args.shards else None
+    location = split_dir(args.shards, args.split, "--split") if args.shards else None
     tasks, sp = load_tasks(args) if args.tasks else ({}, None)
     model, cfg, meta = load_model(args.checkpoint)
     model.to(device)
