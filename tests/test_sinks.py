@@ -230,8 +230,8 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     assert "--layers 1: layer 1 is within model.lisa.keep_full_layers=2" in said.err
     assert "sim to l-1" not in said.out
     with single_process_group():  # no layer left to choose from: keep_full_layers covers the model
-        assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"), "--keep-full-layers",
-                             "5", "--out", str(tmp_path / "new")]) == 2
+        assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"),
+                             "--keep-full-layers", "5", "--out", str(tmp_path / "new")]) == 2
     said = capsys.readouterr()
     assert "no layer of this 5-layer model can become a LISA layer: layer 0 is within" in said.err
     assert "(--keep-full-layers sets how many stay, 5 now)" in said.err and "sim to l-1" not in said.out

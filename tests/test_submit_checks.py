@@ -212,7 +212,8 @@ def test_submit_takes_train_resume_for_the_first_start_only(tmp_path, monkeypatc
     from pretrain.config import load_config
 
     model = load_config(args[0], [a for a in args[1:] if "=" in a]).to_dict()["model"]
-    (tag / "COMPLETE").write_text(json.dumps({"model": model, "step": 4, "world_size": 1, "tensor_parallel": 1}))
+    marker = {"model": model, "step": 4, "world_size": 1, "tensor_parallel": 1}
+    (tag / "COMPLETE").write_text(json.dumps(marker))
     assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 0
     script = capsys.readouterr().out
     assert [resume_at(script, n) for n in ("0", "3")] == [str(tag), "auto"]

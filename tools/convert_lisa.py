@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         layers = listed
     if not layers:
-        raise ToolError("no layer passed the selection: " + (
-            f"none has a map similarity of --threshold {args.threshold} to the layer before it (see the table)"
-            if args.layers == "auto" else f"none converted alone stays within --loss-budget {args.loss_budget}"))
+        why = (f"none has a map similarity of --threshold {args.threshold} to the layer before it (the table)"
+               if args.layers == "auto" else
+               f"none converted alone stays within --loss-budget {args.loss_budget}")
+        raise ToolError(f"no layer passed the selection: {why}")
     new_cfg = lisa_config(cfg, layers, args.keep_chain_scores)
     print(f"LISA layers: {layers}; attention {new_cfg.attention}; "
           f"keep_chain_scores {new_cfg.lisa.keep_chain_scores}")
