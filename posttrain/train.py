@@ -39,6 +39,11 @@ class PostTrainer(Trainer):
     def forward(self, batch: dict) -> torch.Tensor:
         return self.engine({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
 
+    def loss_tokens(self, batch: dict) -> torch.Tensor | None:
+        """SFT averages over response tokens, whose number varies between micro-batches; DPO and
+        SGA average over pairs, as many in each."""
+        return batch["trained"][:, 1:].sum() if self.cfg.post.method == "sft" else None
+
     def probe_tokens(self, seq: int) -> torch.Tensor:
         return self.val_batches[0]["tokens"][:, :seq].to(self.device)
 

@@ -105,16 +105,39 @@ class Trainer:
         inputs, labels = split_batch(batch, self.device)
         return self.engine(inputs, labels, document_ids(inputs, self.document_eos))
 
+    def loss_tokens(self, batch) -> torch.Tensor | None:
+        """How many tokens a micro-batch's loss averages over, where that differs between
+        micro-batches (post-training's response tokens); None: all weigh the same."""
+        return None
+
+    def micro_batch_weights(self, batches: list) -> list[float] | None:
+        """Each micro-batch's share of the step's loss, so that a loss averaged over each micro-batch's
+        tokens becomes the mean over all tokens of the step (every micro-batch of every data-parallel
+        rank), whatever the micro-batch size, accumulation and data-parallel size: weight = tokens x
+        micro-batches in the step / tokens in the step (DeepSpeed divides by the number of them)."""
+        tokens = [self.loss_tokens(batch) for batch in batches]
+        if tokens[0] is None:
+            return None
+        local = torch.stack([t.float() for t in tokens]).to(self.device)
+        total = dp_mean(local.sum()) * ps.get_data_parallel_world_size()
+        micro_batches = len(batches) * ps.get_data_parallel_world_size()
+        return [float(t) * micro_batches / max(total, 1.0) for t in local]
+
     def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
         total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor] = {}
-        for micro in range(self.cfg.train.grad_accum):
+        batches = []
+        for _ in range(self.cfg.train.grad_accum):
             waited = time.perf_counter()
-            batch = next(self.batches)
+            batches.append(next(self.batches))
             if throughput is not None:
                 throughput.data_wait(time.perf_counter() - waited)
+        weights = self.micro_batch_weights(batches)
+        for micro, batch in enumerate(batches):
             loss = self.forward(batch)
+            if weights is not None:
+                loss = loss * weights[micro]
             self.engine.backward(loss)
             total += loss.detach().float()
             if self.spikes is not None and micro == self.cfg.train.grad_accum - 1:
@@ -137,6 +160,7 @@ class Trainer:
             return None
         self.engine.eval()
         sums = torch.zeros(len(self.val_sets), device=self.device)
+        counts = torch.zeros(len(self.val_sets), device=self.device)  # batches, or tokens (loss_tokens)
         for i, batches in enumerate(self.val_sets.values()):
             for batch in batches:
                 # Collective, so every rank leaves at the same batch (a forward pass may hold
@@ -144,10 +168,15 @@ class Trainer:
                 if signals.any_rank_received(self.device):
                     self.engine.train()
                     return None
-                sums[i] += self.forward(batch).float()
+                tokens = self.loss_tokens(batch)
+                weight = 1.0 if tokens is None else tokens.float().to(self.device)
+                sums[i] += self.forward(batch).float() * weight
+                counts[i] += weight
         self.engine.train()
-        counts = torch.tensor([len(batches) for batches in self.val_sets.values()], device=self.device)
-        means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts]))
+        # The ranks' mean sums over their mean counts: the mean over all ranks' batches (or tokens).
+        totals = torch.tensor(dp_mean(torch.cat([sums, counts])), dtype=torch.float64)
+        sums, counts = totals[:len(self.val_sets)], totals[len(self.val_sets):]
+        means = [float(sums.sum() / counts.sum()), *(sums / counts).tolist()]
         result = {"loss": means[0]}
         if len(self.val_sets) > 1:
             result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:])})

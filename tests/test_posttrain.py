@@ -521,6 +521,11 @@ def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok
                "train.stop_at_step=2")
     post_train(1, files, tok_dir, tmp_path / "parts", "sft", "post.packing=true", "train.micro_batch=2")
     assert losses(tmp_path / "parts") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
+    # The same global batch in two micro-batches (with other numbers of response tokens each): the
+    # loss is the mean over the step's response tokens, not the mean of the micro-batches' means.
+    post_train(1, files, tok_dir, tmp_path / "accum", "sft", "post.packing=true", "train.micro_batch=1",
+               "train.grad_accum=2")
+    assert losses(tmp_path / "accum") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
