@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from pretrain import shared_memory
-from pretrain.config import Config, DataSource
+from pretrain.config import Config, ConfigError, DataSource
 
 # streaming (which imports transformers) is imported where shards are read: processes that read
 # none (post-training on JSON Lines, tools.generate) start 2 s sooner.
@@ -38,13 +38,25 @@ def release_shared_memory_once(cfg: Config) -> None:
         return
     import torch.distributed as dist
 
+    from pretrain.distributed import device
+
+    problem = ""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        released = shared_memory.release_stale(cache_root(cfg))
-        if released:
-            print(f"released the streaming shared memory of {len(released)} exited "
-                  f"process(es) on this node", flush=True)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        try:
+            released = shared_memory.release_stale(cache_root(cfg))
+        except RuntimeError as err:  # the same run started twice on this node
+            problem = str(err)
+        else:
+            if released:
+                print(f"released the streaming shared memory of {len(released)} exited process(es) on "
+                      "this node", flush=True)
+    if dist.is_available() and dist.is_initialized():  # the barrier, telling every rank of a refusal
+        refused = torch.tensor([float(bool(problem))], device=device())
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+        if refused.item() and not problem:
+            problem = "the first rank of a node refused to start (its error says why)"
+    if problem:
+        raise ConfigError(problem)
     _released = True
 
 

@@ -9,12 +9,17 @@ and a start releases only the blocks no live process uses."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
+import json
 import os
 import re
 import tempfile
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+_registered: list[Path] = []  # this process's registrations, removed at exit
 
 
 def _owners_dir() -> Path:
@@ -31,17 +36,39 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _alive(pid: int, start: str) -> bool:
-    return _start_time(pid) == start
+def _pid_namespace() -> str:
+    with contextlib.suppress(OSError):
+        return os.readlink("/proc/self/ns/pid")
+    return ""
+
+
+def _alive(record: dict, pid: int) -> bool:
+    """Whether a registration's process still runs. One in another pid namespace (a container
+    sharing /dev/shm) cannot be looked up from here: it counts as alive."""
+    if record.get("pid_namespace") != _pid_namespace():
+        return True
+    started = _start_time(pid)
+    return started is not None and started == record.get("start")
 
 
 def register(prefix: int) -> None:
-    """Record that this process uses the blocks of `prefix` (called after each dataset is built)."""
+    """Record that this process uses the blocks of `prefix` and which folders they read (called after
+    each dataset is built); removed when the process exits."""
     if not SHM_DIR.is_dir():
         return
     owners = _owners_dir()
     owners.mkdir(exist_ok=True)
-    (owners / f"{prefix:06}.{os.getpid()}").write_text(_start_time(os.getpid()) or "")
+    entry = owners / f"{prefix:06}.{os.getpid()}"
+    record = {"start": _start_time(os.getpid()), "pid_namespace": _pid_namespace(), "locals": _locals(prefix)}
+    entry.write_text(json.dumps(record))
+    if not _registered:
+        atexit.register(_unregister)
+    _registered.append(entry)
+
+
+def _unregister() -> None:
+    for entry in _registered:
+        entry.unlink(missing_ok=True)
 
 
 def _blocks() -> dict[int, list[Path]]:
@@ -52,8 +79,9 @@ def _blocks() -> dict[int, list[Path]]:
     blocks: dict[int, list[Path]] = {}
     for path in SHM_DIR.iterdir():
         match = pattern.fullmatch(path.name)
-        if match and path.stat().st_uid == os.getuid():
-            blocks.setdefault(int(match[1]), []).append(path)
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile by its owner
+            if match and path.stat().st_uid == os.getuid():
+                blocks.setdefault(int(match[1]), []).append(path)
     return blocks
 
 
@@ -68,44 +96,62 @@ def _locals(prefix: int) -> list[str]:
         return []
 
 
+def _registrations() -> dict[int, list[tuple[Path, int, dict]]]:
+    """{prefix: [(entry, pid, record)]}; unreadable entries are left out."""
+    owners: dict[int, list[tuple[Path, int, dict]]] = {}
+    for entry in _owners_dir().iterdir():
+        prefix, _, pid = entry.name.partition(".")
+        if not (prefix.isdigit() and pid.isdigit()):
+            continue
+        try:
+            record = json.loads(entry.read_text())
+        except (OSError, ValueError):  # removed meanwhile, or half written
+            continue
+        if isinstance(record, dict):
+            owners.setdefault(int(prefix), []).append((entry, int(pid), record))
+    return owners
+
+
 def release_stale(cache: Path) -> list[int]:
     """Unlink the blocks (and filelocks) of every prefix no live process uses: those registered by
-    processes that have exited, and unregistered ones that read under `cache` (this run's cache
-    folder: left by a killed start of this run, or by a version that did not register). Other
-    unregistered blocks may be another program's and are left alone. Returns the released prefixes.
-    Raises when another live process reads under `cache`: the same run started twice on one node."""
+    processes that have exited (while the blocks still read what they recorded: a prefix is reused
+    once freed), and unregistered ones that read under `cache` (this run's cache folder: left by a
+    killed start of this run, or by a version that did not register). Other unregistered blocks may
+    be another program's and are left alone. Returns the released prefixes. Raises RuntimeError
+    when another live process reads under `cache`: the same run started twice on one node."""
     if not SHM_DIR.is_dir():
         return []
     from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
 
-    owners: dict[int, list[tuple[Path, int, str]]] = {}
-    if _owners_dir().is_dir():
-        for entry in _owners_dir().iterdir():
-            prefix, _, pid = entry.name.partition(".")
-            if prefix.isdigit() and pid.isdigit():
-                owners.setdefault(int(prefix), []).append((entry, int(pid), entry.read_text()))
-    cache = os.path.abspath(cache)
-    released = []
-    for prefix, paths in sorted(_blocks().items()):
-        entries = owners.get(prefix, [])
-        live = [pid for _, pid, start in entries if _alive(pid, start)]
-        ours = any(os.path.commonpath([cache, os.path.abspath(local)]) == cache for local in _locals(prefix))
-        if live:
-            others = sorted(set(live) - {os.getpid()})
-            if ours and others:
-                raise RuntimeError(
-                    f"process {others[0]} on this node reads this run's data cache {cache}: is the run "
-                    f"already running here? Stop it first, or give this run another run.dir or data.cache")
-            continue
-        if not entries and not ours:
-            continue
-        for path in paths:
-            path.unlink(missing_ok=True)
-        for lock in (BARRIER_FILELOCK, CACHE_FILELOCK):
-            Path(tempfile.gettempdir(), f"{prefix:06}_{lock}").unlink(missing_ok=True)
-        released.append(prefix)
-    for entries in owners.values():  # registrations of processes that have exited
-        for entry, pid, start in entries:
-            if not _alive(pid, start):
-                entry.unlink(missing_ok=True)
+    _owners_dir().mkdir(exist_ok=True)
+    with open(_owners_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # starts on one node release one at a time
+        owners = _registrations()
+        cache = os.path.abspath(cache)
+        released = []
+        for prefix, paths in sorted(_blocks().items()):
+            local = _locals(prefix)
+            claims = [(pid, record) for _, pid, record in owners.get(prefix, [])
+                      if record.get("locals") == local]  # else the prefix is another dataset's now
+            live = [pid for pid, record in claims if _alive(record, pid)]
+            ours = any(os.path.commonpath([cache, os.path.abspath(folder)]) == cache for folder in local)
+            if live:
+                others = sorted(set(live) - {os.getpid()})
+                if ours and others:
+                    raise RuntimeError(
+                        f"process {others[0]} on this node reads this run's data cache {cache}: is the "
+                        f"run already running here? Stop it first, or give this run another run.dir or "
+                        f"data.cache")
+                continue
+            if not claims and not ours:
+                continue
+            for path in paths:
+                path.unlink(missing_ok=True)
+            for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+                Path(tempfile.gettempdir(), f"{prefix:06}_{name}").unlink(missing_ok=True)
+            released.append(prefix)
+        for entries in owners.values():  # registrations of processes that have exited
+            for entry, pid, record in entries:
+                if not _alive(record, pid):
+                    entry.unlink(missing_ok=True)
     return released

@@ -1,6 +1,7 @@
 """Streaming loader partitioning: data-parallel ranks read disjoint samples, tensor-parallel
 peers identical ones."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -230,24 +231,30 @@ def test_a_start_releases_only_what_exited_processes_left(tmp_path, monkeypatch)
     exited = subprocess.Popen(["true"])
     exited.wait()
 
-    def blocks(prefix: int, local: Path, owner: int | None = None) -> None:
+    def blocks(prefix: int, local: Path, owner: int | None = None, recorded: Path | None = None,
+               namespace: str | None = None) -> None:
         (shm / f"{prefix:06}_locals").write_bytes(_pack_locals([str(local)], prefix))
         (shm / f"{prefix:06}_resume").write_bytes(b"{}")
         (locks / f"{prefix:06}_cache_filelock").touch()
         if owner is not None:
             shared_memory._owners_dir().mkdir(exist_ok=True)
-            start = shared_memory._start_time(owner) or "0"
-            (shared_memory._owners_dir() / f"{prefix:06}.{owner}").write_text(start)
+            record = {"start": shared_memory._start_time(owner), "locals": [str(recorded or local)],
+                      "pid_namespace": namespace or shared_memory._pid_namespace()}
+            (shared_memory._owners_dir() / f"{prefix:06}.{owner}").write_text(json.dumps(record))
 
     blocks(1, tmp_path / "elsewhere", owner=exited.pid)  # a killed run's: released
     blocks(2, cache / "shards" / "train", owner=os.getpid())  # in use here: kept
     blocks(3, tmp_path / "elsewhere", owner=None)  # unregistered, another program's perhaps: kept
     blocks(4, cache / "shards" / "val", owner=None)  # unregistered in this run's cache: released
+    # An exited process's prefix, reused since by an unregistered dataset: kept.
+    blocks(5, tmp_path / "other", owner=exited.pid, recorded=tmp_path / "elsewhere")
+    blocks(6, tmp_path / "elsewhere", owner=exited.pid, namespace="pid:[1]")  # another container's: kept
     assert shared_memory.release_stale(cache) == [1, 4]
-    left = sorted(p.name for p in shm.iterdir() if p.is_file())
-    assert left == ["000002_locals", "000002_resume", "000003_locals", "000003_resume"]
-    assert sorted(p.name for p in locks.iterdir()) == ["000002_cache_filelock", "000003_cache_filelock"]
-    assert [p.name for p in shared_memory._owners_dir().iterdir()] == [f"000002.{os.getpid()}"]
+    left = sorted(p.name.split("_")[0] for p in shm.iterdir() if p.is_file())
+    assert left == ["000002", "000002", "000003", "000003", "000005", "000005", "000006", "000006"]
+    assert sorted(p.name for p in locks.iterdir()) == [f"00000{n}_cache_filelock" for n in (2, 3, 5, 6)]
+    kept = sorted(p.name for p in shared_memory._owners_dir().iterdir() if p.name != ".lock")
+    assert kept == [f"000002.{os.getpid()}", f"000006.{exited.pid}"]
 
     blocks(5, cache / "shards" / "train", owner=os.getppid())  # the same run, live in another process
     with pytest.raises(RuntimeError, match=f"process {os.getppid()} .* already running"):
