@@ -160,7 +160,8 @@ class Trainer:
             return None
         self.engine.eval()
         sums = torch.zeros(len(self.val_sets), device=self.device)
-        counts = torch.zeros(len(self.val_sets), device=self.device)  # batches, or tokens (loss_tokens)
+        counts = torch.zeros(len(self.val_sets), device=self.device)  # tokens, where batches weigh by them
+        weighted = False
         for i, batches in enumerate(self.val_sets.values()):
             for batch in batches:
                 # Collective, so every rank leaves at the same batch (a forward pass may hold
@@ -169,14 +170,17 @@ class Trainer:
                     self.engine.train()
                     return None
                 tokens = self.loss_tokens(batch)
+                weighted = tokens is not None
                 weight = 1.0 if tokens is None else tokens.float().to(self.device)
                 sums[i] += self.forward(batch).float() * weight
                 counts[i] += weight
         self.engine.train()
-        # The ranks' mean sums over their mean counts: the mean over all ranks' batches (or tokens).
-        totals = torch.tensor(dp_mean(torch.cat([sums, counts])), dtype=torch.float64)
-        sums, counts = totals[:len(self.val_sets)], totals[len(self.val_sets):]
-        means = [float(sums.sum() / counts.sum()), *(sums / counts).tolist()]
+        if weighted:  # the ranks' mean sums over their mean counts: the mean over all ranks' tokens
+            totals = torch.tensor(dp_mean(torch.cat([sums, counts])), dtype=torch.float64)
+            sums, counts = totals[:len(self.val_sets)], totals[len(self.val_sets):]
+            means = [float(sums.sum() / counts.sum()), *(sums / counts).tolist()]
+        else:  # every rank has as many batches: the mean of the ranks' means
+            means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts]))
         result = {"loss": means[0]}
         if len(self.val_sets) > 1:
             result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:])})
