@@ -114,8 +114,8 @@ def check_plugins(modules: list[str]) -> None:
 
 def resolve_config(args: argparse.Namespace, procs: int) -> tuple[Config, str]:
     """Load, make paths absolute, validate for the layout. Returns the config the job's starts read
-    (train.resume=auto) and the train.resume of its first start (as given: auto, none, or a
-    checkpoint, made absolute and checked to be complete)."""
+    (train.resume=auto) and the train.resume its starts take until it has saved (as given: auto,
+    none, or a checkpoint, made absolute and checked as the run checks it)."""
     entry = entry_point(args.post)
     cfg = load_config(args.config, args.overrides, entry.config_class)
 
@@ -140,7 +140,7 @@ def resolve_config(args: argparse.Namespace, procs: int) -> tuple[Config, str]:
         entry.check(cfg, world)  # as the first start will run
     except ConfigError as err:
         raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})") from None
-    first_resume, cfg.train.resume = cfg.train.resume, "auto"  # requeues resume the run's newest checkpoint
+    first_resume, cfg.train.resume = cfg.train.resume, "auto"  # once the job has saved
     return cfg, first_resume
 
 
@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if first_resume != "auto":
-        print(f"train.resume={first_resume} applies to this job's first start; its requeues resume the run's "
-              "newest checkpoint (submit without train.resume to continue the run later)", file=sys.stderr)
+        print(f"train.resume={first_resume} applies until this job saves a checkpoint; its requeues then "
+              "resume the run's newest (submit without train.resume to continue the run later)",
+              file=sys.stderr)
     if args.dry_run:
         print(f"##### {run_dir / slurm_job.JOB_SCRIPT}")
         print(script, end="")

@@ -27,6 +27,7 @@ from pretrain.checkpoint_format import (
     CheckpointError,
     atomic_write,
     read_meta,
+    record_save_job,
     tag_for,
 )
 
@@ -86,6 +87,7 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
                   "expert_parallel": _expert_parallel_size(), "tensor_parallel": _tensor_parallel_size()}
         atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
         atomic_write(ckpt_dir / LATEST, tag.encode())
+        record_save_job(ckpt_dir.parent)
         _prune(ckpt_dir, keep_last, keep=tag)
     dist.barrier()
     return path

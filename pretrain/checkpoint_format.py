@@ -20,6 +20,9 @@ from pathlib import Path
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 STOP_MARKER = "STOPPED_ON_SIGNAL"
+# RUN_DIR/last_save_job: the Slurm job id of the newest save. Once a job has saved, its requeues
+# resume the run's newest checkpoint, whatever train.resume its first start took (slurm/train.sbatch).
+LAST_SAVE_JOB = "last_save_job"
 TAG_PATTERN = re.compile(r"^step_(\d+)$")
 
 # DeepSpeed's file names inside a tag directory.
@@ -99,17 +102,23 @@ def atomic_write(path: Path, data: bytes) -> None:
 ABANDONED = "abandoned"  # checkpoints/abandoned/<time>/: the tags after an explicitly resumed older one
 
 
+def record_save_job(run_dir: str | os.PathLike) -> None:
+    atomic_write(Path(run_dir) / LAST_SAVE_JOB, os.environ.get("SLURM_JOB_ID", "").encode())
+
+
 def set_aside_newer(run_dir: str | os.PathLike, resumed: Path | None) -> list[str]:
     """When a run resumes an older checkpoint of its own (train.resume=RUN/checkpoints/step_X, a
     rollback), move the tags after it to checkpoints/abandoned/<time>/ and point `latest` at it: else
     the next train.resume=auto (every Slurm requeue) would resume the abandoned trajectory, and pruning
-    by name would delete the new one. `resumed` None (train.resume=none in a run directory that holds
-    checkpoints): all of them, and no `latest`. Returns the tags moved. Rank 0 only, before any save."""
+    by name would delete the new one. `resumed` None (train.resume=none) or a checkpoint of another
+    run directory: all of the run's own, and no `latest`. Returns the tags moved. Rank 0 only, before
+    any save."""
     ckpt_dir = checkpoint_dir(run_dir)
+    if resumed is not None and (Path(resumed).resolve().parent != ckpt_dir.resolve()
+                                or not TAG_PATTERN.match(Path(resumed).name)):
+        resumed = None  # another run's checkpoint: this run's own are another trajectory
     if resumed is not None:
         resumed = Path(resumed).resolve()
-        if resumed.parent != ckpt_dir.resolve() or not TAG_PATTERN.match(resumed.name):
-            return []
     if not ckpt_dir.is_dir():
         return []
     newer = sorted(d for d in ckpt_dir.iterdir()

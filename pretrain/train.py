@@ -151,8 +151,12 @@ def run(cfg: Config, task: Task | None = None) -> int:
         if cfg.train.resume != "auto":  # none, or a checkpoint: no later tag may stay to be resumed or kept
             moved = checkpoint_format.set_aside_newer(run_dir, resume_path)
             if moved:
-                why = "starting afresh: set aside the checkpoints" if resume_path is None else \
-                    f"resuming the older {resume_path.name}: set aside the later checkpoints"
+                own = checkpoint_format.checkpoint_dir(run_dir).resolve()
+                if resume_path is not None and resume_path.resolve().parent == own:
+                    why = f"resuming the older {resume_path.name}: set aside the later checkpoints"
+                else:
+                    why = f"starting {'afresh' if resume_path is None else f'from {resume_path}'}: " \
+                          "set aside the checkpoints"
                 print(f"{why} {', '.join(moved)} in "
                       f"{checkpoint_format.checkpoint_dir(run_dir) / checkpoint_format.ABANDONED}", flush=True)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank

@@ -179,9 +179,10 @@ def test_prep_chain_refused_half_way_is_cancelled(tmp_path, tok_dir, slurm_bin, 
     assert records[-1]["jobs"] == {"hash array": "1001"}
 
 
-def test_submit_takes_train_resume_for_the_first_start_only(tmp_path, monkeypatch, capsys):
-    """train.resume (none, or a checkpoint to roll back to) applies to the job's first start; its
-    requeues resume the run's newest checkpoint, else each would start over or roll back again."""
+def test_submit_takes_train_resume_until_the_job_has_saved(tmp_path, monkeypatch, capsys):
+    """train.resume (none, or a checkpoint to roll back to) applies until the job has saved a
+    checkpoint; its requeues then resume the run's newest, else each would start over or roll back
+    again."""
     import subprocess
 
     from launch.submit import main
@@ -193,18 +194,24 @@ def test_submit_takes_train_resume_for_the_first_start_only(tmp_path, monkeypatc
             "model.vocab_size=256", "model.max_seq_len=32", "run.dir=run", "--nodes", "1",
             "--cpu-procs-per-node", "1", "--time", "00:10:00", "--dry-run"]
 
-    def resume_at(script: str, restarts: str) -> str:
-        start = script.index("RESTARTS=")
+    def resume_at(script: str, last_save_job: str | None) -> str:
+        """The train.resume a start of job 77 passes, after a save by `last_save_job` (None: none)."""
+        start = script.index("RUN_DIR=")
         lines = script[start:script.index("\nfi\n", script.index("RESUME=", start)) + 4]
-        env = {**os.environ, "SLURM_RESTART_COUNT": restarts}
+        marker = tmp_path / "run" / "last_save_job"
+        marker.parent.mkdir(exist_ok=True)
+        marker.unlink(missing_ok=True)
+        if last_save_job is not None:
+            marker.write_text(last_save_job)
+        env = {**os.environ, "SLURM_JOB_ID": "77"}
         return subprocess.run(["bash", "-c", lines + 'echo "$RESUME"'], env=env, capture_output=True,
                               text=True, check=True).stdout.strip()
 
     assert main([*args, "train.resume=none"]) == 0
     out = capsys.readouterr()
-    assert "train.resume=none applies to this job's first start" in out.err
+    assert "train.resume=none applies until this job saves a checkpoint" in out.err
     assert 'train.resume="$RESUME"' in out.out and "resume: auto" in out.out  # the job's config
-    assert [resume_at(out.out, n) for n in ("0", "1")] == ["none", "auto"]
+    assert [resume_at(out.out, job) for job in (None, "12", "77")] == ["none", "none", "auto"]
     tag = tmp_path / "run" / "checkpoints" / "step_00000004"
     tag.mkdir(parents=True)
     assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 2
@@ -216,7 +223,7 @@ def test_submit_takes_train_resume_for_the_first_start_only(tmp_path, monkeypatc
     (tag / "COMPLETE").write_text(json.dumps(marker))
     assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 0
     script = capsys.readouterr().out
-    assert [resume_at(script, n) for n in ("0", "3")] == [str(tag), "auto"]
+    assert [resume_at(script, job) for job in (None, "77")] == [str(tag), "auto"]
     assert main(args) == 0
     script = capsys.readouterr().out
-    assert [resume_at(script, n) for n in ("0", "1")] == ["auto", "auto"]
+    assert [resume_at(script, job) for job in (None, "77")] == ["auto", "auto"]

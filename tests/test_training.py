@@ -453,3 +453,18 @@ def test_a_resume_on_changed_train_data_starts_a_new_epoch(data, tmp_path):
     assert "the train data changed since the checkpoint" in changed.stdout, changed.stdout[-2000:]
     assert "starting epoch 1 of it from its first sample" in changed.stdout
     assert sorted(losses(run))[-1] == 6
+
+
+def test_resuming_another_runs_checkpoint_sets_this_runs_own_aside(tmp_path):
+    """Their higher tags would count against keep_last and be resumed by a requeue before the first save."""
+    from pretrain.checkpoint_format import set_aside_newer
+
+    for run, step in (("run", 4), ("run", 8), ("other", 2)):
+        tag = tmp_path / run / "checkpoints" / f"step_{step:08d}"
+        tag.mkdir(parents=True)
+        (tag / "COMPLETE").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_00000008")
+    other = tmp_path / "other" / "checkpoints" / "step_00000002"
+    assert set_aside_newer(tmp_path / "run", other) == ["step_00000004", "step_00000008"]
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists() and (other / "COMPLETE").is_file()

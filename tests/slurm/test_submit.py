@@ -288,6 +288,7 @@ def test_time_limit_requeue_preemption_and_crash_resume(cluster, data, config, r
     assert complete_steps(run_dir)[-1] == second_stop and "decision: stopped" in log_text(run_dir)
     history = (run_dir / "slurm_history.log").read_text()
     assert "restarts=0 start" in history and "restarts=1 start" in history and "action=requeue" in history
+    assert (run_dir / "last_save_job").read_text() == job  # its requeues resume with train.resume=auto
     want = reference.result(timeout=600)
     got = losses_jsonl(run_dir)  # appended by each process run: both runs together, each step once
     assert [s for s, _ in got] == list(range(1, second_stop + 1)), got
