@@ -199,10 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         layers = listed
     if not layers:
-        why = (f"none has a map similarity of --threshold {args.threshold} to the layer before it (the table)"
-               if args.layers == "auto" else
-               f"none converted alone stays within --loss-budget {args.loss_budget}")
-        raise ToolError(f"no layer passed the selection: {why}")
+        if args.layers == "sensitivity":
+            raise ToolError(f"no layer converted alone stays within --loss-budget {args.loss_budget}")
+        # auto falls back to the most similar convertible layer: none of those the table measured is
+        measured = [conversion_problem(kinds, [layer], keep, args.max_chain) for layer in sim]
+        raise ToolError("no layer whose previous layer gives attention maps (the table's) can become a "
+                        "LISA layer: " + "; ".join(p for p in measured if p))
     new_cfg = lisa_config(cfg, layers, args.keep_chain_scores)
     print(f"LISA layers: {layers}; attention {new_cfg.attention}; "
           f"keep_chain_scores {new_cfg.lisa.keep_chain_scores}")
