@@ -106,6 +106,12 @@ def record_save_job(run_dir: str | os.PathLike) -> None:
     atomic_write(Path(run_dir) / LAST_SAVE_JOB, os.environ.get("SLURM_JOB_ID", "").encode())
 
 
+def own_tag(run_dir: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Whether `path` is a tag directory of the run directory's own checkpoints."""
+    path = Path(path).resolve()
+    return path.parent == checkpoint_dir(run_dir).resolve() and bool(TAG_PATTERN.match(path.name))
+
+
 def set_aside_newer(run_dir: str | os.PathLike, resumed: Path | None) -> list[str]:
     """When a run resumes an older checkpoint of its own (train.resume=RUN/checkpoints/step_X, a
     rollback), move the tags after it to checkpoints/abandoned/<time>/ and point `latest` at it: else
@@ -114,11 +120,8 @@ def set_aside_newer(run_dir: str | os.PathLike, resumed: Path | None) -> list[st
     run directory: all of the run's own, and no `latest`. Returns the tags moved. Rank 0 only, before
     any save."""
     ckpt_dir = checkpoint_dir(run_dir)
-    if resumed is not None and (Path(resumed).resolve().parent != ckpt_dir.resolve()
-                                or not TAG_PATTERN.match(Path(resumed).name)):
-        resumed = None  # another run's checkpoint: this run's own are another trajectory
-    if resumed is not None:
-        resumed = Path(resumed).resolve()
+    # Another run's checkpoint: this run's own are another trajectory.
+    resumed = Path(resumed).resolve() if resumed is not None and own_tag(run_dir, resumed) else None
     if not ckpt_dir.is_dir():
         return []
     newer = sorted(d for d in ckpt_dir.iterdir()

@@ -151,8 +151,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
         if cfg.train.resume != "auto":  # none, or a checkpoint: no later tag may stay to be resumed or kept
             moved = checkpoint_format.set_aside_newer(run_dir, resume_path)
             if moved:
-                own = checkpoint_format.checkpoint_dir(run_dir).resolve()
-                if resume_path is not None and resume_path.resolve().parent == own:
+                if resume_path is not None and checkpoint_format.own_tag(run_dir, resume_path):
                     why = f"resuming the older {resume_path.name}: set aside the later checkpoints"
                 else:
                     why = f"starting {'afresh' if resume_path is None else f'from {resume_path}'}: " \
@@ -166,9 +165,9 @@ def run(cfg: Config, task: Task | None = None) -> int:
     if switched_on(cfg.train.compile):
         model.compile_blocks()
     # A run keeps the weight-decay groups it started with: its optimizer state is laid out by them.
-    saved = checkpoint_format.read_meta(resume_path) if resume_path is not None else {}
-    fresh_optimizer = resume_path is None or saved.get("optimizer_state") is False  # weights only: import_hf
-    decay_groups = DECAY_GROUPS if fresh_optimizer else saved.get("decay_groups", 1)
+    marker = checkpoint_format.read_meta(resume_path) if resume_path is not None else {}
+    fresh_optimizer = resume_path is None or marker.get("optimizer_state") is False  # weights only: import_hf
+    decay_groups = DECAY_GROUPS if fresh_optimizer else marker.get("decay_groups", 1)
     engine = build_engine(cfg, model, load_universal=bool(universal), decay_groups=decay_groups)
     batches = task.batches(cfg)
     counts = param_counts(cfg.model)
@@ -194,7 +193,6 @@ def run(cfg: Config, task: Task | None = None) -> int:
         logger.print(f"started from the weights of {init_path}")
     if resume_path is not None:
         state = checkpoint.load(engine, resume_path, universal or None)
-        marker = checkpoint_format.read_meta(resume_path)
         batches.load_state_dict(task.resumed_data(cfg, state["data"], marker, logger))
         start_step = marker["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}"
