@@ -40,6 +40,18 @@ def train(nproc: int, overrides: list[str], **kwargs) -> subprocess.CompletedPro
     return torchrun(nproc, ["-m", "pretrain.train", *overrides], **kwargs)
 
 
+def saved_run_copy(saved_run: Path, run: Path, *steps: int) -> Path:
+    """`run` holding copies of `saved_run`'s checkpoints of `steps`, `latest` the last: the run
+    directory of a run that saved them and stopped (or was killed). Returns the last tag."""
+    import shutil
+
+    for step in steps:
+        tag = run / "checkpoints" / f"step_{step:08d}"
+        shutil.copytree(saved_run / "checkpoints" / tag.name, tag)
+    (tag.parent / "latest").write_text(tag.name)
+    return tag
+
+
 def _worker(rank: int, world: int, port: int, tensor: int, expert: int, fn, args, errors) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")

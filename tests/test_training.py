@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.dist_utils import torchrun, train
+from tests.dist_utils import saved_run_copy, torchrun, train
 from tests.synthetic import tiny_overrides, write_synthetic_shards
 
 STEPS = 6
@@ -27,11 +27,17 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(data, tmp_path_factory):
-    """Single process, micro-batch 8: the global batch of the DP=2 runs below."""
+def reference_run(data, tmp_path_factory):
+    """Single process, micro-batch 8 (the global batch of the DP=2 runs below): the run directory,
+    with checkpoints of steps 4 and 6."""
     run = tmp_path_factory.mktemp("ref") / "run"
     train(1, tiny_overrides(data, run, **{"train.steps": STEPS, "train.micro_batch": 8}))
-    return losses(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return losses(reference_run)
 
 
 @pytest.fixture(scope="module")
@@ -179,35 +185,37 @@ def test_a_validation_interrupted_by_a_signal_runs_after_the_resume(data, data_p
     assert [losses(run)[s] for s in range(1, STEPS + 1)] == [losses(straight)[s] for s in range(1, STEPS + 1)]
 
 
-def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(data, tmp_path):
+def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(data, reference_run, tmp_path):
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
-    train(1, tiny_overrides(data, run))  # saves steps 4 and 8
+    saved_run_copy(reference_run, run, 4, 6)
+    common = {"train.steps": STEPS, "train.micro_batch": 8}
     # Roll back to step 4 and go another way (a requeue would then resume with train.resume=auto).
-    back = train(1, tiny_overrides(data, run, **{"train.resume": ckpt / "step_00000004", "train.stop_at_step": 6,
-                                                  "train.lr": 1e-3}))
-    assert "set aside the later checkpoints step_00000008" in back.stdout
+    back = train(1, tiny_overrides(data, run, **common, **{"train.resume": ckpt / "step_00000004",
+                                                            "train.stop_at_step": 5, "train.lr": 1e-3}))
+    assert "set aside the later checkpoints step_00000006" in back.stdout
     (aside,) = (ckpt / "abandoned").iterdir()
-    assert [d.name for d in aside.iterdir()] == ["step_00000008"] and (aside / "step_00000008" / "COMPLETE").is_file()
-    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000006"]
-    requeued = train(1, tiny_overrides(data, run, **{"train.lr": 1e-3}))
-    assert "step_00000006 at step 6" in requeued.stdout
+    assert [d.name for d in aside.iterdir()] == ["step_00000006"] and (aside / "step_00000006" / "COMPLETE").is_file()
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000005"]
+    requeued = train(1, tiny_overrides(data, run, **common, **{"train.lr": 1e-3}))
+    assert "step_00000005 at step 5" in requeued.stdout
     # Starting afresh in the run directory: its checkpoints would count against keep_last, and a
     # requeue without `latest` would resume the newest of them.
-    fresh = train(1, tiny_overrides(data, run, **{"train.resume": "none", "train.stop_at_step": 2}))
-    aside = "starting afresh: set aside the checkpoints step_00000004, step_00000006, step_00000008"
+    fresh = train(1, tiny_overrides(data, run, **common, **{"train.resume": "none", "train.stop_at_step": 2}))
+    aside = "starting afresh: set aside the checkpoints step_00000004, step_00000005, step_00000006"
     assert aside in fresh.stdout
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002"]
     assert (ckpt / "latest").read_text() == "step_00000002" and len(list((ckpt / "abandoned").iterdir())) == 2
 
 
-def test_resume_auto_ignores_partial_checkpoint(data, tmp_path):
+def test_resume_auto_ignores_partial_checkpoint(data, reference_run, tmp_path):
     run = tmp_path / "run"
-    train(1, tiny_overrides(data, run, **{"train.steps": 8, "train.stop_at_step": 4}))
     ckpt = run / "checkpoints"
+    saved_run_copy(reference_run, run, 4)  # as if stopped at step 4
+    common = {"train.steps": 8, "train.micro_batch": 8}
     # The same job again (a requeue): resumed at stop_at_step, it trains nothing.
-    again = train(1, tiny_overrides(data, run, **{"train.steps": 8, "train.stop_at_step": 4}))
-    assert "nothing to train" in again.stdout and sorted(losses(run)) == list(range(1, 5))
+    again = train(1, tiny_overrides(data, run, **common, **{"train.stop_at_step": 4}))
+    assert "nothing to train" in again.stdout and not losses(run)
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004"]
     # A save killed halfway: files copied but truncated, no COMPLETE marker, pointer moved.
     partial = ckpt / "step_00000006"
@@ -220,10 +228,10 @@ def test_resume_auto_ignores_partial_checkpoint(data, tmp_path):
     stale = ckpt / "step_00000008"
     stale.mkdir()
     (stale / "rank_00003.pt").write_bytes(b"stale")
-    out = train(1, tiny_overrides(data, run, **{"train.steps": 8}))
+    out = train(1, tiny_overrides(data, run, **common))
     assert "resumed from" in out.stdout and "step_00000004" in out.stdout
     assert (stale / "COMPLETE").is_file() and not (stale / "rank_00003.pt").exists()
-    assert sorted(losses(run)) == list(range(1, 9))
+    assert sorted(losses(run)) == list(range(5, 9))
     assert (ckpt / "step_00000008" / "COMPLETE").is_file()
     assert (ckpt / "latest").read_text() == "step_00000008"
     assert not partial.exists()  # leftovers of the crashed save are cleaned up
@@ -236,43 +244,46 @@ def _tree_digest(path) -> dict:
             if f.is_file()}
 
 
+
+
 @pytest.mark.slow
-def test_resume_on_another_layout_continues_the_loss_curve(data, reference, tmp_path):
+def test_resume_on_another_layout_continues_the_loss_curve(data, reference_run, data_parallel_run, tmp_path):
     """Saved at DP=2 (ZeRO-1) and resumed at DP=1, saved at TP=1 and resumed at TP=2, both with the
     global batch kept: the steps after the resume give the uninterrupted single-process losses, so
     weights, Adam moments, schedule and sample order all carried over."""
-    for name, (saved_nproc, saved), (resumed_nproc, resumed) in (
-            ("dp2_to_dp1", (2, {}), (1, {"train.micro_batch": 8})),
-            ("tp1_to_tp2", (1, {"train.micro_batch": 8}), (2, {"train.micro_batch": 8, "parallel.tensor": 2}))):
+    reference = losses(reference_run)
+    for name, saved_run, (resumed_nproc, resumed) in (
+            ("dp2_to_dp1", data_parallel_run(1), (1, {"train.micro_batch": 8})),
+            ("tp1_to_tp2", reference_run, (2, {"train.micro_batch": 8, "parallel.tensor": 2}))):
         run = tmp_path / name
-        train(saved_nproc, tiny_overrides(data, run, **{"train.steps": STEPS, "train.stop_at_step": 3, **saved}))
-        tag = run / "checkpoints" / "step_00000003"
+        tag = saved_run_copy(saved_run, run, 4)
         before = _tree_digest(tag)
         out = train(resumed_nproc, tiny_overrides(data, run, **{"train.steps": STEPS, **resumed}))
-        assert f"resumed from {tag} at step 3 on another layout" in out.stdout, out.stdout[-2000:]
+        assert f"resumed from {tag} at step 4 on another layout" in out.stdout, out.stdout[-2000:]
         got = losses(run)
-        for step in range(4, STEPS + 1):
+        assert sorted(got) == [5, 6]
+        for step in got:
             assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (name, step)
         assert _tree_digest(tag) == before  # the original is never changed
-        assert (run / "checkpoints" / "universal" / "step_00000003" / "CONVERTED").is_file()
+        assert (run / "checkpoints" / "universal" / "step_00000004" / "CONVERTED").is_file()
 
 
-def test_checkpoint_from_another_model_is_rejected(data, tmp_path):
+def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path):
     run = tmp_path / "run"
-    train(1, tiny_overrides(data, run, **{"train.steps": 4}))
-    out = train(1, tiny_overrides(data, run, **{"train.steps": 8, "model.hidden_size": 32}), check=False)
+    tag = saved_run_copy(reference_run, run, 4)  # trained at world 1, micro-batch 8
+    out = train(1, tiny_overrides(data, run, **{"train.steps": 8, "train.micro_batch": 8, "model.hidden_size": 32}),
+                check=False)
     assert out.returncode != 0
     assert "belongs to another model" in out.stderr and "hidden_size" in out.stderr
     # A marker written before a model key existed matches that key's default, and only it.
     from pretrain.checkpoint import CheckpointError, check_compatible, read_meta
     from pretrain.config import load_config
 
-    tag = run / "checkpoints" / "step_00000004"
     # A layout change that cannot resume is refused before any process group or model is built (exit 2).
-    out = train(2, tiny_overrides(data, run, **{"train.steps": 8}), check=False)
+    out = train(2, tiny_overrides(data, run, **{"train.steps": 8, "train.micro_batch": 8}), check=False)
     assert out.returncode != 0 and "model:" not in out.stdout
-    assert (f"checkpoint {tag} was trained with a global batch of 4 samples (at world 1 = tensor 1 x data 1); "
-            "this run's is 8") in out.stderr and f"train.init_from={tag}" in out.stderr
+    assert (f"checkpoint {tag} was trained with a global batch of 8 samples (at world 1 = tensor 1 x data 1); "
+            "this run's is 16") in out.stderr and f"train.init_from={tag}" in out.stderr
     from pretrain.checkpoint_format import check_layout
 
     saved = {"world_size": 2, "tensor_parallel": 2, "expert_parallel": 1, "global_batch": 8}
