@@ -31,6 +31,7 @@ the folder submit_prep copies to) splits the same; ``--split-key path`` hashes t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -202,10 +203,12 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
     shard_size = P.parse_size(shard_size_limit)
     compression = check_compression(compression)
     sp, tok = load_tokenizer(tokenizer_dir)
-    srcs = as_sources(sources)
+    # Absolute: the tasks of a build may run in other directories (on other nodes) than its plan.
+    srcs = [dataclasses.replace(s, path=Path(os.path.abspath(s.path))) for s in as_sources(sources)]
+    tokenizer_dir = os.path.abspath(tokenizer_dir)
     skipped = Counter()
-    files = list_files(srcs, skipped)
-    require_documents(srcs, text_field=text_field)
+    files = list_files(srcs, skipped, progress)
+    require_documents(srcs, text_field=text_field, files=files)
     total = sum(P.file_bytes(f) for f in files)
     part_bytes = P.auto_part_bytes(total) if str(part_size) == "auto" else P.parse_size(part_size)
     settings = {
@@ -413,12 +416,21 @@ def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | Non
     workers = max(1, workers or available_cpus())
     if plan["settings"].get("dedup", "none") == "exact" and not dedup.index_done(out_dir, plan):
         to_hash = [p for p in chosen if not dedup.hashes_done(out_dir, p)]
+
+        def hashed(result: dict) -> None:
+            bar.update(1)
+            if log:
+                log(f"part {result['part']} hashed: {result['documents']} documents in {result['seconds']:.1f}s; "
+                    f"{bar.n}/{len(to_hash)}")
+
         with tqdm(total=len(to_hash), unit="part", desc="hashing", disable=not progress) as bar:
-            _run("hash", out_dir, plan, to_hash, min(workers, max(len(to_hash), 1)), bar, lambda n: bar.update(1),
-                 skip_unreadable)
+            _run("hash", out_dir, plan, to_hash, min(workers, max(len(to_hash), 1)), bar, hashed, skip_unreadable)
         if log:
             log(f"hashed the documents of {len(to_hash)} parts ({len(chosen) - len(to_hash)} were done)")
         if indices is not None:
+            if log and not to_hash:  # the parts of this task were hashed before: only the index is missing
+                log(f"the dedup index is missing: run python -m data_prep.build_shards --out {out_dir} --dedup-index "
+                    "(once every task has hashed its parts), then this task again to build its parts")
             return []
         counts = dedup.build_index(out_dir, plan)
         if log:

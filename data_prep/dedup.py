@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -46,13 +47,15 @@ def hashes_done(out_dir: Path, part: P.Part) -> bool:
     return _path(out_dir, part, "hashes").is_file()
 
 
-def hash_part(out_dir: Path, plan: dict, part: P.Part, skip_unreadable: bool = False) -> int:
-    """Step 1 for one part; returns its document count. Bad records are counted when it is built."""
+def hash_part(out_dir: Path, plan: dict, part: P.Part, skip_unreadable: bool = False) -> dict:
+    """Step 1 for one part; returns its index, document count and seconds. Bad records are counted
+    when it is built."""
+    start = time.time()
     report = BadInputReport(count_io_errors=skip_unreadable)
     digests = b"".join(text_hash(doc.text) for doc in
                        P.iter_part_documents(part, plan["settings"]["text_field"], report))
     _save(_path(out_dir, part, "hashes"), np.frombuffer(digests, dtype=np.uint64).reshape(-1, 2))
-    return len(digests) // 16
+    return {"part": part.index, "documents": len(digests) // 16, "seconds": time.time() - start}
 
 
 def index_done(out_dir: Path, plan: dict) -> bool:

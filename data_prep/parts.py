@@ -42,6 +42,8 @@ class Piece:
     row_groups: tuple[int, ...] | None = None  # None: the whole file
     # A .jsonl's bytes [start, end), the line number at start and the file's size when planned.
     lines: tuple[int, int, int, int] | None = None
+    # A Parquet file's size and row-group count when planned (row_groups index into that layout).
+    layout: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,15 +57,21 @@ class Part:
         return f"part-{self.index:05d}"
 
     def to_dict(self) -> dict:
-        return {"pieces": [[p.path, list(p.row_groups) if p.row_groups is not None else None]
-                           + ([list(p.lines)] if p.lines is not None else []) for p in self.pieces],
-                "bytes": self.bytes}
+        def piece(p: Piece) -> list:
+            row = [p.path, list(p.row_groups) if p.row_groups is not None else None]
+            if p.layout is not None:
+                return row + [list(p.lines) if p.lines is not None else None, list(p.layout)]
+            return row + ([list(p.lines)] if p.lines is not None else [])
+
+        return {"pieces": [piece(p) for p in self.pieces], "bytes": self.bytes}
 
     @classmethod
     def from_dict(cls, index: int, d: dict) -> "Part":
-        return cls(index, tuple(Piece(path, tuple(groups) if groups is not None else None,
-                                      tuple(lines[0]) if lines else None)
-                                for path, groups, *lines in d["pieces"]), d["bytes"])
+        def piece(path, groups, lines=None, layout=None) -> Piece:
+            return Piece(path, tuple(groups) if groups is not None else None, tuple(lines) if lines else None,
+                         tuple(layout) if layout else None)
+
+        return cls(index, tuple(piece(*p) for p in d["pieces"]), d["bytes"])
 
 
 def parse_size(text: int | str) -> int:
@@ -147,14 +155,15 @@ def plan_parts(files: Sequence[Path], part_bytes: int, progress: bool = False) -
                 close()
                 run: list[int] = []
                 run_bytes = 0
+                layout = (n, len(groups))
                 for i, (_, group_bytes) in enumerate(groups):
                     run.append(i)
                     run_bytes += group_bytes
                     if run_bytes >= part_bytes:
-                        parts.append(Part(len(parts), (Piece(str(path), tuple(run)),), run_bytes))
+                        parts.append(Part(len(parts), (Piece(str(path), tuple(run), layout=layout),), run_bytes))
                         run, run_bytes = [], 0
                 if run:
-                    parts.append(Part(len(parts), (Piece(str(path), tuple(run)),), run_bytes))
+                    parts.append(Part(len(parts), (Piece(str(path), tuple(run), layout=layout),), run_bytes))
                 continue
         if path.name.endswith(".jsonl") and n > part_bytes:  # compressed streams cannot be entered midway
             try:
@@ -181,7 +190,7 @@ def planned_files(plan: dict) -> list[str]:
 
 def iter_part_documents(part: Part, text_field: str, report) -> Iterator[Document]:
     for piece in part.pieces:
-        yield from read_file(Path(piece.path), text_field, report, piece.row_groups, piece.lines)
+        yield from read_file(Path(piece.path), text_field, report, piece.row_groups, piece.lines, piece.layout)
 
 
 # --- the parts of a build on disk -------------------------------------------------

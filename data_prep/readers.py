@@ -311,18 +311,27 @@ def parquet_row_groups(path: Path) -> list[tuple[int, int]]:
             for i in range(meta.num_row_groups)]
 
 
-def read_parquet_file(path: Path, text_field: str, report,
-                      row_groups: Sequence[int] | None = None) -> Iterator[Document]:
-    """Rows of ``row_groups`` (default: all) of a Parquet file, one row group in memory at a time."""
+def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None,
+                      layout: tuple[int, int] | None = None) -> Iterator[Document]:
+    """Rows of ``row_groups`` (default: all) of a Parquet file, one row group in memory at a time
+    (``layout``: the file's size and row-group count when the groups were planned; a ValueError if
+    it changed since). A corrupt row group is counted and the next one read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        # Without pre-buffering, pyarrow reads a column chunk in pieces, not whole: a file written as
+        # one row group of gigabytes stays in bounded memory.
+        pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) on a bad footer
         check_io(e, path, report)
         report.add(str(path), f"unreadable ({e})")
         return
+    if layout is not None and (os.path.getsize(path), pf.metadata.num_row_groups) != tuple(layout):
+        size, groups = layout
+        raise ValueError(f"{printable(str(path))} changed since the build was planned ({size} bytes in {groups} "
+                         f"row groups then, {os.path.getsize(path)} in {pf.metadata.num_row_groups} now), so its "
+                         "planned row groups no longer fit it: plan the build again (--overwrite)")
     schema = pf.schema_arrow
     if text_field not in schema.names:
         report.add(str(path), f"no {text_field!r} column (columns: {', '.join(schema.names)})")
@@ -345,17 +354,17 @@ def read_parquet_file(path: Path, text_field: str, report,
                         yield Document(text, f"{path}:{row}")
         except (OSError, ValueError) as e:
             check_io(e, path, report)
-            report.add(f"{path}:{row + 1}", f"unreadable ({e})")
-            return
+            report.add(f"{path}:{row + 1}", f"row group {group} unreadable ({e})")
 
 
 def read_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None,
-              lines: tuple[int, int, int, int] | None = None) -> Iterator[Document]:
-    """The documents of one corpus file, by its suffix (``row_groups`` only for Parquet, ``lines``,
-    a byte range, its first line number and the file's planned size, only for uncompressed JSON
-    Lines)."""
+              lines: tuple[int, int, int, int] | None = None, layout: tuple[int, int] | None = None
+              ) -> Iterator[Document]:
+    """The documents of one corpus file, by its suffix (``row_groups`` and their planned ``layout``
+    only for Parquet, ``lines``, a byte range, its first line number and the file's planned size,
+    only for uncompressed JSON Lines)."""
     if has_suffix(path.name, PARQUET_SUFFIXES):
-        return read_parquet_file(path, text_field, report, row_groups)
+        return read_parquet_file(path, text_field, report, row_groups, layout)
     if has_suffix(path.name, JSONL_SUFFIXES):
         return read_jsonl_file(path, text_field, report, lines)
     return read_text_file(path, report)

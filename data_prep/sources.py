@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from tqdm import tqdm
+
 from data_prep.readers import ALL_SUFFIXES, Document, has_suffix, printable, read_file
 
 __all__ = ["ALL_SUFFIXES", "BadInputReport", "Document", "EmptyCorpusError", "Source", "as_sources",
@@ -114,7 +116,7 @@ def as_sources(sources: Iterable[str | os.PathLike | Source] | str | os.PathLike
     return out
 
 
-def list_files(sources, skipped: Counter | None = None) -> list[Path]:
+def list_files(sources, skipped: Counter | None = None, progress: bool = False) -> list[Path]:
     """All corpus files of ``sources`` in a deterministic order, each once (sources that overlap, such
     as a folder and a file or subfolder inside it, would otherwise train on those files twice).
     Symlinked folders are followed (each real folder once). ``skipped`` counts, by last suffix, the
@@ -122,9 +124,10 @@ def list_files(sources, skipped: Counter | None = None) -> list[Path]:
 
     A source path that does not exist, or a single file of an unsupported type, is
     an error right away: it is almost always a typo, and finding out after an hour
-    of processing the other sources would be worse.
+    of processing the other sources would be worse. ``progress``: a count of the files on stderr.
     """
     files: list[Path] = []
+    counter = tqdm(unit=" files", desc="listing corpus files", disable=not progress, mininterval=1.0)
     for src in as_sources(sources):
         p = src.path
         if p.is_dir():
@@ -142,6 +145,7 @@ def list_files(sources, skipped: Counter | None = None) -> list[Path]:
                 for f in sorted(filenames):
                     if has_suffix(f, src.suffixes):
                         files.append(Path(dirpath) / f)
+                        counter.update()
                     elif skipped is not None and src.suffixes == ALL_SUFFIXES:
                         suffix = printable(Path(f).suffix)
                         skipped[suffix if 1 < len(suffix) <= 12 else "(no suffix)" if not suffix else "(other)"] += 1
@@ -151,6 +155,7 @@ def list_files(sources, skipped: Counter | None = None) -> list[Path]:
             files.append(p)
         else:
             raise FileNotFoundError(f"corpus source not found: {p}")
+    counter.close()
     firsts = {}  # resolved path -> the path first listed for it (dicts keep insertion order)
     for f in files:
         firsts.setdefault(f.resolve(), f)
@@ -170,11 +175,12 @@ def source_relative(path: str | os.PathLike, sources: Sequence[str | os.PathLike
 
 
 def iter_documents(sources=None, *, text_field: str = "text", report: BadInputReport | None = None,
-                   max_docs: int | None = None) -> Iterator[Document]:
-    """Yield non-empty documents from ``sources`` (None = :func:`default_corpus`)."""
+                   max_docs: int | None = None, files: Sequence[Path] | None = None) -> Iterator[Document]:
+    """Yield non-empty documents from ``sources`` (None = :func:`default_corpus`; ``files``: their
+    files, listed already)."""
     report = report if report is not None else BadInputReport()
     n = 0
-    for path in list_files(sources):
+    for path in list_files(sources) if files is None else files:
         for doc in read_file(path, text_field, report):
             if max_docs is not None and n >= max_docs:
                 return
@@ -182,10 +188,11 @@ def iter_documents(sources=None, *, text_field: str = "text", report: BadInputRe
             yield doc
 
 
-def require_documents(sources=None, *, text_field: str = "text") -> None:
-    """Fail fast, before any expensive work, if ``sources`` hold no document at all."""
+def require_documents(sources=None, *, text_field: str = "text", files: Sequence[Path] | None = None) -> None:
+    """Fail fast, before any expensive work, if ``sources`` hold no document at all (``files``: their
+    files, listed already: a corpus of millions of files is not walked again)."""
     srcs = as_sources(sources)
-    if next(iter_documents(srcs, text_field=text_field), None) is None:
+    if next(iter_documents(srcs, text_field=text_field, files=files), None) is None:
         names = ", ".join(str(s) for s in srcs)
         suffixes = sorted({x for s in srcs for x in s.suffixes})
         raise EmptyCorpusError(

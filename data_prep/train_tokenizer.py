@@ -35,7 +35,7 @@ from typing import Iterable, Iterator
 import sentencepiece as spm
 
 from data_prep.readers import FileReadError
-from data_prep.sources import BadInputReport, Document, as_sources, iter_documents, require_documents
+from data_prep.sources import BadInputReport, Document, as_sources, iter_documents, list_files, require_documents
 from data_prep.tokenizer import META_FILE, MODEL_FILE, SPECIAL_IDS, install, sha256_file
 
 # SentencePiece silently drops training sentences longer than this many bytes.
@@ -116,14 +116,15 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
     if (out_dir / MODEL_FILE).exists() and not overwrite:
         raise FileExistsError(f"tokenizer already exists at {out_dir}: pass --overwrite to replace it")
     srcs = as_sources(sources)
-    require_documents(srcs, text_field=text_field)
+    files = list_files(srcs, progress=progress)
+    require_documents(srcs, text_field=text_field, files=files)
 
     report = bad_inputs if bad_inputs is not None else BadInputReport()
     stats = {"documents_seen": 0, "documents": 0, "sentences": 0, "chars": 0}
     from tqdm import tqdm
 
     # The sample is drawn from every document: a pass over the whole corpus.
-    docs = tqdm(iter_documents(srcs, text_field=text_field, report=report), unit="doc", unit_scale=True,
+    docs = tqdm(iter_documents(srcs, text_field=text_field, report=report, files=files), unit="doc", unit_scale=True,
                 desc="sampling documents", disable=not progress)
     sample = reservoir_sample(docs, sample_docs, seed, max_doc_chars, stats)
     lines = _training_lines(sample, max_sentences, stats)

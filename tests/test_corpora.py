@@ -94,6 +94,30 @@ def test_parquet_streams_row_groups_counts_nulls_and_round_trips(tmp_path, tok_d
     assert assert_samples_are_source_spans(tmp_path / "out", texts, sp) >= 10
 
 
+def test_a_corrupt_row_group_costs_its_rows_and_a_rewritten_file_fails_its_parts(tmp_path, tok_dir):
+    rng = random.Random(2)
+    texts = [make_text(rng, rng.randrange(2, 8)) for _ in range(12)]
+    src = tmp_path / "data.parquet"
+    write_parquet(src, texts, row_group_size=3)
+    chunk = pq.ParquetFile(src).metadata.row_group(1).column(0)
+    data = bytearray(src.read_bytes())
+    data[chunk.data_page_offset:chunk.data_page_offset + 16] = b"\xff" * 16
+    src.write_bytes(bytes(data))
+    report = BadInputReport()
+    docs = [d.text for d in iter_documents([src], report=report)]
+    assert docs == texts[:3] + texts[6:]  # the groups after the corrupt one are read too
+    assert report.count == 1 and report.examples[0].startswith(f"{src}:4: row group 1 unreadable"), report.examples
+
+    # The same rows written again in other row groups after the build was planned by row groups.
+    write_parquet(src, texts, row_group_size=3)
+    plan = bs.plan_build([src], tok_dir, tmp_path / "out", seq_len=8, val_fraction=0,
+                         part_size=src.stat().st_size // 3)
+    assert len(plan["parts"]) >= 2
+    write_parquet(src, texts, row_group_size=5)
+    with pytest.raises(ValueError, match="changed since the build was planned .* plan the build again"):
+        list(P.iter_part_documents(P.parts_of(plan)[0], "text", BadInputReport()))
+
+
 def test_zstd_and_gzip_json_lines_bad_lines_and_truncation(tmp_path, tok_dir):
     rng = random.Random(2)
     texts = [make_text(rng, 4) for _ in range(6)]
@@ -237,14 +261,17 @@ def test_worker_count_does_not_change_the_samples(tmp_path, tok_dir):
         assert [x.tolist() for x in a] == [x.tolist() for x in b]
 
 
-def test_tasks_build_their_parts_and_a_killed_part_is_rebuilt_alone(tmp_path, tok_dir, capsys):
+def test_tasks_build_their_parts_and_a_killed_part_is_rebuilt_alone(tmp_path, tok_dir, capsys, monkeypatch):
     texts = make_corpus(tmp_path / "corpus")
     kw = dict(seq_len=16, val_fraction=0.2, part_size="2kb")
     bs.build_shards([tmp_path / "corpus"], tok_dir, tmp_path / "local", workers=1, **kw)
 
     out = tmp_path / "cluster"
-    assert bs.main(["--sources", str(tmp_path / "corpus"), "--tokenizer", str(tok_dir), "--out", str(out),
+    monkeypatch.chdir(tmp_path)  # planned with relative paths, its tasks run elsewhere (other nodes)
+    assert bs.main(["--sources", "corpus", "--tokenizer", os.path.relpath(tok_dir), "--out", str(out),
                     "--seq-len", "16", "--val-fraction", "0.2", "--part-size", "2kb", "--plan-only"]) == 0
+    (tmp_path / "node").mkdir()
+    monkeypatch.chdir(tmp_path / "node")
     plan = P.read_plan(out)
     parts = P.parts_of(plan)
     assert bs.main(["--out", str(out), "--task", "0", "--tasks", "2", "--workers", "1"]) == 0
@@ -374,6 +401,9 @@ def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, to
                     "--val-fraction", "0", "--part-size", "60b", "--dedup", "exact", "--plan-only"]) == 0
     assert bs.main(args + ["--task", "0"]) == 0
     assert P.status(out)["done"] == []  # hashed, not built
+    assert "part 0 hashed: 3 documents" in capsys.readouterr().err
+    assert bs.main(args + ["--task", "0"]) == 0  # again before the index: it says what to run
+    assert f"--out {out} --dedup-index" in capsys.readouterr().err
     assert bs.main(["--out", str(out), "--dedup-index"]) == 2
     assert "have no document hashes yet (parts 1, 3)" in capsys.readouterr().err
     assert bs.main(args + ["--task", "1"]) == 0
