@@ -110,20 +110,24 @@ def collate_pairs(pairs: list[PairExample], pad_id: int, cap: int | None = None)
 
 class ExampleBatches:
     """Endless micro-batches of `units` (rows or pairs): each epoch a permutation seeded by
-    (seed, epoch); global micro-batch g of an epoch holds units order[g*micro : (g+1)*micro], and
-    data-parallel rank r takes g = r, r + dp, ... (the epoch's last incomplete round is dropped, so
-    every rank takes the same number). Tensor-parallel peers share a data-parallel rank and get
-    the same batches."""
+    (seed, epoch); global micro-batch g of an epoch holds units order[start + g*micro : start +
+    (g+1)*micro], and data-parallel rank r takes g = r, r + dp, ... (the epoch's last incomplete round
+    is dropped, so every rank takes the same number). `start` is 0, except in the epoch a resume
+    lands in: the units consumed before it, so any micro-batch and data-parallel size continues at
+    the same unit. Tensor-parallel peers share a data-parallel rank and get the same batches."""
 
     def __init__(self, units: list, collate, micro_batch: int, dp_rank: int, dp_size: int, seed: int):
         self.units, self.collate = units, collate
         self.micro, self.dp_rank, self.dp_size, self.seed = micro_batch, dp_rank, dp_size, seed
-        self.per_rank = len(units) // (micro_batch * dp_size)  # micro-batches per rank per epoch
-        if self.per_rank == 0:
+        if len(units) // (micro_batch * dp_size) == 0:
             raise ValueError(f"{len(units)} examples are fewer than one micro-batch on every data-parallel rank "
                              f"({micro_batch} x {dp_size}); add examples or lower train.micro_batch")
-        self.epoch, self.index = 0, 0
+        self.epoch, self.start, self.index = 0, 0, 0
         self._order = None
+
+    def _rounds(self) -> int:
+        """Micro-batches per rank in this epoch, from its start."""
+        return (len(self.units) - self.start) // (self.micro * self.dp_size)
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None or self._order[0] != self.epoch:
@@ -132,32 +136,37 @@ class ExampleBatches:
         return self._order[1]
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        if self.index == self.per_rank:
-            self.epoch, self.index = self.epoch + 1, 0
+        if self.index >= self._rounds():
+            self.epoch, self.start, self.index = self.epoch + 1, 0, 0
         g = self.index * self.dp_size + self.dp_rank
-        picked = self._epoch_order()[g * self.micro:(g + 1) * self.micro]
+        first = self.start + g * self.micro
+        picked = self._epoch_order()[first:first + self.micro]
         self.index += 1
         return self.collate([self.units[i] for i in picked])
 
     def state_dict(self) -> dict:
-        """The epoch and the examples of it consumed by all ranks: a resume at another data-parallel
-        size or micro-batch (the same global batch) continues at the same example."""
-        return {"epoch": self.epoch, "consumed": self.index * self.micro * self.dp_size, "units": len(self.units)}
+        """The epoch, the examples of it consumed by all ranks and the seed of its order."""
+        return {"epoch": self.epoch, "consumed": self.start + self.index * self.micro * self.dp_size,
+                "units": len(self.units), "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         if "consumed" not in state:  # another loader's position (a weights-only or pretraining checkpoint)
-            self.epoch, self.index = 0, 0
+            self.epoch, self.start, self.index = 0, 0, 0
             return
         if state["units"] != len(self.units):
             raise ValueError(f"the checkpoint's data position is in {state['units']} examples, the data now has "
                              f"{len(self.units)}; resume with the run's post.data, or start a new run.dir")
-        self.epoch, self.index = int(state["epoch"]), int(state["consumed"]) // (self.micro * self.dp_size)
+        if state.get("seed", self.seed) != self.seed:
+            seed = state["seed"]
+            raise ValueError(f"the checkpoint's data position is in the order drawn with train.seed={seed}, this "
+                             f"run has train.seed={self.seed}: resume with train.seed={seed}, or start a new run.dir")
+        self.epoch, self.start, self.index = int(state["epoch"]), int(state["consumed"]), 0
 
 
 def fixed_batches(units: list, collate, micro_batch: int, dp_rank: int, dp_size: int, count: int) -> list:
-    """Validation: the first `count` micro-batches of this rank, in file order (wrapping around)."""
-    if not units:
-        return []
-    n = len(units)
-    return [collate([units[(dp_rank + (b * micro_batch + i) * dp_size) % n] for i in range(micro_batch)])
-            for b in range(count)]
+    """Validation: the first `count` x `micro_batch` x `dp_size` examples in file order (all of a
+    smaller set), each once, rounded down to a multiple of `dp_size`; rank r takes every dp_size-th
+    from r, in micro-batches of up to `micro_batch`, so every rank runs as many."""
+    total = min(len(units), count * micro_batch * dp_size) // dp_size * dp_size
+    mine = units[dp_rank:total:dp_size]
+    return [collate(mine[i:i + micro_batch]) for i in range(0, len(mine), micro_batch)]

@@ -2,6 +2,8 @@
 
 Each turn is encoded on its own and the pieces concatenated, so the mask falls exactly on token
 boundaries: prompt tokens are never trained, whatever the tokenizer would merge across a boundary.
+The spaces that end the assistant prefix belong to the response: "Assistant: import os" trains
+"Assistant:" | "▁import ▁os", as running text is tokenized, not "Assistant:▁" | "import ▁os".
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class ChatEncoder:
         for message in messages:
             role, content = message["role"], message["content"]
             if role == "assistant":
-                head, body = self._ids(self.prefixes[role]), self._ids(content) + [self.eos]
+                head, body = self.assistant_turn(content)
                 ids += head + body
                 trained += [False] * len(head) + [True] * len(body)
             else:
@@ -94,10 +96,20 @@ class ChatEncoder:
                 trained += [False] * len(piece)
         return np.array(ids, dtype=np.int64), np.array(trained, dtype=bool)
 
+    def assistant_turn(self, content: str) -> tuple[list[int], list[int]]:
+        """(prefix ids, response ids with EOS) of an assistant turn; the prefix's trailing spaces are
+        encoded with the response, so that its first word is the token running text has there."""
+        prefix = self.prefixes["assistant"]
+        head_text = prefix.rstrip(" ")
+        head, whole = self._ids(head_text), self._ids(prefix + content)
+        if whole[:len(head)] == head:
+            return head, whole[len(head):] + [self.eos]
+        return head, self._ids(prefix[len(head_text):] + content) + [self.eos]  # merged across the boundary
+
     def prompt(self, messages: list[dict]) -> list[int]:
-        """The ids before a response: the turns, then the assistant prefix."""
+        """The ids before a response: the turns, then the assistant prefix (without its trailing spaces)."""
         ids, _ = self.conversation(messages)
-        return ids.tolist() + self._ids(self.prefixes["assistant"])
+        return ids.tolist() + self._ids(self.prefixes["assistant"].rstrip(" "))
 
     def response(self, text: str) -> list[int]:
-        return self._ids(text) + [self.eos]
+        return self.assistant_turn(text)[1]

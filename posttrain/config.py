@@ -68,6 +68,11 @@ def validate_post(cfg: PostTrainConfig) -> None:
                           "responses, padded: set post.packing=false")
     if p.beta <= 0:
         raise ConfigError(f"post.beta={p.beta} must be > 0 (0.1 is usual)")
+    if p.method != "sft" and cfg.model.mlp in ("moe", "uoe") and cfg.model.moe.capacity_factor > 0:
+        raise ConfigError(f"model.moe.capacity_factor={cfg.model.moe.capacity_factor}: {p.method}'s frozen reference "
+                          "routes every token (it runs in evaluation mode), so a policy that drops tokens over "
+                          "capacity would differ from it by the drops alone; set model.moe.capacity_factor=0 "
+                          "(it changes no weight)")
     if p.dpo_weight < 0 or p.mse_weight < 0 or p.dpo_weight + p.mse_weight == 0:
         raise ConfigError(f"post.dpo_weight={p.dpo_weight} and post.mse_weight={p.mse_weight} must be >= 0 "
                           "and not both 0")

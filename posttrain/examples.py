@@ -17,7 +17,10 @@ from posttrain.config import PostTrainConfig, example_length
 class Examples:
     """The files of post.data or post.val_data, read, checked and tokenized once."""
 
-    def __init__(self, cfg: PostTrainConfig, files: list[str], encoder: ChatEncoder, objectives: list[str] | None):
+    def __init__(self, cfg: PostTrainConfig, files: list[str], encoder: ChatEncoder, objectives: list[str] | None,
+                 objectives_of: str = "the data"):
+        """`objectives`: SGA's, in order (None: the first record's); `objectives_of`: whose they are,
+        for the message a record with others gets."""
         self.report = BadInputReport()
         self.too_long = 0
         self.units: list = []
@@ -44,8 +47,8 @@ class Examples:
                 if self.objectives is None:  # the first record's objectives, in its order
                     self.objectives = list(pair.scores)
                 if sorted(pair.scores) != sorted(self.objectives):
-                    self.report.add(where, f"scores {sorted(pair.scores)} are not the objectives of the data "
-                                           f"{sorted(self.objectives)}")
+                    self.report.add(where, f"scores {sorted(pair.scores)} are not the objectives of "
+                                           f"{objectives_of} {sorted(self.objectives)}")
                     continue
                 scores = {name: round(pair.scores[name], post.score_decimals) for name in self.objectives}
                 prompt = encoder.prompt(with_scores(pair.prompt, scores, scores_fmt))
@@ -60,6 +63,16 @@ class Examples:
                 self.too_long += 1
                 continue
             self.units.append(PairExample(chosen, rejected, raw_prompt, target))
+
+    def score_levels(self, most: int = 11) -> dict[str, list[float]]:
+        """SGA: each objective's distinct target values, where they are a scale of at most `most` levels
+        (HelpSteer2's five, UltraFeedback's five); predictions snap to them at inference."""
+        levels = {}
+        for i, name in enumerate(self.objectives or []):
+            values = sorted({float(unit.scores[i]) for unit in self.units})
+            if len(values) <= most:
+                levels[name] = values
+        return levels
 
     def fingerprint(self) -> str:
         """sha256 of the units' tokens, masks and targets in order: the same data, tokenized the same way."""

@@ -3,7 +3,7 @@ in this process; tools.consolidate's weight files leave the value head out): pre
 raw prompt with the value head, write them into the prompt as text, generate.
 
     sga = SGAModel.load("runs/sga")
-    scores = sga.predict([{"role": "user", "content": "..."}])     # {objective: score}
+    scores = sga.snap(sga.predict([{"role": "user", "content": "..."}]))  # {objective: score}
     ids = sga.generate(messages, scores, max_new_tokens=64)
 """
 
@@ -27,6 +27,7 @@ class SGAModel:
     encoder: ChatEncoder
     scores_format: ScoreFormat
     objectives: list[str]
+    levels: dict[str, list[float]]  # the objectives whose training targets were a scale, its values
 
     @classmethod
     def load(cls, checkpoint: str | Path, sp) -> SGAModel:
@@ -41,7 +42,7 @@ class SGAModel:
         head = ValueHead.from_spec(spec)
         head.load_state_dict(meta["head_states"]["value_head"])
         return cls(model, head.eval(), ChatEncoder(sp, ChatFormat(**info["chat"])), ScoreFormat(**info["scores"]),
-                   list(spec["objectives"]))
+                   list(spec["objectives"]), info.get("score_levels", {}))
 
     @torch.no_grad()
     def predict(self, messages: list[dict]) -> dict[str, float]:
@@ -49,6 +50,15 @@ class SGAModel:
         ids = torch.tensor([self.encoder.prompt(messages)[-self.model.cfg.max_seq_len:]])
         hidden = last_token_states(self.model.hidden_states(ids), torch.tensor([ids.shape[1] - 1]))
         return dict(zip(self.objectives, self.value_head(hidden)[0].tolist()))
+
+    def snap(self, scores: dict[str, float]) -> dict[str, float]:
+        """Each score of an objective trained on a scale (HelpSteer2's 0, .25, ..., 1) at its nearest
+        level: the model was conditioned on those values only. Others as they are."""
+        def nearest(name: str, value: float) -> float:
+            levels = self.levels.get(name)
+            return min(levels, key=lambda level: abs(level - value)) if levels else value
+
+        return {name: nearest(name, value) for name, value in scores.items()}
 
     def conditioned_prompt(self, messages: list[dict], scores: dict[str, float]) -> list[int]:
         unknown = sorted(set(scores) - set(self.objectives))

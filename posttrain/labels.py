@@ -53,6 +53,15 @@ class ClassifierLabeller:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        # Batches are padded; decoder classifiers (GPT-2, Llama) often name no pad token: EOS pads,
+        # and the model then finds each row's last real token by it.
+        if self.tokenizer.pad_token is None:
+            if self.tokenizer.eos_token is None:
+                raise ValueError(f"classifier {model_dir}: its tokenizer has neither a pad nor an EOS token to "
+                                 "pad batches with; add a pad_token to its tokenizer_config.json")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
         names = {int(i): str(n).lower() for i, n in self.model.config.id2label.items()}
         matches = [i for i, n in names.items() if n == unsafe_label.lower()]
         if not matches:

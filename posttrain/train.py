@@ -44,6 +44,12 @@ class PostTrainer(Trainer):
         SGA average over pairs, as many in each."""
         return batch["trained"][:, 1:].sum() if self.cfg.post.method == "sft" else None
 
+    def val_weight(self, batch: dict) -> torch.Tensor | None:
+        """The validation set's last micro-batch may be smaller: pairs weigh by their number."""
+        if self.cfg.post.method == "sft":
+            return self.loss_tokens(batch)
+        return torch.tensor(batch["tokens"].shape[0] // 2)
+
     def probe_tokens(self, seq: int) -> torch.Tensor:
         return self.val_batches[0]["tokens"][:, :seq].to(self.device)
 
@@ -86,24 +92,33 @@ class PostTrainTask(Task):
         self.chat_notes = inherit_chat_format(cfg.post, started.get("chat"))
         encoder = ChatEncoder(sp, ChatFormat.from_config(cfg.post))
         try:
-            self.train_data = Examples(cfg, cfg.post.data, encoder, objectives)
+            self.train_data = Examples(cfg, cfg.post.data, encoder, objectives,
+                                       f"the value head of {start}, trained on" if objectives else "the data")
             self.val_data = Examples(cfg, cfg.post.val_data, encoder, self.train_data.objectives)
         except FileReadError as err:
             raise ConfigError(f"post.data / post.val_data: {err}") from None
         if not self.train_data.units:
+            new_head = (f". SGA goes on with the value head of {start} and its objectives; for a new head on "
+                        "other objectives, start from the weights alone (python -m tools.consolidate writes them)"
+                        if objectives and not resumed else "")
             raise ConfigError(f"post.data={cfg.post.data} holds no usable {cfg.post.method} example "
                               f"({self.train_data.too_long} too long for post.max_len; "
-                              f"{self.train_data.report.summary()})")
+                              f"{self.train_data.report.summary()}){new_head}")
         dp = world_size // cfg.parallel.tensor
         if len(self.train_data.units) < cfg.train.micro_batch * dp:
             raise ConfigError(f"post.data has {len(self.train_data.units)} usable examples, fewer than one micro-batch "
                               f"on each data-parallel rank ({cfg.train.micro_batch} x {dp}); add examples or lower "
                               "train.micro_batch")
         if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
-            raise ConfigError(f"post.data (or post.max_len, post.packing, train.seed, the chat or score format) differs "
+            raise ConfigError(f"post.data (or post.max_len, post.packing, the chat or score format) differs "
                               "from what the "
                               f"run in {cfg.run.dir} was training on, so it cannot resume its position; restore them, "
                               "or start a new run.dir")
+        if resumed.get("data_seed", cfg.train.seed) != cfg.train.seed:  # the examples' order is drawn with it
+            seed = resumed["data_seed"]
+            raise ConfigError(f"train.seed={cfg.train.seed}: the run in {cfg.run.dir} was drawing its examples in "
+                              f"the order of train.seed={seed}, so it cannot resume its position with another; set "
+                              f"train.seed={seed}, or start a new run.dir")
         if cfg.post.val_data and not self.val_data.units:
             raise ConfigError(f"post.val_data={cfg.post.val_data} holds no usable {cfg.post.method} example "
                               f"({self.val_data.too_long} too long for post.max_len; {self.val_data.report.summary()})")
@@ -166,12 +181,14 @@ class PostTrainTask(Task):
         post = cfg.post
         info = {"method": post.method, "chat": ChatFormat.from_config(post).__dict__, "init_from": cfg.train.init_from,
                 "reference": str(self.reference), "data_sha256": self.train_data.fingerprint(),
+                "data_seed": cfg.train.seed,
                 "examples": len(self.train_data.units), "too_long": self.train_data.too_long,
                 "bad_records": self.train_data.report.to_dict()}
         meta = {"posttrain": info}
         if post.method == "sga":
             info["scores"] = ScoreFormat.from_config(post).__dict__
             info["value_head"] = spec(cfg.model.hidden_size, self.train_data.objectives, post)
+            info["score_levels"] = self.train_data.score_levels()
             meta["heads"] = ["value_head"]
         return meta
 

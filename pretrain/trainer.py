@@ -110,6 +110,11 @@ class Trainer:
         micro-batches (post-training's response tokens); None: all weigh the same."""
         return None
 
+    def val_weight(self, batch) -> torch.Tensor | None:
+        """What a validation batch's loss weighs in the mean over the validation set (its loss
+        tokens, or its examples where batches hold different numbers); None: all the same."""
+        return self.loss_tokens(batch)
+
     def micro_batch_weights(self, batches: list) -> list[float] | None:
         """Each micro-batch's share of the step's loss, so that a loss averaged over each micro-batch's
         tokens becomes the mean over all tokens of the step (every micro-batch of every data-parallel
@@ -169,7 +174,7 @@ class Trainer:
                 if signals.any_rank_received(self.device):
                     self.engine.train()
                     return None
-                tokens = self.loss_tokens(batch)
+                tokens = self.val_weight(batch)
                 weighted = tokens is not None
                 weight = 1.0 if tokens is None else tokens.float().to(self.device)
                 sums[i] += self.forward(batch).float() * weight

@@ -18,6 +18,7 @@ from posttrain.batches import (
     Row,
     collate_pairs,
     collate_rows,
+    fixed_batches,
     pack,
     response_row,
 )
@@ -74,20 +75,25 @@ def files(tmp_path_factory, tok_dir):
 
 def test_conversation_trains_exactly_the_assistant_turns(encoder):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "red tree"},
-                {"role": "assistant", "content": "green river"}, {"role": "user", "content": "more"},
-                {"role": "assistant", "content": "blue stone"}]
+                {"role": "assistant", "content": "import data"}, {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "the model"}]
     ids, trained = encoder.conversation(messages)
     sp, eos = encoder.sp, encoder.eos
     expected_ids, expected_mask = [], []
-    for text, is_target in [("System: be brief\n", False), ("User: red tree\n", False), ("Assistant: ", False),
-                            ("green river", True), (None, True), ("User: more\n", False), ("Assistant: ", False),
-                            ("blue stone", True), (None, True)]:
+    for text, is_target in [("System: be brief\n", False), ("User: red tree\n", False), ("Assistant:", False),
+                            ("Assistant: import data", True), (None, True), ("User: more\n", False),
+                            ("Assistant:", False), ("Assistant: the model", True), (None, True)]:
         piece = [eos] if text is None else sp.encode(text)
+        if is_target and text:  # the response as running text tokenizes it, after the prefix's tokens
+            head = sp.encode("Assistant:")
+            assert piece[:len(head)] == head
+            piece = piece[len(head):]
+            assert sp.id_to_piece(piece[0]) in ("\u2581import", "\u2581the"), sp.id_to_piece(piece[0])
         expected_ids += piece
         expected_mask += [is_target] * len(piece)
     assert ids.tolist() == expected_ids and trained.tolist() == expected_mask
     # A preference prompt plus its response is the same sequence as the conversation.
-    assert encoder.prompt(messages[:-1]) + encoder.response("blue stone") == expected_ids
+    assert encoder.prompt(messages[:-1]) + encoder.response("the model") == expected_ids
 
 
 def _reference_nll(model, tokens, trained):
@@ -255,6 +261,16 @@ def test_sga_of_a_moe_model_balances_the_routers_on_both_forwards():
     torch.testing.assert_close(loss, without_aux + (on_prompts + on_pairs) / 2, rtol=1e-5, atol=1e-6)
 
 
+def test_validation_takes_each_example_once_at_any_layout():
+    collate = lambda xs: list(xs)  # noqa: E731
+    for n, micro, dp, want in ((10, 4, 1, range(10)), (10, 4, 2, range(10)), (11, 4, 2, range(10)),
+                               (40, 4, 2, range(32)), (10, 3, 4, range(8))):
+        ranks = [fixed_batches(list(range(n)), collate, micro, rank, dp, count=4) for rank in range(dp)]
+        assert len({len(batches) for batches in ranks}) == 1, (n, micro, dp)  # as many on every rank
+        assert all(len(batch) <= micro for batches in ranks for batch in batches)
+        assert sorted(u for batches in ranks for batch in batches for u in batch) == list(want), (n, micro, dp)
+
+
 def other_rank_next(units, collate, state):
     rank0 = ExampleBatches(units, collate, micro_batch=3, dp_rank=0, dp_size=2, seed=5)
     rank0.load_state_dict(state)
@@ -278,6 +294,17 @@ def test_batches_resume_at_the_next_micro_batch():
     assert torch.equal(next(single), torch.cat([other_rank_next(units, collate, state), later[0]]))
     with pytest.raises(ValueError, match="examples"):
         ExampleBatches(units[:-1], collate, 3, 1, 2, 5).load_state_dict(state)
+    with pytest.raises(ValueError, match="train.seed=5"):
+        ExampleBatches(units, collate, 3, 1, 2, 6).load_state_dict(state)
+    # A micro-batch that does not divide the examples consumed (6) still continues at the next one:
+    # 4 ranks of 4 take the rest of the epoch's order, none repeated, none left out.
+    order = np.random.default_rng([5, state["epoch"]]).permutation(len(units))
+    ranks = [ExampleBatches(units, collate, micro_batch=4, dp_rank=r, dp_size=4, seed=5) for r in range(4)]
+    for rank in ranks:
+        rank.load_state_dict(state)
+    assert torch.cat([next(rank) for rank in ranks]).tolist() == order[6:22].tolist()
+    following = np.random.default_rng([5, state["epoch"] + 1]).permutation(len(units))
+    assert next(ranks[1]).tolist() == following[4:8].tolist()  # then the next epoch, from its start
     other = ExampleBatches(units, collate, micro_batch=3, dp_rank=0, dp_size=2, seed=5)
     epoch = torch.cat([next(other) for _ in range(3)] + first[:3])
     assert len(set(epoch.tolist())) == 18
@@ -301,6 +328,8 @@ def test_config_errors_name_the_key(files):
     assert "post.add_bos=true" in check(f"train.init_from={files / 'init.pt'}", "data.start_with_bos=true")
     assert "normalizer=seqlen" in check(f"train.init_from={files / 'init.pt'}", "model.attention=sr",
                                         "model.relu_attention.normalizer=seqlen")
+    assert "set model.moe.capacity_factor=0" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo",
+                                                      "model.mlp=uoe", "model.moe.capacity_factor=1.25")
 
 
 def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records_bos(files, tok_dir, tmp_path):
@@ -553,15 +582,24 @@ def test_sga_trains_and_two_stage_inference_prints_scores_then_text(sga_run, tok
 
     text = generate()
     assert text.splitlines()[0].startswith("predicted scores: length ") and ", keyword " in text.splitlines()[0]
+    # Trained on length 0.25 ... 1 and keyword 1 alone: predictions are snapped to those levels.
+    used = text.splitlines()[1]
+    assert used.startswith("used scores: length ") and used.endswith("keyword 1.000")
     result = json.loads(generate("--json", "--scores", "keyword=0.25"))
     assert sorted(result["predicted_scores"]) == ["keyword", "length"]
     assert all(0 < v < 1 for v in result["predicted_scores"].values())
-    length = round(result["predicted_scores"]["length"], 2)
-    assert result["conditioning"] == f"\nscores: <length_score:{length}> and <keyword_score:0.25>"
+    length = result["predicted_scores"]["length"]
+    snapped = min((0.25, 0.5, 0.75, 1.0), key=lambda level: abs(level - length))
+    assert result["scores"] == {"length": snapped, "keyword": 0.25}
+    assert result["conditioning"] == f"\nscores: <length_score:{snapped}> and <keyword_score:0.25>"
     assert 1 <= len(result["ids"]) <= 5
-    # A prompt longer than max_seq_len: both stages read its last max_seq_len tokens.
-    long = json.loads(generate("--json", "--prompt", "red tree " * 200))
+    # A prompt longer than max_seq_len: both stages read its last max_seq_len tokens; --no-snap
+    # conditions on the predictions as they are.
+    long = json.loads(generate("--json", "--no-snap", "--prompt", "red tree " * 200))
     assert sorted(long["predicted_scores"]) == ["keyword", "length"] and 1 <= len(long["ids"]) <= 5
+    predicted = {name: round(value, 2) for name, value in long["predicted_scores"].items()}
+    assert long["scores"] == long["predicted_scores"] and long["conditioning"] == \
+        f"\nscores: <length_score:{predicted['length']}> and <keyword_score:{predicted['keyword']}>"
 
 
 @pytest.mark.slow

@@ -4,8 +4,10 @@
         [--scores helpfulness=0.9,verbosity=0.2] [--max-new-tokens 128 --temperature 0.6 --top-p 0.9 --seed 0]
 
 Stage 1 predicts one score in [0, 1] per objective from the raw prompt with the value head and
-prints them; stage 2 appends them to the prompt as text (the run's post.score_* format) and
-generates. --scores replaces the prediction (all objectives, or some: the rest stay predicted).
+prints them; a prediction for an objective trained on a scale (HelpSteer2's 0, .25, ..., 1) is
+snapped to its nearest level (--no-snap: as predicted); stage 2 appends them to the prompt as text
+(the run's post.score_* format) and generates. --scores replaces the prediction (all objectives,
+or some: the rest stay predicted).
 --json prints both stages as one JSON object.
 """
 
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir (default: the run's)")
+    parser.add_argument("--no-snap", action="store_true",
+                        help="condition on the predicted scores as they are, not snapped to the trained scale")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not 0.0 < args.top_p <= 1.0 or args.max_new_tokens < 0:
@@ -61,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     predicted = sga.predict(messages)
-    scores = {**predicted, **given}
+    scores = {**(predicted if args.no_snap else sga.snap(predicted)), **given}
     if not args.json:
         print("predicted scores: " + ", ".join(f"{k} {v:.3f}" for k, v in predicted.items()), flush=True)
-        if given:
+        if scores != predicted:
             print("used scores: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
     ids = sga.generate(messages, scores, args.max_new_tokens, args.temperature, args.top_p, args.greedy,
                        torch.Generator().manual_seed(args.seed))
