@@ -26,7 +26,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     total = embedding + head + norms + attn + sum(t for t, _ in mlps)
     active = embedding + head + norms + attn + sum(a for _, a in mlps)
     return {"total": total, "active": active, "embedding": embedding,
-            "active_non_embedding": active - embedding}
+            "active_non_embedding": active - embedding, "norms": norms}
 
 
 def score_flops(cfg: ModelConfig, kind: str, seq: int) -> float:
@@ -38,10 +38,12 @@ def score_flops(cfg: ModelConfig, kind: str, seq: int) -> float:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token: 6 x active matmul parameters (the output head included, the
-    embedding lookup not) + every layer's score FLOPs (Megatron's formula unless a kind says otherwise)."""
+    embedding lookup and the norms' weights not) + every layer's score FLOPs (Megatron's formula
+    unless a kind says otherwise)."""
     seq = seq_len or cfg.max_seq_len
     counts = param_counts(cfg)
-    matmul = counts["active_non_embedding"] + (cfg.padded_vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0)
+    tied_head = cfg.padded_vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0
+    matmul = counts["active_non_embedding"] - counts["norms"] + tied_head
     return 6.0 * matmul + sum(score_flops(cfg, kind, seq) for kind in cfg.attention_kinds())
 
 

@@ -574,7 +574,8 @@ def test_lisa_score_flops_count_its_own_products():
 
     cfg = small_cfg("ssl")  # hidden 64, 4 heads; rank 2, groups of 2, FFN width 16
     s, d, heads, rank, group, hid = 24, 64, 4, 2, 2, 16
-    matmul = param_counts(cfg)["total"] - cfg.padded_vocab_size * d  # untied: the embedding is a lookup
+    # untied: the embedding is a lookup; the norms' weights multiply nothing
+    matmul = param_counts(cfg)["total"] - cfg.padded_vocab_size * d - (2 * cfg.num_layers + 1) * d
     lisa = 3 * s * (heads * (2 * rank + 2 * group + 4 * hid) + 2 * d)
     assert flops_per_token(cfg, s) == 6 * matmul + 2 * 12 * d * s + lisa
     hybrid = load_config(str(REPO / "configs/hybrid_1b.yaml")).model

@@ -107,11 +107,16 @@ def _consolidated_loss_at_ep2_and_ep1(rank: int, tag_dir: str, config_path: str)
     assert abs(losses[2] - losses[1]) < 1e-5, losses
 
 
-def test_convert_ep2_checkpoint_to_plain_state_dict_loads_at_any_ep(ep2_run):
+def test_convert_ep2_checkpoint_to_plain_state_dict_loads_at_any_ep(ep2_run, tmp_path, capsys):
     """The EP=2 checkpoint, consolidated into one expert-major state dict, gives the same loss on a
     fixed batch in a model built at EP=2 and at EP=1."""
-    spawn(_consolidated_loss_at_ep2_and_ep1, 2, str(ep2_run / "checkpoints" / "step_00000004"),
-          str(ep2_run / "config.yaml"), expert=2)
+    from tools.convert_experts import main
+
+    tag = ep2_run / "checkpoints" / "step_00000004"
+    spawn(_consolidated_loss_at_ep2_and_ep1, 2, str(tag), str(ep2_run / "config.yaml"), expert=2)
+    assert main([str(tag), str(tmp_path / "experts.pt"), "--mp-rank", "1"]) == 2
+    assert (f"--mp-rank 1: {tag} was saved at tensor-parallel size 1; give a rank from 0 to 0"
+            in capsys.readouterr().err)
 
 
 def test_convert_experts_never_replaces_a_file_unasked(tmp_path, capsys):

@@ -116,8 +116,10 @@ def test_counting_planner_validation_and_export_answer_for_the_toy_kinds():
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     d, L, w, s = cfg.hidden_size, cfg.num_layers, 80, cfg.max_seq_len
     assert sum(p.numel() for p in model.blocks[0].mlp.parameters()) == 2 * d * w
-    # 6 x active parameters without the embedding, + 12 x hidden x seq per layer (the default score term)
-    assert flops_per_token(cfg) == 6 * (counts["total"] - cfg.padded_vocab_size * d) + 12 * L * d * s
+    # 6 x active parameters without the embedding and the norms, + 12 x hidden x seq per layer (the
+    # default score term)
+    matmul = counts["total"] - cfg.padded_vocab_size * d - (2 * L + 1) * d
+    assert flops_per_token(cfg) == 6 * matmul + 12 * L * d * s
     # The planner takes each layer's activations from the kinds: the toy MLP's 2w/t per token.
     layout = Layout(world=2, tensor=2, expert=1, data=1, zero_stage=1, micro_batch=4, bf16=False, checkpointing="none")
     wider = toy_config(toy_mlp=ToyMLPConfig(width=160))

@@ -56,6 +56,10 @@ def test_config_files_are_what_matching_writes(tmp_path):
     for path in written:
         assert (CONFIGS / path.name).read_text() == path.read_text(), \
             f"configs/{path.name} is stale: python -m tools.matching --write configs"
+    from tools.matching import main
+
+    assert main(["--write", str(written[0])]) == 2  # a file, not a directory: refused, nothing written
+    assert (CONFIGS / written[0].name).read_text() == written[0].read_text()
 
 
 def test_fine_grained_3b():
@@ -86,3 +90,33 @@ def test_validation_of_sparse_settings():
                                                    "model.moe.routing_neurons=3", "model.moe.num_experts=3"])
     with pytest.raises(ConfigError, match="virtual shared expert width"):
         validate(cfg, 2)
+    for key, value, message in (("expert_hidden_size", -8, "expert_hidden_size=-8 must be >= 1"),
+                                ("expert_hidden_size", 0, "expert_hidden_size=0 must be >= 1"),
+                                ("shared_hidden_size", -64, "shared_hidden_size=-64 must be >= 0")):
+        cfg = load_config(CONFIGS / "tiny_moe.yaml", [f"model.moe.{key}={value}", "parallel.expert=1"])
+        with pytest.raises(ConfigError, match=message):
+            validate(cfg, 1)
+
+
+@pytest.mark.parametrize("mlp", ["dense", "uoe", "moe"])
+def test_flops_per_token_are_the_matmuls_the_model_runs(mlp):
+    """flops_per_token's matmul term is 3x what a forward pass multiplies per token (the norms'
+    weights multiply nothing), the score term Megatron's 12 x hidden x seq per layer."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.gpt import GPT
+    from tests.dist_utils import single_process_group
+
+    seq = 16
+    overrides = [f"model.max_seq_len={seq}"] + ([f"model.mlp={mlp}"] if mlp != "dense" else [])
+    cfg = load_config(CONFIGS / "tiny_uoe.yaml" if mlp != "dense" else None, overrides).model
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(cfg).eval()
+        with FlopCounterMode(display=False) as counter:
+            model.logits(torch.randint(0, cfg.vocab_size, (1, seq)))
+    counted = counter.get_flop_counts()["Global"]
+    assert {str(op) for op in counted} == {"aten.mm"}  # SDPA's products are not among them on a CPU
+    scores = 12 * cfg.hidden_size * seq * cfg.num_layers
+    assert flops_per_token(cfg, seq) - scores == 3 * counter.get_total_flops() / seq

@@ -32,6 +32,9 @@ def expert_major_state(tag_dir: str | Path, mp_rank: int = 0) -> dict[str, torch
     layout = describe_layout(tag_dir, read_meta(tag_dir))
     if not layout["experts"]:
         raise ToolError(f"{tag_dir}: no expert files; this checkpoint has no MoE/UoE layers")
+    if not 0 <= mp_rank < layout["tensor"]:
+        raise ToolError(f"--mp-rank {mp_rank}: {tag_dir} was saved at tensor-parallel size {layout['tensor']}; "
+                        f"give a rank from 0 to {layout['tensor'] - 1}")
     state = rank_state(tag_dir, mp_rank, layout)
     return dict(sorted(state.items(), key=lambda kv: _order(kv[0])))
 

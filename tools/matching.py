@@ -19,7 +19,7 @@ import yaml
 from launch.layouts import NODES_PREFIX, SINGLE_GPU_PREFIX
 from models.config import ModelConfig
 from models.moe.matching import matched_models, parity
-from tools.cli import argument_parser, run
+from tools.cli import ToolError, argument_parser, reports_errors, run
 
 # Presets: (model fields, sparse shape, parallel / train hints). Sizes are total parameters of the
 # sparse models with a 32k vocabulary (untied); active sizes are printed by `main`.
@@ -122,10 +122,13 @@ def write_configs(out_dir: Path) -> list[Path]:
     return written
 
 
+@reports_errors()
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--write", metavar="DIR", help="write the YAML configs into DIR")
     args = parser.parse_args(argv)
+    if args.write and Path(args.write).exists() and not Path(args.write).is_dir():
+        raise ToolError(f"--write {args.write} is a file: give a directory (the configs are written into it)")
     for name in PRESETS:
         table = parity(preset_models(name))
         for kind in ("uoe", "moe", "dense"):

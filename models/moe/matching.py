@@ -34,8 +34,9 @@ def matched_models(base: ModelConfig, num_experts: int, top_k: int, expert_hidde
         out[kind] = cfg
     dense = copy.deepcopy(base)
     dense.mlp, dense.moe = "dense", MoEConfig()
-    dense.ffn_hidden_size = top_k * expert_hidden + shared_hidden
     out["dense"] = dense
+    for cfg in out.values():  # the sparse models' dense layers too (model.moe.moe_layers): matched as well
+        cfg.ffn_hidden_size = top_k * expert_hidden + shared_hidden
     return out
 
 

@@ -81,6 +81,11 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
     if moe.sizing != "additive":
         raise ConfigError(f"model.moe.sizing={moe.sizing!r} sizes Union-of-Experts routing neurons; a router "
                           "MoE has none: leave it at additive (or use model.mlp=uoe)")
+    if moe.expert_hidden_size < 1:
+        raise ConfigError(f"model.moe.expert_hidden_size={moe.expert_hidden_size} must be >= 1")
+    if moe.shared_hidden_size < 0:
+        raise ConfigError(f"model.moe.shared_hidden_size={moe.shared_hidden_size} must be >= 0 "
+                          "(0: no shared expert)")
     validate_routed(cfg, sizes, {"expert_hidden_size": moe.expert_hidden_size,
                                  "shared_hidden_size": moe.shared_hidden_size})
 

@@ -301,7 +301,9 @@ class RoutedLayer(nn.Module):
                 ids, experts = torch.where(counted.bool(), ids, experts), experts + 1
                 real = valid.sum(dtype=torch.float64)
             capacity = real * self.top_k / self.num_experts * self.capacity_factor
-            capacity = math.ceil(capacity) if valid is None else torch.ceil(capacity)
+            # Rounded first: 100 x 2 / 4 x 1.1 is 55.000000000000007 in floats, and 55 slots exactly.
+            capacity = (math.ceil(round(capacity, 9)) if valid is None
+                        else torch.ceil(torch.round(capacity, decimals=9)))
             keep = capacity_mask(ids, experts, capacity).view_as(selected)
             if valid is not None:
                 keep = keep & valid[:, None]
