@@ -115,9 +115,11 @@ def resumed_position(saved: dict, marker: dict, cfg: Config) -> tuple[dict, str 
 
 
 def run_bos(cfg: Config | None, meta: dict) -> int | None:
-    """The BOS id a run's samples begin with (data.start_with_bos; the id from its checkpoint meta),
-    else None."""
-    return meta.get("bos_id") if cfg is not None and cfg.data.start_with_bos else None
+    """The BOS id a run's samples begin with (data.start_with_bos; the id from its checkpoint meta,
+    or an imported model's config), else None."""
+    if cfg is None or not cfg.data.start_with_bos:
+        return None
+    return meta.get("bos_id", meta.get("special_ids", {}).get("bos"))
 
 
 def run_document_eos(cfg: Config | None, meta: dict) -> int | None:

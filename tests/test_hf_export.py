@@ -126,6 +126,13 @@ def test_export_logits_match_framework(runs, data, dist_env, tmp_path, layout):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == vocab
     assert (out / "model.safetensors").is_file() and (out / "generation_config.json").is_file()
     assert (out / "tokenizer.model").is_file() and (out / "tokenizer.json").is_file()
+    from transformers import GenerationConfig
+
+    sampling = GenerationConfig.from_pretrained(out)  # tools.generate's: the whole vocabulary, no top-k cut
+    assert (sampling.do_sample, sampling.temperature, sampling.top_p, sampling.top_k) == (True, 1.0, 1.0, 0)
+    from tools.import_hf import hf_starts_with_bos  # what importing it back would set data.start_with_bos to
+
+    assert hf_starts_with_bos(out, config) == (False, "its tokenizer does not begin a text with BOS")
     tokens = fixed_tokens(vocab)
     ours, theirs = framework_logits(runs[layout], tokens), hf_logits(out, tokens)
     assert ours.shape == theirs.shape
@@ -313,7 +320,8 @@ def imported(data, dist_env, tmp_path_factory):
                 p.uniform_(0.5, 1.5)
     base = tmp_path_factory.mktemp("imported")
     source.save_pretrained(base / "src")
-    assert import_main(["--model", str(base / "src"), "--out", str(base / "run")]) == 0
+    # Its shards here come from another tokenizer, whose BOS is not the model's: no BOS, as they were built.
+    assert import_main(["--model", str(base / "src"), "--out", str(base / "run"), "--start-with-bos", "false"]) == 0
     return source, base / "run"
 
 
@@ -325,6 +333,20 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     back = tmp_path / "back"
     tag = run / "checkpoints" / "step_00000000"
     assert (tag / "COMPLETE").is_file() and (run / "config.yaml").is_file()
+    # No tokenizer in the folder, a bos_token_id in its config: by default its texts begin with BOS, as
+    # Llama's do, the id its config names (imported here with --start-with-bos false).
+    from pretrain.checkpoint_format import read_meta
+    from pretrain.config import load_config
+    from pretrain.data import run_bos
+    from tools.import_hf import hf_starts_with_bos, read_hf_config
+
+    src = run.parent / "src"  # the saved Hugging Face folder
+    assert hf_starts_with_bos(src, read_hf_config(src)) == (True, f"its config names bos_token_id {vocab - 2} "
+                                                                  "(no tokenizer in the folder)")
+    cfg = load_config(run / "config.yaml")
+    assert cfg.data.start_with_bos is False and run_bos(cfg, read_meta(tag)) is None
+    cfg.data.start_with_bos = True
+    assert read_meta(tag)["bos_id"] == vocab - 2 and run_bos(cfg, {"special_ids": {"bos": vocab - 2}}) == vocab - 2
     tokens = fixed_tokens(vocab)
     with torch.no_grad():
         want = source(tokens).logits

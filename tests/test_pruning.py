@@ -295,6 +295,17 @@ def test_labellers_rules_and_a_local_classifier(tmp_path, tok_dir):
     assert got == expected and set(got) == {"safe", "unsafe"}  # both classes occur
     with pytest.raises(ValueError, match="--unsafe-label"):
         ClassifierLabeller(tmp_path / "clf", unsafe_label="toxic")
+    # A decoder classifier that names no pad token (GPT-2's, Llama's): EOS pads its batches.
+    classifier.config.pad_token_id = None
+    classifier.save_pretrained(tmp_path / "no_pad")
+    save_tokenizer(tok_dir, tmp_path / "no_pad")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = tmp_path / "no_pad" / name
+        if path.is_file():
+            kept = {k: v for k, v in json.loads(path.read_text()).items() if k != "pad_token"}
+            path.write_text(json.dumps(kept))
+    assert AutoTokenizer.from_pretrained(tmp_path / "no_pad").pad_token is None
+    assert ClassifierLabeller(tmp_path / "no_pad", unsafe_label="UNSAFE")(["q"] * 4, texts) == expected
 
 
 def test_evaluation_batches_are_never_padded_past_the_model_positions():

@@ -188,6 +188,11 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, 
         assert sink_report(["--checkpoint", str(run), "--out", str(none), "--shards", str(empty)]) == 2
     assert f"--shards {empty}: no samples in their val/ split" in capsys.readouterr().err
     assert not none.exists()
+    # A report there already is not replaced unasked, before the model is read.
+    before = (out / "sink_report.json").read_bytes()
+    assert sink_report(["--checkpoint", str(run), "--out", str(out)]) == 2
+    assert "holds a report already (sink_report.json, sink_heatmap.png)" in capsys.readouterr().err
+    assert (out / "sink_report.json").read_bytes() == before
 
 
 @pytest.mark.slow

@@ -322,7 +322,7 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
         model.tie_weights()
     model.generation_config = GenerationConfig(bos_token_id=special["bos"], eos_token_id=special["eos"],
                                                pad_token_id=special["pad"], do_sample=True, temperature=1.0,
-                                               top_p=1.0, max_length=cfg.max_seq_len)
+                                               top_p=1.0, top_k=0, max_length=cfg.max_seq_len)  # as tools.generate
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     if extra_meta["format"] == "remote":
         shutil.copy(REMOTE_CODE, out / REMOTE_CODE.name)

@@ -1,6 +1,7 @@
 """Import a local Hugging Face Llama-architecture model as a training checkpoint.
 
     python -m tools.import_hf --model HF_DIR --out RUN_DIR [--tokenizer TOK_DIR] [--max-seq-len N]
+        [--start-with-bos auto|true|false]
 
 Writes RUN_DIR/checkpoints/step_00000000 through a real single-process DeepSpeed engine
 (pretrain.engine.build_engine + pretrain.checkpoint.save, ZeRO-1, fresh optimizer state) and
@@ -87,7 +88,8 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None, vocab_pad_to: int) -
     return ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"], ffn_hidden_size=hf["intermediate_size"],
-        max_seq_len=max_seq_len or hf.get("max_position_embeddings", 2048), rope_base=float(rope),
+        max_seq_len=max_seq_len if max_seq_len is not None else hf.get("max_position_embeddings", 2048),
+        rope_base=float(rope),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)), vocab_pad_to=vocab_pad_to,
         attention="softmax", mlp="dense", num_kv_heads=kv_heads if kv_heads != heads else 0,
@@ -121,8 +123,31 @@ def from_llama_state(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {k: t.float().contiguous().clone() for k, t in out.items()}
 
 
+def hf_starts_with_bos(model_dir: Path, hf_cfg: dict) -> tuple[bool, str]:
+    """Whether the model's texts begin with BOS, and why: as its own tokenizer in the folder encodes
+    a text, else (no tokenizer there) when its config names a BOS id, as Llama models are trained."""
+    bos = hf_cfg.get("bos_token_id")
+    if bos is None:
+        return False, "its config names no bos_token_id"
+    if any((model_dir / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")):
+        try:
+            from transformers import AutoTokenizer
+
+            ids = AutoTokenizer.from_pretrained(model_dir).encode("a")
+        except Exception as err:  # noqa: BLE001 - an unloadable tokenizer: decide by the config
+            return True, (f"its tokenizer did not load ({type(err).__name__}); its config names "
+                          f"bos_token_id {bos}")
+        starts = bool(ids) and ids[0] == bos
+        return starts, f"its tokenizer {'begins' if starts else 'does not begin'} a text with BOS"
+    return True, f"its config names bos_token_id {bos} (no tokenizer in the folder)"
+
+
 def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None = None,
-                 max_seq_len: int | None = None, vocab_pad_to: int = 128, overwrite: bool = False) -> Path:
+                 max_seq_len: int | None = None, vocab_pad_to: int = 128, overwrite: bool = False,
+                 start_with_bos: str = "auto", log=print) -> Path:
+    """`start_with_bos`: auto (as the model's tokenizer does, hf_starts_with_bos), true or false:
+    data.start_with_bos of the run, so that generation, evaluation and later training give the
+    model's texts the BOS it was trained with."""
     from models.gpt import GPT
     from pretrain import checkpoint
     from pretrain.config import Config, validate
@@ -150,6 +175,14 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     cfg.train.precision = "fp32"
     if tokenizer:
         cfg.data.tokenizer = str(tokenizer)
+    if start_with_bos == "auto":
+        starts, why = hf_starts_with_bos(model_dir, hf_cfg)
+        log(f"data.start_with_bos={str(starts).lower()}: {why} (--start-with-bos true|false to choose)")
+    else:
+        starts = start_with_bos == "true"
+    if starts and hf_cfg.get("bos_token_id") is None:
+        raise UnsupportedModel("--start-with-bos true, but the model's config names no bos_token_id")
+    cfg.data.start_with_bos = starts
     validate(cfg, 1)
     state = from_llama_state(cfg.model, load_hf_state(model_dir))
 
@@ -160,8 +193,9 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     state.update({k: v for k, v in own.items() if k.endswith("_extra_state")})
     model.load_state_dict(state, strict=True)
     special = {name: hf_cfg.get(f"{name}_token_id") for name in ("bos", "eos", "pad")}
+    ids = {f"{k}_id": v for k, v in special.items() if k != "pad" and v is not None}  # as a run's meta has them
     return checkpoint.save_weights_run(model, cfg, out, {"tokenizer_sha256": tokenizer_sha,
-                                                         "imported_from": str(model_dir.resolve()),
+                                                         "imported_from": str(model_dir.resolve()), **ids,
                                                          "special_ids": {k: v for k, v in special.items()
                                                                          if v is not None}})
 
@@ -174,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="SentencePiece tokenizer dir of this model (optional)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: max_position_embeddings")
     parser.add_argument("--vocab-pad-to", type=int, default=128)
+    parser.add_argument("--start-with-bos", choices=("auto", "true", "false"), default="auto",
+                        help="data.start_with_bos of the run (auto: as the model's own tokenizer does)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    path = import_model(args.model, args.out, args.tokenizer, args.max_seq_len, args.vocab_pad_to, args.overwrite)
+    path = import_model(args.model, args.out, args.tokenizer, args.max_seq_len, args.vocab_pad_to, args.overwrite,
+                        args.start_with_bos)
     print(f"wrote {path} and {Path(args.out) / 'config.yaml'}")
     return 0
 

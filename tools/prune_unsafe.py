@@ -95,6 +95,9 @@ def make_labeller(args):
     if args.rules:
         return labels.RuleLabeller(args.rules)
     if args.classifier:
+        if not Path(args.classifier).is_dir():
+            raise ToolError(f"--classifier {args.classifier}: no such directory; give a local Hugging Face "
+                            "sequence-classification model folder")
         return labels.ClassifierLabeller(args.classifier, args.unsafe_label)
     return None
 

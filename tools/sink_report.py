@@ -86,7 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ)
     parser.add_argument("--eps", type=float, default=DEFAULT_EPS)
+    parser.add_argument("--overwrite", action="store_true", help="replace the report files in --out")
     args = parser.parse_args(argv)
+    out = Path(args.out)  # checked before the model is read
+    if out.exists() and not out.is_dir():
+        raise ToolError(f"--out {out} is a file; give a directory (sink_report.json and sink_heatmap.png go "
+                        "in it)")
+    written = [out / name for name in ("sink_report.json", "sink_heatmap.png") if (out / name).exists()]
+    if written and not args.overwrite:
+        raise ToolError(f"--out {out} holds a report already ({', '.join(p.name for p in written)}); choose "
+                        "another directory or pass --overwrite")
     if args.shards and "://" not in args.shards and not (Path(args.shards) / "val" / "index.json").is_file():
         raise ToolError(f"--shards {args.shards}: no val/index.json there; give a shards directory with a "
                         "validation split (data_prep.build_shards with --val-fraction above 0)")
@@ -100,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError(f"no attention layer of this model ({cfg.attention}) exposes its weights; "
                         "nothing to report")
     kinds = cfg.attention_kinds()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"checkpoint {ckpt} (step {meta.get('step')}), {tokens.shape[0]} x {tokens.shape[1]} tokens from {source}")
     print(table(stats, kinds, args.eps))
