@@ -12,6 +12,9 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# DeepSpeed's CPU collective op is compiled per checkout: its build file names the venv's path, so
+# checkouts sharing one build folder (~/.cache/torch_extensions) rebuild it whenever another ran.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}"
 bash tests/setup_env.sh
 
 started_cluster=0
