@@ -31,7 +31,6 @@ the folder submit_prep copies to) splits the same; ``--split-key path`` hashes t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import itertools
 import logging
@@ -203,9 +202,7 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
     shard_size = P.parse_size(shard_size_limit)
     compression = check_compression(compression)
     sp, tok = load_tokenizer(tokenizer_dir)
-    # Absolute: the tasks of a build may run in other directories (on other nodes) than its plan.
-    srcs = [dataclasses.replace(s, path=Path(os.path.abspath(s.path))) for s in as_sources(sources)]
-    tokenizer_dir = os.path.abspath(tokenizer_dir)
+    srcs = as_sources(sources)
     skipped = Counter()
     files = list_files(srcs, skipped, progress)
     require_documents(srcs, text_field=text_field, files=files)
@@ -230,6 +227,7 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
     plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common(20)),
             "parts": parts}
     plan["plan_id"] = P.plan_id(plan)
+    plan["planned_in"] = os.getcwd()  # what relative paths in the plan are relative to (P.planned_dir)
 
     finished = (out_dir / "manifest.json").is_file()
     if overwrite:
@@ -404,13 +402,19 @@ def build_parts(out_dir, indices: list[int] | None = None, *, workers: int | Non
     With ``dedup exact`` the parts are hashed first. A full build (``indices`` None) then builds the
     dedup index and goes on; a task's share (``indices`` given) stops after hashing while the index
     is missing: the index needs the hashes of every part (``--dedup-index``)."""
-    from tqdm import tqdm
-
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # before a change of directory to the plan's
     plan = P.read_plan(out_dir)
     if plan is None:
         raise FileNotFoundError(f"no {P.PLAN_FILE} in {out_dir}: plan the build first (--plan-only, or run "
                                 "build_shards without --task)")
+    with P.planned_dir(plan):
+        return _build_parts(out_dir, plan, indices, workers, progress, log, skip_unreadable)
+
+
+def _build_parts(out_dir: Path, plan: dict, indices: list[int] | None, workers: int | None, progress: bool,
+                 log: Callable[[str], None] | None, skip_unreadable: bool) -> list[int]:
+    from tqdm import tqdm
+
     parts = P.parts_of(plan)
     chosen = [parts[i] for i in (indices if indices is not None else range(len(parts)))]
     workers = max(1, workers or available_cpus())

@@ -17,6 +17,7 @@ On disk, under the output directory of a build::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -199,6 +200,27 @@ def plan_id(plan: dict) -> str:
     """Fingerprint of a plan's settings and parts: a marker from another plan does not count."""
     body = json.dumps({"settings": plan["settings"], "parts": plan["parts"]}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def planned_dir(plan: dict):
+    """In the directory the plan was made in, where its relative paths (sources, tokenizer, files)
+    lead: a build's tasks may start elsewhere (on other nodes, in a job's own directory)."""
+    where, settings = plan.get("planned_in"), plan["settings"]
+    relative = [p for p in [*settings["sources"], settings["tokenizer"]] if not os.path.isabs(p)]
+    if where is None or not relative or os.path.realpath(where) == os.path.realpath(os.getcwd()):
+        yield
+        return
+    if not os.path.isdir(where):
+        raise FileNotFoundError(f"the plan names {', '.join(relative)} relative to {where}, which is not a "
+                                "directory here: run the tasks where it is, or plan again with absolute "
+                                "--sources and --tokenizer (--overwrite)")
+    before = os.getcwd()
+    os.chdir(where)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
