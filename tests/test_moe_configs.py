@@ -120,3 +120,15 @@ def test_flops_per_token_are_the_matmuls_the_model_runs(mlp):
     assert {str(op) for op in counted} == {"aten.mm"}  # SDPA's products are not among them on a CPU
     scores = 12 * cfg.hidden_size * seq * cfg.num_layers
     assert flops_per_token(cfg, seq) - scores == 3 * counter.get_total_flops() / seq
+
+
+def test_a_run_of_a_config_before_its_dense_width_was_matched_still_resumes():
+    """model.ffn_hidden_size sizes no weight of a model whose every layer is routed: a checkpoint of
+    the sparse configs as they were (352) loads with them as they are; with a dense layer it counts."""
+    from pretrain.checkpoint import CheckpointError, check_compatible
+
+    now = load_config(CONFIGS / "125m_moe.yaml").to_dict()["model"]
+    check_compatible({"model": {**now, "ffn_hidden_size": 352}}, now, None, "old")
+    partial = {**now, "moe": {**now["moe"], "moe_layers": "0"}}
+    with pytest.raises(CheckpointError, match="ffn_hidden_size: checkpoint 352"):
+        check_compatible({"model": {**partial, "ffn_hidden_size": 352}}, partial, None, "old")
