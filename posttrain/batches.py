@@ -145,9 +145,10 @@ class ExampleBatches:
         return self.collate([self.units[i] for i in picked])
 
     def state_dict(self) -> dict:
-        """The epoch, the examples of it consumed by all ranks and the seed of its order."""
+        """The epoch and the examples of it consumed by all ranks (in the order train.seed draws: the
+        run's meta records it as data_seed, and a resume with another is refused)."""
         return {"epoch": self.epoch, "consumed": self.start + self.index * self.micro * self.dp_size,
-                "units": len(self.units), "seed": self.seed}
+                "units": len(self.units)}
 
     def load_state_dict(self, state: dict) -> None:
         if "consumed" not in state:  # another loader's position (a weights-only or pretraining checkpoint)
@@ -156,10 +157,6 @@ class ExampleBatches:
         if state["units"] != len(self.units):
             raise ValueError(f"the checkpoint's data position is in {state['units']} examples, the data now has "
                              f"{len(self.units)}; resume with the run's post.data, or start a new run.dir")
-        if state.get("seed", self.seed) != self.seed:
-            seed = state["seed"]
-            raise ValueError(f"the checkpoint's data position is in the order drawn with train.seed={seed}, this "
-                             f"run has train.seed={self.seed}: resume with train.seed={seed}, or start a new run.dir")
         self.epoch, self.start, self.index = int(state["epoch"]), int(state["consumed"]), 0
 
 

@@ -2,8 +2,11 @@
 
 Each turn is encoded on its own and the pieces concatenated, so the mask falls exactly on token
 boundaries: prompt tokens are never trained, whatever the tokenizer would merge across a boundary.
-The spaces that end the assistant prefix belong to the response: "Assistant: import os" trains
-"Assistant:" | "▁import ▁os", as running text is tokenized, not "Assistant:▁" | "import ▁os".
+An assistant turn's response is encoded together with the prefix and split after the prefix's own
+tokens, the spaces that end the prefix going with the response: "Assistant: import os" trains
+"Assistant:" | "▁import ▁os", as running text is tokenized, not "Assistant:▁" | "import ▁os"
+(post.prefix_spaces_in_response; false: the prefix and the response encoded apart, as checkpoints
+recorded before the key were trained).
 """
 
 from __future__ import annotations
@@ -20,10 +23,21 @@ class ChatFormat:
     assistant_prefix: str = "Assistant: "
     turn_end: str = "\n"
     add_bos: bool = False
+    prefix_spaces_in_response: bool = True
 
     @classmethod
     def from_config(cls, post) -> ChatFormat:
-        return cls(post.system_prefix, post.user_prefix, post.assistant_prefix, post.turn_end, post.add_bos)
+        return cls(post.system_prefix, post.user_prefix, post.assistant_prefix, post.turn_end, post.add_bos,
+                   post.prefix_spaces_in_response)
+
+    @classmethod
+    def recorded(cls, chat: dict) -> ChatFormat:
+        """The format a checkpoint's meta records (posttrain.chat); one recorded before
+        prefix_spaces_in_response existed encoded the prefix and the response apart."""
+        return cls(**{**LEGACY_CHAT, **chat})
+
+
+LEGACY_CHAT = {"prefix_spaces_in_response": False}  # what a recorded format without the key means
 
 
 def inherit_chat_format(post, trained_with: dict | None) -> list[str]:
@@ -32,7 +46,8 @@ def inherit_chat_format(post, trained_with: dict | None) -> list[str]:
     SFT did without restating the format. Returns a line per key taken, and per key set otherwise
     that differs from the checkpoint's."""
     default, lines = ChatFormat(), []
-    for key, theirs in (trained_with or {}).items():
+    trained_with = {**LEGACY_CHAT, **trained_with} if trained_with else {}
+    for key, theirs in trained_with.items():
         mine = getattr(post, key, theirs)
         if mine == theirs or not hasattr(default, key):
             continue
@@ -100,6 +115,8 @@ class ChatEncoder:
         """(prefix ids, response ids with EOS) of an assistant turn; the prefix's trailing spaces are
         encoded with the response, so that its first word is the token running text has there."""
         prefix = self.prefixes["assistant"]
+        if not self.fmt.prefix_spaces_in_response:
+            return self._ids(prefix), self._ids(content) + [self.eos]
         head_text = prefix.rstrip(" ")
         head, whole = self._ids(head_text), self._ids(prefix + content)
         if whole[:len(head)] == head:
@@ -109,7 +126,8 @@ class ChatEncoder:
     def prompt(self, messages: list[dict]) -> list[int]:
         """The ids before a response: the turns, then the assistant prefix (without its trailing spaces)."""
         ids, _ = self.conversation(messages)
-        return ids.tolist() + self._ids(self.prefixes["assistant"].rstrip(" "))
+        prefix = self.prefixes["assistant"]
+        return ids.tolist() + self._ids(prefix.rstrip(" ") if self.fmt.prefix_spaces_in_response else prefix)
 
     def response(self, text: str) -> list[int]:
         return self.assistant_turn(text)[1]

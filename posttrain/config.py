@@ -28,6 +28,9 @@ class PostConfig:
     assistant_prefix: str = "Assistant: "
     turn_end: str = "\n"
     add_bos: bool = False  # start every example with BOS (for tokenizers that expect one, e.g. Llama's)
+    # The spaces that end assistant_prefix are encoded with the response, whose first word then gets
+    # the token running text has (false: prefix and response encoded apart, as before this key).
+    prefix_spaces_in_response: bool = True
     beta: float = 0.1  # DPO temperature
     # SGA: loss = dpo_weight x DPO(score-conditioned prompt) + mse_weight x MSE(value head on the raw prompt)
     dpo_weight: float = 1.0

@@ -41,7 +41,7 @@ class SGAModel:
         spec = info["value_head"]
         head = ValueHead.from_spec(spec)
         head.load_state_dict(meta["head_states"]["value_head"])
-        return cls(model, head.eval(), ChatEncoder(sp, ChatFormat(**info["chat"])), ScoreFormat(**info["scores"]),
+        return cls(model, head.eval(), ChatEncoder(sp, ChatFormat.recorded(info["chat"])), ScoreFormat(**info["scores"]),
                    list(spec["objectives"]), info.get("score_levels", {}))
 
     @torch.no_grad()

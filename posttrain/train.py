@@ -28,6 +28,7 @@ from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat, inherit_chat_fo
 from posttrain.config import PostTrainConfig, example_length, validate_post  # noqa: E402
 from posttrain.examples import Examples  # noqa: E402
 from pretrain import checkpoint_format  # noqa: E402
+from pretrain.consolidate import run_config  # noqa: E402
 from pretrain.init_from import check_source  # noqa: E402
 from pretrain.train import Task, main  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
@@ -90,6 +91,12 @@ class PostTrainTask(Task):
         objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
         # (add_bos among them: the start checkpoint's tokenizer is this one, checked above)
         self.chat_notes = inherit_chat_format(cfg.post, started.get("chat"))
+        if not started.get("chat") and not cfg.post.add_bos and start.is_dir() and sp.bos_id() >= 0:
+            start_run = run_config(start)  # a pretrained (or imported) model whose samples began with BOS
+            if start_run is not None and start_run.data.start_with_bos:
+                cfg.post.add_bos = True
+                self.chat_notes.append("post.add_bos=True: the start checkpoint's run began its samples with BOS "
+                                       "(data.start_with_bos)")
         encoder = ChatEncoder(sp, ChatFormat.from_config(cfg.post))
         try:
             self.train_data = Examples(cfg, cfg.post.data, encoder, objectives,
@@ -122,6 +129,10 @@ class PostTrainTask(Task):
         if cfg.post.val_data and not self.val_data.units:
             raise ConfigError(f"post.val_data={cfg.post.val_data} holds no usable {cfg.post.method} example "
                               f"({self.val_data.too_long} too long for post.max_len; {self.val_data.report.summary()})")
+        if cfg.post.val_data and len(self.val_data.units) < dp:
+            raise ConfigError(f"post.val_data has {len(self.val_data.units)} usable examples, fewer than the {dp} "
+                              "data-parallel ranks, which validate at least one each; add examples, or leave "
+                              "post.val_data out")
         self.pad_id = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
         # Examples start with BOS: recorded as pretraining records it, so generate, evaluate and export
         # (which read data.start_with_bos and the checkpoint's bos_id) add it too.

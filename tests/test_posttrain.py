@@ -96,6 +96,25 @@ def test_conversation_trains_exactly_the_assistant_turns(encoder):
     assert encoder.prompt(messages[:-1]) + encoder.response("the model") == expected_ids
 
 
+def test_a_format_recorded_before_prefix_spaces_keeps_prefix_and_response_apart(encoder):
+    """Checkpoints post-trained before post.prefix_spaces_in_response: their runs resume, and their
+    prompts end, as they were encoded."""
+    import types
+
+    from posttrain.chat import inherit_chat_format
+
+    legacy = {k: v for k, v in ChatFormat().__dict__.items() if k != "prefix_spaces_in_response"}
+    post = types.SimpleNamespace(**ChatFormat().__dict__)
+    assert inherit_chat_format(post, legacy) == ["post.prefix_spaces_in_response=False: the start checkpoint's "
+                                                 "chat format"]
+    old, sp = ChatEncoder(encoder.sp, ChatFormat.from_config(post)), encoder.sp
+    assert old.fmt == ChatFormat.recorded(legacy)
+    user = [{"role": "user", "content": "red tree"}]
+    assert old.prompt(user) == sp.encode("User: red tree\n") + sp.encode("Assistant: ")
+    assert old.response("import data") == sp.encode("import data") + [sp.eos_id()]
+    assert encoder.prompt(user) + encoder.response("import data") != old.prompt(user) + old.response("import data")
+
+
 def _reference_nll(model, tokens, trained):
     logits = model.logits(tokens[:, :-1]).float()
     nll = -torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
@@ -294,8 +313,6 @@ def test_batches_resume_at_the_next_micro_batch():
     assert torch.equal(next(single), torch.cat([other_rank_next(units, collate, state), later[0]]))
     with pytest.raises(ValueError, match="examples"):
         ExampleBatches(units[:-1], collate, 3, 1, 2, 5).load_state_dict(state)
-    with pytest.raises(ValueError, match="train.seed=5"):
-        ExampleBatches(units, collate, 3, 1, 2, 6).load_state_dict(state)
     # A micro-batch that does not divide the examples consumed (6) still continues at the next one:
     # 4 ranks of 4 take the rest of the epoch's order, none repeated, none left out.
     order = np.random.default_rng([5, state["epoch"]]).permutation(len(units))
@@ -352,9 +369,28 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
     (tmp_path / "bad.jsonl").write_text("{broken\n")
     with pytest.raises(ConfigError, match="post.val_data=.* holds no usable sft example"):
         check(f"run.dir={tmp_path / 'val'}", f"post.val_data={tmp_path / 'bad.jsonl'}")
+    (tmp_path / "one.jsonl").write_text((files / "sft.jsonl").read_text().splitlines()[0] + "\n")
+    with pytest.raises(ConfigError, match="post.val_data has 1 usable examples, fewer than the 2 data-parallel"):
+        PostTrainTask().check(load_config(None, base + [f"run.dir={tmp_path / 'val'}",
+                                                        f"post.val_data={tmp_path / 'one.jsonl'}"], PostTrainConfig), 2)
     pretrained = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}"])
     with single_process_group():
         tag = save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "pretrained", {})
+    # A model pretrained (or imported) with data.start_with_bos: its examples begin with BOS too.
+    pretrained.data.start_with_bos = True
+    with single_process_group():
+        bos_tag = save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "bos_pretrained", {})
+    task = PostTrainTask()
+    cfg = load_config(None, base + [f"run.dir={tmp_path / 'from_bos'}", f"train.init_from={bos_tag}"], PostTrainConfig)
+    assert task.check(cfg, 1)["bos_id"] == 1 and cfg.post.add_bos and cfg.data.start_with_bos
+    assert task.chat_notes == ["post.add_bos=True: the start checkpoint's run began its samples with BOS "
+                               "(data.start_with_bos)"]
+    assert task.train_data.units[0].ids[0] == 1
+    # A resume draws the examples in the order of the run's own train.seed, or not at all.
+    with single_process_group():
+        save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "seeded", {"posttrain": {"data_seed": 7}})
+    with pytest.raises(ConfigError, match=r"set train.seed=7, or start a new run.dir"):
+        check(f"run.dir={tmp_path / 'seeded'}")
     marker = json.loads((tag / COMPLETE).read_text())
     check(f"run.dir={tmp_path / 'pretrained'}")  # weights without an optimizer (a pruned model) resume
     (tag / COMPLETE).write_text(json.dumps({k: v for k, v in marker.items() if k != "optimizer_state"}))
@@ -615,6 +651,7 @@ def test_sga_export_writes_the_value_head_beside_the_model(sga_run, tmp_path, to
     out = export(str(run_dir), tmp_path / "hf")
     info = json.loads((out / "value_head.json").read_text())
     assert info["value_head"]["objectives"] == ["length", "keyword"] and info["scores"]["decimals"] == 2
+    assert info["score_levels"] == {"length": [0.25, 0.5, 0.75, 1.0], "keyword": [1.0]}  # to snap predictions to
     head = ValueHead.from_spec(info["value_head"])
     head.load_state_dict(load_file(str(out / "value_head.safetensors")))
     with single_process_group():

@@ -361,7 +361,8 @@ def test_pruned_run_keeps_the_source_special_ids_and_encodes_with_its_bos():
     chat = {"system_prefix": "S: ", "user_prefix": "U: ", "assistant_prefix": "A: ", "turn_end": "\n",
             "add_bos": False}
     post_trained = {"eos_id": 2, "posttrain": {"chat": chat, "method": "sft"}}
-    assert source_format(post_trained, bos=None) == ChatFormat(**chat)
+    # recorded before post.prefix_spaces_in_response: the prefix and the response were encoded apart
+    assert source_format(post_trained, bos=None) == ChatFormat(**chat, prefix_spaces_in_response=False)
     assert carried_meta(post_trained) == {"eos_id": 2, "posttrain": {"chat": chat}}
 
 

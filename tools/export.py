@@ -337,7 +337,7 @@ def write_heads(out: Path, heads: dict, meta: dict, dtype: torch.dtype) -> None:
     for name, tensors in heads.items():
         save_file({k: t.to(dtype).contiguous() for k, t in tensors.items()}, str(out / f"{name}.safetensors"))
         record = meta.get("posttrain", {})
-        info = {"head": name, **{k: record[k] for k in (name, "chat", "scores") if k in record}}
+        info = {"head": name, **{k: record[k] for k in (name, "chat", "scores", "score_levels") if k in record}}
         (out / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
 
 

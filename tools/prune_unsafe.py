@@ -78,7 +78,7 @@ def source_format(meta: dict, bos: int | None) -> ChatFormat:
     """How the responses are encoded: the chat format the source was post-trained with (its meta),
     else the default turns, beginning with BOS where the source run's samples did (bos: run_bos)."""
     chat = meta.get("posttrain", {}).get("chat")
-    return ChatFormat(**chat) if chat else ChatFormat(add_bos=bos is not None)
+    return ChatFormat.recorded(chat) if chat else ChatFormat(add_bos=bos is not None)
 
 
 def carried_meta(meta: dict) -> dict:
