@@ -13,7 +13,6 @@ import argparse
 import logging
 import os
 import shlex
-import subprocess
 import sys
 import warnings
 
@@ -31,7 +30,7 @@ from pretrain.config import ConfigError, load_config  # noqa: E402
 
 def torchrun_command(nproc: int, config: str | None, overrides: list[str], port: int,
                      module: str = "pretrain.train") -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "launch.torchrun", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            # Forward the time-limit signal to the workers and give them time to save.
            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
@@ -71,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    return subprocess.call(command, env=env)
+    # This process becomes the torchrun agent, so that a signal sent to it (kill, timeout, srun's
+    # --signal) reaches the agent, which forwards it to the workers and waits while they save.
+    os.execve(sys.executable, command, env)
 
 
 if __name__ == "__main__":

@@ -42,12 +42,42 @@ def parse_time(text: str) -> int:
     return seconds
 
 
+# sbatch options the job scripts set themselves: from a flag of the submit command (its dest), or
+# fixed by the template (None). An --sbatch-arg repeating one would contradict what was checked.
+OWNED_OPTIONS = {"--nodes": "nodes", "--time": "time", "--signal": "signal_seconds", "--requeue": "max_requeues",
+                 "--no-requeue": "max_requeues", "--job-name": "job_name", "--gpus-per-node": "gpus_per_node",
+                 "--partition": "partition", "--account": "account", "--qos": "qos", "--constraint": "constraint",
+                 "--cpus-per-task": "cpus_per_task", "--exclusive": "exclusive", "--ntasks": None,
+                 "--ntasks-per-node": None, "--output": None, "--error": None, "--open-mode": None, "--chdir": None,
+                 "--array": None}
+SHORT_OPTIONS = {"-N": "--nodes", "-t": "--time", "-J": "--job-name", "-p": "--partition", "-A": "--account",
+                 "-q": "--qos", "-C": "--constraint", "-c": "--cpus-per-task", "-n": "--ntasks", "-o": "--output",
+                 "-e": "--error", "-D": "--chdir", "-a": "--array"}
+
+
+def check_sbatch_arg(extra: str, args: argparse.Namespace) -> None:
+    if not extra.startswith("-") or "\n" in extra:
+        raise SubmitError(f"--sbatch-arg {extra!r}: expected one option such as --mem=0")
+    name = re.split(r"[=\s]", extra, maxsplit=1)[0]
+    name = SHORT_OPTIONS.get(name[:2], name) if not name.startswith("--") else name
+    if name not in OWNED_OPTIONS:
+        return
+    dest = OWNED_OPTIONS[name]
+    how = (f"set it with --{dest.replace('_', '-')}" if dest and hasattr(args, dest)
+           else "the template fixes it (edit slurm/*.sbatch to change it)")
+    raise SubmitError(f"--sbatch-arg {extra!r}: the job script sets {name} itself, and the job was checked "
+                      f"for that value; {how}")
+
+
 def sbatch_lines(args: argparse.Namespace) -> list[str]:
     """#SBATCH lines of the cluster flags both submit commands take (GPUs, partition, account, ...)."""
     lines = []
     if getattr(args, "cpus_per_task", None) is not None and args.cpus_per_task < 1:
         raise SubmitError(f"--cpus-per-task {args.cpus_per_task} must be >= 1")
-    if args.gpus_per_node:
+    for extra in args.sbatch_arg:
+        check_sbatch_arg(extra, args)
+    gres = any(re.match(r"--gres[=\s]", extra) for extra in args.sbatch_arg)
+    if args.gpus_per_node and not gres:  # --sbatch-arg=--gres=gpu:G asks for them where that is the way
         lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
     for flag in ("partition", "account", "qos", "constraint", "cpus_per_task"):
         value = getattr(args, flag)
@@ -55,10 +85,7 @@ def sbatch_lines(args: argparse.Namespace) -> list[str]:
             lines.append(f"#SBATCH --{flag.replace('_', '-')}={value}")
     if args.exclusive:
         lines.append("#SBATCH --exclusive")
-    for extra in args.sbatch_arg:
-        if not extra.startswith("-") or "\n" in extra:
-            raise SubmitError(f"--sbatch-arg {extra!r}: expected one option such as --mem=0")
-        lines.append(f"#SBATCH {extra}")
+    lines += [f"#SBATCH {extra}" for extra in args.sbatch_arg]
     return lines
 
 

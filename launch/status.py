@@ -4,7 +4,7 @@
     python -m launch.status runs/1b_uoe --json
 
 The job id comes from RUN_DIR/slurm_job_ids.txt (written by launch.submit). Its state is asked from
-squeue, then `scontrol show job` (Slurm forgets finished jobs after MinJobAge), then sacct (needs
+`scontrol show job`, then squeue (Slurm forgets finished jobs after MinJobAge), then sacct (needs
 accounting storage); the requeue count from scontrol's Restarts= or, once Slurm forgot the job, from
 RUN_DIR/slurm_history.log, which the batch script appends at every start and end.
 """

@@ -31,7 +31,7 @@ from launch import slurm_job
 from launch.entry_points import entry_point
 from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
                            parse_time, sbatch_lines, submit)
-from pretrain.checkpoint_format import CheckpointError
+from pretrain.checkpoint_format import LAST_SAVE_JOB, CheckpointError
 from pretrain.config import Config, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if first_resume != "auto":
-        print(f"train.resume={first_resume} applies until this job saves a checkpoint; its requeues then "
-              "resume the run's newest (submit without train.resume to continue the run later)",
-              file=sys.stderr)
+        print(f"train.resume={first_resume} applies until the job saves a checkpoint; its requeues and a "
+              f"resubmission of {run_dir / slurm_job.JOB_SCRIPT} then resume the run's newest (submit without "
+              "train.resume to continue the run later)", file=sys.stderr)
     if args.dry_run:
         print(f"##### {run_dir / slurm_job.JOB_SCRIPT}")
         print(script, end="")
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(config_text, end="")
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
+    if first_resume != "auto":  # the script takes the given train.resume until a save writes this again
+        (run_dir / LAST_SAVE_JOB).unlink(missing_ok=True)
     (run_dir / slurm_job.JOB_CONFIG).write_text(config_text)
     script_path = run_dir / slurm_job.JOB_SCRIPT
     script_path.write_text(script)

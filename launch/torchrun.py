@@ -34,4 +34,8 @@ if _stock_handler is not None:  # torch registers the module attribute when the 
 
 
 if __name__ == "__main__":
-    sys.exit(_torchrun_main())
+    try:
+        sys.exit(_torchrun_main())
+    except _mp_api.SignalException as stop:  # the workers had the signal and --shutdown-timeout to save
+        print(f"torchrun agent: stopped on signal {stop.sigval.name} after the workers' shutdown", file=sys.stderr)
+        sys.exit(128 + int(stop.sigval))

@@ -20,8 +20,9 @@ from pathlib import Path
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 STOP_MARKER = "STOPPED_ON_SIGNAL"
-# RUN_DIR/last_save_job: the Slurm job id of the newest save. Once a job has saved, its requeues
-# resume the run's newest checkpoint, whatever train.resume its first start took (slurm/train.sbatch).
+# RUN_DIR/last_save_job: the Slurm job id of the newest save. Once a job has saved, its requeues and
+# resubmissions resume the run's newest checkpoint, whatever train.resume its first start took
+# (slurm/train.sbatch; launch.submit removes the file when it is given another train.resume).
 LAST_SAVE_JOB = "last_save_job"
 TAG_PATTERN = re.compile(r"^step_(\d+)$")
 

@@ -131,3 +131,23 @@ def test_task_files_must_exist_and_have_distinct_names(tmp_path):
     wino.write_text(json.dumps({"sentence": "The _ fell.", "option1": "cup", "option2": "plate", "answer": "1"}) + "\n")
     with pytest.raises(ConfigError, match=r"winogrande.jsonl holds no usable example \(bad inputs: 1 skipped"):
         validate(load_config(None, [f"eval.downstream_tasks=[{wino}]", "eval.downstream_interval=10"]), 1)
+
+
+def test_a_stop_signal_skips_the_downstream_scoring_of_its_step(monkeypatch):
+    """The save a signal asks for comes first: scoring every task could run past the grace time."""
+    import types
+
+    from pretrain import downstream_metrics, signals
+
+    def scored(*args, **kwargs):
+        raise AssertionError("scored despite the signal")
+
+    monkeypatch.setattr(downstream_metrics, "evaluate_tasks", scored)
+    monkeypatch.setattr(signals, "any_rank_received", lambda device: 10)  # SIGUSR1 on some rank
+    printed = []
+    callback = object.__new__(downstream_metrics.DownstreamEval)
+    callback.interval, callback.tasks = 5, {}
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(train=types.SimpleNamespace(steps=100)),
+                                    device="cpu", logger=types.SimpleNamespace(print=printed.append))
+    callback.on_step_end(trainer, types.SimpleNamespace(step=10))
+    assert printed == ["step 10 | downstream scoring skipped: stopping on a signal"]

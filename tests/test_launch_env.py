@@ -68,8 +68,12 @@ def test_reading_a_config_prints_nothing():
     assert out.stdout == "300\n"
 
 
-def test_the_console_shows_each_warning_once_and_other_ranks_write_their_own_log(tmp_path):
+def test_the_console_shows_each_warning_once_and_a_signal_to_the_launcher_saves(tmp_path):
+    """launch.local: the console shows each warning once and other ranks write their own log; a
+    SIGTERM sent to the launcher (kill, timeout, srun --signal) reaches the torchrun agent it
+    becomes, and every rank saves and stops."""
     import re
+    import signal
     from collections import Counter
 
     from tests.dist_utils import child_env, free_port
@@ -77,19 +81,33 @@ def test_the_console_shows_each_warning_once_and_other_ranks_write_their_own_log
 
     data = write_synthetic_shards(tmp_path / "data")
     run = tmp_path / "run"
-    overrides = tiny_overrides(data, run, **{"train.steps": 2, "train.eval_interval": 2, "train.warmup_steps": 1})
-    res = subprocess.run([sys.executable, "-m", "launch.local", "configs/tiny_dense.yaml", "--nproc", "2",
-                          "--port", str(free_port()), *overrides],
-                         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    console = (res.stdout + res.stderr).splitlines()
+    overrides = tiny_overrides(data, run, **{"train.steps": 1000, "train.eval_interval": 2, "train.warmup_steps": 1,
+                                             "train.save_interval": 1000})
+    launcher = subprocess.Popen([sys.executable, "-m", "launch.local", "configs/tiny_dense.yaml", "--nproc", "2",
+                                 "--port", str(free_port()), *overrides], cwd=REPO, env=child_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    console = []
+    try:
+        for line in launcher.stdout:
+            console.append(line.rstrip("\n"))
+            if "step 3/1000" in line:
+                launcher.send_signal(signal.SIGTERM)
+                break
+        console += launcher.communicate(timeout=300)[0].splitlines()
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, "\n".join(console[-40:])  # as a stopped agent exits
+    assert "torchrun agent: stopped on signal SIGTERM after the workers' shutdown" in console
+    assert not any("Traceback" in line for line in console)
+    assert any("on SIGTERM; resume with train.resume=auto" in line for line in console)
+    assert (run / "checkpoints" / "latest").is_file()
     # A torch log line carries its time and pid; the message is what repeats.
     messages = [re.sub(r"^[WIE]\d{4} [\d:.]+ \d+ ", "", line) for line in console
                 if "Warning" in line or re.match(r"^[WIE]\d{4} ", line)]
     assert messages and max(Counter(messages).values()) == 1, Counter(messages).most_common(3)
-    assert sum("step 2/2" in line for line in console) == 1
+    assert sum("step 2/1000" in line for line in console) == 1
     rank1 = (run / "logs" / "rank1.log").read_text()
-    assert "Transformer Engine and Apex are not installed" in rank1 and "step 2/2" not in rank1
+    assert "Transformer Engine and Apex are not installed" in rank1 and "step 2/1000" not in rank1
 
 
 def test_another_ranks_crash_still_reaches_the_terminal(tmp_path):

@@ -5,6 +5,7 @@ chain of jobs that sbatch refuses half-way leaves nothing queued."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import stat
@@ -46,6 +47,22 @@ def test_submit_checks_the_command_line_before_the_config(tmp_path, capsys):
     code = main([str(tmp_path / "missing.yaml"), "--nodes", "1", "--cpu-procs-per-node", "1",
                  "--time", "00:10:00", "--job-name", "my run", "--dry-run"])
     assert code == 2 and "--job-name 'my run' must be a word without spaces" in capsys.readouterr().err
+    # An --sbatch-arg that repeats what the script sets would override the checked value.
+    for extra, message in (("--nodes=4", "sets --nodes itself, and the job was checked for that value; set it "
+                                          "with --nodes"),
+                           ("-t 48:00:00", "sets --time itself"), ("--signal=USR1@60", "set it with --signal-seconds"),
+                           ("--output=x.log", "the template fixes it")):
+        code = main([str(tmp_path / "missing.yaml"), "--nodes", "1", "--cpu-procs-per-node", "1",
+                     "--time", "00:10:00", f"--sbatch-arg={extra}", "--dry-run"])
+        assert code == 2 and message in capsys.readouterr().err, extra
+    # --gres in place of --gpus-per-node's request, where a cluster takes only that.
+    from launch.sbatch import sbatch_lines
+
+    gpus = argparse.Namespace(gpus_per_node=8, partition=None, account=None, qos=None, constraint=None,
+                              cpus_per_task=None, exclusive=False, sbatch_arg=["--gres=gpu:8", "--mem=0"])
+    assert sbatch_lines(gpus) == ["#SBATCH --gres=gpu:8", "#SBATCH --mem=0"]
+    gpus.sbatch_arg = ["--mem=0"]
+    assert sbatch_lines(gpus) == ["#SBATCH --gpus-per-node=8", "#SBATCH --mem=0"]
 
 
 def test_submit_makes_every_path_absolute_and_refuses_plugins_of_the_current_directory(
@@ -209,9 +226,10 @@ def test_submit_takes_train_resume_until_the_job_has_saved(tmp_path, monkeypatch
 
     assert main([*args, "train.resume=none"]) == 0
     out = capsys.readouterr()
-    assert "train.resume=none applies until this job saves a checkpoint" in out.err
+    assert "train.resume=none applies until the job saves a checkpoint" in out.err
     assert 'train.resume="$RESUME"' in out.out and "resume: auto" in out.out  # the job's config
-    assert [resume_at(out.out, job) for job in (None, "12", "77")] == ["none", "none", "auto"]
+    # Once a job has saved, its requeues and a resubmission of the script (job 12 saved, 77 starts) go on.
+    assert [resume_at(out.out, job) for job in (None, "12", "77")] == ["none", "auto", "auto"]
     tag = tmp_path / "run" / "checkpoints" / "step_00000004"
     tag.mkdir(parents=True)
     assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 2
@@ -227,3 +245,15 @@ def test_submit_takes_train_resume_until_the_job_has_saved(tmp_path, monkeypatch
     assert main(args) == 0
     script = capsys.readouterr().out
     assert [resume_at(script, job) for job in (None, "77")] == ["auto", "auto"]
+    # Submitted (sbatch faked): a given train.resume removes the marker of an earlier job's save, so
+    # that the new script takes it; continuing (auto) keeps it.
+    import launch.submit as submit_module
+
+    monkeypatch.setattr(submit_module.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(submit_module, "submit", lambda argv: "123")
+    marker = tmp_path / "run" / "last_save_job"
+    dry = [a for a in args if a != "--dry-run"]
+    for resume, kept in (("train.resume=auto", True), ("train.resume=none", False)):
+        marker.write_text("12")
+        assert main([*dry, resume, "--force"]) == 0
+        assert marker.exists() == kept, resume
