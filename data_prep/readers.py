@@ -341,7 +341,7 @@ def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[
         return
     groups = range(pf.metadata.num_row_groups) if row_groups is None else row_groups
     for group in groups:
-        row = sum(pf.metadata.row_group(g).num_rows for g in range(group))  # rows before this group
+        first = row = sum(pf.metadata.row_group(g).num_rows for g in range(group))  # rows before this group
         try:
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[text_field]):
                 for text in _python_values(batch.column(0)):
@@ -354,7 +354,8 @@ def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[
                         yield Document(text, f"{path}:{row}")
         except (OSError, ValueError) as e:
             check_io(e, path, report)
-            report.add(f"{path}:{row + 1}", f"row group {group} unreadable ({e})")
+            lost = pf.metadata.row_group(group).num_rows - (row - first)  # its rows from here on
+            report.add(f"{path}:{row + 1} (row group {group}, {lost} rows)", f"unreadable row group ({e})", lost)
 
 
 def read_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None,

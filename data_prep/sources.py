@@ -65,9 +65,10 @@ class BadInputReport:
     examples: list[str] = field(default_factory=list)
     count_io_errors: bool = False
 
-    def add(self, where: str, reason: str) -> None:
-        self.count += 1
-        self.by_reason[reason] += 1
+    def add(self, where: str, reason: str, records: int = 1) -> None:
+        """`records`: how many inputs this one failure costs (the rows of a corrupt row group)."""
+        self.count += records
+        self.by_reason[reason] += records
         if len(self.examples) < self.max_examples:
             self.examples.append(f"{printable(where)}: {reason}")
 
