@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from models import registry
-from models.config import ConfigError, ModelConfig, apply_values, normalise, parse_switch
+from models.config import ConfigError, ModelConfig, _flat, apply_values, normalise, parse_switch
 from pretrain.schedule import validate_schedule
 
 
@@ -46,8 +47,8 @@ def parse_mix(value, key: str = "data.mix") -> list[DataSource]:
             weight = float(entry.get("weight", 1.0))
         except (TypeError, ValueError):
             raise ConfigError(f"{where}.weight={entry['weight']!r}: expected a number") from None
-        if not weight > 0:
-            raise ConfigError(f"{where}.weight={weight}: must be > 0 (leave the source out instead)")
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ConfigError(f"{where}.weight={weight}: must be a number > 0 (leave the source out instead)")
         shards = str(entry["shards"])
         name = str(entry.get("name") or Path(shards.rstrip("/")).name)
         if not name.replace("-", "").replace("_", "").isalnum():
@@ -264,6 +265,10 @@ def validate(cfg: Config, world_size: int) -> None:
     """Every key, once, before anything expensive is built; raises ConfigError naming the key and the fix."""
     normalise(cfg)  # values set in code, not through load_config
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    # inf and nan pass every range check below (nan < 0 is false) and fail, or do nothing, later
+    for key, value in _flat(cfg.to_dict()).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
     if p.tensor < 1 or p.expert < 1:
         raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
     if world_size % p.tensor:

@@ -324,7 +324,11 @@ def test_schedule_rates_and_config_errors():
                              (["train.schedule=wsd", "train.decay_fraction=0"], "decay_fraction=0.0 must be in"),
                              (["train.schedule=wsd", "train.decay_shape=exp"], "decay_shape='exp'"),
                              (["train.schedule=wsd", "train.steps=10", "train.warmup_steps=5",
-                               "train.decay_fraction=0.6"], "plus the 6 decay steps")):
+                               "train.decay_fraction=0.6"], "plus the 6 decay steps"),
+                             (["train.lr=inf"], "train.lr=inf must be a finite number"),
+                             (["train.grad_clip=nan"], "train.grad_clip=nan must be a finite number"),
+                             (["train.skip_spikes=true", "train.spike_sigmas=nan"], "train.spike_sigmas=nan"),
+                             (["data.mix=[{shards: a, weight: .inf}, {shards: b}]"], r"data.mix\[0\].weight=inf")):
         with pytest.raises(ConfigError, match=match):
             validate(load_config(None, overrides), world_size=1)
 
@@ -479,3 +483,24 @@ def test_resuming_another_runs_checkpoint_sets_this_runs_own_aside(tmp_path):
     assert set_aside_newer(tmp_path / "run", other) == ["step_00000004", "step_00000008"]
     assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists() and (other / "COMPLETE").is_file()
+
+
+def test_a_one_source_mixture_reports_its_source_by_name():
+    """val/<name>/loss for every data.mix source, also when one alone has a validation split."""
+    import types
+
+    import torch
+
+    from pretrain.trainer import Trainer
+    from tests.dist_utils import single_process_group
+
+    trainer = object.__new__(Trainer)
+    trainer.device, trainer.cfg = "cpu", None
+    trainer.engine = types.SimpleNamespace(eval=lambda: None, train=lambda: None)
+    trainer.forward = lambda batch: torch.tensor(float(batch))
+    trainer.loss_tokens = lambda batch: None
+    with single_process_group():
+        for val_sets, want in (({"web": [1.0, 3.0]}, {"loss": 2.0, "web/loss": 2.0}),
+                               ({"": [1.0, 3.0]}, {"loss": 2.0})):
+            trainer.val_sets = val_sets
+            assert trainer.evaluate() == pytest.approx(want), val_sets
