@@ -45,6 +45,10 @@ class PostTrainer(Trainer):
         SGA average over pairs, as many in each."""
         return batch["trained"][:, 1:].sum() if self.cfg.post.method == "sft" else None
 
+    def batch_tokens(self, batch: dict) -> int:
+        """Every row the model runs (DPO and SGA: chosen and rejected), padded as it runs them."""
+        return batch["tokens"][:, :-1].numel()
+
     def val_weight(self, batch: dict) -> torch.Tensor | None:
         """The validation set's last micro-batch may be smaller: pairs weigh by their number."""
         if self.cfg.post.method == "sft":

@@ -43,10 +43,13 @@ class Throughput:
     def reset(self) -> None:
         self._t0 = time.perf_counter()
         self._steps = 0
+        self._tokens = 0
         self._data_wait_s = 0.0
 
-    def step(self) -> None:
+    def step(self, tokens: int | None = None) -> None:
+        """One step of `tokens` (None: tokens_per_step, the config's full-length samples)."""
         self._steps += 1
+        self._tokens += self.tokens_per_step if tokens is None else tokens
 
     def data_wait(self, seconds: float) -> None:
         """Time the loop spent waiting for the next batch."""
@@ -64,7 +67,7 @@ class Throughput:
 
     def measure(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        tokens_per_s = self._steps * self.tokens_per_step / elapsed
+        tokens_per_s = self._tokens / elapsed
         tflops = tokens_per_s * self.flops_per_token / self.world_size / 1e12
         out = {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "step_time_s": elapsed / max(self._steps, 1),
                "data_wait_frac": self._data_wait_s / elapsed}

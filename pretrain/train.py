@@ -14,7 +14,6 @@ if __name__ == "__main__":  # before the imports below, which print their warnin
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -201,10 +200,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     if resume_path is not None:
         trainer.load_rank_state(state)
     trainer.fit(start_step)
-    if env.rank == 0:
-        with open(run_dir / "losses.jsonl", "a") as f:
-            for step, loss in trainer.losses:
-                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    trainer.write_losses()
     logger.close()
     return signals.EXIT_CODE_SAVED_ON_SIGNAL if trainer.stopped_by_signal else 0
 

@@ -5,6 +5,7 @@ Cross-cutting concerns are callbacks; the loop itself stays small.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class Trainer:
         self.meta = meta
         self.callbacks = list(callbacks)
         self.losses: list[tuple[int, float]] = []
+        self.losses_written = 0  # how many of them RUN_DIR/losses.jsonl holds
+        self.step_tokens: int | None = None  # tokens of the last step where batch_tokens counts them
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
         self.last_metrics: dict[str, torch.Tensor] = {}  # the model's own metrics of the last step
         # data.document_mask: the EOS id that ends each document of a sample (from the manifest).
@@ -110,6 +113,11 @@ class Trainer:
         micro-batches (post-training's response tokens); None: all weigh the same."""
         return None
 
+    def batch_tokens(self, batch) -> int | None:
+        """Tokens a micro-batch runs through the model, where batches are not all full-length
+        samples (post-training's padded rows); None: micro_batch x max_seq_len."""
+        return None
+
     def val_weight(self, batch) -> torch.Tensor | None:
         """What a validation batch's loss weighs in the mean over the validation set (its loss
         tokens, or its examples where batches hold different numbers); None: all the same."""
@@ -138,6 +146,8 @@ class Trainer:
             batches.append(next(self.batches))
             if throughput is not None:
                 throughput.data_wait(time.perf_counter() - waited)
+        counted = [self.batch_tokens(batch) for batch in batches]  # tokens/s: this rank's x data-parallel size
+        self.step_tokens = None if counted[0] is None else sum(counted) * ps.get_data_parallel_world_size()
         weights = self.micro_batch_weights(batches)
         for micro, batch in enumerate(batches):
             loss = self.forward(batch)
@@ -187,11 +197,14 @@ class Trainer:
         else:  # every rank has as many batches: the mean of the ranks' means
             means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts]))
         result = {"loss": means[0]}
-        if len(self.val_sets) > 1:
+        if any(self.val_sets):  # data.mix sources by name, one alone too ("": data.shards)
             result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:])})
         return result
 
     def save(self, step: int) -> None:
+        # First the losses of the steps it keeps: a crash after it then loses none of them (one
+        # during it leaves steps that the resume trains again, written twice; the later counts).
+        self.write_losses()
         started = time.perf_counter()
         rank_state = {"data": self.batches.state_dict()}
         if self.spikes is not None:
@@ -206,6 +219,14 @@ class Trainer:
             self.logger.scalars(step, {"save_s": seconds, "size_gb": size_gb}, prefix="checkpoint/")
             self.logger.print(f"saved checkpoint step {step} ({size_gb:.2f} GB) in {seconds:.1f} s to {path}")
         self._emit("on_save", step, path)
+
+    def write_losses(self) -> None:
+        """Append the steps' losses not written yet to RUN_DIR/losses.jsonl (rank 0)."""
+        if dist.get_rank() == 0 and self.losses_written < len(self.losses):
+            with open(Path(self.cfg.run.dir) / "losses.jsonl", "a") as f:
+                for step, loss in self.losses[self.losses_written:]:
+                    f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        self.losses_written = len(self.losses)
 
     def load_rank_state(self, state: dict) -> None:
         """What save() kept besides the engine's state and the data position."""
@@ -280,7 +301,7 @@ class Trainer:
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
             loss = self.train_step(throughput)
             step += 1
-            throughput.step()
+            throughput.step(self.step_tokens)
             self._emit("on_optimizer_step", step)
             result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step
             if self.spikes is not None:

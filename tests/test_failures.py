@@ -2,6 +2,7 @@
 checkpoint (stale streaming shared memory included), a non-finite loss stops the run, and
 activation checkpointing changes nothing numerically."""
 
+import json
 import re
 import signal
 import subprocess
@@ -46,9 +47,14 @@ def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
             p.send_signal(signal.SIGKILL)
         proc.wait()
     latest = (run / "checkpoints" / "latest").read_text()
+    # The losses of every step the checkpoint keeps were written before it was.
+    steps = [json.loads(line)["step"] for line in (run / "losses.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= int(latest.removeprefix("step_")), steps
     out = train(2, overrides)
     assert f"resumed from {run / 'checkpoints' / latest}" in out.stdout
     assert (run / "checkpoints" / "step_00000040" / "COMPLETE").is_file()
+    steps = [json.loads(line)["step"] for line in (run / "losses.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == list(range(1, 41))
 
 
 def test_non_finite_loss_stops_without_saving(tmp_path):

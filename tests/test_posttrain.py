@@ -280,6 +280,24 @@ def test_sga_of_a_moe_model_balances_the_routers_on_both_forwards():
     torch.testing.assert_close(loss, without_aux + (on_prompts + on_pairs) / 2, rtol=1e-5, atol=1e-6)
 
 
+def test_throughput_counts_the_rows_a_step_runs():
+    """tokens/s and MFU of post-training count the padded rows the model runs (a preference pair is
+    two), not micro_batch x max_seq_len."""
+    from posttrain.train import PostTrainer
+    from pretrain.telemetry import Throughput
+
+    rows = [Row(np.arange(n), np.ones(n, dtype=bool)) for n in (40, 30, 20, 10)]
+    pairs = [PairExample(rows[i], rows[3 - i], np.arange(3), np.zeros(0, dtype=np.float32)) for i in range(2)]
+    sft, dpo = collate_rows(rows, 0), collate_pairs(pairs, 0)
+    trainer = object.__new__(PostTrainer)
+    assert trainer.batch_tokens(sft) == 4 * (sft["tokens"].shape[1] - 1) < 4 * 256
+    assert trainer.batch_tokens(dpo) == 4 * (dpo["tokens"].shape[1] - 1)  # chosen and rejected rows
+    counted = Throughput(tokens_per_step=1024, flops_per_token=1.0, world_size=1)
+    counted.step(trainer.batch_tokens(sft))
+    counted.step(None)  # a step of full-length samples
+    assert counted._tokens == trainer.batch_tokens(sft) + 1024
+
+
 def test_validation_takes_each_example_once_at_any_layout():
     collate = lambda xs: list(xs)  # noqa: E731
     for n, micro, dp, want in ((10, 4, 1, range(10)), (10, 4, 2, range(10)), (11, 4, 2, range(10)),
