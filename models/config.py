@@ -266,7 +266,13 @@ def coerce(value, annotation, key: str, parse=None):
     if origin in (typing.Union, types.UnionType):
         if isinstance(value, str) and list in [typing.get_origin(a) or a for a in typing.get_args(hint)]:
             text = value.strip()
-            return yaml.safe_load(text) if text.startswith("[") else value
+            if not text.startswith("["):
+                return value
+            try:
+                return yaml.safe_load(text)
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{key}={value!r}: not a list ({getattr(err, 'problem', None) or err}); "
+                                  "write it as [a, b, c]") from None
         return value
     if origin is list and typing.get_args(hint) == (str,):
         if isinstance(value, str):  # model.plugins=a.b,c.d

@@ -224,7 +224,12 @@ def parse_overrides(overrides: list[str]) -> dict:
         *parents, leaf = dotted.strip().split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(raw) if raw.strip().startswith("[") else raw
+        if raw.strip().startswith("["):  # a YAML list: [a, b] or [{shards: x, weight: 2}, ...]
+            try:
+                raw = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                pass  # not a list: a string such as the path [exp]v1, checked as the key's value
+        node[leaf] = raw
     return tree
 
 

@@ -31,6 +31,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     cfg = load_config(path, ["train.lr=3e-4", "model.tie_embeddings=true", "model.attention=[softmax, relu, lisa]"])
     assert cfg.model.num_layers == 3 and cfg.train.lr == 3e-4 and cfg.model.tie_embeddings is True
     assert cfg.model.attention_kinds() == ["softmax", "relu", "lisa"]
+    assert load_config(None, ["run.dir=[exp]v1"]).run.dir == "[exp]v1"  # a path, not a YAML list
     # auto / true / false keys also take the spellings their boolean forms took
     switches = load_config(path, ["train.compile=On", "train.fused_optimizer=0",
                                   "model.moe.grouped_gemm=AUTO"])
@@ -46,6 +47,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     (["train.warmup_steps=0.05"], "train.warmup_steps='0.05': expected a whole number"),  # not truncated to 0
     (["train.eval_interval=true"], "expected a whole number"),
     (["train.lr=true"], "expected float"),
+    (["model.attention=[softmax, relu"], r"model.attention='\[softmax, relu': not a list .* write it as \[a, b, c\]"),
 ])
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -82,7 +84,7 @@ def test_bad_overrides(override, message):
      "UoE has no router"),
     (["train.fused_optimizer=maybe"], 1, "fused_optimizer='maybe': choose auto, true or false"),
     (["data.mix=data/web"], 1, "give a list of sources"),
-    (["data.mix=[{shards: a, weight: 0}]"], 1, r"data.mix\[0\].weight=0.0: must be > 0"),
+    (["data.mix=[{shards: a, weight: 0}]"], 1, r"data.mix\[0\].weight=0.0: must be a number > 0"),
     (["data.mix=[{shards: a, share: 2}]"], 1, r"data.mix\[0\]=.*give a mapping with shards"),
     (["data.mix=[{shards: x/web}, {shards: y/web}]"], 1, r"names \['web', 'web'\] repeat"),
     (["data.mix=[{shards: a, name: 'web mix'}]"], 1, "must be letters, digits"),
