@@ -91,6 +91,10 @@ class ChatEncoder:
         self.sp, self.fmt = sp, fmt
         self.eos = sp.eos_id()
         self.prefixes = {"system": fmt.system_prefix, "user": fmt.user_prefix, "assistant": fmt.assistant_prefix}
+        # What a prompt ends with: the assistant prefix, without the spaces its response takes.
+        prefix = fmt.assistant_prefix
+        self.head_text = prefix.rstrip(" ") if fmt.prefix_spaces_in_response else prefix
+        self.head = self._ids(self.head_text)
 
     def _ids(self, text: str) -> list[int]:
         return self.sp.encode(text) if text else []
@@ -114,20 +118,18 @@ class ChatEncoder:
     def assistant_turn(self, content: str) -> tuple[list[int], list[int]]:
         """(prefix ids, response ids with EOS) of an assistant turn; the prefix's trailing spaces are
         encoded with the response, so that its first word is the token running text has there."""
-        prefix = self.prefixes["assistant"]
+        prefix, head = self.prefixes["assistant"], list(self.head)
         if not self.fmt.prefix_spaces_in_response:
-            return self._ids(prefix), self._ids(content) + [self.eos]
-        head_text = prefix.rstrip(" ")
-        head, whole = self._ids(head_text), self._ids(prefix + content)
+            return head, self._ids(content) + [self.eos]
+        whole = self._ids(prefix + content)
         if whole[:len(head)] == head:
             return head, whole[len(head):] + [self.eos]
-        return head, self._ids(prefix[len(head_text):] + content) + [self.eos]  # merged across the boundary
+        return head, self._ids(prefix[len(self.head_text):] + content) + [self.eos]  # merged across the boundary
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """The ids before a response: the turns, then the assistant prefix (without its trailing spaces)."""
         ids, _ = self.conversation(messages)
-        prefix = self.prefixes["assistant"]
-        return ids.tolist() + self._ids(prefix.rstrip(" ") if self.fmt.prefix_spaces_in_response else prefix)
+        return ids.tolist() + self.head
 
     def response(self, text: str) -> list[int]:
         return self.assistant_turn(text)[1]

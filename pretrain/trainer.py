@@ -75,7 +75,6 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.losses: list[tuple[int, float]] = []
         self.losses_written = 0  # how many of them RUN_DIR/losses.jsonl holds
-        self.step_tokens: int | None = None  # tokens of the last step where batch_tokens counts them
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
         self.last_metrics: dict[str, torch.Tensor] = {}  # the model's own metrics of the last step
         # data.document_mask: the EOS id that ends each document of a sample (from the manifest).
@@ -146,8 +145,9 @@ class Trainer:
             batches.append(next(self.batches))
             if throughput is not None:
                 throughput.data_wait(time.perf_counter() - waited)
-        counted = [self.batch_tokens(batch) for batch in batches]  # tokens/s: this rank's x data-parallel size
-        self.step_tokens = None if counted[0] is None else sum(counted) * ps.get_data_parallel_world_size()
+        if throughput is not None:  # tokens/s: this rank's tokens x data-parallel size
+            counted = [self.batch_tokens(batch) for batch in batches]
+            throughput.step(None if counted[0] is None else sum(counted) * ps.get_data_parallel_world_size())
         weights = self.micro_batch_weights(batches)
         for micro, batch in enumerate(batches):
             loss = self.forward(batch)
@@ -301,7 +301,6 @@ class Trainer:
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
             loss = self.train_step(throughput)
             step += 1
-            throughput.step(self.step_tokens)
             self._emit("on_optimizer_step", step)
             result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step
             if self.spikes is not None:
