@@ -27,6 +27,9 @@ class SinkStats:
     row_total: torch.Tensor  # [layers, heads] mean over queries of sum_j A_tj
     share1: torch.Tensor  # [layers, heads] mean over queries of A_t1 / sum_j A_tj (proxy, for contrast)
     layers: list[int]
+    # alpha_1 of a head attending uniformly over the same queries: mean 1/(keys seen). Within short
+    # documents it nears eps (0.34 at 8 tokens), so Sink_1^eps would count sink-free heads.
+    uniform1: float = 0.0
 
     def sink_rate(self, eps: float = DEFAULT_EPS) -> float:
         return float((self.alpha1 > eps).float().mean())
@@ -35,10 +38,11 @@ class SinkStats:
         return (self.alpha1 > eps).float().mean(-1)
 
 
-def head_stats(weights: torch.Tensor, starts: torch.Tensor | None = None
+def head_stats(weights: torch.Tensor, starts: torch.Tensor | None = None, queries: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(alpha1, row_total, share1), each [heads], from weights [batch, heads, q, k] (or [heads, q, k]);
-    starts [batch, q]: the key each query counts as its first (its document's start), else key 0."""
+    starts [batch, q]: the key each query counts as its first (its document's start), else key 0;
+    queries [batch, q] bool: the queries to average over (not padding), else all."""
     w = weights.float()
     if w.dim() == 3:
         w = w.unsqueeze(0)
@@ -49,14 +53,39 @@ def head_stats(weights: torch.Tensor, starts: torch.Tensor | None = None
         first = w.gather(-1, index.to(w.device)).squeeze(-1)
     total = w.sum(-1)
     share = first / total.clamp_min(1e-12)
-    return first.mean((0, 2)), total.mean((0, 2)), share.mean((0, 2))
+    if queries is None:
+        return first.mean((0, 2)), total.mean((0, 2)), share.mean((0, 2))
+    keep = queries[:, None, -w.shape[-2]:].to(w.device, w.dtype)  # [batch, 1, q]
+    count = keep.sum().clamp_min(1.0)
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        return (t * keep).sum((0, 2)) / count
+
+    return mean(first), mean(total), mean(share)
 
 
-def sink_stats(maps: dict[int, torch.Tensor], starts: torch.Tensor | None = None) -> SinkStats:
-    """Stats over captured maps {layer: [batch, heads, q, k]} (heads as held by this rank)."""
+def uniform_alpha1(batch: int, seq: int, starts: torch.Tensor | None = None,
+                   queries: torch.Tensor | None = None) -> float:
+    """alpha_1 of a causal head that spreads each query's weight evenly over the keys it sees."""
+    position = torch.arange(seq).expand(batch, seq)
+    seen = position - (starts.cpu() if starts is not None else 0) + 1
+    floor = 1.0 / seen.float()
+    if queries is None:
+        return float(floor.mean())
+    keep = queries.cpu().float()
+    return float((floor * keep).sum() / keep.sum().clamp_min(1.0))
+
+
+def sink_stats(maps: dict[int, torch.Tensor], starts: torch.Tensor | None = None,
+               queries: torch.Tensor | None = None) -> SinkStats:
+    """Stats over captured maps {layer: [batch, heads, q, k]} (heads as held by this rank) over the
+    `queries` [batch, q] that are not padding (default all)."""
     layers = sorted(maps)
-    per = [head_stats(maps[layer], starts) for layer in layers]
-    return SinkStats(*(torch.stack([p[i] for p in per]) for i in range(3)), layers=layers)
+    per = [head_stats(maps[layer], starts, queries) for layer in layers]
+    first = maps[layers[0]]
+    batch, seq = (1 if first.dim() == 3 else first.shape[0]), first.shape[-2]
+    return SinkStats(*(torch.stack([p[i] for p in per]) for i in range(3)), layers=layers,
+                     uniform1=uniform_alpha1(batch, seq, starts, queries))
 
 
 @torch.no_grad()
@@ -78,10 +107,11 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(document_ids.contiguous(), document_ids.contiguous())
 
 
-def measure(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> SinkStats | None:
+def measure(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
+            queries: torch.Tensor | None = None) -> SinkStats | None:
     """Sink statistics of the layers that expose their weights; None when none does. With
     document_ids (a model trained within documents) it attends as trained, and alpha_1 is each
-    query's weight on its own document's first token."""
+    query's weight on its own document's first token; queries [batch, seq] bool leaves padding out."""
     was_training = model.training
     model.eval()
     try:
@@ -89,7 +119,7 @@ def measure(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = Non
     finally:
         model.train(was_training)
     starts = document_starts(document_ids) if document_ids is not None else None
-    return sink_stats(maps, starts) if maps else None
+    return sink_stats(maps, starts, queries) if maps else None
 
 
 def gather_heads(t: torch.Tensor) -> torch.Tensor:
@@ -107,13 +137,14 @@ def gather_heads(t: torch.Tensor) -> torch.Tensor:
 
 def gathered(stats: SinkStats) -> SinkStats:
     return SinkStats(gather_heads(stats.alpha1), gather_heads(stats.row_total), gather_heads(stats.share1),
-                     stats.layers)
+                     stats.layers, stats.uniform1)
 
 
 def scalars(stats: SinkStats, eps: float = DEFAULT_EPS, per_head: bool = True) -> dict[str, float]:
     """Flat TensorBoard scalars: overall Sink_1^eps, per layer rate / mean alpha_1 / row total,
     and per head alpha_1."""
-    out = {"sink_rate": stats.sink_rate(eps), "alpha1_mean": float(stats.alpha1.mean())}
+    out = {"sink_rate": stats.sink_rate(eps), "alpha1_mean": float(stats.alpha1.mean()),
+           "alpha1_uniform": stats.uniform1}
     rates = stats.layer_sink_rate(eps)
     for i, layer in enumerate(stats.layers):
         key = f"layer{layer:02d}"

@@ -55,8 +55,11 @@ class PostTrainer(Trainer):
             return self.loss_tokens(batch)
         return torch.tensor(batch["tokens"].shape[0] // 2)
 
-    def probe_tokens(self, seq: int) -> torch.Tensor:
-        return self.val_batches[0]["tokens"][:, :seq].to(self.device)
+    def probe_batch(self, seq: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Examples attend within themselves where packed; padding is no query."""
+        batch = self.val_batches[0]
+        documents = batch["documents"][:, :seq].to(self.device) if "documents" in batch else None
+        return batch["tokens"][:, :seq].to(self.device), documents, batch["real"][:, :seq].to(self.device)
 
 
 class PostTrainTask(Task):

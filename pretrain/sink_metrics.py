@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from models.attention.masks import document_ids
 from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, gathered, measure, scalars
 from pretrain.trainer import Callback
 
 
 class SinkMetricsCallback(Callback):
     """After every evaluation measure alpha_1 / Sink_1^eps on the first `seq` tokens of the fixed
-    validation batch (trainer.probe_tokens) and log them under sinks/. Every rank runs the forward
+    validation batch (trainer.probe_batch: attending as training did, padding left out) and log them under sinks/. Every rank runs the forward
     (tensor-parallel collectives); heads are gathered across the tensor-parallel group and only
     rank 0 writes."""
 
@@ -18,8 +17,7 @@ class SinkMetricsCallback(Callback):
 
     def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
         seq = min(self.seq, trainer.cfg.model.max_seq_len)
-        tokens = trainer.probe_tokens(seq)
-        documents = document_ids(tokens, trainer.document_eos)
-        stats = measure(trainer.model, tokens, documents)  # the same on every rank: all or none have maps
+        tokens, documents, queries = trainer.probe_batch(seq)
+        stats = measure(trainer.model, tokens, documents, queries)  # the same on every rank: all or none have maps
         if stats is not None:
             trainer.logger.scalars(step, scalars(gathered(stats), self.eps, self.per_head), prefix="sinks/")

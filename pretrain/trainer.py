@@ -97,10 +97,12 @@ class Trainer:
     def val_batches(self) -> list[torch.Tensor]:
         return all_batches(self.val_sets)
 
-    def probe_tokens(self, seq: int) -> torch.Tensor:
-        """The first `seq` input tokens of the first validation batch, on the device (for metrics
-        that look inside the model, such as attention sinks)."""
-        return self.val_batches[0][:, :seq].to(self.device)
+    def probe_batch(self, seq: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The first `seq` input tokens of the first validation batch on the device (for metrics that
+        look inside the model, such as attention sinks), with their document ids as training
+        attends (None: the whole row) and the queries that are not padding (None: all)."""
+        tokens = self.val_batches[0][:, :seq].to(self.device)
+        return tokens, document_ids(tokens, self.document_eos), None
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         """The engine's loss on one micro-batch (inputs and shifted labels, documents when masked)."""

@@ -71,6 +71,56 @@ def test_relu_absolute_weight_is_not_a_share():
     assert stats.sink_rate(0.3) == pytest.approx(0.5)
 
 
+class UniformWithinDocuments(torch.nn.Module):
+    """Stands in for a model: one head that attends evenly over the keys each query sees."""
+
+    def logits(self, tokens, ctx):
+        seq = tokens.shape[1]
+        allowed = torch.ones(seq, seq, dtype=torch.bool).tril().expand(tokens.shape[0], seq, seq)
+        if "document_ids" in ctx:
+            documents = ctx["document_ids"]
+            allowed = allowed & (documents[:, :, None] == documents[:, None, :])
+        weights = allowed.float() / allowed.sum(-1, keepdim=True)
+        ctx["attention_maps"] = {0: weights[:, None]}
+
+
+def test_post_training_probe_attends_within_packed_examples_and_skips_padding():
+    """Row 0 packs examples of 3 and 5 tokens; row 1 holds one of 6 and 2 padding tokens."""
+    from types import SimpleNamespace
+
+    from models.sinks import measure
+    from posttrain.train import PostTrainer
+
+    batch = {"tokens": torch.arange(18).reshape(2, 9),
+             "documents": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]]),
+             "real": torch.tensor([[True] * 8, [True] * 6 + [False] * 2])}
+    trainer = SimpleNamespace(val_batches=[batch], device=torch.device("cpu"))
+    tokens, documents, queries = PostTrainer.probe_batch(trainer, 8)
+    stats = measure(UniformWithinDocuments(), tokens, documents, queries)
+    # each real query weighs 1 / (its position in its example, from 1) on the example's first token
+    expected = sum(1 / t for n in (3, 5, 6) for t in range(1, n + 1)) / 14
+    assert float(stats.alpha1) == pytest.approx(expected)
+    assert stats.uniform1 == pytest.approx(expected)  # this head is the uniform one
+    assert scalars(stats)["alpha1_uniform"] == pytest.approx(expected)
+
+
+def test_sink_report_probes_random_tokens_as_the_run_began_its_samples(monkeypatch, tmp_path, capsys):
+    """Shards that cannot be read: random ordinary tokens, after BOS where the run's samples had it."""
+    from types import SimpleNamespace
+
+    import tools.sink_report as report
+    from pretrain.config import Config
+
+    run = Config()
+    run.data.shards, run.data.start_with_bos = str(tmp_path / "moved"), True
+    monkeypatch.setattr(report, "run_config", lambda ckpt: run)
+    meta = {"bos_id": 1, "eos_id": 2, "special_ids": {"pad": None, "unk": 0}}
+    tokens, source = report.sample_tokens(tmp_path, SimpleNamespace(vocab_size=8), meta, 4, 64, None)
+    assert source == "random tokens after BOS" and "using random tokens" in capsys.readouterr().err
+    assert tokens[:, 0].eq(1).all() and tokens.shape == (4, 64)
+    assert not torch.isin(tokens[:, 1:], torch.tensor([0, 1, 2])).any()
+
+
 def test_trigger_task_trains():
     from bench.sink_trigger import TaskSpec, make_batch, train_model
 

@@ -20,12 +20,14 @@ from models.sinks import DEFAULT_EPS, DEFAULT_SEQ, SinkStats, measure
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import Config
 from pretrain.consolidate import load_model, run_config
-from pretrain.data import load_val_batches, run_document_eos
+from pretrain.data import load_val_batches, run_bos, run_document_eos, starting_with
 from tools.cli import ToolError, argument_parser, reports_errors, run
 
 
-def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> tuple[torch.Tensor, str]:
-    """Validation tokens [batch, seq] from the shards (the run's own by default), else random."""
+def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str | None
+                  ) -> tuple[torch.Tensor, str]:
+    """Validation tokens [batch, seq] from the shards (the run's own by default), else random
+    ordinary tokens, beginning with BOS where the run's samples did."""
     full = run_config(ckpt)
     if full is not None or shards:
         full = full or Config()
@@ -43,7 +45,12 @@ def sample_tokens(ckpt: Path, cfg, batch: int, seq: int, shards: str | None) -> 
         print(f"warning: validation shards {full.data.shards}: {problem}; using random tokens",
               file=sys.stderr)
     gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen), "random tokens"
+    special = {i for i in (meta.get("bos_id"), meta.get("eos_id"), *meta.get("special_ids", {}).values())
+               if isinstance(i, int) and 0 <= i < cfg.vocab_size}
+    ordinary = torch.tensor([i for i in range(cfg.vocab_size) if i not in special])
+    tokens = ordinary[torch.randint(0, len(ordinary), (batch, seq), generator=gen)]
+    bos = run_bos(full, meta)
+    return (tokens, "random tokens") if bos is None else (starting_with(tokens, bos), "random tokens after BOS")
 
 
 def table(stats: SinkStats, kinds: list[str], eps: float) -> str:
@@ -54,6 +61,10 @@ def table(stats: SinkStats, kinds: list[str], eps: float) -> str:
         lines.append(f"{layer:>5} {kinds[layer]:<13} {stats.alpha1[i].mean():>11.4f} {stats.alpha1[i].max():>10.4f} "
                      f"{rates[i]:>10.3f} {stats.row_total[i].mean():>9.4f} {stats.share1[i].mean():>7.4f}")
     lines.append(f"Sink_1^{eps} over all layers and heads: {100 * stats.sink_rate(eps):.2f}%")
+    lines.append(f"alpha1 of a head attending uniformly over the same queries: {stats.uniform1:.4f}")
+    if stats.uniform1 > eps / 2:
+        lines.append(f"warning: that is above eps/2 = {eps / 2:g} (short documents or --seq): Sink_1 counts heads "
+                     "that attend evenly; compare alpha1 with it, or probe longer documents")
     return "\n".join(lines)
 
 
@@ -88,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eps", type=float, default=DEFAULT_EPS)
     parser.add_argument("--overwrite", action="store_true", help="replace the report files in --out")
     args = parser.parse_args(argv)
+    if args.seq < 2 or args.batch < 1:
+        raise ToolError(f"--seq {args.seq} --batch {args.batch}: give --seq of at least 2 (Gu et al. use 64) and "
+                        "--batch of at least 1")
+    if not 0 < args.eps < 1:
+        raise ToolError(f"--eps {args.eps}: give a threshold between 0 and 1 (Gu et al. use 0.3)")
     out = Path(args.out)  # checked before the model is read
     if out.exists() and not out.is_dir():
         raise ToolError(f"--out {out} is a file; give a directory (sink_report.json and sink_heatmap.png go "
@@ -101,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         "validation split (data_prep.build_shards with --val-fraction above 0)")
     ckpt = resolve_checkpoint(args.checkpoint)
     model, cfg, meta = load_model(ckpt)
-    tokens, source = sample_tokens(ckpt, cfg, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
+    tokens, source = sample_tokens(ckpt, cfg, meta, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
     full = run_config(ckpt)
     eos = run_document_eos(full, meta)
     stats = measure(model, tokens, document_ids(tokens, eos))  # as training attended
@@ -115,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"checkpoint": str(ckpt), "step": meta.get("step"), "tokens": source, "eps": args.eps,
               "seq": tokens.shape[1], "sink_rate": stats.sink_rate(args.eps), "kinds": kinds,
               "alpha1": stats.alpha1.tolist(), "row_total": stats.row_total.tolist(),
-              "share1": stats.share1.tolist()}
+              "share1": stats.share1.tolist(), "alpha1_uniform": stats.uniform1}
     (out / "sink_report.json").write_text(json.dumps(report, indent=1))
     heatmap(stats, kinds, out / "sink_heatmap.png", f"alpha_1, step {meta.get('step')}")
     print(f"wrote {out / 'sink_report.json'} and {out / 'sink_heatmap.png'}")
