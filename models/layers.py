@@ -149,10 +149,10 @@ def swiglu_kept(fused: bool) -> int:
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of interleaved gate/up rows [..., 2w] -> [..., w]. Eagerly on a GPU one
-    Triton kernel (models/mlp/swiglu_triton.py), which keeps only gate_up for backward;
+    Triton kernel (models/mlp/kernels/swiglu_triton.py), which keeps only gate_up for backward;
     torch.compile fuses the formula."""
     if gate_up.is_cuda and not torch.compiler.is_compiling():
-        fused = _triton_function("models.mlp.swiglu_triton", "swiglu")
+        fused = _triton_function("models.mlp.kernels.swiglu_triton", "swiglu")
         if fused is not None:
             return fused(gate_up)
     gate, up = gate_and_up(gate_up)

@@ -1,5 +1,5 @@
 """What launching this project's Triton kernels needs (models/attention/kernels and
-models/mlp/swiglu_triton.py). Nothing here imports Triton at module level: the kinds import this
+models/mlp/kernels/swiglu_triton.py). Nothing here imports Triton at module level: the kinds import this
 on machines without it."""
 
 import contextlib

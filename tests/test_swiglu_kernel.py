@@ -1,4 +1,4 @@
-"""The Triton SwiGLU kernel (models.mlp.swiglu_triton) under Triton's interpreter on CPU, against
+"""The Triton SwiGLU kernel (models.mlp.kernels.swiglu_triton) under Triton's interpreter on CPU, against
 models.layers.swiglu's formula: output, input gradient and what each keeps for backward."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import torch
 import torch.nn.functional as F
 from models.layers import swiglu
-from models.mlp.swiglu_triton import swiglu as fused
+from models.mlp.kernels.swiglu_triton import swiglu as fused
 
 errors = {}
 for dtype, rows, width in ((torch.float64, 37, 24), (torch.float64, 3, 1030), (torch.float32, 5, 200),
