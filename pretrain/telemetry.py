@@ -77,10 +77,49 @@ class Throughput:
         return out
 
 
-class Logger:
-    """Rank 0 writes TensorBoard events and a JSON-lines metrics file; other ranks stay quiet."""
+STEP_LOGS = ("metrics.jsonl", "losses.jsonl")  # JSON lines with a "step", in RUN_DIR
+LOGS_ASIDE = "abandoned_logs"  # RUN_DIR/abandoned_logs/<time>/: records of steps a run trains again
 
-    def __init__(self, run_dir: str | Path, rank: int):
+
+def set_aside_records_after(run_dir: str | Path, step: int) -> int:
+    """Move the records of steps after `step` out of the run's step logs into
+    RUN_DIR/abandoned_logs/<time>/ (a resume trains those steps again, a rollback another way);
+    returns how many moved. Each file is replaced whole (written beside it, then renamed)."""
+    run_dir, moved, aside = Path(run_dir), 0, None
+    for name in STEP_LOGS:
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        keep, drop = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                later = json.loads(line)["step"] > step
+            except (ValueError, KeyError, TypeError):  # a line cut by a crash: nothing to keep
+                later = True
+            (drop if later else keep).append(line)
+        if not drop:
+            continue
+        if aside is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            aside, n = run_dir / LOGS_ASIDE / stamp, 1
+            while aside.exists():  # a second resume within the second
+                aside, n = run_dir / LOGS_ASIDE / f"{stamp}-{n}", n + 1
+            aside.mkdir(parents=True)
+        (aside / name).write_text("".join(drop))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(path)
+        moved += len(drop)
+    return moved
+
+
+class Logger:
+    """Rank 0 writes TensorBoard events and a JSON-lines metrics file; other ranks stay quiet.
+    A run that starts at `start_step` (a resume, a rollback, or 0 in a used run.dir) hides the
+    logged steps after it from TensorBoard (purge_step) and sets their JSON-lines records aside,
+    so every step is logged once, by the trajectory the run continues."""
+
+    def __init__(self, run_dir: str | Path, rank: int, start_step: int = 0):
         self.rank = rank
         self.writer = None
         self.metrics_file = None
@@ -88,7 +127,10 @@ class Logger:
             from torch.utils.tensorboard import SummaryWriter
 
             run_dir = Path(run_dir)
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            moved = set_aside_records_after(run_dir, start_step)
+            if moved:
+                self.print(f"set aside {moved} logged records of steps after {start_step} in {run_dir / LOGS_ASIDE}")
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
             self.metrics_file = open(run_dir / "metrics.jsonl", "a")
 
     def scalars(self, step: int, values: dict[str, float], prefix: str = "") -> None:

@@ -174,7 +174,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
             "eos_id": manifest.get("eos_id"), "bos_id": manifest.get("bos_id"),
             "flops_per_token": flops_per_token(cfg.model), "params": counts,
             "global_batch": global_batch(cfg, env.world_size), "decay_groups": decay_groups, **task.meta(cfg)}
-    logger = Logger(run_dir, env.rank)
+    logger = Logger(run_dir, env.rank, start_step=marker["step"] if resume_path is not None else 0)
     if decay_groups < DECAY_GROUPS and any(getattr(p, "no_weight_decay", False) for p in model.parameters()):
         logger.print("resumed with the weight-decay groups the checkpoint's optimizer state has: LISA's head "
                      "mixing and biases decay as when the run started (a new run leaves them undecayed)")

@@ -53,8 +53,11 @@ def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
     out = train(2, overrides)
     assert f"resumed from {run / 'checkpoints' / latest}" in out.stdout
     assert (run / "checkpoints" / "step_00000040" / "COMPLETE").is_file()
+    # Each step logged once: the records after the checkpoint (trained again) were set aside.
     steps = [json.loads(line)["step"] for line in (run / "losses.jsonl").read_text().splitlines()]
-    assert sorted(set(steps)) == list(range(1, 41))
+    assert steps == list(range(1, 41)), steps
+    logged = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "train/loss" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == 40, logged
 
 
 def test_non_finite_loss_stops_without_saving(tmp_path):

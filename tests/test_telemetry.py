@@ -22,3 +22,33 @@ def test_progress_line_says_when_there_is_no_gradient_norm():
     values = {"loss": 2.0, "lr": 1e-3, "tokens_per_s": 10.0, "tflops_per_device": 0.1, "peak_memory_gb": 1.0}
     assert "gnorm n/a" in progress_line(3, 10, values)
     assert "gnorm 0.500" in progress_line(3, 10, {**values, "grad_norm": 0.5})
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """Resuming at step 4 a run that had logged steps 1-8: TensorBoard and metrics.jsonl show 1-4 of
+    the first trajectory, then the new 5-6; the old 5-8 are set aside, not lost."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pretrain.telemetry import LOGS_ASIDE, Logger
+
+    first = Logger(tmp_path, rank=0)
+    for step in range(1, 9):
+        first.scalars(step, {"loss": float(step)}, prefix="train/")
+    first.close()
+    (tmp_path / "losses.jsonl").write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 9))
+                                           + '{"step": 9, "lo')  # a line cut by a crash
+    resumed = Logger(tmp_path, rank=0, start_step=4)
+    for step in (5, 6):
+        resumed.scalars(step, {"loss": 10.0 * step}, prefix="train/")
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 50), (6, 60)]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in metrics] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 50), (6, 60)]
+    assert [json.loads(line)["step"] for line in (tmp_path / "losses.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    [aside] = (tmp_path / LOGS_ASIDE).iterdir()
+    assert [json.loads(line)["step"] for line in (aside / "metrics.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
+    assert (aside / "losses.jsonl").read_text().splitlines()[-1] == '{"step": 9, "lo'
