@@ -12,7 +12,7 @@ import torch
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets), matched as a substring of the CUDA
 # device name, first match wins: the specific variants come before their family.
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200 NVL": 835.0, "H200": 989.0, "A100": 312.0,
                "L40S": 362.0, "A10G": 70.0}
 
 

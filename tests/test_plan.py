@@ -177,4 +177,5 @@ def test_gpu_peak_matches_the_specific_variant_first():
     assert peak_tflops("NVIDIA H100 PCIe") == PEAK_TFLOPS["H100 PCIe"] < peak_tflops("NVIDIA H100 80GB HBM3")
     assert peak_tflops("NVIDIA H100 NVL") == PEAK_TFLOPS["H100 NVL"]
     assert peak_tflops("NVIDIA H200") == PEAK_TFLOPS["H200"] and peak_tflops("h200") == PEAK_TFLOPS["H200"]
+    assert peak_tflops("NVIDIA H200 NVL") == PEAK_TFLOPS["H200 NVL"] < PEAK_TFLOPS["H200"]
     assert peak_tflops("Tesla T4") is None  # unknown: MFU is left out rather than guessed
