@@ -68,8 +68,8 @@ class ProfilerCallback(Callback):
             return
         self.first = max(self.start_step, step + 1)
         self.warmup = self.first - 1 if self.first - 1 > step else 0
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self.profiler = profile(activities=activities, record_shapes=True, profile_memory=self.memory)
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.profiler = profile(activities=self.activities, record_shapes=True, profile_memory=self.memory)
 
     def on_step_begin(self, trainer, step: int) -> None:
         if self.profiler is None:
@@ -80,15 +80,21 @@ class ProfilerCallback(Callback):
         if step == self.first:
             self.profiler.start_trace()
             self.tracing = True
+        elif self.tracing:
+            self.profiler.toggle_collection_dynamic(True, self.activities)
         if self.tracing:
             self.step_range = record_function(f"ProfilerStep#{step}")
             self.step_range.__enter__()
 
     def on_optimizer_step(self, trainer, step: int) -> None:
-        """The step's range ends with its update: validation and saves after it are not the step's."""
+        """The step ends with its update: validation, saves and callbacks after it are not recorded
+        (the trace and the operator table hold the profiled steps only)."""
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels are recorded before collection pauses
+            self.profiler.toggle_collection_dynamic(False, self.activities)
 
     def on_step_end(self, trainer, result) -> None:
         if self.profiler is None:

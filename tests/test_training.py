@@ -393,9 +393,12 @@ def test_wsd_run_resumes_exactly_and_extends(data, tmp_path):
 def profiled_steps(trace) -> list[str]:
     with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
-    names = {event.get("name", "") for event in events}
+    names = [event.get("name", "") for event in events]
     assert any(name.startswith("aten::") and "mm" in name for name in names), trace  # the model's matmuls
-    return sorted(name for name in names if name.startswith("ProfilerStep#"))
+    steps = sorted(name for name in set(names) if name.startswith("ProfilerStep#"))
+    # one training forward per step (micro-batch 4, one per rank); validation and saves are not recorded
+    assert names.count("_VocabParallelCrossEntropy") == len(steps), (trace, names.count("_VocabParallelCrossEntropy"))
+    return steps
 
 
 def test_profiler_traces_the_chosen_steps_across_a_resume(resumed_run):
