@@ -838,6 +838,33 @@ def test_conversion_keeps_chains_within_max_chain():
     assert "a softmax_sink layer: a LISA layer computes plain softmax" in conversion_problem(sinks, [1], 1)
     assert conversion_problem(sinks, [2], 1) is None
     assert propose_layers({1: {"similarity": 0.9}, 2: {"similarity": 0.8}}, sinks, 1, 0.5, 1.0) == [2]
+    assert conversion_problem(kinds, [3, 8], 1) == "layer 8 is not a layer of this 8-layer model (0 to 7)"
+    assert conversion_problem(kinds, [-1], 1) == "layer -1 is not a layer of this 8-layer model (0 to 7)"
+
+
+def test_convert_lisa_options_fit_the_source_layout():
+    """A model trained at parallel.tensor=2 converts to alignment groups that a rank holds whole (0,
+    all heads, would straddle the ranks); a model with LISA layers keeps their shape settings."""
+    from types import SimpleNamespace
+
+    from tools.cli import ToolError
+    from tools.convert_lisa import set_lisa_options
+
+    def options(**given):
+        return SimpleNamespace(**{"align_group": None, "align_hidden": None, "rank": None, "keep_full_layers": None,
+                                  **given})
+
+    dense = small_cfg("ssss")
+    dense.lisa.align_group = 0
+    set_lisa_options(dense, dense.attention_kinds(), options(), tensor=2)
+    assert dense.lisa.align_group == 2  # 4 heads over 2 ranks
+    with pytest.raises(ToolError, match="--align-group 4: groups of 4 heads must divide the 2 heads of each"):
+        set_lisa_options(small_cfg("ssss"), ["softmax"] * 4, options(align_group=4), tensor=2)
+    hybrid = small_cfg("sslss")
+    with pytest.raises(ToolError, match=r"--rank 4 \(model.lisa.rank=0\).*has LISA layers already"):
+        set_lisa_options(hybrid, hybrid.attention_kinds(), options(rank=4), tensor=1)
+    set_lisa_options(hybrid, hybrid.attention_kinds(), options(align_group=2, keep_full_layers=2), tensor=1)
+    assert (hybrid.lisa.align_group, hybrid.lisa.keep_full_layers) == (2, 2)  # the same group: nothing changes
 
 
 def test_convert_lisa_matches_heads_within_alignment_groups(single_process):

@@ -80,6 +80,33 @@ def forward_tokens_per_s(model, rows: torch.Tensor, eos: int | None = None, repe
     return repeats * tokens.numel() / (time.perf_counter() - t0)
 
 
+def set_lisa_options(cfg, kinds: list[str], args, tensor: int) -> None:
+    """model.lisa as the options ask, for a model that continues at the source run's tensor-parallel
+    size: refused before any calibration pass where it could not."""
+    asked = {"align_group": args.align_group, "align_hidden": args.align_hidden, "rank": args.rank}
+    if "lisa" in kinds:  # every LISA layer has one shape: the ones there keep theirs
+        changed = [f"--{k.replace('_', '-')} {v} (model.lisa.{k}={getattr(cfg.lisa, k)})"
+                   for k, v in asked.items() if v is not None and v != getattr(cfg.lisa, k)]
+        if changed:
+            raise ToolError(f"{', '.join(changed)}: this model has LISA layers already, and these settings hold "
+                            "for all of them; leave the options out to convert with the model's own")
+    for key, value in asked.items():
+        if value is not None:
+            setattr(cfg.lisa, key, value)
+    if args.keep_full_layers is not None:
+        cfg.lisa.keep_full_layers = args.keep_full_layers
+    per_rank = cfg.num_heads // tensor
+    if args.align_group is None and cfg.lisa.align_group == 0 and tensor > 1 and "lisa" not in kinds:
+        cfg.lisa.align_group = per_rank  # 0 means all heads, which would straddle the ranks
+        print(f"note: alignment groups of the {per_rank} heads of each tensor-parallel rank (the run trained at "
+              f"parallel.tensor={tensor}; --align-group sets another size)")
+    group = cfg.lisa.resolved_group(cfg.num_heads)
+    if cfg.num_heads % group or per_rank % group:
+        raise ToolError(f"--align-group {cfg.lisa.align_group}: groups of {group} heads must divide the {per_rank} "
+                        f"heads of each tensor-parallel rank (the run trained at parallel.tensor={tensor}, "
+                        f"{cfg.num_heads} heads); give a divisor of {per_rank}")
+
+
 @reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser(__spec__.name, __doc__)
@@ -139,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in source.parameters():
         p.requires_grad_(False)
     kinds = cfg.attention_kinds()
-    keep = cfg.lisa.keep_full_layers if args.keep_full_layers is None else args.keep_full_layers
+    run_cfg = run_config(resolve_checkpoint(args.checkpoint))
+    set_lisa_options(cfg, kinds, args, run_cfg.parallel.tensor if run_cfg is not None else 1)
+    keep = cfg.lisa.keep_full_layers
     if listed is not None:  # before the calibration passes
         problem = conversion_problem(kinds, listed, keep, args.max_chain)
         if problem:
@@ -151,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         if all(problems):
             raise ToolError(f"no layer of this {len(kinds)}-layer model can become a LISA layer: "
                             + "; ".join(problems) + f" (--keep-full-layers sets how many stay, {keep} now)")
-    run_cfg = run_config(resolve_checkpoint(args.checkpoint))
     bos = run_bos(run_cfg, meta)
     eos = run_document_eos(run_cfg, meta)  # as it trained
 
@@ -169,14 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         s = sim.get(layer)
         print(f"{layer:>5} {kinds[layer]:<13} " + (f"{s['similarity']:>20.4f} {s['unmatched']:>12.4f}  {s['match']}"
                                                    if s else f"{'-':>20} {'-':>12}"))
-    if args.align_group is not None:
-        cfg.lisa.align_group = args.align_group
-    if args.align_hidden is not None:
-        cfg.lisa.align_hidden = args.align_hidden
-    if args.rank is not None:
-        cfg.lisa.rank = args.rank
-    if args.keep_full_layers is not None:
-        cfg.lisa.keep_full_layers = args.keep_full_layers
     rank = cfg.lisa.resolved_rank(cfg.head_dim)
     if args.qk_init != "zero" and cfg.head_dim % rank:
         print(f"note: --qk-init {args.qk_init} needs the rank ({rank}) to divide head_dim ({cfg.head_dim}); "

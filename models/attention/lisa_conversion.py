@@ -97,6 +97,8 @@ def conversion_problem(kinds: list[str], layers: list[int], keep_full: int, max_
     which a LISA layer has not)."""
     new = list(kinds)
     for layer in layers:
+        if not 0 <= layer < len(kinds):
+            return f"layer {layer} is not a layer of this {len(kinds)}-layer model (0 to {len(kinds) - 1})"
         if layer < max(keep_full, 1):
             return f"layer {layer} is within model.lisa.keep_full_layers={keep_full}"
         kind = registry.attention_kind(kinds[layer])
