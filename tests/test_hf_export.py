@@ -587,8 +587,11 @@ def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, 
     assert ours.std() > 0.05
     with torch.no_grad():  # KV cache (every attention kind incl. LISA): prefix, then the rest in two pieces
         head = model(tokens[:, :20], use_cache=True)
-        mid = model(tokens[:, 20:21], past_key_values=head.past_key_values, use_cache=True)
+        # a cache passed in is read whatever use_cache says (as transformers' Llama does)
+        mid = model(tokens[:, 20:21], past_key_values=head.past_key_values, use_cache=False)
         tail = model(tokens[:, 21:], past_key_values=mid.past_key_values, use_cache=True)
+        with pytest.raises(TypeError, match="past_key_values is a tuple.*DynamicCache"):
+            model(tokens[:, 21:], past_key_values=((tokens, tokens),))
     assert tail.past_key_values.get_seq_length() == tokens.shape[1]
     assert (torch.cat([head.logits, mid.logits, tail.logits], 1) - theirs).abs().max().item() <= 1e-4
     # Padded prompts are refused by generate() (new tokens would follow the padding), with the fix.

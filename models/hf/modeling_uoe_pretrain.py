@@ -426,6 +426,12 @@ class UoEPretrainModel(UoEPretrainPreTrainedModel):
         return self.norm(x)
 
 
+def check_cache(past_key_values) -> None:
+    if past_key_values is not None and not isinstance(past_key_values, DynamicCache):
+        raise TypeError(f"past_key_values is a {type(past_key_values).__name__}; this model reads and extends a "
+                        "transformers DynamicCache: pass the one its last output returned (not a legacy tuple)")
+
+
 class UoEPretrainForCausalLM(UoEPretrainPreTrainedModel, GenerationMixin):
     _tied_weights_keys = ["lm_head.weight"]
 
@@ -456,12 +462,15 @@ class UoEPretrainForCausalLM(UoEPretrainPreTrainedModel, GenerationMixin):
         if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("attention_mask has padding before real tokens; this model supports right padding "
                              "only (tokenizer.padding_side = 'right')")
-        cache = None
-        if not self.model.cacheable and isinstance(past_key_values, DynamicCache) and past_key_values.get_seq_length():
+        check_cache(past_key_values)
+        if not self.model.cacheable and past_key_values is not None and past_key_values.get_seq_length():
             raise ValueError("this model does not cache (relu_normalizer 'seqlen'); pass the whole sequence "
                              "without past_key_values")
-        if self.model.cacheable and (use_cache if use_cache is not None else self.config.use_cache):
-            cache = past_key_values if isinstance(past_key_values, DynamicCache) else DynamicCache()
+        # A cache passed in holds the tokens before input_ids: it is read (and extended) whatever
+        # use_cache says, which decides only whether a new one starts.
+        cache = past_key_values if self.model.cacheable else None
+        if cache is None and self.model.cacheable and (use_cache if use_cache is not None else self.config.use_cache):
+            cache = DynamicCache()
         logits = self.lm_head(self.model(input_ids, cache))
         loss = None
         if labels is not None:
@@ -477,7 +486,8 @@ class UoEPretrainForCausalLM(UoEPretrainPreTrainedModel, GenerationMixin):
             raise ValueError("generate() got padded prompts, which this model cannot continue (new tokens would "
                              "follow the padding): generate one prompt at a time, or prompts of one length "
                              "(lm-eval: --batch_size 1)")
-        cached = past_key_values.get_seq_length() if isinstance(past_key_values, DynamicCache) else 0
+        check_cache(past_key_values)
+        cached = past_key_values.get_seq_length() if past_key_values is not None else 0
         if not self.model.cacheable:
             past_key_values, cached = None, 0
         return {"input_ids": input_ids[:, cached:], "attention_mask": attention_mask,
