@@ -235,7 +235,7 @@ def test_imported_tokenizers_export_exactly_or_not_at_all(tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys):
+def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys, tmp_path):
     from tools.evaluate import main as evaluate_main
 
     root, _ = data
@@ -248,6 +248,36 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys):
         assert result["step"] == STEPS and result["tokens"] == batches * 4 * 32
         assert result["loss"] == pytest.approx(val_loss_logged(runs[layout], STEPS), abs=1e-4), layout
         assert 0 < result["loss"] < 7 and result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    # Shards of another tokenizer (same vocabulary size): refused before the model is read.
+    other = tmp_path / "other_shards"
+    shutil.copytree(root / "shards" / "val", other / "val")
+    manifest = json.loads((root / "shards" / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "f" * 64}))
+    assert evaluate_main(["--checkpoint", str(runs["tp2_zero2"]), "--shards", str(other)]) == 2
+    assert "tokenized with another tokenizer (sha256 ffffffffffff)" in capsys.readouterr().err
+
+
+def test_a_relative_tokenizer_path_is_found_from_the_directories_above_the_run(tmp_path, monkeypatch):
+    """A run launched from its project directory (data.tokenizer: tok) and read from elsewhere."""
+    import tools.export as export
+    from data_prep.tokenizer import sha256_file
+    from pretrain.config import Config
+
+    tag = tmp_path / "project" / "runs" / "r" / "checkpoints" / "step_00000001"
+    tag.mkdir(parents=True)
+    (tmp_path / "project" / "tok").mkdir()
+    (tmp_path / "project" / "tok" / "tokenizer.model").write_bytes(b"pieces")
+    run = Config()
+    run.data.tokenizer = "tok"
+    monkeypatch.setattr(export, "run_config", lambda tag_dir: run)
+    monkeypatch.chdir(tmp_path)
+    meta = {"tokenizer_sha256": sha256_file(tmp_path / "project" / "tok" / "tokenizer.model")}
+    assert export.find_tokenizer(tag, None, meta) == tmp_path / "project" / "tok"
+    (tmp_path / "project" / "tok" / "tokenizer.model").unlink()
+    with pytest.raises(export.ExportError, match=f"data.tokenizer=tok: no tokenizer.model in {tmp_path / 'tok'}, "):
+        export.find_tokenizer(tag, None, meta)  # the run trained with one: an error, not an export without it
+    assert export.find_tokenizer(tag, None, meta, required=False) is None  # generate --prompt-ids
+    assert export.find_tokenizer(tag, None, {}) is None  # a run without one (an import without --tokenizer)
 
 
 @pytest.mark.slow

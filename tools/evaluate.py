@@ -29,7 +29,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from models.attention.masks import document_ids
-from pretrain.checkpoint_format import resolve_checkpoint
+from pretrain.checkpoint_format import read_meta, resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples, run_bos, run_document_eos, starting_with
 from pretrain.downstream import empty_task_error, evaluate_tasks, load_task, task_name
@@ -74,6 +74,20 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int, eos_id: int | None
             "tokens": int(rows[:, 1:].numel()), "batch_losses": losses}
 
 
+def check_shards_tokenizer(location: Path, meta: dict) -> None:
+    """Shards tokenized by another tokenizer than the checkpoint's give a meaningless loss: refused
+    where both record theirs (the manifest beside the split, or above it)."""
+    want = meta.get("tokenizer_sha256")
+    for manifest in (location / "manifest.json", location.parent / "manifest.json"):
+        if manifest.is_file():
+            got = json.loads(manifest.read_text()).get("tokenizer_sha256")
+            if want and got and got != want:
+                raise ToolError(f"--shards {location}: tokenized with another tokenizer (sha256 {got[:12]}) than the "
+                                f"checkpoint was trained with (sha256 {want[:12]}); give shards built with the run's "
+                                "tokenizer")
+            return
+
+
 @reports_errors(ValueError)
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser(__spec__.name, __doc__)
@@ -94,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError("give --shards (validation loss) and/or --tasks (downstream accuracy)")
     device = tool_device(args.device)
     location = split_dir(args.shards, args.split, "--split") if args.shards else None
+    if location is not None:  # before the model is read
+        check_shards_tokenizer(location, read_meta(resolve_checkpoint(args.checkpoint)))
     tasks, sp = load_tasks(args) if args.tasks else ({}, None)
     model, cfg, meta = load_model(args.checkpoint)
     model.to(device)
@@ -126,7 +142,6 @@ def load_tasks(args) -> tuple[dict, object]:
 
     from data_prep.sources import BadInputReport
     from data_prep.tokenizer import load_tokenizer
-    from pretrain.checkpoint_format import read_meta
     from tools.export import find_tokenizer
 
     tag_dir = resolve_checkpoint(args.checkpoint)

@@ -200,21 +200,39 @@ def to_remote_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: t.contiguous().clone() for k, t in out.items()}
 
 
-def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict) -> Path | None:
-    """The SentencePiece tokenizer directory: --tokenizer, else the run's data.tokenizer; checked
-    against the checkpoint's tokenizer sha256. None when the run used no SentencePiece model."""
+def tokenizer_places(configured: Path, tag_dir: Path) -> list[Path]:
+    """Where a run's data.tokenizer may be: a relative path from this directory, else from the
+    directories above the run directory (a run is usually launched from one of them, e.g. the
+    repository holding runs/ and data/)."""
+    if configured.is_absolute():
+        return [configured]
+    run_dir = tag_dir.resolve().parent.parent  # RUN_DIR/checkpoints/<tag>
+    return list(dict.fromkeys([Path.cwd() / configured, *(d / configured for d in run_dir.parents)]))
+
+
+def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict, required: bool = True) -> Path | None:
+    """The SentencePiece tokenizer directory: --tokenizer, else the run's data.tokenizer
+    (tokenizer_places); checked against the checkpoint's tokenizer sha256. None when the run used
+    no SentencePiece model (its checkpoint records none, as an import without --tokenizer), or
+    when not `required` and it is not found."""
     from data_prep.tokenizer import MODEL_FILE, sha256_file
 
+    want = meta.get("tokenizer_sha256")
     if explicit:
         path = Path(explicit)
+        if not (path / MODEL_FILE).is_file():
+            raise ExportError(f"--tokenizer {explicit}: no {MODEL_FILE} there")
     else:
         cfg = run_config(tag_dir)
-        path = Path(cfg.data.tokenizer) if cfg is not None else None
-    if path is None or not (path / MODEL_FILE).is_file():
-        if explicit:
-            raise ExportError(f"--tokenizer {explicit}: no {MODEL_FILE} there")
-        return None
-    want = meta.get("tokenizer_sha256")
+        if cfg is None:
+            return None
+        places = tokenizer_places(Path(cfg.data.tokenizer), Path(tag_dir))
+        path = next((p for p in places if (p / MODEL_FILE).is_file()), None)
+        if path is None:
+            if want and required:  # the run trained with a SentencePiece model: not finding it is an error
+                raise ExportError(f"the run's data.tokenizer={cfg.data.tokenizer}: no {MODEL_FILE} in "
+                                  f"{', '.join(str(p) for p in places)}; pass --tokenizer DIR")
+            return None
     got = sha256_file(path / MODEL_FILE)
     if want and want != got:
         raise ExportError(f"tokenizer {path / MODEL_FILE} (sha256 {got[:12]}) is not the one this checkpoint was "
@@ -369,8 +387,8 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
             save_tokenizer(tokenizer_dir, tmp, add_bos)
         write_model(tmp, tag_dir, fmt, dtype, tokenizer_dir, max_shard_size, add_bos)
     if tokenizer_dir is None and with_tokenizer:
-        print("warning: the run has no SentencePiece tokenizer.model (data.tokenizer); exported the model "
-              "without a tokenizer (pass --tokenizer DIR to add one)", file=sys.stderr)
+        print("warning: the run trained without a SentencePiece tokenizer.model (data.tokenizer); exported the "
+              "model without a tokenizer (pass --tokenizer DIR to add one)", file=sys.stderr)
     return out
 
 

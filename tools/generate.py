@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     device = tool_device(args.device)
     tag_dir = resolve_checkpoint(args.checkpoint)
     meta = read_meta(tag_dir)
-    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, meta)
+    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, meta, required=args.prompt is not None)
     sp = load_tokenizer(tokenizer_dir)[0] if tokenizer_dir is not None else None
     if args.prompt is not None:
         if sp is None:
