@@ -156,6 +156,9 @@ def _expert_parallel_size() -> int:
     return ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
+GROUP_SETTINGS = ("name", "weight_decay")  # what differs between the optimizer's parameter groups
+
+
 def load(engine, path: Path, universal: Path | None = None) -> dict:
     """Restore model, optimizer and schedule; return this rank's saved state (loader, RNG).
 
@@ -165,8 +168,13 @@ def load(engine, path: Path, universal: Path | None = None) -> dict:
     ``universal``: the universal form of ``path`` (pretrain.universal), for another DP / TP size."""
     meta = read_meta(path)
     if universal is not None:
+        # ZeRO-3 loads a universal checkpoint's first parameter group's settings into every group
+        # (the norms' no-decay group then decays): each group gets its own back.
+        settings = [{k: g[k] for k in GROUP_SETTINGS if k in g} for g in engine.optimizer.param_groups]
         engine.load_checkpoint(str(universal.parent), tag=universal.name, load_module_strict=True,
                                load_optimizer_states=True)
+        for group, own in zip(engine.optimizer.param_groups, settings, strict=True):
+            group.update(own)
     else:
         same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
         # optimizer_state false: written without training (tools.import_hf), the moments are fresh anyway

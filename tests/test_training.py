@@ -248,12 +248,13 @@ def _tree_digest(path) -> dict:
 
 @pytest.mark.slow
 def test_resume_on_another_layout_continues_the_loss_curve(data, reference_run, data_parallel_run, tmp_path):
-    """Saved at DP=2 (ZeRO-1) and resumed at DP=1, saved at TP=1 and resumed at TP=2, both with the
-    global batch kept: the steps after the resume give the uninterrupted single-process losses, so
+    """Saved at DP=2 (ZeRO-1, and ZeRO-3) and resumed at DP=1, saved at TP=1 and resumed at TP=2, all
+    with the global batch kept: the steps after the resume give the uninterrupted single-process losses, so
     weights, Adam moments, schedule and sample order all carried over."""
     reference = losses(reference_run)
     for name, saved_run, (resumed_nproc, resumed) in (
             ("dp2_to_dp1", data_parallel_run(1), (1, {"train.micro_batch": 8})),
+            ("zero3_dp2_to_dp1", data_parallel_run(3), (1, {"train.micro_batch": 8, "parallel.zero_stage": 3})),
             ("tp1_to_tp2", reference_run, (2, {"train.micro_batch": 8, "parallel.tensor": 2}))):
         run = tmp_path / name
         tag = saved_run_copy(saved_run, run, 4)
@@ -266,6 +267,13 @@ def test_resume_on_another_layout_continues_the_loss_curve(data, reference_run, 
             assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (name, step)
         assert _tree_digest(tag) == before  # the original is never changed
         assert (run / "checkpoints" / "universal" / "step_00000004" / "CONVERTED").is_file()
+        if name.startswith("zero3"):  # each parameter group kept its own weight decay (the norms none)
+            import torch
+
+            optim = run / "checkpoints" / "step_00000006" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+            groups = torch.load(optim, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]
+            assert [(g["name"], g["weight_decay"]) for g in groups["param_groups"]] == [("decay", 0.1),
+                                                                                         ("no_decay", 0.0)]
 
 
 def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path):
