@@ -84,7 +84,8 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     if rank == 0:
         shutil.rmtree(ckpt_dir / "universal" / tag, ignore_errors=True)  # a conversion of an older save of this tag
         marker = {**meta, "step": step, "world_size": dist.get_world_size(), "time": time.time(),
-                  "expert_parallel": _expert_parallel_size(), "tensor_parallel": _tensor_parallel_size()}
+                  "expert_parallel": _expert_parallel_size(), "tensor_parallel": _tensor_parallel_size(),
+                  "zero_stage": engine.zero_optimization_stage()}
         atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
         atomic_write(ckpt_dir / LATEST, tag.encode())
         record_save_job(ckpt_dir.parent)

@@ -142,15 +142,43 @@ def set_aside_newer(run_dir: str | os.PathLike, resumed: Path | None) -> list[st
     return [d.name for d in newer]
 
 
-def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, routed: bool, path: Path) -> bool:
+def saved_zero_family(meta: dict, path: Path) -> str | None:
+    """How a checkpoint's optimizer and weights are laid out on disk: "0" (no ZeRO), "1-2" (ZeRO-1
+    and 2 share it), "3" (weights partitioned too); "0-2" for a marker from before the stage was
+    recorded without ZeRO-3's files, None without a marker's layout at all."""
+    if "zero_stage" in meta:
+        return zero_family(meta["zero_stage"])
+    if any(Path(path).glob("zero_pp_rank_*_model_states.pt")):
+        return "3"
+    return "0-2" if meta.get("world_size") is not None else None
+
+
+def zero_family(stage: int) -> str:
+    return {0: "0", 1: "1-2", 2: "1-2", 3: "3"}[stage]
+
+
+def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, routed: bool, path: Path,
+                 zero_stage: int | None = None) -> bool:
     """Before anything is built: True when the checkpoint was saved at another data- or
     tensor-parallel size and resumes through a universal checkpoint (pretrain.universal); False
-    when the layout is the saved one. Refused with the reason and the fix: a changed layout for a
-    model with routed experts (DeepSpeed's universal checkpoints do not take them; another
-    expert-parallel size at the same world size loads, with fresh moments), a changed global batch
-    (the schedule and the sample order are counted in steps of it), and a checkpoint whose marker
-    predates layout records."""
+    when the layout is the saved one. Refused with the reason and the fix: another ZeRO stage
+    family (0, 1-2, 3: their files differ, and DeepSpeed loads none into another), a changed
+    layout for a model with routed experts (DeepSpeed's universal checkpoints do not take them;
+    another expert-parallel size at the same world size loads, with fresh moments), a changed
+    global batch (the schedule and the sample order are counted in steps of it), and a checkpoint
+    whose marker predates layout records."""
     saved_world, saved_tp = meta.get("world_size"), meta.get("tensor_parallel")
+    saved_family = saved_zero_family(meta, path)
+    asked_family = zero_family(zero_stage) if zero_stage is not None else None
+    stage_changed = None not in (saved_family, asked_family) and saved_family != asked_family \
+        and not (saved_family == "0-2" and asked_family != "3")
+    if stage_changed:  # DeepSpeed loads a checkpoint, universal ones too, in its own stage family only
+        stages = {"0": "ZeRO-0", "1-2": "ZeRO-1 or 2", "3": "ZeRO-3", "0-2": "ZeRO-0, 1 or 2"}[saved_family]
+        raise CheckpointError(
+            f"checkpoint {path} was saved at {stages}, this run asks for parallel.zero_stage={zero_stage}: its "
+            f"files load at {stages} only (ZeRO-1 and 2 share theirs); resume it at the saved stage, or start a "
+            f"new run.dir from its weights with train.init_from={path} (optimizer, schedule and data order start "
+            "over)")
     if saved_world is None or (saved_world == world_size and saved_tp in (None, tensor)):
         return False
     if meta.get("optimizer_state") is False and saved_tp in (None, tensor):

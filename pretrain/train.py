@@ -109,7 +109,7 @@ def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dic
         checkpoint.check_compatible(meta, cfg.to_dict()["model"], manifest.get("tokenizer_sha256"), resume_path)
         routed = registry.mlp_kind(cfg.model.mlp).routed
         universal = checkpoint_format.check_layout(meta, world_size, cfg.parallel.tensor, global_batch(cfg, world_size),
-                                                   routed, resume_path)
+                                                   routed, resume_path, cfg.parallel.zero_stage)
         return manifest, resume_path, None, universal
     if cfg.train.init_from:
         from pretrain.init_from import check_source

@@ -301,6 +301,15 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
         check_layout(saved, 4, 2, 8, True, tag)
     with pytest.raises(CheckpointError, match="records no layout"):
         check_layout({"world_size": 2}, 1, 1, 8, False, tag)  # a marker from before layouts were recorded
+    # ZeRO-1 and 2 share their files; 0 and 3 have files of their own, which load at their stage only.
+    assert check_layout({**saved, "zero_stage": 1}, 2, 2, 8, False, tag, zero_stage=2) is False
+    assert check_layout(saved, 2, 2, 8, False, tag, zero_stage=2) is False  # a marker without its stage
+    for stage in (0, 3):
+        with pytest.raises(CheckpointError, match=f"saved at ZeRO-1 or 2, this run asks for parallel.zero_stage="
+                                                  f"{stage}: its files load at ZeRO-1 or 2 only"):
+            check_layout({**saved, "zero_stage": 1}, 2, 2, 8, False, tag, zero_stage=stage)
+    with pytest.raises(CheckpointError, match="saved at ZeRO-0, 1 or 2, this run asks for parallel.zero_stage=3"):
+        check_layout(saved, 2, 2, 8, False, tag, zero_stage=3)  # no ZeRO-3 files there: not a ZeRO-3 save
     meta = read_meta(tag)
     del meta["model"]["num_kv_heads"]
     model = load_config(None, tiny_overrides(data, run)).to_dict()["model"]
