@@ -48,11 +48,30 @@ class RuleLabeller:
 
 
 class ClassifierLabeller:
-    def __init__(self, model_dir: str | Path, unsafe_label: str = "unsafe", batch_size: int = 16):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    """A sequence-classification model's verdict on each (prompt, response) pair, the pair encoded
+    as two segments with the prompt truncated first (a long prompt never hides the response). A
+    multi-label model (config.problem_type multi_label_classification, as most toxicity
+    classifiers) calls a response unsafe when the unsafe label's sigmoid passes `threshold`; a
+    single-label one when it is the most likely class."""
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    def __init__(self, model_dir: str | Path, unsafe_label: str = "unsafe", batch_size: int = 16,
+                 threshold: float = 0.5):
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        try:
+            config = AutoConfig.from_pretrained(model_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.model, loading = AutoModelForSequenceClassification.from_pretrained(model_dir,
+                                                                                     output_loading_info=True)
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"classifier {model_dir}: cannot load a tokenizer and a sequence-classification model "
+                             f"from it ({type(err).__name__}: {err}); give a directory written by save_pretrained "
+                             "of both") from None
+        self.model.eval()
+        if loading["missing_keys"]:  # a causal LM (a guard model such as LlamaGuard) gets a random head
+            raise ValueError(f"classifier {model_dir}: its weights have no classification head ({config.architectures}"
+                             f" is not a sequence classifier; missing {loading['missing_keys'][:3]}); give a model "
+                             "trained for sequence classification (a generative guard model needs its own judge)")
         # Batches are padded; decoder classifiers (GPT-2, Llama) often name no pad token: EOS pads,
         # and the model then finds each row's last real token by it.
         if self.tokenizer.pad_token is None:
@@ -63,23 +82,35 @@ class ClassifierLabeller:
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         names = {int(i): str(n).lower() for i, n in self.model.config.id2label.items()}
+        if len(names) < 2:
+            raise ValueError(f"classifier {model_dir}: one output ({sorted(names.values())}) says nothing about "
+                             "which side is unsafe; give a model with a named unsafe class")
         matches = [i for i, n in names.items() if n == unsafe_label.lower()]
         if not matches:
             raise ValueError(f"classifier {model_dir}: no label {unsafe_label!r} among {sorted(names.values())}; "
                              "pass --unsafe-label with the name of its unsafe class")
-        self.unsafe_id, self.batch_size = matches[0], batch_size
+        self.unsafe_id, self.batch_size, self.threshold = matches[0], batch_size, threshold
+        self.multi_label = self.model.config.problem_type == "multi_label_classification"
+        limits = [n for n in (self.tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings",
+                                                                        None)) if n and n < 1_000_000]
+        self.max_length = min(limits) if limits else None
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[str]:
         import torch
 
         out = []
         for start in range(0, len(responses), self.batch_size):
-            texts = [f"{p}\n{r}" for p, r in zip(prompts[start:start + self.batch_size],
-                                                  responses[start:start + self.batch_size])]
-            inputs = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True)
+            inputs = self.tokenizer(list(prompts[start:start + self.batch_size]),
+                                    list(responses[start:start + self.batch_size]), return_tensors="pt",
+                                    padding=True, truncation="only_first" if self.max_length else False,
+                                    max_length=self.max_length)
             with torch.no_grad():
-                predicted = self.model(**inputs).logits.argmax(-1).tolist()
-            out += ["unsafe" if p == self.unsafe_id else "safe" for p in predicted]
+                logits = self.model(**inputs).logits.float()
+            if self.multi_label:
+                unsafe = (torch.sigmoid(logits[:, self.unsafe_id]) > self.threshold).tolist()
+            else:
+                unsafe = (logits.argmax(-1) == self.unsafe_id).tolist()
+            out += ["unsafe" if u else "safe" for u in unsafe]
         return out
 
 

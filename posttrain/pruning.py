@@ -5,7 +5,7 @@ Each step re-attributes the current (masked) model on the calibration sets and r
 weights of every target:
     ratio   S_unsafe / (S_safe + eps)                       S_D = |W_ij| x rms_j over the set D
     zscore  z(S_unsafe) - z(S_safe), z over the layer's weights
-    wanda   S_unsafe alone (no safe contrast; a baseline)
+    wanda   S_unsafe alone (no safe contrast; a baseline), ranked within each output row (Wei et al.)
     random  (one-shot only) weights drawn uniformly (a baseline)
 among the `pool` fraction of each layer's weights with the highest S_unsafe. The next
 `step_ratio` of all prunable weights, best first, is pruned (no layer beyond `layer_cap` of its
@@ -68,8 +68,8 @@ def weight_scores(weight: torch.Tensor, rms_unsafe: torch.Tensor, rms_safe: torc
         score = unsafe / (safe + EPS)
     elif method == "zscore":
         score = (unsafe - unsafe.mean()) / (unsafe.std() + EPS) - (safe - safe.mean()) / (safe.std() + EPS)
-    elif method == "wanda":
-        score = unsafe.clone()
+    elif method == "wanda":  # Wei et al.'s row-wise selection: each output row gives the same share
+        score = (unsafe.argsort(dim=1).argsort(dim=1).float() + 1) / unsafe.shape[1]
     else:
         raise ValueError(f"unknown pruning method {method!r}: choose one of {', '.join(METHODS)}")
     # The pool: the highest-unsafe share of the weights not yet pruned.

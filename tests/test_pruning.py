@@ -90,7 +90,14 @@ def test_scores_and_selection_follow_the_rules():
     assert torch.isfinite(pooled).sum() == 3 and torch.isfinite(pooled[1, 1]) and torch.isfinite(pooled[0, 1])
     pruned = none.clone()
     pruned[1, 1] = True
-    assert weight_scores(weight, unsafe, safe, "wanda", 1.0, pruned)[1, 1] == -float("inf")
+    wanda = weight_scores(weight, unsafe, safe, "wanda", 1.0, pruned)
+    assert wanda[1, 1] == -float("inf")
+    # Wanda's scores rank within each output row: the top of every row ranks alike, whatever the
+    # scale of its inputs (a layer after a norm does not take the whole step)
+    torch.testing.assert_close(wanda[0], torch.tensor([1 / 3, 1.0, 2 / 3]))  # |W| x rms: 1, 4, 2
+    assert wanda[1, 2] == pytest.approx(2 / 3)  # 0, (pruned), 4
+    louder = weight_scores(weight * 100, unsafe, safe, "wanda", 1.0, none)
+    torch.testing.assert_close(louder, weight_scores(weight, unsafe, safe, "wanda", 1.0, none))
     scores = {"a": torch.tensor([[5.0, 1.0], [4.0, 3.0]]), "b": torch.tensor([[4.5, 0.0]])}
     masks = {"a": torch.zeros(2, 2, dtype=torch.bool), "b": torch.zeros(1, 2, dtype=torch.bool)}
     chosen = select(scores, masks, count=2, skip=0, layer_cap=1.0)
@@ -289,12 +296,40 @@ def test_labellers_rules_and_a_local_classifier(tmp_path, tok_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "clf")
-    with torch.no_grad():
-        expected = ["unsafe" if classifier(**tokenizer([f"q\n{t}"], return_tensors="pt")).logits.argmax(-1).item() == 1
+    with torch.no_grad():  # prompt and response as a pair of segments
+        expected = ["unsafe" if classifier(**tokenizer(["q"], [t], return_tensors="pt")).logits.argmax(-1).item() == 1
                     else "safe" for t in texts]
     assert got == expected and set(got) == {"safe", "unsafe"}  # both classes occur
     with pytest.raises(ValueError, match="--unsafe-label"):
         ClassifierLabeller(tmp_path / "clf", unsafe_label="toxic")
+    # A prompt longer than the classifier reads is cut, never the response.
+    seen, model = [], labeller.model
+    labeller.model = lambda **inputs: seen.append(inputs["input_ids"]) or model(**inputs)
+    labeller.max_length = 24
+    labeller([" ".join(["stone"] * 100)], ["dark river"])
+    response = tokenizer(["dark river"], add_special_tokens=False)["input_ids"][0]
+    assert seen[0].shape[1] == 24 and seen[0][0, -len(response):].tolist() == response
+    # A multi-label classifier (toxicity models): its unsafe label's own sigmoid decides, even where
+    # another label scores higher.
+    multi = LlamaConfig(**{**config.to_dict(), "num_labels": 3, "problem_type": "multi_label_classification",
+                           "id2label": {0: "toxic", 1: "obscene", 2: "threat"},
+                           "label2id": {"toxic": 0, "obscene": 1, "threat": 2}})
+    tagger = LlamaForSequenceClassification(multi)
+    with torch.no_grad():  # toxic > 0 exactly where class 1 above was chosen; obscene always higher then
+        tagger.load_state_dict({k: v for k, v in classifier.state_dict().items() if not k.startswith("score")},
+                               strict=False)
+        tagger.score.weight.zero_()
+        tagger.score.weight[0, 0], tagger.score.weight[1, 0] = 1.0, 2.0
+    tagger.save_pretrained(tmp_path / "multi")
+    save_tokenizer(tok_dir, tmp_path / "multi")
+    assert ClassifierLabeller(tmp_path / "multi", unsafe_label="toxic")(["q"] * 4, texts) == expected
+    # A causal LM (a guard model such as LlamaGuard) would get a random classification head: refused.
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "causal")
+    save_tokenizer(tok_dir, tmp_path / "causal")
+    with pytest.raises(ValueError, match="no classification head"):
+        ClassifierLabeller(tmp_path / "causal", unsafe_label="LABEL_1")
     # A decoder classifier that names no pad token (GPT-2's, Llama's): EOS pads its batches.
     classifier.config.pad_token_id = None
     classifier.save_pretrained(tmp_path / "no_pad")

@@ -98,7 +98,7 @@ def make_labeller(args):
         if not Path(args.classifier).is_dir():
             raise ToolError(f"--classifier {args.classifier}: no such directory; give a local Hugging Face "
                             "sequence-classification model folder")
-        return labels.ClassifierLabeller(args.classifier, args.unsafe_label)
+        return labels.ClassifierLabeller(args.classifier, args.unsafe_label, threshold=args.unsafe_threshold)
     return None
 
 
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", help="rule file labelling answers (posttrain.labels)")
     parser.add_argument("--classifier", help="local HF sequence-classification model directory labelling answers")
     parser.add_argument("--unsafe-label", default="unsafe", help="the classifier's unsafe class name")
+    parser.add_argument("--unsafe-threshold", type=float, default=0.5,
+                        help="a multi-label classifier: the unsafe label's probability above which an answer is unsafe")
     parser.add_argument("--samples", type=int, default=3, help="answers per prompt")
     parser.add_argument("--eval-prompts", nargs="+", default=[],
                         help="prompts whose answers' unsafe rate is measured each step (default: the held-out half)")
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     check_out_dir(out, inputs)  # --overwrite replaces the directory after these are read
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ToolError(f"--out {out} exists and is not empty; choose a new directory or pass --overwrite")
+    if not 0 < args.unsafe_threshold < 1:
+        raise ToolError(f"--unsafe-threshold {args.unsafe_threshold}: give a probability between 0 and 1")
     labeller = make_labeller(args)
     if args.prompts and labeller is None:
         raise ToolError("--prompts needs a labeller for the sampled answers: --rules FILE or --classifier DIR")
@@ -204,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError(f"--eval-prompts {' '.join(args.eval_prompts)} holds no usable prompt ({report.summary()})")
 
     model, cfg, _ = load_model(tag_dir)
+    if "relu" in cfg.attention_kinds() and cfg.relu_attention.normalizer == "seqlen":
+        raise ToolError("model.relu_attention.normalizer=seqlen divides by the padded row length, so each answer's "
+                        "attribution and loss would depend on the others in its batch (--batch-size): a model "
+                        "trained with it cannot be pruned here (prefix and content can)")
     sampler = Sampler(model, encoder, args, labeller) if labeller is not None else None
     rng = random.Random(args.seed)
     heldout_prompts: list[list[dict]] = []
@@ -223,12 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_prompts:
         heldout_prompts = eval_prompts
     sets = {"calibration": {"unsafe": [], "safe": []}, "heldout": {"unsafe": [], "safe": []}}
+    longer = {split: {"unsafe": 0, "safe": 0} for split in sets}
     for messages, response, label, half in labelled:
         kind = "unsafe" if label == "unsafe" else "safe"
         split = "heldout" if half else "calibration"
         row = response_row(encoder.prompt(messages), encoder.response(response))
         if len(row.ids) <= cfg.max_seq_len + 1:
             sets[split][kind].append(row)
+        else:
+            longer[split][kind] += 1
+    if any(n for part in longer.values() for n in part.values()):
+        print(f"responses longer than model.max_seq_len={cfg.max_seq_len} with their prompt, left out: {longer}",
+              flush=True)
     too_long = [r for r in utility_rows if len(r.ids) > cfg.max_seq_len + 1]
     utility_rows = [r for r in utility_rows if len(r.ids) <= cfg.max_seq_len + 1]
     if too_long:
@@ -239,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = {split: {k: len(v) for k, v in part.items()} for split, part in sets.items()}
     if min(min(c.values()) for c in counts.values()) == 0:
         raise ToolError(f"need unsafe and safe responses in both halves, got {counts}; "
-                        f"({report.summary()}); give more prompts or responses")
+                        f"({report.summary()}; longer than model.max_seq_len={cfg.max_seq_len}: {longer}); give "
+                        "more prompts or responses")
     print(f"responses: {counts}; {report.summary()}", flush=True)
     pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
     cap = cfg.max_seq_len + 1
@@ -285,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     new_tag = save_weights_run(model, run_cfg, out, {"tokenizer_sha256": meta.get("tokenizer_sha256"), **carried,
                                                      "pruning": summary})
     torch.save(state.masks, out / "pruning_masks.pt")
-    result = {"settings": {k: v for k, v in vars(args).items()}, "responses": counts, "bad_inputs": report.to_dict(),
+    result = {"settings": {k: v for k, v in vars(args).items()}, "responses": counts, "too_long": longer,
+              "bad_inputs": report.to_dict(),
               "not_attributed": sorted(pruner.norms.skipped), "history": history, "final": {**state.scores, "pruned": state.pruned()},
               "sparsity_by_layer": sparsity_by_layer(state), "seconds": time.perf_counter() - started,
               "peak_memory_gb": peak_memory_gb(), "checkpoint": str(new_tag)}
