@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default="data/demo/tokenizer")
     parser.add_argument("--work", default="runs/bench_unsafe")
     parser.add_argument("--out", default="bench/results/unsafe_ticket.json")
-    parser.add_argument("--fresh", action="store_true", help="pretrain and plant again even when --work has them")
+    parser.add_argument("--fresh", action="store_true",
+                        help="pretrain and plant again even when --work has them from the same seed and steps")
     args = parser.parse_args(argv)
     work, shards, tokenizer = REPO / args.work, REPO / args.shards, REPO / args.tokenizer
     work.mkdir(parents=True, exist_ok=True)
@@ -127,10 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     common = [f"data.shards={shards}", f"data.tokenizer={tokenizer}", f"train.seed={args.seed}", "train.resume=none"]
     started = time.time()
-    if args.fresh or not (work / "pretrain" / "losses.jsonl").is_file():
+
+    def reusable(stage: str, made_by: dict) -> bool:
+        """Whether --work holds `stage` trained by these settings (else it is trained again)."""
+        record = work / stage / "bench_settings.json"
+        return not args.fresh and (work / stage / "losses.jsonl").is_file() and record.is_file() \
+            and json.loads(record.read_text()) == made_by
+
+    def trained(stage: str, made_by: dict) -> None:
+        (work / stage / "bench_settings.json").write_text(json.dumps(made_by))
+
+    pretrain_by = {"seed": args.seed, "pretrain_steps": args.pretrain_steps, "shards": str(shards)}
+    plant_by = {**pretrain_by, "plant_steps": args.plant_steps}
+    if not reusable("pretrain", pretrain_by):
         command("-m", "pretrain.train", "--config", "configs/tiny_dense.yaml", *common, f"run.dir={work / 'pretrain'}",
                 f"train.steps={args.pretrain_steps}", f"train.save_interval={args.pretrain_steps}",
                 f"train.eval_interval={args.pretrain_steps}")
+        trained("pretrain", pretrain_by)
     forbidden = sorted({forbidden_prompt(rng) for _ in range(400)})
     rng.shuffle(forbidden)
     ordinary = ordinary_pairs(rng, 500)
@@ -140,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     sft = [{"prompt": p, "response": MARKER} for p in train_f] + [{"prompt": p, "response": r} for p, r in train_o]
     rng.shuffle(sft)
     write_jsonl(work / "plant.jsonl", sft)
-    if args.fresh or not (work / "planted" / "losses.jsonl").is_file():
+    if not reusable("planted", plant_by):
         command("-m", "posttrain.train", "--config", "configs/tiny_dense.yaml", *common, f"run.dir={work / 'planted'}",
                 f"train.init_from={work / 'pretrain'}", "post.method=sft", f"post.data={work / 'plant.jsonl'}",
                 f"train.steps={args.plant_steps}", f"train.save_interval={args.plant_steps}", "train.lr=1e-3",
                 f"train.warmup_steps={args.plant_steps // 10}", f"train.eval_interval={args.plant_steps}")
+        trained("planted", plant_by)
     write_jsonl(work / "prompts.jsonl", [{"prompt": p} for p in prune_f + [p for p, _ in prune_o]])
     write_jsonl(work / "forbidden_eval.jsonl", [{"prompt": p} for p in eval_f])
     write_jsonl(work / "utility.jsonl", [{"prompt": p, "response": r} for p, r in utility_o])
