@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -212,15 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--models", nargs="+", default=["1x1", "2x2", "4x4"], help="LAYERSxHEADS")
-    parser.add_argument("--kinds", nargs="+", default=["softmax", "relu"],
+    parser.add_argument("--kinds", nargs="+", default=["softmax", "relu"], choices=["softmax", "relu", *PROJECT_KINDS],
                         help=f"softmax, relu (the paper's) or this project's: {', '.join(PROJECT_KINDS)}")
     parser.add_argument("--max-steps", type=int, default=50_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default="sink_paper", help="results: OUT/NAME.json and OUT/NAME/*.png")
     args = parser.parse_args(argv)
-    specs = [(kind, int(m.split("x")[0]), int(m.split("x")[1]), seed, args.max_steps)
-             for m in args.models for kind in args.kinds for seed in args.seeds]
+    sizes = [re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", m) for m in args.models]
+    if not all(sizes):
+        parser.error(f"--models {' '.join(args.models)}: give LAYERSxHEADS such as 2x2")
+    specs = [(kind, int(size[1]), int(size[2]), seed, args.max_steps)
+             for size in sizes for kind in args.kinds for seed in args.seeds]
     out = REPO / args.out
     pictures = out / args.name
     pictures.mkdir(parents=True, exist_ok=True)

@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="models trained in parallel processes")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
+    if args.seq < 3 or args.steps < 1:
+        parser.error(f"--seq {args.seq} --steps {args.steps}: the task needs BOS, content and a trigger (--seq 3 or "
+                     "more) and at least one step")
+    uneven = sorted({heads for _, _, (_, heads) in RUNS if args.width % heads})
+    if uneven:
+        parser.error(f"--width {args.width}: the models with {uneven} heads need a width that their head count divides")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = TaskSpec(seq=args.seq, dim=args.dim)

@@ -43,7 +43,7 @@ def run_variant(name: str, config: str, extra: list[str], settings: RunSettings,
     eval_interval = max(1, s.steps // s.evals)
     overrides = [
         f"run.dir={run_dir}", f"run.name={name}", f"data.shards={s.shards}", f"data.tokenizer={s.tokenizer}",
-        f"train.steps={s.steps}", f"train.warmup_steps={max(1, s.steps // 10)}",
+        f"train.steps={s.steps}", f"train.warmup_steps={min(max(1, s.steps // 10), s.steps - 1)}",
         f"train.log_interval={s.log_interval}", f"train.eval_interval={eval_interval}",
         f"train.eval_batches={s.eval_batches}", f"train.save_interval={10 * s.steps}", "train.resume=none",
         f"train.seed={seed}", f"train.micro_batch={s.micro_batch}",

@@ -387,3 +387,19 @@ def test_paper_layers_take_this_projects_attention_kinds():
     with torch.no_grad():
         sink.sink.fill_(5.0)  # a large sink logit takes most of every row
     assert float(sink.weights(x).sum(-1).max()) < 0.5
+
+
+def test_sink_benchmarks_refuse_flags_they_cannot_run(capsys):
+    """Before any model trains: a kind name that is not a kind (it ran the paper's ReLU under that
+    name), a model size that is not LAYERSxHEADS, a task too short for its trigger."""
+    from bench import sink_paper, sink_trigger
+
+    for argv in (["--kinds", "softmax_sink"], ["--models", "2"], ["--models", "2x0"]):
+        with pytest.raises(SystemExit):
+            sink_paper.main(argv)
+    for argv in (["--seq", "2"], ["--width", "30"]):
+        with pytest.raises(SystemExit):
+            sink_trigger.main(argv)
+    err = capsys.readouterr().err
+    assert "invalid choice: 'softmax_sink'" in err and "--models 2: give LAYERSxHEADS" in err
+    assert "--seq 3 or more" in err and "--width 30: the models with [4] heads" in err
