@@ -316,6 +316,11 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
     check_compatible(meta, model, None, tag)
     with pytest.raises(CheckpointError, match="num_kv_heads: checkpoint 0 vs config 2"):
         check_compatible(meta, {**model, "num_kv_heads": 2}, None, tag)
+    # The same layers spelled another way are the same model.
+    check_compatible(meta, {**model, "attention": "ss"}, None, tag)
+    check_compatible(meta, {**model, "attention": ["softmax", "softmax"]}, None, tag)
+    with pytest.raises(CheckpointError, match="attention: checkpoint 'softmax,softmax' vs config 'softmax,relu'"):
+        check_compatible(meta, {**model, "attention": "sr"}, None, tag)
 
 
 COSINE = [0.5, 1.0, 0.9657, 0.8682, 0.7222, 0.55, 0.3778, 0.2318, 0.1343, 0.1]
