@@ -149,6 +149,10 @@ class GPT(nn.Module):
             shared = ctx["published_scores"]
             if shared is not None:
                 published[layer] = shared
+            elif getattr(block.attn, "publish_scores", False):
+                raise RuntimeError(f"layer {layer} ({type(block.attn).__name__}) is to hand its attention scores to "
+                                   f"the LISA layer after it but published none: its core must call "
+                                   "self.publish_projection(ctx, q, k) or self.publish(ctx, scores)")
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.norm(x)

@@ -253,6 +253,18 @@ def test_capture_does_not_change_outputs(single_process, pattern):
     assert sorted(ctx["attention_maps"]) == [0, 1]
 
 
+def test_a_source_layer_that_publishes_nothing_is_named(single_process):
+    """A kind that says LISA may read its scores (score_family) but whose core hands none on."""
+    from models.attention.softmax import softmax_attention
+
+    model = build(small_cfg("sl"))
+    source = model.blocks[0].attn
+    assert source.publish_scores
+    source.core = lambda q, k, v, ctx: softmax_attention(q, k, v)  # attends, publishes nothing
+    with pytest.raises(RuntimeError, match=r"layer 0 \(SoftmaxAttention\) is to hand its attention scores"):
+        model.logits(torch.randint(0, VOCAB, (1, 8)))
+
+
 @pytest.mark.parametrize("align_hidden", [16, 0])  # explicit scores; score features
 def test_lisa_with_activation_checkpointing_matches(single_process, align_hidden):
     """Scores handed across checkpointed blocks (full) or around recomputed attention cores

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention.base import ProjectedAttention, expand_kv, projected_activations, projected_params
+from models.attention.base import ProjectedAttention, projected_activations, projected_params
+from models.attention.softmax import softmax_attention
 from models.config import ConfigError, ModelConfig
 from models.layers import column_linear, row_linear
 from models.registry import (
@@ -56,9 +57,8 @@ class ToyAttention(ProjectedAttention):
         super().__init__(cfg, layer)
         self.temperature = cfg.toy_attention.temperature
 
-    def core(self, q, k, v, ctx):
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.temperature / math.sqrt(q.shape[-1]))
+    def core(self, q, k, v, ctx):  # causal with the queries last (decoding), within documents when given
+        return softmax_attention(q, k, v, ctx.get("document_ids"), scale=self.temperature / math.sqrt(q.shape[-1]))
 
 
 class ToyMLP(nn.Module):
