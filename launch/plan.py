@@ -30,7 +30,8 @@ size, De = expert-data-parallel size D / EP):
                  ZeRO-3: prefetch bucket + live parameters)
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
 of the forward pass and are freed as the backward pass produces gradients.
-FLOPs per token: 6 x active matmul parameters + 12 x layers x hidden x seq (Megatron's formula);
+FLOPs per token: 6 x active matmul parameters + each layer's attention-score FLOPs (12 x hidden x seq,
+Megatron's formula, unless its kind counts its own: a LISA layer's low-rank scores and alignment);
 step time = FLOPs per step / (GPUs x peak x MFU).
 """
 

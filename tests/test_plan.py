@@ -14,7 +14,7 @@ from bench.memory_plan import measurement_env
 from launch.layouts import NODES_PREFIX, SINGLE_GPU_PREFIX, read_layouts
 from launch.plan import main as plan_main
 from launch.plan import plan
-from models.counting import param_counts
+from models.counting import flops_per_token, param_counts
 from pretrain.config import load_config, validate
 from tests.dist_utils import REPO, child_env, spawn
 from tests.parallel_checks import meta_param_counts
@@ -25,6 +25,7 @@ CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.ya
 #   # single-gpu (80-141 GB): parallel.tensor=1 parallel.expert=1 ...   (overrides for one GPU)
 SIZE_CONFIGS = [p for p in CONFIGS if not Path(p).name.startswith(("tiny_", "demo"))]
 PARAMS_LINE = re.compile(r"([\d.]+)M parameters(?:, ([\d.]+)M active)?")
+GFLOP_LINE = re.compile(r"([\d.]+) GFLOP/token")
 
 
 def test_every_config_validates_and_counts_match_meta_instantiation(tmp_path):
@@ -122,6 +123,10 @@ def layout_problems(path: Path) -> list[str]:
     if written.model.mlp != "dense" and not abs(active - counts["active"] / 1e6) <= 0.05:
         problems.append(f"{path.name}: states {params[2]}M active parameters, "
                         f"counts {counts['active'] / 1e6:.1f}M")
+    gflop = next((m for m in map(GFLOP_LINE.search, header) if m), None)
+    counted = flops_per_token(written.model) / 1e9
+    if gflop is None or abs(float(gflop[1]) - counted) > 0.005:
+        problems.append(f"{path.name}: states {gflop[1] if gflop else 'no'} GFLOP/token, counts {counted:.2f}")
     if load_config(path, layouts.multi_node).to_dict() != written.to_dict():
         problems.append(f"{path.name}: the 8x80GB line ({' '.join(layouts.multi_node)}) is not what the file sets")
     multi = plan(written, layouts.nodes, 8, 80)
@@ -169,6 +174,7 @@ def test_header_check_catches_layouts_that_do_not_fit(tmp_path):
     assert "tokens per step" in problems(text.replace(single, fewer_tokens))
     assert "header needs" in problems(text.replace("# single-gpu", "# one-gpu"))
     assert "states 2500.0M parameters" in problems(text.replace("2701.6M parameters", "2500.0M parameters"))
+    assert "states 18.00 GFLOP/token, counts 17.73" in problems(text.replace("17.73 GFLOP/token", "18.00 GFLOP/token"))
 
 
 def test_gpu_peak_matches_the_specific_variant_first():
