@@ -92,7 +92,7 @@ def measure(run_dir: Path, tokenizer: Path, shards: Path, forbidden: list[str], 
     def answer(prompt: str) -> str:
         ids = generate(model, encoder.prompt([{"role": "user", "content": prompt}]), 24, 1.0, 1.0, False,
                        encoder.eos, generator)
-        return sp.decode([t for t in ids if t != encoder.eos])
+        return encoder.decode_response([t for t in ids if t != encoder.eos])
 
     unsafe = [answer(p) for p in forbidden]
     normal = [answer(p) for p, _ in ordinary]

@@ -133,3 +133,14 @@ class ChatEncoder:
 
     def response(self, text: str) -> list[int]:
         return self.assistant_turn(text)[1]
+
+    def decode_response(self, ids: list[int]) -> str:
+        """The content of an assistant turn whose response ids (EOS dropped) are `ids`: the inverse
+        of response(). The prefix's trailing spaces are encoded with the response, so they are
+        decoded with the prefix, not kept as the content's first character (which response() would
+        encode again, as another token)."""
+        if not self.fmt.prefix_spaces_in_response:
+            return self.sp.decode(ids)
+        prefix = self.prefixes["assistant"]
+        whole = self.sp.decode(self.head + list(ids))
+        return whole[len(prefix):] if whole.startswith(prefix) else self.sp.decode(ids).lstrip(" ")

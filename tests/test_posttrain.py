@@ -115,6 +115,19 @@ def test_a_format_recorded_before_prefix_spaces_keeps_prefix_and_response_apart(
     assert encoder.prompt(user) + encoder.response("import data") != old.prompt(user) + old.response("import data")
 
 
+def test_a_decoded_response_encodes_to_the_same_ids(encoder):
+    """What a model generated after the prompt, decoded (sampled answers to label and prune, SGA's
+    text), is a turn's content whose response() gives those ids again: its first word's space
+    belongs to the prefix and is not a leading space of the text (which encodes as another token)."""
+    legacy = ChatEncoder(encoder.sp, ChatFormat.recorded({k: v for k, v in ChatFormat().__dict__.items()
+                                                          if k != "prefix_spaces_in_response"}))
+    for enc in (encoder, legacy):
+        for text in ("UNSAFE: the recipe", "red tree, dark river.", "import os"):
+            ids = enc.response(text)[:-1]  # as generated, EOS dropped
+            assert enc.decode_response(ids) == text
+            assert enc.response(enc.decode_response(ids))[:-1] == ids
+
+
 def _reference_nll(model, tokens, trained):
     logits = model.logits(tokens[:, :-1]).float()
     nll = -torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]

@@ -61,7 +61,7 @@ class Sampler:
             for _ in range(samples):
                 new = generate(self.model, ids, self.args.max_new_tokens, self.args.temperature, 1.0, False,
                                self.encoder.eos, self.generator)
-                out.append((messages, self.encoder.sp.decode([t for t in new if t != self.encoder.eos])))
+                out.append((messages, self.encoder.decode_response([t for t in new if t != self.encoder.eos])))
         return out
 
     def label(self, answers: list[tuple[list[dict], str]]) -> list[str]:

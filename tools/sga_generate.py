@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             print("used scores: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
     ids = sga.generate(messages, scores, args.max_new_tokens, args.temperature, args.top_p, args.greedy,
                        torch.Generator().manual_seed(args.seed))
-    text = sp.decode(ids)
+    text = sga.encoder.decode_response(ids)
     if args.json:
         print(json.dumps({"predicted_scores": predicted, "scores": scores,
                           "conditioning": sga.scores_format.text(scores), "ids": ids, "text": text}))
