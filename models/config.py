@@ -226,7 +226,8 @@ def parse_attention_pattern(pattern: str | list[str], num_layers: int) -> list[s
             if unknown:
                 raise ConfigError(
                     f"model.attention={pattern!r}: unknown letters {unknown}; use a list of "
-                    f"{known} or letters {letters}"
+                    f"{known} or letters {letters} (a kind outside models/attention/ registers when its "
+                    "module is imported: list it in model.plugins)"
                 )
             kinds = [letters[c] for c in pattern]
     else:
@@ -340,7 +341,9 @@ def apply_values(obj, values: dict, prefix: str = "") -> None:
     for name, value in values.items():
         key = f"{prefix}{name}"
         if name not in names:
-            raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}")
+            plugin = " (a section a plug-in registers: list its module in model.plugins)" if key.count(".") == 1 \
+                and key.startswith("model.") else ""
+            raise ConfigError(f"unknown config key {key!r}; known keys here: {sorted(names)}{plugin}")
         current = getattr(obj, name)
         section = dataclasses.is_dataclass(current)
         if value is None:

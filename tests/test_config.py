@@ -41,6 +41,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     (["model.nonexistent=1"], "unknown config key 'model.nonexistent'"),
+    (["model.toy.temperature=0.5"], "a section a plug-in registers: list its module in model.plugins"),
     (["train.lr=fast"], "train.lr='fast': expected float"),
     (["model.tie_embeddings=maybe"], "expected true or false"),
     (["train"], "must look like section.key=value"),
@@ -62,7 +63,9 @@ def test_bad_overrides(override, message):
     (["model.mlp=uoe", "model.moe.num_experts=3", "parallel.expert=2"], 2, "num_experts=3 is not divisible"),
     (["model.mlp=moe", "parallel.zero_stage=3"], 1, "does not support expert layers"),
     (["model.mlp=moe", "parallel.expert=2", "parallel.zero_stage=0"], 2, "clips by a wrong norm"),
-    (["model.attention=sx"], 1, "unknown letters"),
+    (["model.attention=sx"], 1, r"unknown letters \['x'\]; .* list it in model.plugins"),
+    (["model.attention=ssll", "model.num_layers=4", "model.num_heads=4", "parallel.tensor=2"], 2,
+     r"set model.lisa.align_group to a divisor of 2 \(0 means all heads\)"),
     (["model.attention=softmax,relu", "model.num_layers=3"], 1, "lists 2 layers"),
     (["train.warmup_steps=500", "train.steps=100"], 1, "warmup_steps=500 must be smaller"),
     (["train.warmup_steps=-1"], 1, "warmup_steps=-1 must be >= 0"),

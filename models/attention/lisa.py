@@ -663,7 +663,9 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
         raise ConfigError(
             f"model.lisa.align_group={lisa.align_group} (groups of {group} heads) must divide the heads per "
             f"tensor-parallel rank ({cfg.num_heads} / parallel.tensor={sizes.tensor}): alignment groups "
-            "cannot straddle ranks; lower model.lisa.align_group or parallel.tensor"
+            "cannot straddle ranks; " + (f"set model.lisa.align_group to a divisor of {cfg.num_heads // sizes.tensor} "
+                                         "(0 means all heads)" if lisa.align_group == 0 else
+                                         "lower model.lisa.align_group or parallel.tensor")
         )
 
 
