@@ -144,13 +144,18 @@ def set_aside_newer(run_dir: str | os.PathLike, resumed: Path | None) -> list[st
 
 def saved_zero_family(meta: dict, path: Path) -> str | None:
     """How a checkpoint's optimizer and weights are laid out on disk: "0" (no ZeRO), "1-2" (ZeRO-1
-    and 2 share it), "3" (weights partitioned too); "0-2" for a marker from before the stage was
-    recorded without ZeRO-3's files, None without a marker's layout at all."""
+    and 2 share it), "3" (weights partitioned too); for a marker from before the stage was recorded,
+    told by its files; None without a marker's layout at all."""
     if "zero_stage" in meta:
         return zero_family(meta["zero_stage"])
-    if any(Path(path).glob("zero_pp_rank_*_model_states.pt")):
+    if meta.get("world_size") is None:
+        return None
+    path = Path(path)
+    if any(path.glob("zero_pp_rank_*_model_states.pt")):
         return "3"
-    return "0-2" if meta.get("world_size") is not None else None
+    if any(path.glob("zero_pp_rank_*_optim_states.pt")):  # not bf16_zero_pp_rank_*: ZeRO-0's bf16 optimizer
+        return "1-2"
+    return "0"
 
 
 def zero_family(stage: int) -> str:
@@ -170,10 +175,11 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
     saved_world, saved_tp = meta.get("world_size"), meta.get("tensor_parallel")
     saved_family = saved_zero_family(meta, path)
     asked_family = zero_family(zero_stage) if zero_stage is not None else None
-    stage_changed = None not in (saved_family, asked_family) and saved_family != asked_family \
-        and not (saved_family == "0-2" and asked_family != "3")
+    stage_changed = None not in (saved_family, asked_family) and saved_family != asked_family
+    if meta.get("optimizer_state") is False:  # weights only (tools.import_hf): they load at ZeRO 0-2
+        stage_changed = stage_changed and "3" in (saved_family, asked_family)
     if stage_changed:  # DeepSpeed loads a checkpoint, universal ones too, in its own stage family only
-        stages = {"0": "ZeRO-0", "1-2": "ZeRO-1 or 2", "3": "ZeRO-3", "0-2": "ZeRO-0, 1 or 2"}[saved_family]
+        stages = {"0": "ZeRO-0", "1-2": "ZeRO-1 or 2", "3": "ZeRO-3"}[saved_family]
         raise CheckpointError(
             f"checkpoint {path} was saved at {stages}, this run asks for parallel.zero_stage={zero_stage}: its "
             f"files load at {stages} only (ZeRO-1 and 2 share theirs); resume it at the saved stage, or start a "

@@ -308,8 +308,15 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
         with pytest.raises(CheckpointError, match=f"saved at ZeRO-1 or 2, this run asks for parallel.zero_stage="
                                                   f"{stage}: its files load at ZeRO-1 or 2 only"):
             check_layout({**saved, "zero_stage": 1}, 2, 2, 8, False, tag, zero_stage=stage)
-    with pytest.raises(CheckpointError, match="saved at ZeRO-0, 1 or 2, this run asks for parallel.zero_stage=3"):
-        check_layout(saved, 2, 2, 8, False, tag, zero_stage=3)  # no ZeRO-3 files there: not a ZeRO-3 save
+    # A marker without its stage: told by the files (the tag is a ZeRO-1 save).
+    with pytest.raises(CheckpointError, match="saved at ZeRO-1 or 2, this run asks for parallel.zero_stage=3"):
+        check_layout(saved, 2, 2, 8, False, tag, zero_stage=3)
+    with pytest.raises(CheckpointError, match="saved at ZeRO-1 or 2, this run asks for parallel.zero_stage=0"):
+        check_layout(saved, 2, 2, 8, False, tag, zero_stage=0)
+    weights_only = {**saved, "zero_stage": 1, "optimizer_state": False}  # tools.import_hf: loads at ZeRO 0-2
+    assert check_layout(weights_only, 2, 2, 8, False, tag, zero_stage=0) is False
+    with pytest.raises(CheckpointError, match="this run asks for parallel.zero_stage=3"):
+        check_layout(weights_only, 2, 2, 8, False, tag, zero_stage=3)
     meta = read_meta(tag)
     del meta["model"]["num_kv_heads"]
     model = load_config(None, tiny_overrides(data, run)).to_dict()["model"]
