@@ -49,7 +49,7 @@ class RuleLabeller:
 
 class ClassifierLabeller:
     """A sequence-classification model's verdict on each (prompt, response) pair, the pair encoded
-    as two segments with the prompt truncated first (a long prompt never hides the response). A
+    as two segments, the longer one truncated first (a long prompt never hides the response). A
     multi-label model (config.problem_type multi_label_classification, as most toxicity
     classifiers) calls a response unsafe when the unsafe label's sigmoid passes `threshold`; a
     single-label one when it is the most likely class."""
@@ -102,7 +102,7 @@ class ClassifierLabeller:
         for start in range(0, len(responses), self.batch_size):
             inputs = self.tokenizer(list(prompts[start:start + self.batch_size]),
                                     list(responses[start:start + self.batch_size]), return_tensors="pt",
-                                    padding=True, truncation="only_first" if self.max_length else False,
+                                    padding=True, truncation="longest_first" if self.max_length else False,
                                     max_length=self.max_length)
             with torch.no_grad():
                 logits = self.model(**inputs).logits.float()

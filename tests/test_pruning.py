@@ -309,6 +309,8 @@ def test_labellers_rules_and_a_local_classifier(tmp_path, tok_dir):
     labeller([" ".join(["stone"] * 100)], ["dark river"])
     response = tokenizer(["dark river"], add_special_tokens=False)["input_ids"][0]
     assert seen[0].shape[1] == 24 and seen[0][0, -len(response):].tolist() == response
+    assert labeller(["q"], [" ".join(["stone"] * 100)]) in (["safe"], ["unsafe"])  # a long answer is cut too
+    assert seen[-1].shape[1] == 24
     # A multi-label classifier (toxicity models): its unsafe label's own sigmoid decides, even where
     # another label scores higher.
     multi = LlamaConfig(**{**config.to_dict(), "num_labels": 3, "problem_type": "multi_label_classification",
