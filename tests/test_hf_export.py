@@ -273,6 +273,10 @@ def test_a_relative_tokenizer_path_is_found_from_the_directories_above_the_run(t
     monkeypatch.chdir(tmp_path)
     meta = {"tokenizer_sha256": sha256_file(tmp_path / "project" / "tok" / "tokenizer.model")}
     assert export.find_tokenizer(tag, None, meta) == tmp_path / "project" / "tok"
+    (tmp_path / "tok").mkdir()  # another tokenizer where the tool runs: passed over for the run's own
+    (tmp_path / "tok" / "tokenizer.model").write_bytes(b"other pieces")
+    assert export.find_tokenizer(tag, None, meta) == tmp_path / "project" / "tok"
+    (tmp_path / "tok" / "tokenizer.model").unlink()
     (tmp_path / "project" / "tok" / "tokenizer.model").unlink()
     with pytest.raises(export.ExportError, match=f"data.tokenizer=tok: no tokenizer.model in {tmp_path / 'tok'}, "):
         export.find_tokenizer(tag, None, meta)  # the run trained with one: an error, not an export without it
