@@ -877,6 +877,8 @@ def test_convert_lisa_options_fit_the_source_layout():
         set_lisa_options(hybrid, hybrid.attention_kinds(), options(rank=4), tensor=1)
     set_lisa_options(hybrid, hybrid.attention_kinds(), options(align_group=2, keep_full_layers=2), tensor=1)
     assert (hybrid.lisa.align_group, hybrid.lisa.keep_full_layers) == (2, 2)  # the same group: nothing changes
+    with pytest.raises(ToolError, match="keep_full_layers=4"):  # past the LISA layer at 2
+        set_lisa_options(small_cfg("sslss"), hybrid.attention_kinds(), options(keep_full_layers=4), tensor=1)
 
 
 def test_convert_lisa_matches_heads_within_alignment_groups(single_process):

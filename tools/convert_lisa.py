@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from models import registry
 from models.attention.lisa import qk_compression
 from models.attention.lisa_conversion import (
     QK_INITS,
@@ -49,6 +50,7 @@ from models.attention.lisa_conversion import (
     sensitive_layers,
 )
 from models.attention.masks import document_ids
+from models.config import ConfigError
 from pretrain.checkpoint import torch_save_atomic
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.config import save_config
@@ -105,6 +107,10 @@ def set_lisa_options(cfg, kinds: list[str], args, tensor: int) -> None:
         raise ToolError(f"--align-group {cfg.lisa.align_group}: groups of {group} heads must divide the {per_rank} "
                         f"heads of each tensor-parallel rank (the run trained at parallel.tensor={tensor}, "
                         f"{cfg.num_heads} heads); give a divisor of {per_rank}")
+    try:  # the source's own layers under these settings (e.g. --keep-full-layers past a LISA layer)
+        registry.validate_model(cfg, registry.ParallelSizes(tensor=tensor, expert=1))
+    except ConfigError as err:
+        raise ToolError(f"the options make this model invalid: {err}") from None
 
 
 @reports_errors(ValueError)
