@@ -157,7 +157,7 @@ def _expert_parallel_size() -> int:
     return ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
-GROUP_SETTINGS = ("name", "weight_decay")  # what differs between the optimizer's parameter groups
+GROUP_SETTINGS = ("name", "weight_decay", "betas", "eps")  # a group's settings, from the config
 
 
 def load(engine, path: Path, universal: Path | None = None) -> dict:
@@ -168,19 +168,20 @@ def load(engine, path: Path, universal: Path | None = None) -> dict:
     restarts from the loaded weights (moments reset) while the LR schedule is restored.
     ``universal``: the universal form of ``path`` (pretrain.universal), for another DP / TP size."""
     meta = read_meta(path)
+    # The optimizer state carries its groups' settings as saved (and ZeRO-3 puts a universal
+    # checkpoint's first group's into every group, so the norms would decay): each group keeps
+    # what this run's config gives it, as the rate below.
+    settings = [{k: g[k] for k in GROUP_SETTINGS if k in g} for g in engine.optimizer.param_groups]
     if universal is not None:
-        # ZeRO-3 loads a universal checkpoint's first parameter group's settings into every group
-        # (the norms' no-decay group then decays): each group gets its own back.
-        settings = [{k: g[k] for k in GROUP_SETTINGS if k in g} for g in engine.optimizer.param_groups]
         engine.load_checkpoint(str(universal.parent), tag=universal.name, load_module_strict=True,
                                load_optimizer_states=True)
-        for group, own in zip(engine.optimizer.param_groups, settings, strict=True):
-            group.update(own)
     else:
         same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
         # optimizer_state false: written without training (tools.import_hf), the moments are fresh anyway
         engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
                                load_optimizer_states=same_ep and meta.get("optimizer_state", True))
+    for group, own in zip(engine.optimizer.param_groups, settings, strict=True):
+        group.update(own)
     engine.lr_scheduler.follow_config()  # after the optimizer state, which carries the saved rate
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     if not rank_file.is_file():  # another world size: fall back to rank 0's data state

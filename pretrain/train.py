@@ -13,6 +13,7 @@ if __name__ == "__main__":  # before the imports below, which print their warnin
     rank_logs.quiet_other_ranks()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -124,6 +125,24 @@ def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dic
     return manifest, None, None, False
 
 
+def schedule_rise(marker: dict, cfg: Config, step: int) -> str | None:
+    """A note when this config's schedule gives the next step a clearly higher rate than the one the
+    checkpoint was trained towards (a wsd run resumed with more steps after its decay began)."""
+    from pretrain.config import TrainConfig
+    from pretrain.schedule import lr_multiplier
+
+    saved = marker.get("schedule")
+    if not saved:
+        return None
+    before = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
+    was, now = before.lr * lr_multiplier(step, before), cfg.train.lr * lr_multiplier(step, cfg.train)
+    if now <= 1.2 * was:
+        return None
+    return (f"note: step {step + 1} trains at lr {now:.3g}, where the checkpoint's schedule (train.steps="
+            f"{before.steps}, {before.schedule}) was at {was:.3g}: a wsd run extends without re-warming only "
+            "before its decay begins")
+
+
 def run(cfg: Config, task: Task | None = None) -> int:
     """Train per `cfg` (pretraining unless `task` says otherwise); returns the process exit code."""
     from models.counting import flops_per_token, param_counts
@@ -173,7 +192,8 @@ def run(cfg: Config, task: Task | None = None) -> int:
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
             "eos_id": manifest.get("eos_id"), "bos_id": manifest.get("bos_id"),
             "flops_per_token": flops_per_token(cfg.model), "params": counts,
-            "global_batch": global_batch(cfg, env.world_size), "decay_groups": decay_groups, **task.meta(cfg)}
+            "global_batch": global_batch(cfg, env.world_size), "decay_groups": decay_groups,
+            "schedule": dataclasses.asdict(cfg.train), **task.meta(cfg)}
     logger = Logger(run_dir, env.rank, start_step=marker["step"] if resume_path is not None else 0)
     if decay_groups < DECAY_GROUPS and any(getattr(p, "no_weight_decay", False) for p in model.parameters()):
         logger.print("resumed with the weight-decay groups the checkpoint's optimizer state has: LISA's head "
@@ -196,6 +216,9 @@ def run(cfg: Config, task: Task | None = None) -> int:
         start_step = marker["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}"
                      + (f" on another layout, through {universal}" if universal else ""))
+        rise = schedule_rise(marker, cfg, start_step)
+        if rise:
+            logger.print(rise)
     trainer = task.trainer(cfg, engine, batches, task.val_sets(cfg), logger, meta, build_callbacks(cfg, model))
     if resume_path is not None:
         trainer.load_rank_state(state)

@@ -70,6 +70,56 @@ def test_non_finite_loss_stops_without_saving(tmp_path):
     assert not (run / "checkpoints" / "latest").exists()
 
 
+# pretrain.train whose second optimizer step in this process gets a NaN gradient (the loss stays finite).
+NAN_GRADIENT_TRAIN = """
+import sys
+from pretrain import trainer
+from pretrain.train import main
+
+calls, train_step = [0], trainer.Trainer.train_step
+
+def poisoned(self, throughput=None):
+    calls[0] += 1
+    hook = self.model.norm.weight.register_hook(lambda g: g * float("nan")) if calls[0] == 2 else None
+    try:
+        return train_step(self, throughput)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+trainer.Trainer.train_step = poisoned
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_resume_follows_the_config_and_a_skipped_update_keeps_the_schedule(tmp_path):
+    """A wsd run saved in its decay (step 5 of 6) resumes with 10 steps, another weight decay and
+    beta2: a note says the rate rises again, the optimizer takes the new settings, and step 7, whose
+    gradients are not finite, is skipped with the schedule moving on (every logged rate is the
+    schedule's at its step)."""
+    from pretrain.config import TrainConfig
+    from pretrain.schedule import lr_multiplier
+    from tests.dist_utils import torchrun
+
+    data, run, script = write_synthetic_shards(tmp_path / "data"), tmp_path / "run", tmp_path / "nan_train.py"
+    script.write_text(NAN_GRADIENT_TRAIN)
+    common = {"train.schedule": "wsd", "train.decay_fraction": 0.5, "train.warmup_steps": 1, "train.eval_batches": 0}
+    train(1, tiny_overrides(data, run, **common, **{"train.steps": 6, "train.stop_at_step": 5}))
+    resumed = {**common, "train.steps": 10, "train.weight_decay": 0.5, "train.beta2": 0.99}
+    out = torchrun(1, [str(script), *tiny_overrides(data, run, **resumed)])
+    assert ("note: step 6 trains at lr 0.00246, where the checkpoint's schedule (train.steps=6, wsd) was at "
+            "0.0003") in out.stdout
+    assert "step 7: the gradients were not finite; update skipped (1 so far in this process)" in out.stdout
+    schedule = TrainConfig(steps=10, warmup_steps=1, schedule="wsd", decay_fraction=0.5, lr=3e-3)
+    logged = {r["step"]: r["train/lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "train/lr" in r and r["step"] > 5}
+    assert logged == pytest.approx({s: 3e-3 * lr_multiplier(s - 1, schedule) for s in range(6, 11)}, rel=1e-6)
+    optim = run / "checkpoints" / "step_00000010" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    groups = torch.load(optim, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert [(g["name"], g["weight_decay"], tuple(g["betas"])) for g in groups] == [
+        ("decay", 0.5, (0.9, 0.99)), ("no_decay", 0.0, (0.9, 0.99))]
+
+
 def test_activation_checkpointing_gives_same_loss_and_grads(tmp_path):
     """Full checkpointing recomputes every block in backward, LISA layers (a chain of two) with the
     scores their previous layer handed over in the forward."""
