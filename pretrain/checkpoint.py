@@ -178,8 +178,12 @@ def load(engine, path: Path, universal: Path | None = None) -> dict:
     else:
         same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
         # optimizer_state false: written without training (tools.import_hf), the moments are fresh anyway
+        with_optimizer = same_ep and meta.get("optimizer_state", True)
         engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
-                               load_optimizer_states=same_ep and meta.get("optimizer_state", True))
+                               load_optimizer_states=with_optimizer)
+        refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
+        if not with_optimizer and refresh is not None:
+            refresh()  # ZeRO-0's bf16 optimizer keeps fp32 masters, else its first step restores the init
     for group, own in zip(engine.optimizer.param_groups, settings, strict=True):
         group.update(own)
     engine.lr_scheduler.follow_config()  # after the optimizer state, which carries the saved rate

@@ -153,9 +153,9 @@ def saved_zero_family(meta: dict, path: Path) -> str | None:
     path = Path(path)
     if any(path.glob("zero_pp_rank_*_model_states.pt")):
         return "3"
-    if any(path.glob("zero_pp_rank_*_optim_states.pt")):  # not bf16_zero_pp_rank_*: ZeRO-0's bf16 optimizer
+    if any(path.glob("*zero_pp_rank_*_optim_states.pt")):  # bf16_zero_pp_rank_* in bf16
         return "1-2"
-    return "0"
+    return "0"  # the optimizer state is in mp_rank_*_model_states.pt
 
 
 def zero_family(stage: int) -> str:

@@ -428,6 +428,19 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
         assert torch.isfinite(loss)
     assert engine.global_steps == 2 and engine.get_lr()[0] > 0
     assert not torch.equal(engine.module.blocks[0].attn.qkv.weight.detach(), imported.blocks[0].attn.qkv.weight)
+    # At ZeRO-0 in bf16 DeepSpeed's optimizer keeps fp32 masters of the weights: they are the
+    # imported ones too, so a step moves from them (it went back to the fresh initialisation).
+    bf16 = load_config(run / "config.yaml", [f"data.shards={root / 'shards'}", f"data.tokenizer={root / 'tokenizer'}",
+                                             f"train.resume={tag}", "train.micro_batch=2", "train.steps=30",
+                                             "parallel.zero_stage=0", "train.precision=bf16", "train.lr=1e-5"])
+    assert prepare(bf16, 1)[1:] == (tag, None, False)
+    torch.manual_seed(3)
+    engine = build_engine(bf16, GPT(bf16.model))
+    checkpoint.load(engine, tag)
+    engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+    engine.step()
+    moved = engine.module.blocks[0].attn.qkv.weight.detach().float() - imported.blocks[0].attn.qkv.weight.float()
+    assert moved.abs().max() < 0.01
 
 
 def test_imported_llama_converts_to_lisa(data, imported, dist_env, tmp_path, capsys):

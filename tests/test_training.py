@@ -330,6 +330,22 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
         check_compatible(meta, {**model, "attention": "sr"}, None, tag)
 
 
+def test_markers_without_their_zero_stage_are_told_by_their_files(tmp_path):
+    from pretrain.checkpoint_format import saved_zero_family
+
+    layouts = {"0": ["mp_rank_00_model_states.pt"],
+               "1-2": ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+               "1-2 bf16": ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+               "3": ["zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]}
+    for family, files in layouts.items():
+        tag = tmp_path / family.replace(" ", "_")
+        tag.mkdir()
+        for name in files:
+            (tag / name).write_bytes(b"")
+        assert saved_zero_family({"world_size": 1}, tag) == family.split()[0], family
+    assert saved_zero_family({"world_size": 1, "zero_stage": 2}, tmp_path / "0") == "1-2"  # recorded: believed
+
+
 COSINE = [0.5, 1.0, 0.9657, 0.8682, 0.7222, 0.55, 0.3778, 0.2318, 0.1343, 0.1]
 WSD = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1]
 WSD_SQRT = WSD[:7] + [0.4804, 0.2652, 0.1]
