@@ -8,9 +8,11 @@ Formulas (per GPU; P = parameters held by this GPU after tensor/expert sharding,
 size, De = expert-data-parallel size D / EP):
   weights        P x 2 bytes (bf16) or 4 (fp32); ZeRO-3 divides by D (De for experts)
   gradients      the .grad tensors (bytes as weights; ZeRO-2/3 free them into buckets) plus, with
-                 ZeRO >= 1, the fp32 gradient partition of the optimizer (4 bytes/param / D)
+                 ZeRO >= 1, the fp32 gradient partition of the optimizer (4 bytes/param / D), and
+                 at ZeRO-0 in bf16 the fp32 copy of every gradient its optimizer steps on (4 bytes)
   optimizer      fp32 master + Adam m, v = 12 bytes/param (DeepSpeed keeps the master partition
-                 even in fp32); ZeRO-1/2/3 divide by D
+                 even in fp32); ZeRO-1/2/3 divide by D; ZeRO-0 in fp32 steps torch's AdamW on the
+                 weights themselves: m, v = 8 bytes/param
   activations    per layer and token, elements: 4h (residual and norm inputs/outputs) plus what
                  the layer's attention and MLP kinds declare (models.registry): for the built-in
                  attention kinds (4h + 3k)/t (q, k, v, rotated q and k, attention output,
@@ -27,7 +29,8 @@ size, De = expert-data-parallel size D / EP):
                  with grouped-GEMM experts (model.moe.grouped_gemm on --gpu) one layer's local
                  experts' weights stacked
   buffers        DeepSpeed's reduce/all-gather buckets (ZeRO-1/2: 2 x min(5e8, P) elements;
-                 ZeRO-3: prefetch bucket + live parameters)
+                 ZeRO-3: prefetch bucket + live parameters; ZeRO-0 in fp32: one all-reduce bucket
+                 of min(5e8, P))
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
 of the forward pass and are freed as the backward pass produces gradients.
 FLOPs per token: 6 x active matmul parameters + each layer's attention-score FLOPs (12 x hidden x seq,
@@ -103,8 +106,10 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
     expert_local = experts / (layout.tensor * layout.expert)
     expert_dp = max(layout.data // layout.expert, 1)
     elem = 2 if layout.bf16 else 4
-    opt_bytes = 12  # DeepSpeed keeps a separate fp32 master partition even when training in fp32
     z = layout.zero_stage
+    # DeepSpeed keeps a separate fp32 master partition, even in fp32, except at ZeRO-0 in fp32,
+    # where torch's AdamW steps the weights themselves
+    opt_bytes = 8 if z == 0 and not layout.bf16 else 12
 
     def sharded(per_param: float, stage_from: int) -> float:
         if z >= stage_from:
@@ -116,15 +121,15 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
         buffers = (5e7 + min(1e9, local)) * elem  # prefetch bucket + live parameters
     elif z >= 1:
         buffers = 2 * min(5e8, local) * elem
-    else:
-        buffers = 0.0
+    else:  # fp32: the flattened all-reduce bucket; bf16: freed before the step's fp32 gradient copy
+        buffers = 0.0 if layout.bf16 else min(5e8, local) * elem
     activations = activation_bytes(m, layout, m.max_seq_len)
     if layout.grouped_experts and expert_local:
         # The grouped GEMMs read a layer's local experts stacked, for the call (forward and backward).
         activations += expert_local * elem / sum(mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
     return {
         "weights": sharded(elem, 3),
-        "gradients": (sharded(elem, 2) if z < 2 else 0.0) + (sharded(4, 1) if z >= 1 else 0.0),
+        "gradients": (sharded(elem, 2) if z < 2 else 0.0) + (sharded(4, 1) if z >= 1 or layout.bf16 else 0.0),
         "optimizer": sharded(opt_bytes, 1),
         "activations": activations,
         "buffers": buffers,
@@ -132,10 +137,13 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
 
 
 def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: str = "h100",
-         mfu: float = 0.4, bf16: bool = True) -> dict:
+         mfu: float = 0.4, bf16: bool | None = None) -> dict:
+    """`bf16` None: as train.precision (auto: bf16 unless `gpu` is cpu)."""
     world = nodes * gpus_per_node
     validate(cfg, world)
     p, t = cfg.parallel, cfg.train
+    if bf16 is None:
+        bf16 = {"bf16": True, "fp32": False}.get(t.precision, gpu != "cpu")
     moe = cfg.model.moe
     # the routed experts' width: UoE's rest neurons, a router MoE's expert_hidden_size (validate
     # refuses sizing=carved for it, the only case where the two differ)
@@ -202,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=None, help="default 1")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default 8")
     parser.add_argument("--gpu-mem-gb", type=float, default=80.0)
     parser.add_argument("--gpu", choices=GPUS, default="h100")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
@@ -211,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-gpu", action="store_true",
                         help="one GPU, with the config header's single-GPU layout before the overrides")
     args = parser.parse_intermixed_args(argv)
+    if args.single_gpu and (args.nodes is not None or args.gpus_per_node is not None):
+        parser.error("--single-gpu plans one GPU; drop --nodes / --gpus-per-node")
+    args.nodes = 1 if args.nodes is None else args.nodes
+    args.gpus_per_node = (1 if args.single_gpu else 8) if args.gpus_per_node is None else args.gpus_per_node
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
                         ("--gpu-mem-gb", args.gpu_mem_gb)):
         if value <= 0:
@@ -221,10 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.single_gpu:
             overrides = single_gpu_overrides(args.config) + overrides
-            args.nodes = args.gpus_per_node = 1
         cfg = load_config(args.config, overrides)
-        result = plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.gpu, args.mfu,
-                      bf16=args.gpu != "cpu")
+        result = plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.gpu, args.mfu)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

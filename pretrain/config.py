@@ -285,7 +285,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if dp % p.expert:
         raise ConfigError(
             f"data-parallel size {dp} (world {world_size} / tensor {p.tensor}) is not divisible by "
-            f"parallel.expert={p.expert}"
+            f"parallel.expert={p.expert}; set parallel.expert to a divisor of {dp} (e.g. "
+            f"parallel.expert={math.gcd(dp, p.expert)}) or launch a multiple of {p.tensor * p.expert} processes "
+            "(on one GPU, --single-gpu applies the config header's layout)"
         )
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: choose 0, 1, 2 or 3")

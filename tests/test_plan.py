@@ -64,6 +64,11 @@ def test_single_gpu_plan_uses_the_header_layout(capsys):
     capsys.readouterr()
     assert plan_main([str(REPO / "configs/tiny_dense.yaml"), "--single-gpu"]) == 2
     assert "single-gpu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one GPU is what --single-gpu plans: a node count is a contradiction
+        plan_main([config, "--single-gpu", "--nodes", "4"])
+    assert "--single-gpu plans one GPU; drop --nodes / --gpus-per-node" in capsys.readouterr().err
+    assert plan_main([config, "--gpus-per-node", "1"]) == 2  # the expert-parallel layout needs 8
+    assert "(on one GPU, --single-gpu applies the config header's layout)" in capsys.readouterr().err
 
 
 def test_grouped_gemm_experts_count_a_layer_of_stacked_weights_on_hopper():
@@ -175,6 +180,20 @@ def test_header_check_catches_layouts_that_do_not_fit(tmp_path):
     assert "header needs" in problems(text.replace("# single-gpu", "# one-gpu"))
     assert "states 2500.0M parameters" in problems(text.replace("2701.6M parameters", "2500.0M parameters"))
     assert "states 18.00 GFLOP/token, counts 17.73" in problems(text.replace("17.73 GFLOP/token", "18.00 GFLOP/token"))
+
+
+def test_the_plan_follows_train_precision_and_zero_0():
+    """fp32 on a GPU is planned in fp32 (it was planned as bf16); ZeRO-0 in fp32 steps AdamW on the
+    weights (no fp32 master) with one all-reduce bucket, in bf16 on an fp32 copy of the gradients."""
+    def memory(*overrides: str) -> dict:
+        return plan(load_config(REPO / "configs/dense_125m.yaml", list(overrides)), 1, 1, 80, "h100")["memory_gb"]
+
+    bf16, fp32 = memory(), memory("train.precision=fp32")
+    assert fp32["weights"] == pytest.approx(2 * bf16["weights"]) and fp32["activations"] > bf16["activations"]
+    params = bf16["weights"] / 2  # GiB per byte of every parameter
+    zero0_fp32, zero0_bf16 = memory("parallel.zero_stage=0", "train.precision=fp32"), memory("parallel.zero_stage=0")
+    assert zero0_fp32["optimizer"] == pytest.approx(8 * params) and zero0_fp32["buffers"] == pytest.approx(4 * params)
+    assert zero0_bf16["gradients"] == pytest.approx((2 + 4) * params) and zero0_bf16["buffers"] == 0
 
 
 def test_gpu_peak_matches_the_specific_variant_first():
