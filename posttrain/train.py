@@ -59,7 +59,8 @@ class PostTrainer(Trainer):
         """Examples attend within themselves where packed; padding is no query."""
         batch = self.val_batches[0]
         documents = batch["documents"][:, :seq].to(self.device) if "documents" in batch else None
-        return batch["tokens"][:, :seq].to(self.device), documents, batch["real"][:, :seq].to(self.device)
+        inputs = batch["tokens"][:, :-1][:, :seq]  # as the model reads them: "documents" and "real" are theirs
+        return inputs.to(self.device), documents, batch["real"][:, :seq].to(self.device)
 
 
 class PostTrainTask(Task):

@@ -145,7 +145,7 @@ def set_aside_newer(run_dir: str | os.PathLike, resumed: Path | None) -> list[st
 def saved_zero_family(meta: dict, path: Path) -> str | None:
     """How a checkpoint's optimizer and weights are laid out on disk: "0" (no ZeRO), "1-2" (ZeRO-1
     and 2 share it), "3" (weights partitioned too); for a marker from before the stage was recorded,
-    told by its files; None without a marker's layout at all."""
+    told by its files; None without a marker's layout or DeepSpeed's files."""
     if "zero_stage" in meta:
         return zero_family(meta["zero_stage"])
     if meta.get("world_size") is None:
@@ -155,7 +155,9 @@ def saved_zero_family(meta: dict, path: Path) -> str | None:
         return "3"
     if any(path.glob("*zero_pp_rank_*_optim_states.pt")):  # bf16_zero_pp_rank_* in bf16
         return "1-2"
-    return "0"  # the optimizer state is in mp_rank_*_model_states.pt
+    if any(path.glob("mp_rank_*_model_states.pt")):  # the optimizer state is in them
+        return "0"
+    return None  # no DeepSpeed files to tell by
 
 
 def zero_family(stage: int) -> str:

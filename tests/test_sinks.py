@@ -95,7 +95,8 @@ def test_post_training_probe_attends_within_packed_examples_and_skips_padding():
              "documents": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]]),
              "real": torch.tensor([[True] * 8, [True] * 6 + [False] * 2])}
     trainer = SimpleNamespace(val_batches=[batch], device=torch.device("cpu"))
-    tokens, documents, queries = PostTrainer.probe_batch(trainer, 8)
+    tokens, documents, queries = PostTrainer.probe_batch(trainer, 64)  # the probe's length: at most the inputs
+    assert tokens.shape == documents.shape == queries.shape == (2, 8)
     stats = measure(UniformWithinDocuments(), tokens, documents, queries)
     # each real query weighs 1 / (its position in its example, from 1) on the example's first token
     expected = sum(1 / t for n in (3, 5, 6) for t in range(1, n + 1)) / 14
@@ -284,12 +285,17 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     said = capsys.readouterr()
     assert "--layers 1: layer 1 is within model.lisa.keep_full_layers=2" in said.err
     assert "sim to l-1" not in said.out
-    with single_process_group():  # no layer left to choose from: keep_full_layers covers the model
+    with single_process_group():  # no layer left to choose from: keep_full_layers covers all but the LISA one
+        assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"),
+                             "--keep-full-layers", "4", "--out", str(tmp_path / "new")]) == 2
+        said = capsys.readouterr()
+        assert "no layer of this 5-layer model can become a LISA layer: layer 0 is within" in said.err
+        assert "(--keep-full-layers sets how many stay, 4 now)" in said.err and "sim to l-1" not in said.out
+        # covering the model's own LISA layer (4) would make it invalid: refused before calibration
         assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"),
                              "--keep-full-layers", "5", "--out", str(tmp_path / "new")]) == 2
     said = capsys.readouterr()
-    assert "no layer of this 5-layer model can become a LISA layer: layer 0 is within" in said.err
-    assert "(--keep-full-layers sets how many stay, 5 now)" in said.err and "sim to l-1" not in said.out
+    assert "puts lisa at layers [4], but model.lisa.keep_full_layers=5" in said.err and "sim to l-1" not in said.out
     assert "val loss: source" in proc.stdout
     saved = torch.load(out / "lisa_model.pt", weights_only=False)
     assert saved["model"]["attention"] == report["attention"]

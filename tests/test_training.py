@@ -344,6 +344,7 @@ def test_markers_without_their_zero_stage_are_told_by_their_files(tmp_path):
             (tag / name).write_bytes(b"")
         assert saved_zero_family({"world_size": 1}, tag) == family.split()[0], family
     assert saved_zero_family({"world_size": 1, "zero_stage": 2}, tmp_path / "0") == "1-2"  # recorded: believed
+    assert saved_zero_family({"world_size": 1}, tmp_path) is None  # no DeepSpeed files: nothing to tell by
 
 
 COSINE = [0.5, 1.0, 0.9657, 0.8682, 0.7222, 0.55, 0.3778, 0.2318, 0.1343, 0.1]
