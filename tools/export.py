@@ -229,7 +229,10 @@ def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict, required: bo
         places = tokenizer_places(Path(cfg.data.tokenizer), Path(tag_dir))
         found = [p for p in places if (p / MODEL_FILE).is_file()]
         # the first that is the checkpoint's own (another project's data/tokenizer may come first)
-        path = next((p for p in found if not want or sha256_file(p / MODEL_FILE) == want), found[0] if found else None)
+        own = next((p for p in found if sha256_file(p / MODEL_FILE) == want), None) if want else None
+        if own is not None:
+            return own
+        path = found[0] if found else None
         if path is None:
             if want and required:  # the run trained with a SentencePiece model: not finding it is an error
                 raise ExportError(f"the run's data.tokenizer={cfg.data.tokenizer}: no {MODEL_FILE} in "
