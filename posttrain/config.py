@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from models.attention.relu import reads_row_length
 from models.config import ConfigError
 from pretrain.config import Config, parse_paths
 
@@ -100,7 +101,7 @@ def validate_post(cfg: PostTrainConfig) -> None:
     if cfg.data.start_with_bos and not p.add_bos:
         raise ConfigError("data.start_with_bos=true: post-training starts its examples with BOS by post.add_bos; "
                           "set post.add_bos=true (as the pretraining samples began) or data.start_with_bos=false")
-    if "relu" in cfg.model.attention_kinds() and cfg.model.relu_attention.normalizer == "seqlen":
+    if reads_row_length(cfg.model):
         raise ConfigError("model.relu_attention.normalizer=seqlen divides by the padded row length, so an example's "
                           "loss would depend on the others in its micro-batch: a model trained with it cannot be "
                           "post-trained here (prefix and content can)")

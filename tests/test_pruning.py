@@ -461,3 +461,12 @@ def test_prune_unsafe_refuses_to_delete_its_source_and_empty_inputs_before_loadi
     assert main(argv + ["--out", str(tmp_path / "out"), "--eval-prompts", str(tmp_path / "prompts.jsonl"),
                         "--rules", str(tmp_path / "rules.json")]) == 2
     assert "holds no usable prompt" in capsys.readouterr().err
+    # a model whose outputs depend on its batch's padding is refused once it is read
+    monkeypatch.undo()
+    seqlen = {"model.attention": "sr", "model.relu_attention.normalizer": "seqlen"}
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**MODEL, **seqlen}.items()] + [f"data.tokenizer={tok_dir}"])
+    with single_process_group():
+        save_weights_run(build(seqlen), cfg, tmp_path / "seqlen", {"tokenizer_sha256": load_tokenizer(tok_dir)[1]["sha256"]})
+    assert main(["--checkpoint", str(tmp_path / "seqlen"), "--responses", str(responses),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "model.relu_attention.normalizer=seqlen divides by the padded row length" in capsys.readouterr().err

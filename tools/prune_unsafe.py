@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from data_prep.sources import BadInputReport
+from models.attention.relu import reads_row_length
 from models.generation import generate
 from posttrain import labels, records
 from posttrain.batches import Row, chunked, response_row
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError(f"--eval-prompts {' '.join(args.eval_prompts)} holds no usable prompt ({report.summary()})")
 
     model, cfg, _ = load_model(tag_dir)
-    if "relu" in cfg.attention_kinds() and cfg.relu_attention.normalizer == "seqlen":
+    if reads_row_length(cfg):
         raise ToolError("model.relu_attention.normalizer=seqlen divides by the padded row length, so each answer's "
                         "attribution and loss would depend on the others in its batch (--batch-size): a model "
                         "trained with it cannot be pruned here (prefix and content can)")

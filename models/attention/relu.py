@@ -43,6 +43,12 @@ class ReLUAttentionConfig:
 register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size", "kernel"))
 
 
+def reads_row_length(cfg: ModelConfig) -> bool:
+    """Whether an example's outputs depend on the padded length of its row (the seqlen normaliser
+    divides by it), so on what else shares its batch."""
+    return "relu" in cfg.attention_kinds() and cfg.relu_attention.normalizer == "seqlen"
+
+
 def fused_kernel(q: torch.Tensor, v: torch.Tensor):
     """The Triton ReLU attention function when it runs for these inputs, else None."""
     if not q.is_cuda:  # the kernels' module imports Triton: only where they can run
