@@ -78,6 +78,7 @@ class Trainer:
         self.stopped_by_signal = 0  # the signal number when fit() saved and stopped on a signal
         self.last_metrics: dict[str, torch.Tensor] = {}  # the model's own metrics of the last step
         self.steps_not_applied = 0  # updates DeepSpeed's overflow check skipped (non-finite gradients)
+        self.last_step_applied = True
         # data.document_mask: the EOS id that ends each document of a sample (from the manifest).
         self.document_eos: int | None = run_document_eos(cfg, meta)
         self.spikes: SpikeGuard | None = None
@@ -167,7 +168,7 @@ class Trainer:
         # Part of the optimizer step: validation and the checkpoint of this step see its result. A step
         # that changed no parameter (a spike, a non-finite norm, an fp16 overflow) moves nothing else.
         skipped = getattr(self.engine.basic_optimizer, "skipped", False)
-        applied = self.engine.was_step_applied()
+        applied = self.last_step_applied = self.engine.was_step_applied()
         if not applied:  # DeepSpeed's overflow check skipped the update and held the schedule back
             self.engine.lr_scheduler.step()  # the rate follows the step count, as for a vetoed step
             self.steps_not_applied += 1
@@ -291,7 +292,7 @@ class Trainer:
         dp = ps.get_data_parallel_world_size()
         throughput = Throughput(t.micro_batch * t.grad_accum * self.cfg.model.max_seq_len * dp,
                                 self.meta["flops_per_token"], dist.get_world_size())
-        step, reported_not_applied = start_step, self.steps_not_applied
+        step = start_step
         if self.validation_due == start_step:  # the checkpoint's validation, interrupted by the signal
             self.logger.print(f"step {start_step}: running the validation the stop interrupted")
             with throughput.paused():
@@ -308,8 +309,7 @@ class Trainer:
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
             loss = self.train_step(throughput)
             step += 1
-            if self.steps_not_applied > reported_not_applied:
-                reported_not_applied = self.steps_not_applied
+            if not self.last_step_applied:
                 self.logger.print(f"step {step}: the gradients were not finite; update skipped "
                                   f"({self.steps_not_applied} so far in this process)")
             self._emit("on_optimizer_step", step)

@@ -108,13 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError("give --shards (validation loss) and/or --tasks (downstream accuracy)")
     device = tool_device(args.device)
     location = split_dir(args.shards, args.split, "--split") if args.shards else None
-    if location is not None:  # before the model is read
-        check_shards_tokenizer(location, read_meta(resolve_checkpoint(args.checkpoint)))
-    tasks, sp = load_tasks(args) if args.tasks else ({}, None)
-    model, cfg, meta = load_model(args.checkpoint)
+    tag_dir = resolve_checkpoint(args.checkpoint)
+    saved_meta = read_meta(tag_dir)  # checked against the shards and tasks before the model is read
+    if location is not None:
+        check_shards_tokenizer(location, saved_meta)
+    tasks, sp = load_tasks(args, tag_dir, saved_meta) if args.tasks else ({}, None)
+    model, cfg, meta = load_model(tag_dir)
     model.to(device)
     result = {"checkpoint": meta["checkpoint"], "step": meta.get("step")}
-    run = run_config(resolve_checkpoint(args.checkpoint))
+    run = run_config(tag_dir)
     bos = run_bos(run, meta)  # as the run's loader
     if location is not None:
         eos = run_document_eos(run, meta)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_tasks(args) -> tuple[dict, object]:
+def load_tasks(args, tag_dir: Path, meta: dict) -> tuple[dict, object]:
     """The task files (bad records counted, reported on stderr) and the run's tokenizer."""
     import sys
 
@@ -144,8 +146,7 @@ def load_tasks(args) -> tuple[dict, object]:
     from data_prep.tokenizer import load_tokenizer
     from tools.export import find_tokenizer
 
-    tag_dir = resolve_checkpoint(args.checkpoint)
-    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, read_meta(tag_dir))
+    tokenizer_dir = find_tokenizer(tag_dir, args.tokenizer, meta)
     if tokenizer_dir is None:
         raise ToolError("--tasks needs the run's SentencePiece tokenizer: pass --tokenizer DIR")
     report = BadInputReport()
