@@ -130,7 +130,7 @@ class ModelConfig:
         skip = set(self.TRAINING_ONLY) | registry.training_only_keys()
         if all(registry.mlp_kind(self.mlp_kind(layer)).routed for layer in range(self.num_layers)):
             skip.add("ffn_hidden_size")  # every layer's MLP is sized by model.moe.*
-        flat = {k: v for k, v in _flat(self.to_dict()).items() if k not in skip}
+        flat = registry.section_signature(self, {k: v for k, v in _flat(self.to_dict()).items() if k not in skip})
         flat["attention"] = ",".join(self.attention_kinds())  # 'ssrl' is 'softmax,softmax,relu,lisa'
         return flat
 

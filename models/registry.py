@@ -84,6 +84,12 @@ class AttentionKind:
     validate: Callable[[ModelConfig, list[str], ParallelSizes], None] | None = None
     llama: LlamaMapping | None = None  # Hugging Face export as Llama attention
     hf_remote: bool = False  # the bundled modeling file (models/hf) implements it
+    # The config sections that fix what this kind's layers hold and compute (checkpoint compatibility:
+    # a model none of whose layers reads a section loads checkpoints whatever the section says) ...
+    sections: tuple[str, ...] = ()
+    # ... and, where only some of their keys do or a key can be spelled two ways, those keys resolved:
+    # cfg -> {"section.key": value}; None: every key of the sections but the training-only ones.
+    signature: Callable[[ModelConfig], dict] | None = None
     origin: str = ""  # the registering module (set by register_attention)
 
 
@@ -102,6 +108,8 @@ class MLPKind:
     validate: Callable[[ModelConfig, ParallelSizes], None] | None = None
     llama: LlamaMapping | None = None
     hf_remote: bool = False
+    sections: tuple[str, ...] = ()  # as AttentionKind's
+    signature: Callable[[ModelConfig], dict] | None = None
     origin: str = ""
 
 
@@ -289,6 +297,27 @@ def validate_model(cfg: ModelConfig, sizes: ParallelSizes = ParallelSizes()) -> 
         other = mlp_kind(name)
         if name != cfg.mlp and other.validate is not None:
             other.validate(cfg, sizes)
+
+
+def section_signature(cfg: ModelConfig, flat: dict) -> dict:
+    """`flat` (the model's dotted keys) with each section that kinds declare replaced by what the
+    kinds of this model read of it: left out where none of its layers does, narrowed to the keys a
+    kind's signature names. A section no kind declares stays whole."""
+    used = [attention_kind(name) for name in dict.fromkeys(cfg.attention_kinds())]
+    used += [mlp_kind(name) for name in dict.fromkeys(cfg.mlp_kind(i) for i in range(cfg.num_layers))]
+    declared = {name for kind in [*attention_kinds().values(), *mlp_kinds().values()] for name in kind.sections}
+    out = dict(flat)
+    for name in declared:
+        readers = [kind for kind in used if name in kind.sections]
+        if readers and all(kind.signature is None for kind in readers):
+            continue  # read whole
+        out = {key: value for key, value in out.items() if not key.startswith(f"{name}.")}
+        for kind in readers:
+            if kind.signature is None:  # another reader narrows it; this one reads it whole
+                out.update({key: value for key, value in flat.items() if key.startswith(f"{name}.")})
+            else:
+                out.update(kind.signature(cfg))
+    return out
 
 
 def training_only_keys() -> set[str]:

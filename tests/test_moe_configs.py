@@ -132,3 +132,30 @@ def test_a_run_of_a_config_before_its_dense_width_was_matched_still_resumes():
     partial = {**now, "moe": {**now["moe"], "moe_layers": "0"}}
     with pytest.raises(CheckpointError, match="ffn_hidden_size: checkpoint 352"):
         check_compatible({"model": {**partial, "ffn_hidden_size": 352}}, partial, None, "old")
+
+
+def test_a_checkpoint_matches_by_the_sections_its_layers_read():
+    """model.moe fixes the routed layers only: a dense model loads with any moe section, a router MoE
+    with any of UoE's keys; a UoE layer spelled two ways (N_s given or derived, carved or additive
+    sizing of the same widths) is one model, and a key that changes it still counts."""
+    from pretrain.checkpoint import CheckpointError, check_compatible
+
+    uoe = load_config(CONFIGS / "125m_uoe.yaml").to_dict()["model"]
+    moe = uoe["moe"]
+    dense = {**uoe, "mlp": "dense"}
+    check_compatible({"model": dense}, {**dense, "moe": {**moe, "num_experts": 4}}, None, "ckpt")
+    router = {**uoe, "mlp": "moe"}
+    check_compatible({"model": router}, {**router, "moe": {**moe, "score": "z", "vse_mode": "disjoint"}}, None, "ckpt")
+    with pytest.raises(CheckpointError, match="moe.top_k: checkpoint 2 vs config 1"):
+        check_compatible({"model": router}, {**router, "moe": {**moe, "top_k": 1}}, None, "ckpt")
+    assert moe["routing_neurons"] * moe["num_experts"] == moe["shared_hidden_size"]
+    check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "routing_neurons": 0}}, None, "ckpt")
+    carved = {**moe, "sizing": "carved", "expert_hidden_size": moe["expert_hidden_size"] + moe["routing_neurons"]}
+    check_compatible({"model": uoe}, {**uoe, "moe": carved}, None, "ckpt")
+    with pytest.raises(CheckpointError, match="moe.rest_neurons: checkpoint 512 vs config 448"):
+        check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "sizing": "carved"}}, None, "ckpt")
+    with pytest.raises(CheckpointError, match="moe.score: checkpoint 'h' vs config 'z'"):
+        check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "score": "z"}}, None, "ckpt")
+    # A router MoE refuses UoE keys no layer could take, rather than ignoring them.
+    with pytest.raises(ConfigError, match="model.moe.score='hh'"):
+        validate(load_config(CONFIGS / "125m_moe.yaml", ["model.moe.score=hh", "parallel.expert=1"]), 1)

@@ -672,5 +672,5 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
 registry.register_attention(registry.AttentionKind(
     name="lisa", letter="l", module=LISAAttention, params=lisa_param_count, score_flops=lisa_score_flops,
     activations=lisa_activations, handed_on=lisa_handed_on, reads_previous_scores=True, validate=validate,
-    hf_remote=True,
+    hf_remote=True, sections=("lisa",),
 ))

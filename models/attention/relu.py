@@ -181,5 +181,5 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: ParallelSizes) -> None:
 register_attention(AttentionKind(
     name="relu", letter="r", module=ReLUAttention, params=projected_params,
     activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=True),
-    score_family="relu", validate=validate, hf_remote=True,
+    score_family="relu", validate=validate, hf_remote=True, sections=("relu_attention",),
 ))

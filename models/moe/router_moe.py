@@ -97,8 +97,14 @@ def activations(cfg: ModelConfig, layout: ActivationLayout) -> float:
     return swiglu_kept(layout.fused_swiglu) * active_neurons / layout.tensor + dispatch_activations(cfg)
 
 
+def signature(cfg: ModelConfig) -> dict:
+    """The keys a router MoE reads (model.moe's Union-of-Experts keys are not among them)."""
+    keys = ("num_experts", "top_k", "expert_hidden_size", "shared_hidden_size", "moe_layers")
+    return {f"moe.{key}": getattr(cfg.moe, key) for key in keys}
+
+
 register_mlp(MLPKind(
     name="moe", module=RouterMoE, params=params, expert_params=expert_params, routed=True,
     activations=activations,
-    applies_to=is_sparse_layer, validate=validate, hf_remote=True,
+    applies_to=is_sparse_layer, validate=validate, hf_remote=True, sections=("moe",), signature=signature,
 ))

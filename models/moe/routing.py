@@ -76,6 +76,10 @@ def grouped_gemm_mode(setting: str, compute_capability: tuple[int, int] | None, 
     return GroupedGemm(enabled=True, bf16_only=True) if hopper else GroupedGemm()
 
 
+SCORES = ("h", "silu", "z")
+VSE_MODES = ("overlap", "disjoint")
+
+
 @dataclass
 class MoEConfig:
     """model.moe: shared by the top-k router MoE and Union-of-Experts layers."""
@@ -151,6 +155,13 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={sizes.expert}")
     if not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and num_experts={moe.num_experts}")
+    # UoE's keys too: a router MoE ignores them, but a typo there would stay unseen
+    if moe.score not in SCORES or moe.vse_mode not in VSE_MODES:
+        raise ConfigError(f"model.moe.score={moe.score!r} / vse_mode={moe.vse_mode!r}: choose score "
+                          f"{'|'.join(SCORES)} and vse_mode {'|'.join(VSE_MODES)}")
+    if moe.routing_neurons < 0:
+        raise ConfigError(f"model.moe.routing_neurons={moe.routing_neurons} must be >= 0 (0: shared_hidden_size "
+                          "// num_experts)")
     for key in ("aux_loss_coef", "router_z_loss_coef"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0 (0 = off)")

@@ -39,6 +39,8 @@ from models.config import ConfigError, ModelConfig
 from models.layers import column_linear, gate_and_up, row_linear, swiglu, swiglu_kept, tp_size
 from models.moe.experts import ExpertContainer
 from models.moe.routing import (
+    SCORES,
+    VSE_MODES,
     RoutedLayer,
     dispatch_activations,
     expert_params,
@@ -48,8 +50,6 @@ from models.moe.routing import (
 )
 from models.registry import ActivationLayout, MLPKind, ParallelSizes, register_mlp
 
-SCORES = ("h", "silu", "z")
-VSE_MODES = ("overlap", "disjoint")
 SIZINGS = ("additive", "carved")
 
 
@@ -181,11 +181,6 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
             f"UoE virtual shared expert width {routing * moe.num_experts} (num_experts x routing neurons) "
             f"is not divisible by parallel.tensor={sizes.tensor}"
         )
-    if moe.score not in SCORES or moe.vse_mode not in VSE_MODES:
-        raise ConfigError(
-            f"model.moe.score={moe.score!r} / vse_mode={moe.vse_mode!r}: choose score {'|'.join(SCORES)} "
-            f"and vse_mode {'|'.join(VSE_MODES)}"
-        )
 
 
 def activations(cfg: ModelConfig, layout: ActivationLayout) -> float:
@@ -206,8 +201,17 @@ def activations(cfg: ModelConfig, layout: ActivationLayout) -> float:
     return routed / tensor + dispatch_activations(cfg)
 
 
+def signature(cfg: ModelConfig) -> dict:
+    """What fixes the layers: the routing and rest neurons as built (routing_neurons=0 and
+    shared_hidden_size / num_experts, or carved and additive sizing, can spell the same layer)."""
+    moe = cfg.moe
+    return {"moe.num_experts": moe.num_experts, "moe.top_k": moe.top_k, "moe.moe_layers": moe.moe_layers,
+            "moe.routing_neurons": moe.resolved_routing_neurons(), "moe.rest_neurons": moe.rest_neurons(),
+            "moe.score": moe.score, "moe.vse_mode": moe.vse_mode}
+
+
 register_mlp(MLPKind(
     name="uoe", module=UnionOfExperts, params=params, expert_params=rest_params, routed=True,
     activations=activations,
-    applies_to=is_sparse_layer, validate=validate, hf_remote=True,
+    applies_to=is_sparse_layer, validate=validate, hf_remote=True, sections=("moe",), signature=signature,
 ))
