@@ -31,7 +31,7 @@ from pretrain.config import ConfigError, load_config  # noqa: E402
 def torchrun_command(nproc: int, config: str | None, overrides: list[str], port: int,
                      module: str = "pretrain.train") -> list[str]:
     cmd = [sys.executable, "-m", "launch.torchrun", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=is_host=1",  # one machine
            # Forward the time-limit signal to the workers and give them time to save.
            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
            "-m", module]
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     entry = entry_point(args.post)
     overrides = args.overrides
     try:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc}: give at least 1 process")
         if args.single_gpu:
             if not args.config:
                 raise ConfigError("--single-gpu reads the layout from a config's header: name the config")

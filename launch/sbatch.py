@@ -69,6 +69,16 @@ def check_sbatch_arg(extra: str, args: argparse.Namespace) -> None:
                       f"for that value; {how}")
 
 
+def gres_gpu_count(option: str) -> int | None:
+    """GPUs per node a --gres option asks for (gpu:8, gpu:a100:8, gpu alone: 1); None: no GPU in it."""
+    for item in re.split(r"[=\s]", option, maxsplit=1)[-1].split(","):
+        parts = item.strip().split(":")
+        if parts[0] == "gpu":
+            count = parts[-1] if len(parts) > 1 else "1"
+            return int(count) if count.isdigit() else 1  # gpu:a100 is one of that type
+    return None
+
+
 def sbatch_lines(args: argparse.Namespace) -> list[str]:
     """#SBATCH lines of the cluster flags both submit commands take (GPUs, partition, account, ...)."""
     lines = []
@@ -76,8 +86,12 @@ def sbatch_lines(args: argparse.Namespace) -> list[str]:
         raise SubmitError(f"--cpus-per-task {args.cpus_per_task} must be >= 1")
     for extra in args.sbatch_arg:
         check_sbatch_arg(extra, args)
-    gres = any(re.match(r"--gres[=\s]", extra) for extra in args.sbatch_arg)
-    if args.gpus_per_node and not gres:  # --sbatch-arg=--gres=gpu:G asks for them where that is the way
+    gres_gpus = [gres_gpu_count(extra) for extra in args.sbatch_arg if re.match(r"--gres[=\s]", extra)]
+    gres_gpus = [count for count in gres_gpus if count is not None]
+    if args.gpus_per_node and any(count != args.gpus_per_node for count in gres_gpus):
+        raise SubmitError(f"--sbatch-arg --gres asks for {gres_gpus[0]} GPUs per node, but --gpus-per-node "
+                          f"{args.gpus_per_node} starts that many processes on each: make them equal")
+    if args.gpus_per_node and not gres_gpus:  # --sbatch-arg=--gres=gpu:G asks for them where that is the way
         lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
     for flag in ("partition", "account", "qos", "constraint", "cpus_per_task"):
         value = getattr(args, flag)

@@ -1,7 +1,8 @@
 """Helpers the Slurm batch script (slurm/train.sbatch) calls, and the run-directory files they share
 with launch.submit and launch.status.
 
-    python -m launch.slurm_job decide RUN_DIR --rc RC --received USR1|TERM| --restarts N --max-requeues M
+    python -m launch.slurm_job decide RUN_DIR --rc RC --received USR1|TERM| --restarts N --max-requeues M \
+        [--started 0|1]
 
 prints one word for the batch script:
     requeue  the run saved on the time-limit signal (USR1) and may be requeued again
@@ -41,8 +42,24 @@ def configured_steps(run_dir: Path) -> int | None:
     return None
 
 
-def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: int) -> tuple[str, str]:
-    """(action, reason) after the training step of one job run returned `rc`."""
+def job_ids(run_dir: Path) -> list[str]:
+    """The run's jobs, oldest first (launch.submit and the batch script both record a job's id)."""
+    path = Path(run_dir) / JOB_IDS
+    return list(dict.fromkeys(path.read_text().split())) if path.is_file() else []
+
+
+def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: int,
+           started: bool = True) -> tuple[str, str]:
+    """(action, reason) after the training step of one job run returned `rc` (or, with a signal
+    before it, was never started)."""
+    if not started:  # nothing was trained, so nothing is lost: as after a save on that signal
+        if received != "USR1":
+            return "stopped", f"SIG{received} before the training step started: not requeueing"
+        if restarts >= max_requeues:
+            return "stopped", (f"SIGUSR1 (time limit) before the training step started, but the job was "
+                               f"requeued {restarts} times (max {max_requeues})")
+        return "requeue", (f"SIGUSR1 (time limit) before the training step started: requeue {restarts + 1} of "
+                           f"at most {max_requeues}; give the job more --time than --signal-seconds plus its start")
     marker = read_stop_marker(run_dir)
     if marker is not None:
         # The batch shell knows why it was signalled; a signal sent straight to the step is only
@@ -73,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--received", default="", help="signal the batch shell got (USR1, TERM) or empty")
     d.add_argument("--restarts", type=int, default=0, help="SLURM_RESTART_COUNT")
     d.add_argument("--max-requeues", type=int, default=0)
+    d.add_argument("--started", type=int, default=1, help="0: a signal came before the training step started")
     args = parser.parse_args(argv)
-    action, reason = decide(args.run_dir, args.rc, args.received, args.restarts, args.max_requeues)
+    action, reason = decide(args.run_dir, args.rc, args.received, args.restarts, args.max_requeues,
+                            bool(args.started))
     print(f"[slurm_job] {action}: {reason}", file=sys.stderr, flush=True)
     print(action)
     return 0

@@ -3,9 +3,9 @@
     python -m launch.status runs/1b_uoe
     python -m launch.status runs/1b_uoe --json
 
-The job id comes from RUN_DIR/slurm_job_ids.txt (written by launch.submit). Its state is asked from
-`scontrol show job`, then squeue (Slurm forgets finished jobs after MinJobAge), then sacct (needs
-accounting storage); the requeue count from scontrol's Restarts= or, once Slurm forgot the job, from
+The job id comes from RUN_DIR/slurm_job_ids.txt (written by launch.submit and by the job itself,
+when it was submitted with plain sbatch). Its state is asked from `scontrol show job`, then squeue
+(Slurm forgets finished jobs after MinJobAge), then sacct (needs accounting storage); the requeue count from scontrol's Restarts= or, once Slurm forgot the job, from
 RUN_DIR/slurm_history.log, which the batch script appends at every start and end.
 """
 
@@ -32,11 +32,6 @@ def _run(cmd: list[str]) -> str | None:
     except subprocess.TimeoutExpired:
         return None
     return res.stdout if res.returncode == 0 else None
-
-
-def job_ids(run_dir: Path) -> list[str]:
-    path = run_dir / slurm_job.JOB_IDS
-    return path.read_text().split() if path.is_file() else []
 
 
 def slurm_state(job: str) -> dict:
@@ -98,7 +93,7 @@ def progress(run_dir: Path) -> dict:
 
 def status(run_dir: Path) -> dict:
     run_dir = run_dir.resolve()
-    ids = job_ids(run_dir)
+    ids = slurm_job.job_ids(run_dir)
     job = ids[-1] if ids else None
     info: dict = {"run_dir": str(run_dir), "job_id": job, "submissions": len(ids)}
     if job:

@@ -188,13 +188,10 @@ def render(cfg: Config, args: argparse.Namespace, procs: int, first_resume: str 
 
 def active_job(run_dir: Path) -> str | None:
     """A job id of this run dir that Slurm still has queued or running."""
-    ids_file = run_dir / slurm_job.JOB_IDS
-    if not ids_file.is_file() or shutil.which("squeue") is None:
+    ids = slurm_job.job_ids(run_dir)
+    if not ids or shutil.which("squeue") is None:
         return None
-    lines = ids_file.read_text().split()
-    if not lines:
-        return None
-    job = lines[-1]
+    job = ids[-1]
     try:
         res = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
@@ -245,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     except SubmitError as err:
         print(f"error: {err}\nnothing was submitted", file=sys.stderr)
         return 2
-    with open(run_dir / slurm_job.JOB_IDS, "a") as f:
-        f.write(job_id + "\n")
+    if slurm_job.job_ids(run_dir)[-1:] != [job_id]:  # the job may have started and recorded itself
+        with open(run_dir / slurm_job.JOB_IDS, "a") as f:
+            f.write(job_id + "\n")
     print(f"submitted job {job_id}: {args.nodes} nodes x {procs} processes, run dir {run_dir}")
     print(f"log:         {run_dir / slurm_job.LOG}")
     print(f"status:      python -m launch.status {run_dir}")

@@ -13,6 +13,7 @@ sends them directly), and the shutdown timeout still bounds the wait.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing import api as _mp_api
@@ -33,7 +34,32 @@ if _stock_handler is not None:  # torch registers the module attribute when the 
     _mp_api._terminate_process_handler = _first_signal_only
 
 
+def with_store_host(argv: list[str], node_id: str | None) -> list[str]:
+    """The agent's arguments with the c10d store's host said outright under Slurm: the first node
+    (SLURM_NODEID 0, the node the batch script takes the rendezvous address from) hosts it. torch
+    otherwise guesses by whether the endpoint is one of this machine's addresses, which fails for
+    the address of a second interface (no node hosts: every agent times out) and for a loopback
+    one (every node hosts its own store and waits alone)."""
+    if node_id is None:
+        return argv
+    is_host = f"is_host={int(node_id == '0')}"
+    out, i = list(argv), 0
+    while i < len(out) and out[i] not in ("-m", "--module") and not out[i].endswith(".py"):  # its options
+        option, _, value = out[i].partition("=")
+        if option in ("--rdzv-conf", "--rdzv_conf"):
+            if not value and i + 1 < len(out):
+                i += 1
+                option, value = "", out[i]
+            if "is_host=" in value:
+                return argv  # given: left as it is
+            out[i] = f"{option}={value},{is_host}" if option else f"{value},{is_host}"
+            return out
+        i += 1
+    return [f"--rdzv-conf={is_host}", *out]
+
+
 if __name__ == "__main__":
+    sys.argv[1:] = with_store_host(sys.argv[1:], os.environ.get("SLURM_NODEID"))
     try:
         sys.exit(_torchrun_main())
     except _mp_api.SignalException as stop:  # the workers had the signal and --shutdown-timeout to save

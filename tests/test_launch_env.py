@@ -31,6 +31,25 @@ def test_torchrun_variables_win_over_slurm():
     assert layout == {"rank": 1, "world_size": 2, "local_rank": 1, "local_world_size": 2}
 
 
+def test_under_slurm_the_first_node_hosts_the_rendezvous_store():
+    """torch guesses the c10d store's host from the endpoint address, wrongly for a second
+    interface's address or a loopback one: the agent of SLURM_NODEID 0 is told it hosts, the others
+    that they do not, inside any --rdzv-conf given (an is_host given stays)."""
+    from launch.torchrun import with_store_host
+
+    agent = ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29500", "-m", "pretrain.train"]
+    assert with_store_host(agent, "0") == ["--rdzv-conf=is_host=1", *agent]
+    assert with_store_host(agent, "3") == ["--rdzv-conf=is_host=0", *agent]
+    assert with_store_host(agent, None) == agent  # not under Slurm: torch's own rule
+    spaced = ["--nnodes", "2", "--rdzv-conf", "read_timeout=8", "-m", "x", "--rdzv-conf=y"]
+    assert with_store_host(spaced, "1") == ["--nnodes", "2", "--rdzv-conf", "read_timeout=8,is_host=0", "-m", "x",
+                                            "--rdzv-conf=y"]  # the script's own arguments untouched
+    assert with_store_host(["--rdzv_conf=timeout=9", "train.py"], "0") == ["--rdzv_conf=timeout=9,is_host=1",
+                                                                           "train.py"]
+    given = ["--rdzv-conf=is_host=1", "-m", "x"]
+    assert with_store_host(given, "1") == given
+
+
 def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_path, capsys):
     from launch.layouts import read_layouts
     from launch.local import main as local_main
@@ -137,3 +156,7 @@ def test_a_job_that_reached_stop_at_step_is_done_whatever_its_exit_code(tmp_path
     assert decide(tmp_path / "stopped", 1, "USR1", 0, 3)[0] == "done"
     assert decide(tmp_path / "short", 1, "USR1", 0, 3)[0] == "failed"
     assert decide(tmp_path / "short", 0, "", 0, 3)[0] == "done"
+    # A signal before the training step started: nothing was lost, the time limit requeues.
+    assert decide(tmp_path / "short", 0, "USR1", 0, 3, started=False)[0] == "requeue"
+    assert decide(tmp_path / "short", 0, "USR1", 3, 3, started=False)[0] == "stopped"
+    assert decide(tmp_path / "short", 0, "TERM", 0, 3, started=False)[0] == "stopped"

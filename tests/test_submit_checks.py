@@ -56,13 +56,18 @@ def test_submit_checks_the_command_line_before_the_config(tmp_path, capsys):
                      "--time", "00:10:00", f"--sbatch-arg={extra}", "--dry-run"])
         assert code == 2 and message in capsys.readouterr().err, extra
     # --gres in place of --gpus-per-node's request, where a cluster takes only that.
-    from launch.sbatch import sbatch_lines
+    from launch.sbatch import SubmitError, sbatch_lines
 
     gpus = argparse.Namespace(gpus_per_node=8, partition=None, account=None, qos=None, constraint=None,
                               cpus_per_task=None, exclusive=False, sbatch_arg=["--gres=gpu:8", "--mem=0"])
     assert sbatch_lines(gpus) == ["#SBATCH --gres=gpu:8", "#SBATCH --mem=0"]
     gpus.sbatch_arg = ["--mem=0"]
     assert sbatch_lines(gpus) == ["#SBATCH --gpus-per-node=8", "#SBATCH --mem=0"]
+    gpus.sbatch_arg = ["--gres=nvme:1"]  # no GPU among them: --gpus-per-node still asks
+    assert sbatch_lines(gpus) == ["#SBATCH --gpus-per-node=8", "#SBATCH --gres=nvme:1"]
+    gpus.sbatch_arg = ["--gres=nvme:1,gpu:h100:4"]  # 8 processes on 4 GPUs
+    with pytest.raises(SubmitError, match="--gres asks for 4 GPUs per node, but --gpus-per-node 8"):
+        sbatch_lines(gpus)
 
 
 def test_submit_makes_every_path_absolute_and_refuses_plugins_of_the_current_directory(

@@ -321,8 +321,12 @@ def test_time_limit_requeue_preemption_and_crash_resume(cluster, data, config, r
     partial = [d.name for d in ckpt.glob("step_*") if not (d / "COMPLETE").exists()]
     print(f"killed rank 1 {moment}: complete checkpoints {complete_steps(run_dir)}, partial {partial}")
 
-    # 4. Resubmitted again: resumes from the newest complete checkpoint, never a partial one.
-    job = submit(config, run_dir, data, jobs)
+    # 4. Resubmitted again, with plain sbatch: resumes from the newest complete checkpoint, never a
+    #    partial one, and the job records itself for launch.status.
+    res = run_cli(["sbatch", "--parsable", str(run_dir / "train.sbatch")])
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    jobs.append(job)
     info = wait_finished(job, run_dir)
     assert info["JobState"] == "COMPLETED", f"{info}\n{log_tail(run_dir)}"
     last_run = log_text(run_dir).split(f"job {job} restart 0")[-1]
@@ -333,4 +337,5 @@ def test_time_limit_requeue_preemption_and_crash_resume(cluster, data, config, r
     assert {s for s, _ in got} == set(range(1, STEPS + 1))
     for step, loss in got:  # every logged loss, including the steps redone after the crash
         assert loss == want[step], (step, loss, want[step])
-    assert status_json(run_dir)["latest_checkpoint_step"] == STEPS
+    status = status_json(run_dir)
+    assert status["latest_checkpoint_step"] == STEPS and status["job_id"] == job and status["submissions"] == 3
