@@ -45,19 +45,31 @@ def inherit_chat_format(post, trained_with: dict | None) -> list[str]:
     post-trained with (its meta's posttrain.chat), so that DPO or SGA after SFT renders examples as
     SFT did without restating the format. Returns a line per key taken, and per key set otherwise
     that differs from the checkpoint's."""
-    default, lines = ChatFormat(), []
     trained_with = {**LEGACY_CHAT, **trained_with} if trained_with else {}
-    for key, theirs in trained_with.items():
-        mine = getattr(post, key, theirs)
-        if mine == theirs or not hasattr(default, key):
+    keys = {key: key for key in trained_with if key in ChatFormat.__dataclass_fields__}
+    return inherit_settings(post, trained_with, keys, "chat format")
+
+
+def inherit_settings(post, recorded: dict, keys: dict[str, str], what: str) -> list[str]:
+    """Set each post key left at its default (keys: recorded name -> post key) to the value the
+    start checkpoint recorded. Returns a line per key taken, and per key set otherwise that differs."""
+    lines = []
+    for name, key in keys.items():
+        if name not in recorded:
             continue
-        if mine == getattr(default, key):
+        theirs, mine = recorded[name], getattr(post, key)
+        if mine == theirs:
+            continue
+        if mine == type(post).__dataclass_fields__[key].default:
             setattr(post, key, theirs)
-            lines.append(f"post.{key}={theirs!r}: the start checkpoint's chat format")
+            lines.append(f"post.{key}={theirs!r}: the start checkpoint's {what}")
         else:
-            lines.append(f"post.{key}={mine!r} differs from the start checkpoint's {theirs!r}, the format it "
+            lines.append(f"post.{key}={mine!r} differs from the start checkpoint's {theirs!r}, the {what} it "
                          "was trained with")
     return lines
+
+
+SCORE_KEYS = {"prefix": "score_prefix", "item": "score_item", "joiner": "score_joiner", "decimals": "score_decimals"}
 
 
 @dataclass(frozen=True)

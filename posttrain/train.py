@@ -24,12 +24,13 @@ import torch  # noqa: E402
 from data_prep.readers import FileReadError  # noqa: E402
 from models.config import ConfigError  # noqa: E402
 from posttrain.batches import ExampleBatches, collate_pairs, collate_rows, fixed_batches  # noqa: E402
-from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat, inherit_chat_format  # noqa: E402
+from posttrain.chat import SCORE_KEYS, ChatEncoder, ChatFormat, ScoreFormat, inherit_chat_format, inherit_settings  # noqa: E402
 from posttrain.config import PostTrainConfig, example_length, validate_post  # noqa: E402
 from posttrain.examples import Examples  # noqa: E402
+from posttrain.value_head import VALUE_HEAD_KEYS  # noqa: E402
 from pretrain import checkpoint_format  # noqa: E402
 from pretrain.consolidate import run_config  # noqa: E402
-from pretrain.init_from import check_source  # noqa: E402
+from pretrain.init_from import check_source, state_file  # noqa: E402
 from pretrain.train import Task, main  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
@@ -95,16 +96,36 @@ class PostTrainTask(Task):
         start = Path(resumed["reference"]) if resumed.get("reference") else \
             check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
         self.reference = start
-        started = resumed or (checkpoint_format.read_meta(start).get("posttrain", {}) if start.is_dir() else {})
+        if start.is_dir():
+            start_run = run_config(start)
+            started = resumed or checkpoint_format.read_meta(start).get("posttrain", {})
+            start_bos = start_run is not None and start_run.data.start_with_bos
+        else:  # weights written by tools.consolidate: the chat format and BOS of their run
+            weights = state_file(start)
+            started, start_bos = resumed or weights.get("posttrain", {}), weights.get("start_with_bos")
         objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
         # (add_bos among them: the start checkpoint's tokenizer is this one, checked above)
         self.chat_notes = inherit_chat_format(cfg.post, started.get("chat"))
-        if not started.get("chat") and not cfg.post.add_bos and start.is_dir() and sp.bos_id() >= 0:
-            start_run = run_config(start)  # a pretrained (or imported) model whose samples began with BOS
-            if start_run is not None and start_run.data.start_with_bos:
-                cfg.post.add_bos = True
-                self.chat_notes.append("post.add_bos=True: the start checkpoint's run began its samples with BOS "
-                                       "(data.start_with_bos)")
+        if not started.get("chat") and not cfg.post.add_bos and start_bos and sp.bos_id() >= 0:
+            cfg.post.add_bos = True  # a pretrained (or imported) model whose samples began with BOS
+            self.chat_notes.append("post.add_bos=True: the start checkpoint's run began its samples with BOS "
+                                   "(data.start_with_bos)")
+        if not start.is_dir() and start_bos is None and not started:
+            self.chat_notes.append(f"train.init_from={start} records neither the chat format nor whether its "
+                                   "samples began with BOS (tools.consolidate writes both): the post.* keys apply "
+                                   "as given")
+        if cfg.post.method == "sga" and started.get("scores"):  # the conditioning text the model learned
+            self.chat_notes += inherit_settings(cfg.post, started["scores"], SCORE_KEYS, "score format")
+        if objectives:  # the value head goes on: its shape is the checkpoint's
+            recorded = started["value_head"]
+            self.chat_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_KEYS, "value head")
+            changed = [f"post.{key}={getattr(cfg.post, key)} (the head's {recorded[name]})"
+                       for name, key in VALUE_HEAD_KEYS.items()
+                       if name != "dropout" and getattr(cfg.post, key) != recorded[name]]
+            if changed:
+                raise ConfigError(f"{', '.join(changed)}: SGA goes on with the value head of {start}, which has "
+                                  "another shape; leave these keys out, or start a new head from the weights alone "
+                                  "(python -m tools.consolidate writes them)")
         encoder = ChatEncoder(sp, ChatFormat.from_config(cfg.post))
         try:
             self.train_data = Examples(cfg, cfg.post.data, encoder, objectives,

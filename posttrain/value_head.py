@@ -27,6 +27,9 @@ class ValueHead(nn.Module):
         return torch.sigmoid(self.mlp(self.dropout(last_hidden)).float())
 
 
+VALUE_HEAD_KEYS = {"layers": "value_head_layers", "width": "value_head_width", "dropout": "value_head_dropout"}
+
+
 def spec(hidden_size: int, objectives: list[str], post) -> dict:
     return {"hidden_size": hidden_size, "objectives": list(objectives), "layers": post.value_head_layers,
             "width": post.value_head_width, "dropout": post.value_head_dropout}

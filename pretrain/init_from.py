@@ -26,7 +26,7 @@ from pretrain.checkpoint_format import CheckpointError, global_expert_keys, read
 from pretrain.consolidate import as_float32, describe_layout, merge_tensor_parallel, tensor_parallel_shards
 
 
-def _state_file(path: Path) -> dict:
+def state_file(path: Path) -> dict:
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     if not isinstance(state, dict) or not {"model", "state_dict"} <= set(state):
         raise CheckpointError(f"train.init_from={path}: a file must hold {{'model': ..., 'state_dict': ...}} "
@@ -41,7 +41,7 @@ def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
     """The source (tag directory or state file), checked (same model, tokenizer, every file
     present) before any process group or model exists."""
     if Path(path).is_file():
-        check_compatible({"model": _state_file(Path(path))["model"]}, model, None, Path(path), INIT_FIX)
+        check_compatible({"model": state_file(Path(path))["model"]}, model, None, Path(path), INIT_FIX)
         return Path(path)
     try:
         tag = resolve_checkpoint(path)
@@ -75,7 +75,7 @@ def load_weights(model: torch.nn.Module, tag: Path, optional: tuple[str, ...] = 
     dims = {names[k]: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False)
                        and getattr(p, "partition_dim", None) is not None else None) for k, p in params.items()}
     if tag.is_file():  # full TP=1 weights (tools.consolidate, tools.convert_lisa)
-        full = as_float32(_state_file(tag)["state_dict"])
+        full = as_float32(state_file(tag)["state_dict"])
     else:
         layout = describe_layout(tag, read_meta(tag))
         full = merge_tensor_parallel(tensor_parallel_shards(tag, layout), dims, full_shapes)

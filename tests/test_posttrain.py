@@ -454,10 +454,54 @@ def test_dpo_after_sft_renders_examples_in_the_format_sft_was_trained_with(files
     assert chat == {**sft, "assistant_prefix": "Bot: "}  # as trained, but for the key set here
     assert task.chat_notes == ["post.user_prefix='Human: ': the start checkpoint's chat format",
                                "post.assistant_prefix='Bot: ' differs from the start checkpoint's 'AI: ', "
-                               "the format it was trained with",
+                               "the chat format it was trained with",
                                "post.turn_end='\\n\\n': the start checkpoint's chat format"]
     sp, _ = load_tokenizer(tok_dir)
     assert "Human: " in sp.decode(task.train_data.units[0].chosen.ids.tolist())
+    # Weights written by tools.consolidate carry the format (and the run's BOS) too.
+    from tools.consolidate import main as consolidate
+
+    assert consolidate(["--checkpoint", str(tag), "--out", str(tmp_path / "sft.pt")]) == 0
+    cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [
+        f"data.tokenizer={tok_dir}", f"post.data={files / 'pref.jsonl'}", "post.method=dpo",
+        f"train.init_from={tmp_path / 'sft.pt'}", f"run.dir={tmp_path / 'dpo_file'}"], PostTrainConfig)
+    task = PostTrainTask()
+    task.check(cfg, 1)
+    assert task.meta(cfg)["posttrain"]["chat"] == sft
+
+
+def test_sga_after_sga_takes_the_score_format_and_the_value_head_shape(files, tok_dir, tmp_path):
+    """SGA from an SGA checkpoint goes on with its value head: the score text and the head's shape
+    left at their defaults are the checkpoint's, and a head shape set otherwise is refused before
+    anything is built."""
+    from models.config import ConfigError
+    from posttrain.chat import ChatFormat
+    from posttrain.config import PostTrainConfig
+    from posttrain.train import PostTrainTask
+    from pretrain.checkpoint import save_weights_run
+    from pretrain.config import load_config
+
+    scores = {"prefix": "\nTargets: ", "item": "[{name}={value}]", "joiner": ", ", "decimals": 2}
+    head = {"hidden_size": int(MODEL["model.hidden_size"]), "objectives": ["length", "keyword"], "layers": 1,
+            "width": 16, "dropout": 0.0}
+    pretrained = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}"])
+    with single_process_group():
+        tag = save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "sga",
+                               {"posttrain": {"chat": ChatFormat().__dict__, "scores": scores, "value_head": head}})
+    args = [f"{k}={v}" for k, v in MODEL.items()] + [
+        f"data.tokenizer={tok_dir}", f"post.data={files / 'pref.jsonl'}", "post.method=sga",
+        f"train.init_from={tag}", f"run.dir={tmp_path / 'again'}"]
+    task = PostTrainTask()
+    cfg = load_config(None, args, PostTrainConfig)
+    task.check(cfg, 1)
+    meta = task.meta(cfg)["posttrain"]
+    assert meta["scores"] == scores and meta["value_head"] == head
+    from data_prep.tokenizer import load_tokenizer
+
+    assert "Targets: [length=" in load_tokenizer(tok_dir)[0].decode(task.train_data.units[0].chosen.ids.tolist())
+    with pytest.raises(ConfigError, match=r"post.value_head_width=32 \(the head's 16\): SGA goes on with the value "
+                                          "head of"):
+        PostTrainTask().check(load_config(None, args + ["post.value_head_width=32"], PostTrainConfig), 1)
 
 
 def build_gpt(cfg):

@@ -3,7 +3,9 @@ state dict, keyed like the model at tensor- and expert-parallel size 1.
 
     python -m tools.consolidate --checkpoint RUN_DIR[/checkpoints/TAG] --out weights.pt
 
-The file holds {"model": the model config, "state_dict": ..., "step": ..., "checkpoint": ...}:
+The file holds {"model": the model config, "state_dict": ..., "step": ..., "checkpoint": ...,
+"start_with_bos": whether the run's samples began with BOS, "posttrain": {"chat": ...} after
+post-training (the chat format; a value head is left out)}:
 `train.init_from=weights.pt` starts a run from it at any layout, and torch.load reads it without
 this framework.
 """
@@ -16,7 +18,7 @@ import torch
 
 from pretrain.checkpoint import torch_save_atomic
 from pretrain.checkpoint_format import resolve_checkpoint
-from pretrain.consolidate import load_model
+from pretrain.consolidate import load_model, run_config
 from tools.cli import ToolError, argument_parser, check_out_file, reports_errors, run
 
 
@@ -34,8 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg, meta = load_model(args.checkpoint)
     state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     out.parent.mkdir(parents=True, exist_ok=True)
+    run = run_config(resolve_checkpoint(args.checkpoint))
+    # What post-training starting from the file begins its examples with (unknown without the run's config).
+    carried = {"start_with_bos": run.data.start_with_bos} if run is not None else {}
+    if "chat" in meta.get("posttrain", {}):
+        carried["posttrain"] = {"chat": meta["posttrain"]["chat"]}  # not the value head: heads stay out
     torch_save_atomic({"model": meta["model"], "state_dict": state, "step": meta.get("step"),
-                       "checkpoint": meta["checkpoint"]}, out)
+                       "checkpoint": meta["checkpoint"], **carried}, out)
     print(f"wrote {out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters, "
           f"step {meta.get('step')} of {meta['checkpoint']}")
     return 0
