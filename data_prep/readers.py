@@ -243,6 +243,14 @@ def read_jsonl_file(path: Path, text_field: str, report, lines: tuple[int, int, 
             yield Document(text, where)
 
 
+def parquet_errors() -> tuple[type[BaseException], ...]:
+    """What pyarrow raises on a corrupt file: ArrowInvalid is a ValueError, but other Arrow errors
+    (ArrowNotImplementedError on some damaged footers) are neither that nor an OSError."""
+    import pyarrow as pa
+
+    return OSError, ValueError, pa.ArrowException
+
+
 UNDECODABLE = object()  # a Parquet value pyarrow cannot turn into Python (a string that is not UTF-8)
 
 
@@ -271,7 +279,7 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
 
         try:
             pf = pq.ParquetFile(path)
-        except (OSError, ValueError) as e:
+        except parquet_errors() as e:
             check_io(e, path, report)
             report.add(str(path), f"unreadable ({e})")
             return
@@ -284,7 +292,7 @@ def read_records(path: Path, report) -> Iterator[tuple[dict, str]]:
                         report.add(f"{path}:{row}", "not UTF-8")
                     else:  # every row has every column: a null one is a field this row does not have
                         yield {k: v for k, v in rec.items() if v is not None}, f"{path}:{row}"
-        except (OSError, ValueError) as e:
+        except parquet_errors() as e:
             check_io(e, path, report)
             report.add(f"{path}:{row + 1}", f"unreadable ({e})")
         return
@@ -304,11 +312,21 @@ def parquet_row_groups(path: Path) -> list[tuple[int, int]]:
 
     try:
         meta = pq.ParquetFile(path).metadata
-    except (OSError, ValueError):
+    except parquet_errors():
         return []
     return [(meta.row_group(i).num_rows,
              sum(meta.row_group(i).column(c).total_compressed_size for c in range(meta.num_columns)))
             for i in range(meta.num_row_groups)]
+
+
+def is_text(arrow_type) -> bool:
+    """Strings in any of Arrow's layouts: string, large_string, string_view, or dictionary-encoded
+    (what pandas writes for a categorical column)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
 
 
 def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[int] | None = None,
@@ -323,7 +341,7 @@ def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[
         # Without pre-buffering, pyarrow reads a column chunk in pieces, not whole: a file written as
         # one row group of gigabytes stays in bounded memory.
         pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
-    except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) on a bad footer
+    except parquet_errors() as e:
         check_io(e, path, report)
         report.add(str(path), f"unreadable ({e})")
         return
@@ -332,19 +350,22 @@ def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[
         raise ValueError(f"{printable(str(path))} changed since the build was planned ({size} bytes in {groups} "
                          f"row groups then, {os.path.getsize(path)} in {pf.metadata.num_row_groups} now), so its "
                          "planned row groups no longer fit it: plan the build again (--overwrite)")
-    schema = pf.schema_arrow
-    if text_field not in schema.names:
-        report.add(str(path), f"no {text_field!r} column (columns: {', '.join(schema.names)})")
+    schema, rows = pf.schema_arrow, pf.metadata.num_rows
+    if text_field not in schema.names:  # every row of the file is lost: counted as that many
+        report.add(str(path), f"no {text_field!r} column (columns: {', '.join(schema.names)})", rows)
         return
-    if not (pa.types.is_string(schema.field(text_field).type) or pa.types.is_large_string(schema.field(text_field).type)):
-        report.add(str(path), f"column {text_field!r} is {schema.field(text_field).type}, not a string")
+    column_type = schema.field(text_field).type
+    if not is_text(column_type):
+        report.add(str(path), f"column {text_field!r} is {column_type}, not a string", rows)
         return
+    plain = pa.types.is_string(column_type) or pa.types.is_large_string(column_type)
     groups = range(pf.metadata.num_row_groups) if row_groups is None else row_groups
     for group in groups:
         first = row = sum(pf.metadata.row_group(g).num_rows for g in range(group))  # rows before this group
         try:
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[text_field]):
-                for text in _python_values(batch.column(0)):
+                texts = batch.column(0) if plain else batch.column(0).cast(pa.large_string())  # views, categories
+                for text in _python_values(texts):
                     row += 1
                     if text is UNDECODABLE:
                         report.add(f"{path}:{row}", "not UTF-8")
@@ -352,7 +373,7 @@ def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[
                         report.add(f"{path}:{row}", f"missing or non-string {text_field!r} field")
                     elif text:
                         yield Document(text, f"{path}:{row}")
-        except (OSError, ValueError) as e:
+        except parquet_errors() as e:
             check_io(e, path, report)
             lost = pf.metadata.row_group(group).num_rows - (row - first)  # its rows from here on
             report.add(f"{path}:{row + 1} (row group {group}, {lost} rows)", f"unreadable row group ({e})", lost)

@@ -478,6 +478,30 @@ def test_parquet_value_that_is_not_utf8_is_one_bad_record(tmp_path):
         {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "q", "response": "a"}]
 
 
+def test_parquet_text_in_every_string_layout_and_files_lost_whole_count_their_rows(tmp_path, monkeypatch):
+    """string_view and dictionary-encoded (pandas categorical) text columns are text; a file without
+    a text column counts each of its rows; any Arrow error on a damaged file is counted, not raised."""
+    values = ["hello", None, "", "world"]
+    for name, column in (("view", pa.array(values, pa.string_view())), ("dict", pa.array(values).dictionary_encode())):
+        pq.write_table(pa.table({"text": column}), tmp_path / f"{name}.parquet")
+        report = BadInputReport()
+        assert [d.text for d in iter_documents([tmp_path / f"{name}.parquet"], report=report)] == ["hello", "world"]
+        assert report.to_dict()["by_reason"] == {"missing or non-string 'text' field": 1}, name
+    pq.write_table(pa.table({"text": pa.array([1, 2, 3])}), tmp_path / "numbers.parquet")
+    report = BadInputReport()
+    assert list(iter_documents([tmp_path / "numbers.parquet"], report=report)) == []
+    assert report.count == 3 and report.examples == [f"{tmp_path / 'numbers.parquet'}: column 'text' is int64, "
+                                                     "not a string"]
+
+    def damaged(*args, **kwargs):
+        raise pa.lib.ArrowNotImplementedError("Integers with more than 64 bits not implemented")
+
+    monkeypatch.setattr(pq, "ParquetFile", damaged)
+    report = BadInputReport()
+    assert list(iter_documents([tmp_path / "view.parquet"], report=report)) == []
+    assert report.count == 1 and "more than 64 bits" in report.examples[0]
+
+
 def test_no_val_split_leaves_no_val_index(tmp_path, tok_dir):
     rng = random.Random(11)
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": make_text(rng, 6)}) for _ in range(30)) + "\n")
