@@ -37,6 +37,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import sys
 import time
@@ -68,6 +69,8 @@ TAIL_PART = "part-tails"  # samples packed from every part's leftover tokens, at
 # amortises its per-call cost, and the token arrays of a batch are built in one numpy call.
 BATCH_CHARS = 1 << 20
 BATCH_DOCS = 512
+PIECE_CHARS = 1 << 20  # a longer document is encoded in pieces (document_pieces)
+SINGLE_SPACE = re.compile(r"(?<=\S) (?=\S)")
 # Settings a part's output depends on; a plan made with other values is another build.
 PLAN_SETTINGS = ("sources", "text_field", "tokenizer", "tokenizer_sha256", "vocab_size", "seq_len", "val_fraction",
                  "seed", "compression", "shard_size_limit", "part_bytes", "dedup", "split_key")
@@ -146,18 +149,43 @@ def split_keys(part: P.Part, settings: dict) -> Callable[[str], str]:
     return key
 
 
-def _batches(docs, split_of: Callable[[str], str]) -> Iterator[tuple[list[str], list[str]]]:
-    """Group documents into (texts, splits) batches for one encode call."""
-    texts, splits, chars = [], [], 0
+def document_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """A document as pieces of about `size` characters, so that a long one is encoded a piece at a
+    time (SentencePiece's ids of a whole 1 GiB file would take tens of GB). Each cut lies just
+    before a single space between words in the piece's last quarter where there is one:
+    SentencePiece starts a token there anyway, so the ids are those of the whole text (a tokenizer
+    with a dummy prefix adds one token at each cut); else before a newline, else anywhere."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        end = start + size
+        window = end - size // 4
+        spaces = [m.start() for m in SINGLE_SPACE.finditer(text, window, end)]
+        cut = spaces[-1] if spaces else text.rfind("\n", window, end)
+        if cut <= start:
+            cut = end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _batches(docs, split_of: Callable[[str], str]) -> Iterator[tuple[list[str], list[str], list[bool]]]:
+    """Group documents into (texts, splits, ends) batches for one encode call; a long document comes
+    as several texts, `ends` true at its last (which takes the EOS)."""
+    texts, splits, ends, chars = [], [], [], 0
     for doc in docs:
-        texts.append(doc.text)
-        splits.append(split_of(doc.origin))
-        chars += len(doc.text)
-        if chars >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
-            yield texts, splits
-            texts, splits, chars = [], [], 0
+        split = split_of(doc.origin)
+        pieces = document_pieces(doc.text)
+        for i, piece in enumerate(pieces):
+            texts.append(piece)
+            splits.append(split)
+            ends.append(i == len(pieces) - 1)
+            chars += len(piece)
+            if chars >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
+                yield texts, splits, ends
+                texts, splits, ends, chars = [], [], [], 0
     if texts:
-        yield texts, splits
+        yield texts, splits, ends
 
 
 # --- planning -------------------------------------------------------------------
@@ -289,10 +317,11 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
     def split_of(origin: str) -> str:
         return assign_split(key(origin), s["seed"], s["val_fraction"])
 
-    for texts, splits in _batches(docs, split_of):
+    for texts, splits, ends in _batches(docs, split_of):
         ids = sp.encode(texts, num_threads=1)  # one thread: the parallelism is across parts
-        for x in ids:
-            x.append(eos)
+        for x, end in zip(ids, ends):
+            if end:
+                x.append(eos)
         for split in SPLITS:
             chosen = [x for x, where in zip(ids, splits) if where == split]
             if not chosen:
@@ -300,13 +329,13 @@ def build_part(out_dir: Path, plan: dict, part: P.Part, sp, on_batch: Callable[[
             n = sum(map(len, chosen))
             flat = np.fromiter(itertools.chain.from_iterable(chosen), dtype=dtype, count=n)
             st = stats[split]
-            st["documents"] += len(chosen)
+            st["documents"] += sum(end for end, where in zip(ends, splits) if where == split)
             st["tokens"] += n
             for sample in packers[split].add(flat):
                 writers[split].write({"tokens": sample})
                 st["samples"] += 1
         if on_batch is not None:
-            on_batch(len(texts), sum(map(len, ids)))
+            on_batch(sum(ends), sum(map(len, ids)))
     for w in writers.values():
         w.finish()
     for split in SPLITS:

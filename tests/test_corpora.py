@@ -502,6 +502,26 @@ def test_parquet_text_in_every_string_layout_and_files_lost_whole_count_their_ro
     assert report.count == 1 and "more than 64 bits" in report.examples[0]
 
 
+def test_a_long_document_is_encoded_in_pieces_with_the_ids_of_the_whole(tok_dir):
+    """A long text is cut just before spaces (else newlines, else anywhere) into pieces whose ids,
+    joined, are the whole text's; the document's last piece alone takes the EOS."""
+    from data_prep.readers import Document
+
+    sp, _ = load_tokenizer(tok_dir)
+    rng = random.Random(3)
+    text = "\n".join(make_text(rng, 30) for _ in range(20))
+    pieces = bs.document_pieces(text, size=200)
+    assert "".join(pieces) == text and len(pieces) > 10
+    assert all(len(p) <= 200 for p in pieces) and all(p.startswith(" ") for p in pieces[1:])
+    assert [t for p in pieces for t in sp.encode(p)] == sp.encode(text)
+    assert bs.document_pieces("x" * 450, size=200) == ["x" * 200, "x" * 200, "x" * 50]  # no space: anywhere
+    assert bs.document_pieces("ab\ncd" * 60, size=100)[0].endswith("ab")  # a newline where no space is
+    docs = [Document("short one", "a"), Document("word " * 500_000, "b")]  # 2.5M characters: 3 pieces
+    batches = list(bs._batches(docs, lambda origin: "train"))
+    texts, ends = [t for b in batches for t in b[0]], [e for b in batches for e in b[2]]
+    assert "".join(texts) == "short one" + "word " * 500_000 and ends == [True, False, False, True]
+
+
 def test_no_val_split_leaves_no_val_index(tmp_path, tok_dir):
     rng = random.Random(11)
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": make_text(rng, 6)}) for _ in range(30)) + "\n")
