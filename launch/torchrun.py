@@ -9,15 +9,52 @@ whenever one stop reaches the agent twice: a preemption or `scancel --signal` si
 of the step, srun forwards what it receives, and the batch script forwards what it traps. Here the
 agent ignores signals after the first; the workers still get the first one (and any signal Slurm
 sends them directly), and the shutdown timeout still bounds the wait.
+
+Before its workers start (importing torch, a multi-node rendezvous of minutes while slow nodes
+start) a handled signal stops the agent with exit code NOT_STARTED instead of killing it: nothing
+was trained, which the batch script tells apart from a failed step.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing import api as _mp_api
-from torch.distributed.run import main as _torchrun_main
+NOT_STARTED = 75
+_before_workers: list[int] = []
+
+
+def handled_signals(argv: list[str]) -> list[signal.Signals]:
+    """The signals of --signals-to-handle (torchrun's default where not given)."""
+    names = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module") or arg.endswith(".py"):
+            break
+        if arg.startswith(("--signals-to-handle=", "--signals_to_handle=")):
+            names = arg.split("=", 1)[1]
+        elif arg in ("--signals-to-handle", "--signals_to_handle") and i + 1 < len(argv):
+            names = argv[i + 1]
+    return [getattr(signal, name.strip()) for name in names.split(",") if hasattr(signal, name.strip())]
+
+
+def _stop_before_workers(signum, frame) -> None:
+    """The agent's handler until torch registers its own as the workers start: records the signal
+    and, once the agent runs, raises torch's SignalException there (it then shuts down cleanly)."""
+    _before_workers.append(signum)
+    agent_api = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
+    if _started_agent and agent_api is not None:
+        raise agent_api.SignalException(f"Process {os.getpid()} got signal {signum} before its workers started",
+                                        sigval=signal.Signals(signum))
+
+
+_started_agent = False
+if __name__ == "__main__":  # first of all, before the imports of torch (seconds)
+    for _handled in handled_signals(sys.argv[1:]):
+        signal.signal(_handled, _stop_before_workers)
+
+from torch.distributed.elastic.multiprocessing import api as _mp_api  # noqa: E402
+from torch.distributed.run import main as _torchrun_main  # noqa: E402
 
 _first: list[int] = []
 _stock_handler = getattr(_mp_api, "_terminate_process_handler", None)
@@ -60,8 +97,18 @@ def with_store_host(argv: list[str], node_id: str | None) -> list[str]:
 
 if __name__ == "__main__":
     sys.argv[1:] = with_store_host(sys.argv[1:], os.environ.get("SLURM_NODEID"))
+    if _before_workers:  # while torch was imported
+        print(f"torchrun agent: stopped on signal {signal.Signals(_before_workers[0]).name} before its workers "
+              "started", file=sys.stderr)
+        sys.exit(NOT_STARTED)
+    _started_agent = True
     try:
         sys.exit(_torchrun_main())
-    except _mp_api.SignalException as stop:  # the workers had the signal and --shutdown-timeout to save
+    except _mp_api.SignalException as stop:
+        if _before_workers:
+            print(f"torchrun agent: stopped on signal {stop.sigval.name} before its workers started",
+                  file=sys.stderr)
+            sys.exit(NOT_STARTED)
+        # the workers had the signal and --shutdown-timeout to save
         print(f"torchrun agent: stopped on signal {stop.sigval.name} after the workers' shutdown", file=sys.stderr)
         sys.exit(128 + int(stop.sigval))

@@ -50,6 +50,39 @@ def test_under_slurm_the_first_node_hosts_the_rendezvous_store():
     assert with_store_host(given, "1") == given
 
 
+def test_a_signal_before_the_workers_start_stops_the_agent_with_its_own_code(tmp_path):
+    """A time-limit signal while the agent waits in a two-node rendezvous (or imports torch) stops it
+    with launch.torchrun.NOT_STARTED, which the batch script reads as a step never started; without
+    the agent's early handler the signal killed it (exit 138, read as a failure)."""
+    import signal
+    import time
+
+    from launch.torchrun import NOT_STARTED
+    from tests.dist_utils import child_env, free_port
+
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    agent = subprocess.Popen([sys.executable, "-m", "launch.torchrun", "--nnodes=2", "--nproc-per-node=1",
+                              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=early",
+                              "--signals-to-handle=SIGTERM,SIGUSR1", str(script)],
+                             cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        usr1 = 1 << (signal.SIGUSR1 - 1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the handler is in place once the process catches SIGUSR1
+            caught = [line for line in open(f"/proc/{agent.pid}/status") if line.startswith("SigCgt:")]
+            if caught and int(caught[0].split()[1], 16) & usr1:
+                break
+            time.sleep(0.05)
+        time.sleep(2)
+        agent.send_signal(signal.SIGUSR1)
+        out = agent.communicate(timeout=120)[0]
+    finally:
+        agent.kill()
+    assert agent.returncode == NOT_STARTED, out[-2000:]
+    assert "torchrun agent: stopped on signal SIGUSR1 before its workers started" in out
+
+
 def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_path, capsys):
     from launch.layouts import read_layouts
     from launch.local import main as local_main
