@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
+STARTUP_MARGIN_S = 300  # what a multi-node start may take before the first step
+
+
 def check_args(args: argparse.Namespace, time_s: int) -> int:
     """Every check of the command line alone, before the config's (which imports torch and reads the
     data); returns the processes per node."""
@@ -205,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         procs = check_args(args, parse_time(args.time))
+        before_signal = parse_time(args.time) - args.signal_seconds
+        if before_signal < STARTUP_MARGIN_S:
+            print(f"note: --time leaves {before_signal} s before the time-limit signal (--signal-seconds "
+                  f"{args.signal_seconds}); a job whose start takes longer (a multi-node rendezvous, slow "
+                  "imports) requeues without training", file=sys.stderr)
         if not args.dry_run and shutil.which("sbatch") is None:
             raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
         cfg, first_resume = resolve_config(args, procs)

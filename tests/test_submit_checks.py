@@ -55,6 +55,10 @@ def test_submit_checks_the_command_line_before_the_config(tmp_path, capsys):
         code = main([str(tmp_path / "missing.yaml"), "--nodes", "1", "--cpu-procs-per-node", "1",
                      "--time", "00:10:00", f"--sbatch-arg={extra}", "--dry-run"])
         assert code == 2 and message in capsys.readouterr().err, extra
+    # A time limit hardly longer than the signal's lead: noted, as the job may requeue before training.
+    main([str(tmp_path / "missing.yaml"), "--nodes", "1", "--cpu-procs-per-node", "1", "--time", "00:08:00",
+          "--dry-run"])
+    assert "note: --time leaves 180 s before the time-limit signal" in capsys.readouterr().err
     # --gres in place of --gpus-per-node's request, where a cluster takes only that.
     from launch.sbatch import SubmitError, sbatch_lines
 
