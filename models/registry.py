@@ -85,8 +85,9 @@ class AttentionKind:
     llama: LlamaMapping | None = None  # Hugging Face export as Llama attention
     hf_remote: bool = False  # the bundled modeling file (models/hf) implements it
     # The config sections that fix what this kind's layers hold and compute (checkpoint compatibility:
-    # a model none of whose layers reads a section loads checkpoints whatever the section says) ...
-    sections: tuple[str, ...] = ()
+    # a model none of whose layers reads a section loads checkpoints whatever the section says; None:
+    # not declared, so a model with this kind compares every section) ...
+    sections: tuple[str, ...] | None = None
     # ... and, where only some of their keys do or a key can be spelled two ways, those keys resolved:
     # cfg -> {"section.key": value}; None: every key of the sections but the training-only ones.
     signature: Callable[[ModelConfig], dict] | None = None
@@ -108,7 +109,7 @@ class MLPKind:
     validate: Callable[[ModelConfig, ParallelSizes], None] | None = None
     llama: LlamaMapping | None = None
     hf_remote: bool = False
-    sections: tuple[str, ...] = ()  # as AttentionKind's
+    sections: tuple[str, ...] | None = None  # as AttentionKind's
     signature: Callable[[ModelConfig], dict] | None = None
     origin: str = ""
 
@@ -302,10 +303,14 @@ def validate_model(cfg: ModelConfig, sizes: ParallelSizes = ParallelSizes()) -> 
 def section_signature(cfg: ModelConfig, flat: dict) -> dict:
     """`flat` (the model's dotted keys) with each section that kinds declare replaced by what the
     kinds of this model read of it: left out where none of its layers does, narrowed to the keys a
-    kind's signature names. A section no kind declares stays whole."""
+    kind's signature names. A section no kind declares stays whole, and so does every section where
+    one of the model's kinds declares none (sections=None: it may read any)."""
     used = [attention_kind(name) for name in dict.fromkeys(cfg.attention_kinds())]
     used += [mlp_kind(name) for name in dict.fromkeys(cfg.mlp_kind(i) for i in range(cfg.num_layers))]
-    declared = {name for kind in [*attention_kinds().values(), *mlp_kinds().values()] for name in kind.sections}
+    if any(kind.sections is None for kind in used):
+        return dict(flat)
+    every_kind = [*attention_kinds().values(), *mlp_kinds().values()]
+    declared = {name for kind in every_kind for name in kind.sections or ()}
     out = dict(flat)
     for name in declared:
         readers = [kind for kind in used if name in kind.sections]

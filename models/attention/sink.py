@@ -90,5 +90,5 @@ register_attention(AttentionKind(
     activations=lambda cfg, layout: projected_activations(
         cfg, layout, stores_scores=not (layout.flash and flex_takes(cfg.head_dim))),
     score_family="softmax",  # a LISA layer after it applies plain softmax (the sink logit is not shared)
-    hf_remote=True,
+    hf_remote=True, sections=(),
 ))

@@ -90,5 +90,5 @@ register_attention(AttentionKind(
     name="softmax", letter="s", module=SoftmaxAttention, params=projected_params,
     # Flash kernels (bf16 on GPU) keep no scores.
     activations=lambda cfg, layout: projected_activations(cfg, layout, stores_scores=not layout.flash),
-    score_family="softmax", llama=LlamaMapping(to_llama, from_llama), hf_remote=True,
+    score_family="softmax", llama=LlamaMapping(to_llama, from_llama), hf_remote=True, sections=(),
 ))

@@ -36,5 +36,5 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 register_mlp(MLPKind(
     name="dense", module=lambda cfg, layer: SwiGLU(cfg), params=params,
     activations=lambda cfg, layout: swiglu_kept(layout.fused_swiglu) * cfg.ffn_hidden_size / layout.tensor,
-    validate=validate, llama=LlamaMapping(to_llama, from_llama), hf_remote=True,
+    validate=validate, llama=LlamaMapping(to_llama, from_llama), hf_remote=True, sections=(),
 ))
