@@ -34,6 +34,7 @@ import gc
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -124,21 +125,45 @@ def time_kind(kind: str, hidden: int, heads: int, seq: int, batch: int, repeats:
               documents: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> float:
     """Median seconds of one forward + backward (``documents``: attend within them, [batch, seq]); per
     layer for a chain."""
-    module, (x, q, k), ctx = layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
-    times = []
+    layer = layer_and_inputs(kind, hidden, heads, seq, batch, device, documents, dtype)
+    times = [one_step(layer, device) for _ in range(repeats + 1)][1:]  # the first call is warm-up
+    return statistics.median(times)
+
+
+def one_step(layer, device) -> float:
+    """Seconds of one forward + backward of layer_and_inputs' (module, inputs, ctx); per layer for a chain."""
+    module, (x, q, k), ctx = layer
+    inputs = ctx()  # outside the timed region: a model builds them once per forward for all layers
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    module(x, inputs).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    x.grad = q.grad = k.grad = None
+    module.zero_grad(set_to_none=True)
+    return seconds / getattr(module, "layers", 1)
+
+
+def time_in_turn(kinds: list[str], hidden: int, heads: int, seq: int, batch: int, repeats: int,
+                 device) -> dict[str, list[float]]:
+    """{kind: seconds of each repeat}, the kinds timed in turn within every repeat, so that a slow
+    stretch of a noisy machine falls on all of them alike (ratios are then taken per repeat)."""
+    layers = {k: layer_and_inputs(k, hidden, heads, seq, batch, device, None, torch.float32) for k in kinds}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(repeats + 1):
-        inputs = ctx()  # outside the timed region: a model builds them once per forward for all layers
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        module(x, inputs).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i:  # the first call is warm-up
-            times.append(time.perf_counter() - t0)
-        x.grad = q.grad = k.grad = None
-        module.zero_grad(set_to_none=True)
-    return statistics.median(times) / getattr(module, "layers", 1)
+        for k in kinds:
+            seconds = one_step(layers[k], device)
+            if i:  # the first round is warm-up
+                times[k].append(seconds)
+    return times
+
+
+def reference_kind(kind: str) -> str:
+    """What a kind is compared with: softmax_gqa for grouped-query kinds (_gqa, also before a _bs
+    block-size suffix), else softmax."""
+    return "softmax_gqa" if kind.partition("_bs")[0].endswith("_gqa") else "softmax"
 
 
 def kept_bytes(kind: str, hidden: int, heads: int, seq: int, batch: int, device,
@@ -186,11 +211,14 @@ def decode_ms_per_token(kind: str, hidden: int, heads: int, prompt: int, new_tok
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    sync()
-    t0 = time.perf_counter()
-    out = model(tokens[:, :prompt], use_cache=True)
-    sync()
-    prefill = time.perf_counter() - t0
+    prefills = []
+    for _ in range(2):  # the first: one-time costs (CUDA libraries, kernel compiles), not timed
+        sync()
+        t0 = time.perf_counter()
+        out = model(tokens[:, :prompt], use_cache=True)
+        sync()
+        prefills.append(time.perf_counter() - t0)
+    prefill = prefills[-1]
     cache, steps = out.past_key_values, []
     for i in range(prompt, prompt + new_tokens):
         t0 = time.perf_counter()
@@ -209,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default="attention_speed", help="the result file's name, OUT/NAME.json")
     args = parser.parse_args(argv)
     from pretrain.distributed import destroy_distributed, device, init_single_process
 
@@ -218,30 +247,37 @@ def main(argv: list[str] | None = None) -> int:
     kinds = args.kinds.split(",")
     name_width = max(16, *(len(k) + 1 for k in kinds))
     rows = []
+    missing = sorted({reference_kind(k) for k in kinds} - set(kinds))
+    if missing:
+        raise SystemExit(f"--kinds: add {', '.join(missing)}, the reference the ratios are taken against")
     print(f"attention forward+backward, batch {args.batch}, hidden {args.hidden}, heads {args.heads}, "
-          f"device {dev.type} ({torch.get_num_threads()} threads), median of {args.repeats}")
-    columns = "".join(f"{f'seq {s} ms':>14}{'x softmax':>10}{'kept MB':>9}" for s in seqs)
-    print(f"{'kind':<{name_width}}" + columns
-          + "   (_gqa kinds against softmax_gqa)")
-    results, kept = {k: {} for k in kinds}, {k: {} for k in kinds}
+          f"device {dev.type} ({torch.get_num_threads()} threads), {args.repeats} repeats with the kinds in turn; "
+          "median ms, and the median [range] of the per-repeat ratios")
+    columns = "".join(f"{f'seq {s} ms':>14}{'x softmax [range]':>22}{'kept MB':>9}" for s in seqs)
+    print(f"{'kind':<{name_width}}" + columns + "   (_gqa kinds against softmax_gqa)")
+    results, kept = {}, {k: {} for k in kinds}
     for s in seqs:
+        results[s] = time_in_turn(kinds, args.hidden, args.heads, s, args.batch, args.repeats, dev)
         for k in kinds:
-            results[k][s] = time_kind(k, args.hidden, args.heads, s, args.batch, args.repeats, dev)
             kept[k][s] = kept_bytes(k, args.hidden, args.heads, s, args.batch, dev) / 2**20
     for k in kinds:
         line = f"{k:<{name_width}}"
         for s in seqs:
-            base = results.get("softmax_gqa" if k.endswith("_gqa") else "softmax", {}).get(s)
-            ms, rel = 1000 * results[k][s], results[k][s] / base if base else float("nan")
-            line += f"{ms:>14.1f}{rel:>10.2f}{kept[k][s]:>9.1f}"
-            rows.append({"kind": k, "seq": s, "ms": ms, "relative_to_softmax": rel, "kept_mb": kept[k][s]})
+            ratios = [a / b for a, b in zip(results[s][k], results[s][reference_kind(k)])]
+            ms, rel = 1000 * statistics.median(results[s][k]), statistics.median(ratios)
+            line += f"{ms:>14.1f}{f'{rel:.2f} [{min(ratios):.2f}-{max(ratios):.2f}]':>22}{kept[k][s]:>9.1f}"
+            rows.append({"kind": k, "seq": s, "ms": ms, "relative_to_softmax": rel,
+                         "relative_range": [min(ratios), max(ratios)], "kept_mb": kept[k][s]})
         print(line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": dev.type, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "batch": args.batch, "hidden": args.hidden, "heads": args.heads, "repeats": args.repeats}
-    (out / "attention_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out / 'attention_speed.json'}")
+            "batch": args.batch, "hidden": args.hidden, "heads": args.heads, "repeats": args.repeats,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "command": "python -m bench.attention_speed " + " ".join(argv if argv is not None else sys.argv[1:])}
+    path = out / f"{args.name}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {path}")
     destroy_distributed()
     return 0
 

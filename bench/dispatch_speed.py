@@ -82,11 +82,15 @@ def main() -> None:
                              "min_ms": min(ms), "max_ms": max(ms)})
             gathers, reference = (statistics.median(times[n]) for n in ("gathers", "index_add"))
             rows[-2]["x_index_add"] = gathers / reference
+            write(args, device, rows)  # after every pair: a run stopped from outside keeps them
     print(f"{'dtype':<10}{'mode':<10}{'variant':<11}{'median ms':>10}{'range':>18}{'x index_add':>13}")
     for r in rows:
         ratio = f"{r['x_index_add']:.2f}" if "x_index_add" in r else ""
         spread = f"{r['min_ms']:.2f}-{r['max_ms']:.2f}"
         print(f"{r['dtype']:<10}{r['mode']:<10}{r['variant']:<11}{r['median_ms']:>10.2f}{spread:>18}{ratio:>13}")
+
+
+def write(args, device: str, rows: list[dict]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()

@@ -439,8 +439,8 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
     # the planner's GPU of that name, else of that generation (grouped_gemm=auto depends on it)
     gpu = "cpu"
     if cuda:
-        name, hopper = torch.cuda.get_device_name().lower(), torch.cuda.get_device_capability()[0] == 9
-        gpu = next((g for g in GPUS if g in name), "h100" if hopper else "a100")
+        device_name, hopper = torch.cuda.get_device_name().lower(), torch.cuda.get_device_capability()[0] == 9
+        gpu = next((g for g in GPUS if g in device_name), "h100" if hopper else "a100")
     planned = plan(cfg, 1, 1, memory_gb, gpu, bf16=cuda)
     measured = peak_memory_gb()
     row = {"params_total": counts["total"], "params_active": counts["active"], "seq": seq,
@@ -868,11 +868,11 @@ def main() -> int:
             report[check] = result
         print(f"{check}: {json.dumps({k: v for k, v in result.items() if k != 'log_tail'})}", flush=True)
         save()
-    # In this order, so that a --deadline drops the last parts: the families, the attention kinds at
-    # the first length, then the switch rows (compile, grouped GEMM) and the other lengths.
+    # In this order, so that a --deadline drops the last parts: the families, their switch rows
+    # (compile, grouped GEMM, another alignment), then the attention kinds length by length.
     seqs = list(attention_seqs(args.device)) if args.attention else []
     base, switches = [n for n in names if " " not in n], [n for n in names if " " in n]
-    for item in [*base, *seqs[:1], *switches, *seqs[1:]]:
+    for item in [*base, *switches, *seqs]:
         if isinstance(item, str):
             report["throughput"][item] = part(item, args.row_timeout)
             print(item, json.dumps({k: v for k, v in report["throughput"][item].items() if k != "log_tail"}), flush=True)

@@ -167,6 +167,20 @@ print(json.dumps(errors))
 """
 
 
+def test_triton_relu_kernels_are_not_given_float64_on_a_gpu(monkeypatch):
+    """Their fp32 accumulators take no fp64 products (Triton refuses to compile them): a float64
+    model on a GPU, such as the GPU check's reference, keeps the PyTorch path."""
+    from types import SimpleNamespace
+
+    from models.attention.kernels import relu_triton
+
+    monkeypatch.setattr(relu_triton, "triton_interpreted", lambda: False)
+    v = SimpleNamespace(shape=(1, 4, 64, 64))
+    for dtype, runs in ((torch.float64, False), (torch.float32, True), (torch.bfloat16, True)):
+        q = SimpleNamespace(is_cuda=True, dtype=dtype, shape=(1, 4, 64, 64))
+        assert relu_triton.supports(q, v) is runs, dtype
+
+
 def test_triton_relu_kernels_match_naive_reference_under_interpreter():
     """The fused kernels (forward, dQ, dK/dV) under TRITON_INTERPRET=1 on CPU: every normaliser,
     grouped-query (2 K/V heads for 4) and plain heads, a sequence that is not a multiple of the

@@ -36,10 +36,12 @@ MAX_QK_WIDTH = 256  # after padding to a power of two
 
 
 def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernels run for these inputs: on the GPU (or the interpreter), a value width that
-    is a power of two from 16 to 128, queries and keys at most MAX_QK_WIDTH wide once padded."""
+    """Whether the kernels run for these inputs: on the GPU in 16/32-bit floats (their fp32
+    accumulators take no fp64 products: Triton refuses to compile them) or under the interpreter, a
+    value width that is a power of two from 16 to 128, queries and keys at most MAX_QK_WIDTH wide
+    once padded."""
     dv = v.shape[-1]
-    on_device = q.is_cuda or triton_interpreted()
+    on_device = (q.is_cuda and q.dtype != torch.float64) or triton_interpreted()
     return on_device and 16 <= dv <= 128 and dv & (dv - 1) == 0 and _padded(q.shape[-1]) <= MAX_QK_WIDTH
 
 
