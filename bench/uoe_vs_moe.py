@@ -33,6 +33,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench.trainer_runs import REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
@@ -105,6 +106,19 @@ def print_table(table: dict[str, dict]) -> None:
               f"{r['tokens_per_s']:>8.0f}{ent:>9}{mx:>9}")
 
 
+def ran_on(device: str) -> str:
+    """What --device ran on: the GPU's name, or the CPU (auto without a GPU)."""
+    import torch
+
+    return torch.cuda.get_device_name() if device == "auto" and torch.cuda.is_available() else "cpu"
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="the 125M preset at sequence 2048 on one GPU")
@@ -154,7 +168,9 @@ def main() -> None:
                   flush=True)
             table = summarise(results)
             meta = {"size": size, "steps": settings.steps, "nproc": args.nproc, "micro_batch": settings.micro_batch,
-                    "shards": shards, "seeds": args.seeds, "device": args.device, "variants": chosen,
+                    "shards": shards, "seeds": args.seeds, "device": ran_on(args.device), "variants": chosen,
+                    "torch": torch_version(), "date": time.strftime("%Y-%m-%d"),
+                    "command": "python -m bench.uoe_vs_moe " + " ".join(sys.argv[1:]),
                     "note": "train.seed sets the initial weights (the data order is the same for all runs); "
                             "tokens/s is the median over log "
                             "intervals of all processes (noisy on a shared machine); 'apart' = the seed ranges "
