@@ -55,6 +55,36 @@ def test_every_config_key_is_documented():
     assert not missing, f"config keys README never names (document them under their section): {missing}"
 
 
+def section_default_rows() -> list[tuple[list[str], list[str]]]:
+    """(keys, defaults) of the key table's rows for the model sections of the built-in kinds."""
+    rows = []
+    for line in README.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 3 and re.match(r"`model\.(relu_attention|lisa|moe)\.", cells[0]):
+            keys = [k.strip("` ") for k in cells[0].split(",")]
+            section = keys[0].split(".")[1]
+            rows.append(([k if "." in k else f"model.{section}.{k}" for k in keys],
+                         [d.strip("` ") for d in cells[1].split(",")]))
+    return rows
+
+
+def test_the_model_sections_defaults_are_the_code_s():
+    """The key table states each section key's default as its dataclass does."""
+    rows = section_default_rows()
+    assert {keys[0].split(".")[1] for keys, _ in rows} == {"relu_attention", "lisa", "moe"}
+    sections = registry.sections()
+    for keys, defaults in rows:
+        assert len(keys) == len(defaults), keys
+        for key, stated in zip(keys, defaults):
+            _, section, name = key.split(".")
+            default = {f.name: f.default for f in dataclasses.fields(sections[section].config)}[name]
+            written = str(default).lower() if isinstance(default, bool) else str(default)
+            assert stated == written or (isinstance(default, float) and float(stated) == default), (key, stated, default)
+    listed = {key for keys, _ in rows for key in keys}
+    assert listed == {f"model.{name}.{f.name}" for name in ("relu_attention", "lisa", "moe")
+                      for f in dataclasses.fields(sections[name].config)}
+
+
 def test_key_check_fails_on_an_undocumented_name():
     assert documented("model.lisa.keep_chain_scores") and documented("model.lisa.align_group")
     assert not documented("model.lisa.keep_chain") and not documented("train.no_such_key")  # whole names only
