@@ -152,7 +152,8 @@ def test_a_checkpoint_matches_by_the_sections_its_layers_read():
     check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "routing_neurons": 0}}, None, "ckpt")
     carved = {**moe, "sizing": "carved", "expert_hidden_size": moe["expert_hidden_size"] + moe["routing_neurons"]}
     check_compatible({"model": uoe}, {**uoe, "moe": carved}, None, "ckpt")
-    with pytest.raises(CheckpointError, match="moe.rest_neurons: checkpoint 512 vs config 448"):
+    with pytest.raises(CheckpointError, match=r"moe.expert_hidden_size \(rest neurons by sizing\): checkpoint 512 vs "
+                                              "config 448"):
         check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "sizing": "carved"}}, None, "ckpt")
     with pytest.raises(CheckpointError, match="moe.score: checkpoint 'h' vs config 'z'"):
         check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "score": "z"}}, None, "ckpt")

@@ -206,7 +206,8 @@ def signature(cfg: ModelConfig) -> dict:
     shared_hidden_size / num_experts, or carved and additive sizing, can spell the same layer)."""
     moe = cfg.moe
     return {"moe.num_experts": moe.num_experts, "moe.top_k": moe.top_k, "moe.moe_layers": moe.moe_layers,
-            "moe.routing_neurons": moe.resolved_routing_neurons(), "moe.rest_neurons": moe.rest_neurons(),
+            "moe.routing_neurons (N_s as built)": moe.resolved_routing_neurons(),
+            "moe.expert_hidden_size (rest neurons by sizing)": moe.rest_neurons(),
             "moe.score": moe.score, "moe.vse_mode": moe.vse_mode}
 
 
