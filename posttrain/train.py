@@ -24,7 +24,14 @@ import torch  # noqa: E402
 from data_prep.readers import FileReadError  # noqa: E402
 from models.config import ConfigError  # noqa: E402
 from posttrain.batches import ExampleBatches, collate_pairs, collate_rows, fixed_batches  # noqa: E402
-from posttrain.chat import SCORE_KEYS, ChatEncoder, ChatFormat, ScoreFormat, inherit_chat_format, inherit_settings  # noqa: E402
+from posttrain.chat import (  # noqa: E402
+    SCORE_KEYS,
+    ChatEncoder,
+    ChatFormat,
+    ScoreFormat,
+    inherit_chat_format,
+    inherit_settings,
+)
 from posttrain.config import PostTrainConfig, example_length, validate_post  # noqa: E402
 from posttrain.examples import Examples  # noqa: E402
 from posttrain.value_head import VALUE_HEAD_KEYS  # noqa: E402
