@@ -25,7 +25,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.trainer_runs import REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
+from bench.trainer_runs import CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
 
 VARIANT_SETS = {
     "kinds": {
@@ -97,7 +97,7 @@ def main() -> None:
               f"{apart:>7}{r['tokens_per_s']:>8.0f}{s['mean']:>8.2f}±{s['sd']:.2f}"
               f"{r['alpha1_mean']['mean']:>9.3f}")
     plot_bands({name: [r["loss_curve"] for r in runs] for name, runs in results.items()}, out.with_suffix(".png"),
-               f"tiny dense models, samples begin with BOS, {args.steps} steps", "train loss (10-step mean)")
+               f"tiny dense models, samples begin with BOS, {args.steps} steps", CURVE_LABEL, window=3)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

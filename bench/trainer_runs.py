@@ -69,9 +69,11 @@ def run_variant(name: str, config: str, extra: list[str], settings: RunSettings,
     out = {
         "seed": seed, "params_total": complete["params"]["total"], "params_active": complete["params"]["active"],
         "tokens": s.steps * complete["global_batch"] * complete["model"]["max_seq_len"],
-        "val_loss": vals[-1][1] if vals else None, "val_curve": vals, "final_train_loss": train[-1]["train/loss"],
+        # The cross-entropy: the loss trained on adds the routers' aux loss (coef per routed layer when
+        # balanced) to some variants and not to others.
+        "val_loss": vals[-1][1] if vals else None, "val_curve": vals, "final_train_loss": cross_entropy(train[-1]),
         "tokens_per_s": statistics.median(throughput), "wall_s": time.time() - start,
-        "loss_curve": [[r["step"], r["loss"]] for r in read_jsonl(run_dir / "losses.jsonl")],
+        "loss_curve": [[m["step"], cross_entropy(m)] for m in train],  # every log step's
     }
     if routing:
         last = routing[-3:]
@@ -82,6 +84,14 @@ def run_variant(name: str, config: str, extra: list[str], settings: RunSettings,
     return out
 
 
+CURVE_LABEL = "train cross-entropy (logged steps, 3-point mean)"
+
+
+def cross_entropy(record: dict) -> float:
+    """A logged training step's cross-entropy (train/ce_loss where the loss has more parts)."""
+    return record.get("train/ce_loss", record["train/loss"])
+
+
 def over_seeds(values: list[float]) -> dict:
     """mean, sample standard deviation (0 for one value), min, max and n."""
     return {"mean": statistics.mean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -89,8 +99,9 @@ def over_seeds(values: list[float]) -> dict:
 
 
 def separated(a: dict, b: dict) -> bool:
-    """Whether two over_seeds summaries' ranges do not overlap (every seed of one is better)."""
-    return a["max"] < b["min"] or b["max"] < a["min"]
+    """Whether two over_seeds summaries' ranges do not overlap (every seed of one is better); never
+    from a single seed, which has no range."""
+    return min(a["n"], b["n"]) > 1 and (a["max"] < b["min"] or b["max"] < a["min"])
 
 
 def plot_bands(curves: dict[str, list[list[list[float]]]], path: Path, title: str, ylabel: str,

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.trainer_runs import REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
+from bench.trainer_runs import CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
 
 SIZES = {"tiny": ("configs/tiny_uoe.yaml", "configs/tiny_moe.yaml", "configs/tiny_dense.yaml"),
          "125m": ("configs/125m_uoe.yaml", "configs/125m_moe.yaml", "configs/125m_moe_dense.yaml")}
@@ -178,7 +178,7 @@ def main() -> None:
             out.write_text(json.dumps({"meta": meta, "summary": table, "runs": results}, indent=1))
     print_table(summarise(results))
     plot_bands({name: [r["loss_curve"] for r in runs] for name, runs in results.items()}, out.with_suffix(".png"),
-               f"{size} models, matched active parameters, {settings.steps} steps", "train loss (10-step mean)")
+               f"{size} models, matched active parameters, {settings.steps} steps", CURVE_LABEL, window=3)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

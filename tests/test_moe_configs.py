@@ -74,6 +74,11 @@ def test_matching_rejects_uneven_routing_neurons():
 
     with pytest.raises(ValueError, match="divisible"):
         matched_models(ModelConfig(), num_experts=3, top_k=1, expert_hidden=8, shared_hidden=8)
+    # Settings that would change the widths the dense twin is matched to are refused, others pass.
+    with pytest.raises(ValueError, match="sets sizing itself"):
+        matched_models(ModelConfig(), num_experts=4, top_k=1, expert_hidden=8, shared_hidden=8, sizing="carved")
+    models = matched_models(ModelConfig(), num_experts=4, top_k=1, expert_hidden=8, shared_hidden=8, score="z")
+    assert models["uoe"].moe.score == "z"
 
 
 def test_validation_of_sparse_settings():

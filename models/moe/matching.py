@@ -25,6 +25,10 @@ def matched_models(base: ModelConfig, num_experts: int, top_k: int, expert_hidde
                    shared_hidden: int, **moe_extra) -> dict[str, ModelConfig]:
     if shared_hidden % num_experts:
         raise ValueError(f"shared width {shared_hidden} must be divisible by {num_experts} experts (N_s = D_s / N)")
+    sizing = {"sizing", "routing_neurons", "expert_hidden_size", "shared_hidden_size"} & set(moe_extra)
+    if sizing:  # the dense twin's width is K x D_e + D_s of the additive sizing these arguments give
+        raise ValueError(f"matched_models sets {', '.join(sorted(sizing))} itself (additive sizing, N_s = D_s / N); "
+                         "other widths would leave the models unmatched")
     moe = MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden_size=expert_hidden,
                     shared_hidden_size=shared_hidden, routing_neurons=shared_hidden // num_experts, **moe_extra)
     out = {}
