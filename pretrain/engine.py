@@ -114,7 +114,22 @@ def build_engine(cfg: Config, model: nn.Module, load_universal: bool = False,
     )
     if vetoes_invalid_norms(cfg):  # the trainer's spike guard, where on, replaces it (and skips these too)
         engine.basic_optimizer.should_skip = functools.partial(invalid_global_norm, engine.optimizer)
+    if cfg.parallel.zero_stage == 3:
+        gather_tied_embeddings(model)
     return engine
+
+
+def gather_tied_embeddings(model: nn.Module) -> None:
+    """ZeRO-3 gathers a parameter only while the module that owns it runs: a tied output layer
+    reads the embedding's weight after the embedding ran, so it is registered with the head too
+    (else the head gets an empty partition)."""
+    import deepspeed
+
+    from models.gpt import GPT
+
+    for module in model.modules():  # the model itself, or the policy inside a post-training wrapper
+        if isinstance(module, GPT) and module.cfg.tie_embeddings:
+            deepspeed.zero.register_external_parameter(module.head, module.embed.weight)
 
 
 def describe_optimizer(engine, skips_spikes: bool) -> str:

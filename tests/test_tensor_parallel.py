@@ -41,3 +41,25 @@ def test_z_loss_is_the_formula_and_tp2_matches_tp1(tmp_path):
         torch.testing.assert_close(tp["grads"][name], ref["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
     # The term has a gradient: the head's gradient moves with it.
     assert not torch.allclose(ref["grads"]["head.weight"], off["grads"]["head.weight"], atol=1e-6)
+
+
+
+@pytest.mark.slow
+def test_zero3_trains_a_model_with_tied_embeddings(tmp_path):
+    """ZeRO-3 gathers a parameter while its own module runs; the tied output layer reads the
+    embedding's weight after that (it got an empty partition): the losses are ZeRO-1's."""
+    import json
+
+    from tests.dist_utils import train
+    from tests.synthetic import tiny_overrides, write_synthetic_shards
+
+    data = write_synthetic_shards(tmp_path / "data")
+    losses = {}
+    for stage in (1, 3):
+        run = tmp_path / f"zero{stage}"
+        train(1, tiny_overrides(data, run, **{"train.steps": 3, "parallel.zero_stage": stage,
+                                              "model.tie_embeddings": "true", "train.eval_interval": 100,
+                                              "train.save_interval": 100}))
+        losses[stage] = [json.loads(line)["loss"] for line in (run / "losses.jsonl").read_text().splitlines()]
+    assert len(losses[3]) == 3
+    assert losses[3] == pytest.approx(losses[1], rel=1e-6)
