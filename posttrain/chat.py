@@ -46,13 +46,16 @@ def inherit_chat_format(post, trained_with: dict | None) -> list[str]:
     SFT did without restating the format. Returns a line per key taken, and per key set otherwise
     that differs from the checkpoint's."""
     trained_with = {**LEGACY_CHAT, **trained_with} if trained_with else {}
-    keys = {key: key for key in trained_with if key in ChatFormat.__dataclass_fields__}
-    return inherit_settings(post, trained_with, keys, "chat format")
+    default = ChatFormat()
+    keys = {key: key for key in trained_with if hasattr(default, key)}
+    defaults = {key: getattr(default, key) for key in keys}
+    return inherit_settings(post, trained_with, keys, defaults, "chat format")
 
 
-def inherit_settings(post, recorded: dict, keys: dict[str, str], what: str) -> list[str]:
-    """Set each post key left at its default (keys: recorded name -> post key) to the value the
-    start checkpoint recorded. Returns a line per key taken, and per key set otherwise that differs."""
+def inherit_settings(post, recorded: dict, keys: dict[str, str], defaults: dict, what: str) -> list[str]:
+    """Set each post key left at its default (keys: recorded name -> post key; defaults: post key ->
+    its default) to the value the start checkpoint recorded. Returns a line per key taken, and per
+    key set otherwise that differs."""
     lines = []
     for name, key in keys.items():
         if name not in recorded:
@@ -60,7 +63,7 @@ def inherit_settings(post, recorded: dict, keys: dict[str, str], what: str) -> l
         theirs, mine = recorded[name], getattr(post, key)
         if mine == theirs:
             continue
-        if mine == type(post).__dataclass_fields__[key].default:
+        if mine == defaults[key]:
             setattr(post, key, theirs)
             lines.append(f"post.{key}={theirs!r}: the start checkpoint's {what}")
         else:
@@ -69,7 +72,8 @@ def inherit_settings(post, recorded: dict, keys: dict[str, str], what: str) -> l
     return lines
 
 
-SCORE_KEYS = {"prefix": "score_prefix", "item": "score_item", "joiner": "score_joiner", "decimals": "score_decimals"}
+SCORE_KEYS = {"prefix": "score_prefix", "item": "score_item", "joiner": "score_joiner",
+              "decimals": "score_decimals"}  # ScoreFormat's fields -> the post keys
 
 
 @dataclass(frozen=True)

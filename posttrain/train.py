@@ -15,6 +15,7 @@ from pretrain import rank_logs
 if __name__ == "__main__":
     rank_logs.quiet_other_ranks()
 
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,7 +33,7 @@ from posttrain.chat import (  # noqa: E402
     inherit_chat_format,
     inherit_settings,
 )
-from posttrain.config import PostTrainConfig, example_length, validate_post  # noqa: E402
+from posttrain.config import PostConfig, PostTrainConfig, example_length, validate_post  # noqa: E402
 from posttrain.examples import Examples  # noqa: E402
 from posttrain.value_head import VALUE_HEAD_KEYS  # noqa: E402
 from pretrain import checkpoint_format  # noqa: E402
@@ -69,6 +70,9 @@ class PostTrainer(Trainer):
         documents = batch["documents"][:, :seq].to(self.device) if "documents" in batch else None
         inputs = batch["tokens"][:, :-1][:, :seq]  # as the model reads them: "documents" and "real" are theirs
         return inputs.to(self.device), documents, batch["real"][:, :seq].to(self.device)
+
+
+POST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PostConfig)}  # "left at its default"
 
 
 class PostTrainTask(Task):
@@ -122,10 +126,12 @@ class PostTrainTask(Task):
                                    "samples began with BOS (tools.consolidate writes both): the post.* keys apply "
                                    "as given")
         if cfg.post.method == "sga" and started.get("scores"):  # the conditioning text the model learned
-            self.chat_notes += inherit_settings(cfg.post, started["scores"], SCORE_KEYS, "score format")
+            self.chat_notes += inherit_settings(cfg.post, started["scores"], SCORE_KEYS, POST_DEFAULTS,
+                                                "score format")
         if objectives:  # the value head goes on: its shape is the checkpoint's
             recorded = started["value_head"]
-            self.chat_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_KEYS, "value head")
+            self.chat_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_KEYS, POST_DEFAULTS,
+                                                "value head")
             changed = [f"post.{key}={getattr(cfg.post, key)} (the head's {recorded[name]})"
                        for name, key in VALUE_HEAD_KEYS.items()
                        if name != "dropout" and getattr(cfg.post, key) != recorded[name]]
