@@ -195,15 +195,16 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         where = {"streams": [Stream(**_split_location(cfg, s, split), proportion=s.weight) for s in sources]}
     else:
         where = _split_location(cfg, sources[0], split)
-    dataset = StreamingDataset(
-        **where,
-        shuffle=shuffle,
-        shuffle_seed=cfg.data.shuffle_seed,
-        num_canonical_nodes=cfg.data.num_canonical_nodes,
-        batch_size=cfg.train.micro_batch,
-        # Tensor-parallel peers are consecutive ranks and must see identical samples.
-        replication=ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else None,
-    )
+    with shared_memory.creating_datasets():
+        dataset = StreamingDataset(
+            **where,
+            shuffle=shuffle,
+            shuffle_seed=cfg.data.shuffle_seed,
+            num_canonical_nodes=cfg.data.num_canonical_nodes,
+            batch_size=cfg.train.micro_batch,
+            # Tensor-parallel peers are consecutive ranks and must see identical samples.
+            replication=ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else None,
+        )
     shared_memory.register(dataset._shm_prefix_int)
     return StreamingDataLoader(
         dataset,
@@ -260,7 +261,8 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
                 location = {"remote": location["remote"] or location["local"], "local": tmp}
             else:
                 release_shared_memory_once(cfg)
-            dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
+            with shared_memory.creating_datasets():
+                dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
             shared_memory.register(dataset._shm_prefix_int)
             batches = []
             for b in range(cfg.train.eval_batches):
@@ -288,7 +290,8 @@ def read_samples(location: str | Path, count: int) -> torch.Tensor:
     from streaming import StreamingDataset
 
     with tempfile.TemporaryDirectory(prefix="pretrain-samples-") as tmp:
-        dataset = StreamingDataset(remote=str(location), local=tmp, shuffle=False, batch_size=1)
+        with shared_memory.creating_datasets():
+            dataset = StreamingDataset(remote=str(location), local=tmp, shuffle=False, batch_size=1)
         shared_memory.register(dataset._shm_prefix_int)
         n = len(dataset)
         if n == 0:

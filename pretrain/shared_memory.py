@@ -51,6 +51,32 @@ def _alive(record: dict, pid: int) -> bool:
     return started is not None and started == record.get("start")
 
 
+@contextlib.contextmanager
+def creating_datasets():
+    """Around the building of streaming datasets, on every rank of a job: one job on a node at a
+    time. Each rank picks the dataset's shared-memory prefix by scanning /dev/shm, and the node's
+    first rank then registers it; a dataset another job on the node creates in between makes the
+    scans differ ("shared memory registered does not match local leader"). So each node's first
+    rank holds a node-wide lock while all of the job's ranks build (barriers on both sides)."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    lock = None
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and SHM_DIR.is_dir():
+        _owners_dir().mkdir(exist_ok=True)
+        lock = open(_owners_dir() / ".create-lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        if distributed:
+            dist.barrier()  # the other ranks scan only once their node's first rank holds the lock
+        yield
+        if distributed:
+            dist.barrier()  # every rank has found its prefix
+    finally:
+        if lock is not None:
+            lock.close()  # closing releases the lock
+
+
 def register(prefix: int) -> None:
     """Record that this process uses the blocks of `prefix` and which folders they read (called after
     each dataset is built); removed when the process exits."""

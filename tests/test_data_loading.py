@@ -184,6 +184,29 @@ def test_tools_read_shards_beside_a_run_without_releasing_shared_memory(tmp_path
     assert [b.shape for b in batches] == [(2, 33), (2, 33)] and torch.equal(batches[0], rows[:2])
 
 
+def test_datasets_on_a_node_are_built_one_job_at_a_time(tmp_path):
+    """Streaming's ranks each scan /dev/shm for a dataset's prefix: another job creating one in
+    between made them disagree. A build waits while another holds the node's lock."""
+    import fcntl
+    import threading
+    import time
+
+    from pretrain import shared_memory
+    from pretrain.data import read_samples
+
+    root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
+    shared_memory._owners_dir().mkdir(exist_ok=True)
+    result = {}
+    with open(shared_memory._owners_dir() / ".create-lock", "w") as held:  # another job building
+        fcntl.flock(held, fcntl.LOCK_EX)
+        reader = threading.Thread(target=lambda: result.update(rows=read_samples(root / "shards" / "val", 2)))
+        reader.start()
+        time.sleep(1.0)
+        assert reader.is_alive() and not result  # waiting for the lock
+    reader.join(timeout=60)
+    assert result["rows"].shape == (2, 33)
+
+
 def test_a_run_starting_on_the_node_keeps_a_live_runs_loader_state(tmp_path, monkeypatch):
     """A start releases only the shared memory of exited processes. streaming's own cleaner cleared
     a live run's too: a resumed run's next checkpoint then counted its position from the resume."""
