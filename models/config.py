@@ -132,6 +132,7 @@ class ModelConfig:
             skip.add("ffn_hidden_size")  # every layer's MLP is sized by model.moe.*
         flat = registry.section_signature(self, {k: v for k, v in _flat(self.to_dict()).items() if k not in skip})
         flat["attention"] = ",".join(self.attention_kinds())  # 'ssrl' is 'softmax,softmax,relu,lisa'
+        flat["num_kv_heads"] = self.kv_heads  # 0 means one per query head
         return flat
 
     @property

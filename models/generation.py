@@ -50,7 +50,8 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
         if cache is None:
             pending = tokens[-cfg.max_seq_len:]
         ctx = {"kv_cache": cache} if cache is not None else None
-        logits = model.logits(torch.tensor([pending], device=device), ctx)[0, -1, : cfg.vocab_size].float()
+        last = model.hidden_states(torch.tensor([pending], device=device), ctx)[:, -1:]  # the head runs on it alone
+        logits = model.output_logits(last)[0, -1, : cfg.vocab_size].float()
         if greedy or temperature <= 0:
             token = int(logits.argmax())
         else:

@@ -567,8 +567,12 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
     with pytest.raises(ValueError, match="start a new KVCache"), torch.no_grad():  # another batch size
         model.logits(tokens[:1, 12:13], {"kv_cache": fork})
     prompt = tokens[0, :5].tolist()
+    head_rows = []  # the output layer runs on the last position of each forward only
+    hook = model.head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[1]))
     cached = generate(model, prompt, 25, greedy=True)
     assert cached == generate(model, prompt, 25, greedy=True, use_cache=False) and len(set(cached)) > 3
+    hook.remove()
+    assert head_rows == [1] * 50
 
 
 def test_planner_counts_kept_chain_rows_only_where_the_fused_kernel_does_not_run():

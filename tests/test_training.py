@@ -321,8 +321,9 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
     del meta["model"]["num_kv_heads"]
     model = load_config(None, tiny_overrides(data, run)).to_dict()["model"]
     check_compatible(meta, model, None, tag)
-    with pytest.raises(CheckpointError, match="num_kv_heads: checkpoint 0 vs config 2"):
+    with pytest.raises(CheckpointError, match="num_kv_heads: checkpoint 4 vs config 2"):  # 0: one per head
         check_compatible(meta, {**model, "num_kv_heads": 2}, None, tag)
+    check_compatible(meta, {**model, "num_kv_heads": model["num_heads"]}, None, tag)
     # The same layers spelled another way are the same model.
     check_compatible(meta, {**model, "attention": "ss"}, None, tag)
     check_compatible(meta, {**model, "attention": ["softmax", "softmax"]}, None, tag)
