@@ -350,8 +350,10 @@ def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[
         raise ValueError(f"{printable(str(path))} changed since the build was planned ({size} bytes in {groups} "
                          f"row groups then, {os.path.getsize(path)} in {pf.metadata.num_row_groups} now), so its "
                          "planned row groups no longer fit it: plan the build again (--overwrite)")
-    schema, rows = pf.schema_arrow, pf.metadata.num_rows
-    if text_field not in schema.names:  # every row of the file is lost: counted as that many
+    schema = pf.schema_arrow
+    groups = range(pf.metadata.num_row_groups) if row_groups is None else row_groups
+    rows = sum(pf.metadata.row_group(g).num_rows for g in groups)  # what this call would have read
+    if text_field not in schema.names:  # all of them lost: counted as that many
         report.add(str(path), f"no {text_field!r} column (columns: {', '.join(schema.names)})", rows)
         return
     column_type = schema.field(text_field).type
@@ -359,7 +361,6 @@ def read_parquet_file(path: Path, text_field: str, report, row_groups: Sequence[
         report.add(str(path), f"column {text_field!r} is {column_type}, not a string", rows)
         return
     plain = pa.types.is_string(column_type) or pa.types.is_large_string(column_type)
-    groups = range(pf.metadata.num_row_groups) if row_groups is None else row_groups
     for group in groups:
         first = row = sum(pf.metadata.row_group(g).num_rows for g in range(group))  # rows before this group
         try:

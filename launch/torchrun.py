@@ -26,8 +26,9 @@ _before_workers: list[int] = []
 
 
 def handled_signals(argv: list[str]) -> list[signal.Signals]:
-    """The signals of --signals-to-handle (torchrun's default where not given)."""
-    names = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    """The signals of --signals-to-handle (or PET_SIGNALS_TO_HANDLE, as torchrun reads it; torchrun's
+    default where neither is given)."""
+    names = os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     for i, arg in enumerate(argv):
         if arg in ("-m", "--module") or arg.endswith(".py"):
             break
@@ -82,14 +83,15 @@ def with_store_host(argv: list[str], node_id: str | None) -> list[str]:
     is_host = f"is_host={int(node_id == '0')}"
     out, i = list(argv), 0
     while i < len(out) and out[i] not in ("-m", "--module") and not out[i].endswith(".py"):  # its options
-        option, _, value = out[i].partition("=")
+        option, equals, value = out[i].partition("=")
         if option in ("--rdzv-conf", "--rdzv_conf"):
-            if not value and i + 1 < len(out):
+            if not equals and i + 1 < len(out):  # the value as the next argument
                 i += 1
                 option, value = "", out[i]
             if "is_host=" in value:
                 return argv  # given: left as it is
-            out[i] = f"{option}={value},{is_host}" if option else f"{value},{is_host}"
+            joined = f"{value},{is_host}" if value else is_host
+            out[i] = f"{option}={joined}" if option else joined
             return out
         i += 1
     return [f"--rdzv-conf={is_host}", *out]
@@ -97,11 +99,11 @@ def with_store_host(argv: list[str], node_id: str | None) -> list[str]:
 
 if __name__ == "__main__":
     sys.argv[1:] = with_store_host(sys.argv[1:], os.environ.get("SLURM_NODEID"))
+    _started_agent = True  # first: a signal from here on raises in the agent
     if _before_workers:  # while torch was imported
         print(f"torchrun agent: stopped on signal {signal.Signals(_before_workers[0]).name} before its workers "
               "started", file=sys.stderr)
         sys.exit(NOT_STARTED)
-    _started_agent = True
     try:
         sys.exit(_torchrun_main())
     except _mp_api.SignalException as stop:

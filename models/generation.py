@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from models.attention.kv_cache import KVCache
+from models.attention.relu import reads_row_length
 
 
 def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -23,7 +24,7 @@ def can_cache(cfg) -> bool:
     """Whether decoding with a KV cache gives what recomputing the context gives: not with ReLU
     attention's seqlen normaliser (every row's normaliser changes as the sequence grows). Expert
     capacity drops tokens in training only, so it does not matter here."""
-    return not (cfg.relu_attention.normalizer == "seqlen" and "relu" in cfg.attention_kinds())
+    return not reads_row_length(cfg)
 
 
 @torch.no_grad()

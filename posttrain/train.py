@@ -35,7 +35,7 @@ from posttrain.chat import (  # noqa: E402
 )
 from posttrain.config import PostConfig, PostTrainConfig, example_length, validate_post  # noqa: E402
 from posttrain.examples import Examples  # noqa: E402
-from posttrain.value_head import VALUE_HEAD_KEYS  # noqa: E402
+from posttrain.value_head import VALUE_HEAD_SHAPE  # noqa: E402
 from pretrain import checkpoint_format  # noqa: E402
 from pretrain.consolidate import run_config  # noqa: E402
 from pretrain.init_from import check_source, state_file  # noqa: E402
@@ -130,11 +130,10 @@ class PostTrainTask(Task):
                                                 "score format")
         if objectives:  # the value head goes on: its shape is the checkpoint's
             recorded = started["value_head"]
-            self.chat_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_KEYS, POST_DEFAULTS,
+            self.chat_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_SHAPE, POST_DEFAULTS,
                                                 "value head")
             changed = [f"post.{key}={getattr(cfg.post, key)} (the head's {recorded[name]})"
-                       for name, key in VALUE_HEAD_KEYS.items()
-                       if name != "dropout" and getattr(cfg.post, key) != recorded[name]]
+                       for name, key in VALUE_HEAD_SHAPE.items() if getattr(cfg.post, key) != recorded[name]]
             if changed:
                 raise ConfigError(f"{', '.join(changed)}: SGA goes on with the value head of {start}, which has "
                                   "another shape; leave these keys out, or start a new head from the weights alone "

@@ -27,7 +27,7 @@ class ValueHead(nn.Module):
         return torch.sigmoid(self.mlp(self.dropout(last_hidden)).float())
 
 
-VALUE_HEAD_KEYS = {"layers": "value_head_layers", "width": "value_head_width", "dropout": "value_head_dropout"}
+VALUE_HEAD_SHAPE = {"layers": "value_head_layers", "width": "value_head_width"}  # spec's keys -> post keys
 
 
 def spec(hidden_size: int, objectives: list[str], post) -> dict:

@@ -51,27 +51,65 @@ def _alive(record: dict, pid: int) -> bool:
     return started is not None and started == record.get("start")
 
 
+CREATE_LOCK = SHM_DIR / "pretrain-streaming-create.lock"  # one per node, for every user's jobs
+
+
+def _open_create_lock():
+    """The node's dataset-creation lock file, readable and writable by every user (streaming's
+    blocks are visible to all of them); this user's own where another user's cannot be opened."""
+    old = os.umask(0)
+    try:
+        return os.fdopen(os.open(CREATE_LOCK, os.O_RDWR | os.O_CREAT, 0o666), "r+")
+    except OSError:
+        _owners_dir().mkdir(exist_ok=True)
+        return open(_owners_dir() / ".create-lock", "a+")
+    finally:
+        os.umask(old)
+
+
 @contextlib.contextmanager
 def creating_datasets():
     """Around the building of streaming datasets, on every rank of a job: one job on a node at a
     time. Each rank picks the dataset's shared-memory prefix by scanning /dev/shm, and the node's
     first rank then registers it; a dataset another job on the node creates in between makes the
-    scans differ ("shared memory registered does not match local leader"). So each node's first
-    rank holds a node-wide lock while all of the job's ranks build (barriers on both sides)."""
+    scans differ ("shared memory registered does not match local leader"). So the first rank of
+    each of the job's nodes holds that node's lock while all ranks build. A job takes its nodes'
+    locks all at once or none: each first rank tries its lock without waiting, and unless every one
+    got it they all let go and try again after a random pause. Waiting for one lock while holding
+    another would deadlock two multi-node jobs that share nodes."""
+    import random
+    import time
+
+    import torch
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized()
-    lock = None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and SHM_DIR.is_dir():
-        _owners_dir().mkdir(exist_ok=True)
-        lock = open(_owners_dir() / ".create-lock", "w")
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    leader = int(os.environ.get("LOCAL_RANK", 0)) == 0 and SHM_DIR.is_dir()
+    lock = _open_create_lock() if leader else None
     try:
-        if distributed:
-            dist.barrier()  # the other ranks scan only once their node's first rank holds the lock
+        if not (dist.is_available() and dist.is_initialized()):
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one process: nothing else held meanwhile
+            yield
+            return
+        from pretrain.distributed import device
+
+        backoff = random.Random(f"{os.getpid()}-{time.time_ns()}")
+        for attempt in range(10**6):
+            got = True
+            if lock is not None:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    got = False
+            every = torch.tensor([float(got)], device=device())
+            dist.all_reduce(every, op=dist.ReduceOp.MIN)  # also the barrier before the ranks scan
+            if every.item():
+                break
+            if got:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            time.sleep(backoff.uniform(0.05, 0.2) * min(attempt + 1, 20))
         yield
-        if distributed:
-            dist.barrier()  # every rank has found its prefix
+        dist.barrier()  # every rank has found its prefix
     finally:
         if lock is not None:
             lock.close()  # closing releases the lock

@@ -22,7 +22,7 @@ from data_prep import parts as P
 from data_prep import train_tokenizer as tt
 from data_prep.import_tokenizer import import_tokenizer
 from data_prep.import_tokenizer import main as import_main
-from data_prep.readers import read_file
+from data_prep.readers import read_file, read_parquet_file
 from data_prep.sources import BadInputReport, iter_documents
 from data_prep.tokenizer import load_tokenizer
 from tests.synthetic import make_text
@@ -492,6 +492,12 @@ def test_parquet_text_in_every_string_layout_and_files_lost_whole_count_their_ro
     assert list(iter_documents([tmp_path / "numbers.parquet"], report=report)) == []
     assert report.count == 3 and report.examples == [f"{tmp_path / 'numbers.parquet'}: column 'text' is int64, "
                                                      "not a string"]
+    # A file cut into parts by row groups: each part counts the rows it would have read.
+    pq.write_table(pa.table({"text": pa.array(range(300))}), tmp_path / "groups.parquet", row_group_size=100)
+    report = BadInputReport()
+    for group in range(3):
+        assert list(read_parquet_file(tmp_path / "groups.parquet", "text", report, row_groups=[group])) == []
+    assert report.count == 300
 
     def damaged(*args, **kwargs):
         raise pa.lib.ArrowNotImplementedError("Integers with more than 64 bits not implemented")

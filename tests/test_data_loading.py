@@ -197,7 +197,7 @@ def test_datasets_on_a_node_are_built_one_job_at_a_time(tmp_path):
     root = write_synthetic_shards(tmp_path / "data", train=16, val=8)
     shared_memory._owners_dir().mkdir(exist_ok=True)
     result = {}
-    with open(shared_memory._owners_dir() / ".create-lock", "w") as held:  # another job building
+    with open(shared_memory.CREATE_LOCK, "a+") as held:  # another job building
         fcntl.flock(held, fcntl.LOCK_EX)
         reader = threading.Thread(target=lambda: result.update(rows=read_samples(root / "shards" / "val", 2)))
         reader.start()
@@ -205,6 +205,64 @@ def test_datasets_on_a_node_are_built_one_job_at_a_time(tmp_path):
         assert reader.is_alive() and not result  # waiting for the lock
     reader.join(timeout=60)
     assert result["rows"].shape == (2, 33)
+
+
+def test_two_multi_node_jobs_sharing_nodes_take_the_locks_without_deadlock(tmp_path, monkeypatch):
+    """Jobs A (nodes X, Y) and B (Y, X), simulated by threads, each node's first rank one thread:
+    A holding X's lock and B holding Y's while waiting for the other deadlocked both jobs until
+    their barrier timed out. A job takes all its nodes' locks or none."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import pretrain.distributed
+    from pretrain import shared_memory
+
+    local = threading.local()
+    monkeypatch.setattr(shared_memory, "_open_create_lock", lambda: open(tmp_path / f"{local.node}.lock", "a+"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(pretrain.distributed, "device", lambda: torch.device("cpu"))
+
+    class Job:  # the collectives of a two-rank job
+        def __init__(self):
+            self.values, self.result = [], None
+            self.gather = threading.Barrier(2, action=self.reduce, timeout=20)
+            self.barrier = threading.Barrier(2, timeout=20)
+
+        def reduce(self):
+            self.result, self.values = min(self.values), []
+
+        def all_reduce(self, tensor, op=None):
+            self.values.append(float(tensor.item()))
+            self.gather.wait()
+            tensor.fill_(self.result)
+            self.barrier.wait()  # every rank read the result before the next round
+
+    jobs = {"A": Job(), "B": Job()}
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None: jobs[local.job].all_reduce(tensor, op))
+    monkeypatch.setattr(dist, "barrier", lambda: jobs[local.job].barrier.wait())
+    holders, overlaps, done = {"X": set(), "Y": set()}, [], []
+
+    def rank(job: str, node: str, delay: float):
+        local.job, local.node = job, node
+        time.sleep(delay)
+        with shared_memory.creating_datasets():
+            holders[node].add(job)
+            if len(holders[node]) > 1:
+                overlaps.append(node)
+            time.sleep(0.2)  # building
+            holders[node].discard(job)
+        done.append((job, node))
+
+    threads = [threading.Thread(target=rank, args=a, daemon=True)
+               for a in (("A", "X", 0), ("B", "Y", 0), ("A", "Y", 0.3), ("B", "X", 0.3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(done) == [("A", "X"), ("A", "Y"), ("B", "X"), ("B", "Y")] and not overlaps
 
 
 def test_a_run_starting_on_the_node_keeps_a_live_runs_loader_state(tmp_path, monkeypatch):

@@ -48,6 +48,7 @@ def test_under_slurm_the_first_node_hosts_the_rendezvous_store():
                                                                            "train.py"]
     given = ["--rdzv-conf=is_host=1", "-m", "x"]
     assert with_store_host(given, "1") == given
+    assert with_store_host(["--rdzv-conf=", "-m", "x"], "0") == ["--rdzv-conf=is_host=1", "-m", "x"]
 
 
 def test_a_signal_before_the_workers_start_stops_the_agent_with_its_own_code(tmp_path):

@@ -495,13 +495,23 @@ def test_sga_after_sga_takes_the_score_format_and_the_value_head_shape(files, to
     cfg = load_config(None, args, PostTrainConfig)
     task.check(cfg, 1)
     meta = task.meta(cfg)["posttrain"]
-    assert meta["scores"] == scores and meta["value_head"] == head
+    assert meta["scores"] == scores and meta["value_head"] == {**head, "dropout": 0.1}  # a setting, not the shape
     from data_prep.tokenizer import load_tokenizer
 
     assert "Targets: [length=" in load_tokenizer(tok_dir)[0].decode(task.train_data.units[0].chosen.ids.tolist())
     with pytest.raises(ConfigError, match=r"post.value_head_width=32 \(the head's 16\): SGA goes on with the value "
                                           "head of"):
         PostTrainTask().check(load_config(None, args + ["post.value_head_width=32"], PostTrainConfig), 1)
+    # From the weights alone (tools.consolidate): a new head, on the score text the model learned.
+    from tools.consolidate import main as consolidate
+
+    assert consolidate(["--checkpoint", str(tag), "--out", str(tmp_path / "sga.pt")]) == 0
+    cfg = load_config(None, [*args[:-2], f"train.init_from={tmp_path / 'sga.pt'}", f"run.dir={tmp_path / 'new_head'}"],
+                      PostTrainConfig)
+    task = PostTrainTask()
+    task.check(cfg, 1)
+    meta = task.meta(cfg)["posttrain"]
+    assert meta["scores"] == scores and meta["value_head"]["width"] == 1024
 
 
 def build_gpt(cfg):

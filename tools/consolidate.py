@@ -4,8 +4,8 @@ state dict, keyed like the model at tensor- and expert-parallel size 1.
     python -m tools.consolidate --checkpoint RUN_DIR[/checkpoints/TAG] --out weights.pt
 
 The file holds {"model": the model config, "state_dict": ..., "step": ..., "checkpoint": ...,
-"start_with_bos": whether the run's samples began with BOS, "posttrain": {"chat": ...} after
-post-training (the chat format; a value head is left out)}:
+"start_with_bos": whether the run's samples began with BOS, "posttrain": {"chat": ..., "scores": ...}
+after post-training (the chat and SGA score formats; a value head is left out)}:
 `train.init_from=weights.pt` starts a run from it at any layout, and torch.load reads it without
 this framework.
 """
@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     run = run_config(resolve_checkpoint(args.checkpoint))
     # What post-training starting from the file begins its examples with (unknown without the run's config).
     carried = {"start_with_bos": run.data.start_with_bos} if run is not None else {}
-    if "chat" in meta.get("posttrain", {}):
-        carried["posttrain"] = {"chat": meta["posttrain"]["chat"]}  # not the value head: heads stay out
+    # The chat and score formats the model learned (SGA's conditioning text); not the value head
+    carried_posttrain = {k: meta.get("posttrain", {})[k] for k in ("chat", "scores") if k in meta.get("posttrain", {})}
+    if carried_posttrain:
+        carried["posttrain"] = carried_posttrain
     torch_save_atomic({"model": meta["model"], "state_dict": state, "step": meta.get("step"),
                        "checkpoint": meta["checkpoint"], **carried}, out)
     print(f"wrote {out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters, "

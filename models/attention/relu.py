@@ -44,8 +44,8 @@ register_section("relu_attention", ReLUAttentionConfig, training_only=("block_si
 
 
 def reads_row_length(cfg: ModelConfig) -> bool:
-    """Whether an example's outputs depend on the padded length of its row (the seqlen normaliser
-    divides by it), so on what else shares its batch."""
+    """Whether outputs depend on the length of the row (the seqlen normaliser divides by it): on the
+    padding, so on what else shares a batch, and on every token a decoded sequence adds."""
     return "relu" in cfg.attention_kinds() and cfg.relu_attention.normalizer == "seqlen"
 
 
