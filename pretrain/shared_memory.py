@@ -52,6 +52,7 @@ def _alive(record: dict, pid: int) -> bool:
 
 
 CREATE_LOCK = SHM_DIR / "pretrain-streaming-create.lock"  # one per node, for every user's jobs
+LOCK_ATTEMPTS = 1000  # with the pauses between them, some minutes
 
 
 def _open_create_lock():
@@ -77,6 +78,7 @@ def creating_datasets():
     locks all at once or none: each first rank tries its lock without waiting, and unless every one
     got it they all let go and try again after a random pause. Waiting for one lock while holding
     another would deadlock two multi-node jobs that share nodes."""
+    import itertools
     import random
     import time
 
@@ -94,7 +96,11 @@ def creating_datasets():
         from pretrain.distributed import device
 
         backoff = random.Random(f"{os.getpid()}-{time.time_ns()}")
-        for attempt in range(10**6):
+        for attempt in itertools.count():
+            if attempt == LOCK_ATTEMPTS:
+                raise RuntimeError(f"could not take the streaming dataset lock {CREATE_LOCK} on all of this job's "
+                                   f"nodes in {LOCK_ATTEMPTS} tries: another job builds its datasets without end, or "
+                                   "two nodes of this job share one /dev/shm (give each node its own)")
             got = True
             if lock is not None:
                 try:
