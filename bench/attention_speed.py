@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench.provenance import provenance
 
 KINDS = ["softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch", "lisa", "lisa_torch", "lisa_linear",
          "lisa_linear_torch", "lisa_linear_gqa", "lisa_linear_torch_gqa", "lisa_chain",
@@ -271,10 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": dev.type, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "batch": args.batch, "hidden": args.hidden, "heads": args.heads, "repeats": args.repeats,
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "command": "python -m bench.attention_speed " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {"device": dev.type, "threads": torch.get_num_threads(), "batch": args.batch, "hidden": args.hidden,
+            "heads": args.heads, "repeats": args.repeats, **provenance("bench.attention_speed", argv)}
     path = out / f"{args.name}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {path}")

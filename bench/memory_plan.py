@@ -104,14 +104,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['size']:<14}{r['measured_gb']:>12.3f}{r['estimated_gb']:>12.3f}{r['ratio']:>10.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    import platform
-    import time
-
-    import torch
+    from bench.provenance import provenance
 
     env = measurement_env()
-    meta = {"steps": args.steps, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "machine": platform.machine(), "command": "python -m bench.memory_plan " + " ".join(sys.argv[1:]),
+    meta = {"steps": args.steps, **provenance("bench.memory_plan"),
             **{key: env[key] for key in ("MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS")}}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

@@ -33,9 +33,9 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from bench.provenance import provenance
 from bench.trainer_runs import CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
 
 SIZES = {"tiny": ("configs/tiny_uoe.yaml", "configs/tiny_moe.yaml", "configs/tiny_dense.yaml"),
@@ -113,12 +113,6 @@ def ran_on(device: str) -> str:
     return torch.cuda.get_device_name() if device == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="the 125M preset at sequence 2048 on one GPU")
@@ -169,8 +163,7 @@ def main() -> None:
             table = summarise(results)
             meta = {"size": size, "steps": settings.steps, "nproc": args.nproc, "micro_batch": settings.micro_batch,
                     "shards": shards, "seeds": args.seeds, "device": ran_on(args.device), "variants": chosen,
-                    "torch": torch_version(), "date": time.strftime("%Y-%m-%d"),
-                    "command": "python -m bench.uoe_vs_moe " + " ".join(sys.argv[1:]),
+                    **provenance("bench.uoe_vs_moe"),
                     "note": "train.seed sets the initial weights (the data order is the same for all runs); "
                             "tokens/s is the median over log "
                             "intervals of all processes (noisy on a shared machine); 'apart' = the seed ranges "

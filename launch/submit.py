@@ -207,8 +207,9 @@ def active_job(run_dir: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        procs = check_args(args, parse_time(args.time))
-        before_signal = parse_time(args.time) - args.signal_seconds
+        time_s = parse_time(args.time)
+        procs = check_args(args, time_s)
+        before_signal = time_s - args.signal_seconds
         if before_signal < STARTUP_MARGIN_S:
             print(f"note: --time leaves {before_signal} s before the time-limit signal (--signal-seconds "
                   f"{args.signal_seconds}); a job whose start takes longer (a multi-node rendezvous, slow "

@@ -25,13 +25,16 @@ NOT_STARTED = 75
 _before_workers: list[int] = []
 
 
+def agent_options(argv: list[str]) -> int:
+    """How many leading arguments are the agent's: those before the training module or script."""
+    return next((i for i, arg in enumerate(argv) if arg in ("-m", "--module") or arg.endswith(".py")), len(argv))
+
+
 def handled_signals(argv: list[str]) -> list[signal.Signals]:
     """The signals of --signals-to-handle (or PET_SIGNALS_TO_HANDLE, as torchrun reads it; torchrun's
     default where neither is given)."""
     names = os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    for i, arg in enumerate(argv):
-        if arg in ("-m", "--module") or arg.endswith(".py"):
-            break
+    for i, arg in enumerate(argv[:agent_options(argv)]):
         if arg.startswith(("--signals-to-handle=", "--signals_to_handle=")):
             names = arg.split("=", 1)[1]
         elif arg in ("--signals-to-handle", "--signals_to_handle") and i + 1 < len(argv):
@@ -81,11 +84,11 @@ def with_store_host(argv: list[str], node_id: str | None) -> list[str]:
     if node_id is None:
         return argv
     is_host = f"is_host={int(node_id == '0')}"
-    out, i = list(argv), 0
-    while i < len(out) and out[i] not in ("-m", "--module") and not out[i].endswith(".py"):  # its options
+    out, i, end = list(argv), 0, agent_options(argv)
+    while i < end:
         option, equals, value = out[i].partition("=")
         if option in ("--rdzv-conf", "--rdzv_conf"):
-            if not equals and i + 1 < len(out):  # the value as the next argument
+            if not equals and i + 1 < end:  # the value as the next argument
                 i += 1
                 option, value = "", out[i]
             if "is_host=" in value:

@@ -184,10 +184,21 @@ def compressed_split(directory: Path) -> str | None:
     return hashlib.sha256(text + str(index.stat().st_mtime_ns).encode()).hexdigest()[:12]
 
 
+def streaming_dataset(**kwargs):
+    """streaming.StreamingDataset(**kwargs), built while this node builds no other job's dataset, and
+    its shared memory registered as this process's (pretrain/shared_memory.py)."""
+    from streaming import StreamingDataset
+
+    with shared_memory.creating_datasets():
+        dataset = StreamingDataset(**kwargs)
+    shared_memory.register(dataset._shm_prefix_int)
+    return dataset
+
+
 def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     """A fresh dataset and loader. Resume must load state into a fresh loader: a used one
     ignores the state and restarts at sample 0."""
-    from streaming import Stream, StreamingDataLoader, StreamingDataset
+    from streaming import Stream, StreamingDataLoader
 
     release_shared_memory_once(cfg)
     sources = cfg.data.sources
@@ -195,17 +206,15 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         where = {"streams": [Stream(**_split_location(cfg, s, split), proportion=s.weight) for s in sources]}
     else:
         where = _split_location(cfg, sources[0], split)
-    with shared_memory.creating_datasets():
-        dataset = StreamingDataset(
-            **where,
-            shuffle=shuffle,
-            shuffle_seed=cfg.data.shuffle_seed,
-            num_canonical_nodes=cfg.data.num_canonical_nodes,
-            batch_size=cfg.train.micro_batch,
-            # Tensor-parallel peers are consecutive ranks and must see identical samples.
-            replication=ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else None,
-        )
-    shared_memory.register(dataset._shm_prefix_int)
+    dataset = streaming_dataset(
+        **where,
+        shuffle=shuffle,
+        shuffle_seed=cfg.data.shuffle_seed,
+        num_canonical_nodes=cfg.data.num_canonical_nodes,
+        batch_size=cfg.train.micro_batch,
+        # Tensor-parallel peers are consecutive ranks and must see identical samples.
+        replication=ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else None,
+    )
     return StreamingDataLoader(
         dataset,
         batch_size=cfg.train.micro_batch,
@@ -245,8 +254,6 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
     """Fixed validation sets, one per source with a val split (the same samples at every
     evaluation, split by data-parallel rank): {source name: batches}; "" names data.shards.
     apart (tools): read through a temporary local folder, beside any run on this node."""
-    from streaming import StreamingDataset
-
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = cfg.train.micro_batch
     collate = collate_fn(cfg)
@@ -261,9 +268,7 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
                 location = {"remote": location["remote"] or location["local"], "local": tmp}
             else:
                 release_shared_memory_once(cfg)
-            with shared_memory.creating_datasets():
-                dataset = StreamingDataset(**location, shuffle=False, batch_size=micro)
-            shared_memory.register(dataset._shm_prefix_int)
+            dataset = streaming_dataset(**location, shuffle=False, batch_size=micro)
             batches = []
             for b in range(cfg.train.eval_batches):
                 # len(dataset) counts this rank's share; indexing is over all samples.
@@ -287,12 +292,8 @@ def read_samples(location: str | Path, count: int) -> torch.Tensor:
     around a small split (for tools that read shards outside training). Read through a temporary
     local folder (compressed shards decompressed there, not next to themselves), and without
     releasing the node's streaming shared memory: a run on this node keeps its loader's state."""
-    from streaming import StreamingDataset
-
     with tempfile.TemporaryDirectory(prefix="pretrain-samples-") as tmp:
-        with shared_memory.creating_datasets():
-            dataset = StreamingDataset(remote=str(location), local=tmp, shuffle=False, batch_size=1)
-        shared_memory.register(dataset._shm_prefix_int)
+        dataset = streaming_dataset(remote=str(location), local=tmp, shuffle=False, batch_size=1)
         n = len(dataset)
         if n == 0:
             raise ValueError(f"{location} holds no samples")

@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     run = run_config(resolve_checkpoint(args.checkpoint))
     # What post-training starting from the file begins its examples with (unknown without the run's config).
     carried = {"start_with_bos": run.data.start_with_bos} if run is not None else {}
+    posttrain = meta.get("posttrain", {})
     # The chat and score formats the model learned (SGA's conditioning text); not the value head
-    carried_posttrain = {k: meta.get("posttrain", {})[k] for k in ("chat", "scores") if k in meta.get("posttrain", {})}
-    if carried_posttrain:
-        carried["posttrain"] = carried_posttrain
+    if formats := {k: posttrain[k] for k in ("chat", "scores") if k in posttrain}:
+        carried["posttrain"] = formats
     torch_save_atomic({"model": meta["model"], "state_dict": state, "step": meta.get("step"),
                        "checkpoint": meta["checkpoint"], **carried}, out)
     print(f"wrote {out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters, "
