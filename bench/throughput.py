@@ -50,6 +50,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args()
+    if args.hidden < 192 or args.hidden % 64:
+        parser.error(f"--hidden {args.hidden}: give a multiple of 64, at least 192 (heads of 64, a SwiGLU of "
+                     "8/3 x hidden rounded down to 64)")
 
     init_single_process()
     cfg = Config()
@@ -88,13 +91,10 @@ def main() -> None:
     batches = [batch.to(engine.device) for batch in batches]
     tokens = args.steps * args.batch * args.seq
     plain_tps, framework_tps = [], []
+    loops = [(plain_step, plain_tps), (framework_step, framework_tps)]
     for trial in range(args.trials):  # which loop goes first alternates: a slow start falls on both
-        if trial % 2:
-            framework_tps.append(tokens / timed(framework_step, batches))
-            plain_tps.append(tokens / timed(plain_step, batches))
-        else:
-            plain_tps.append(tokens / timed(plain_step, batches))
-            framework_tps.append(tokens / timed(framework_step, batches))
+        for step, tps in loops[::-1] if trial % 2 else loops:
+            tps.append(tokens / timed(step, batches))
     ratios = [f / p for f, p in zip(framework_tps, plain_tps)]
     result = {
         "model": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq, "batch": args.batch},
