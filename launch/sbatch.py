@@ -15,6 +15,13 @@ ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"
                  "COMPLETING", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
 
 
+# What slurm/train.sbatch and launch.torchrun agree on: the agent's exit code when a signal stopped it
+# before its workers started, and the variable naming the file where the batch script writes a
+# signal it forwarded (for agents that start after the forward).
+NOT_STARTED = 75
+SIGNAL_FILE_ENV = "PRETRAIN_SIGNAL_FILE"
+
+
 class SubmitError(ValueError):
     pass
 

@@ -29,8 +29,8 @@ import yaml
 
 from launch import slurm_job
 from launch.entry_points import entry_point
-from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
-                           parse_time, sbatch_lines, submit)
+from launch.sbatch import (ACTIVE_STATES, NOT_STARTED, SIGNAL_FILE_ENV, SubmitError, SubmitUnknown, check_job_name,
+                           check_repo, check_slurm_path, parse_time, sbatch_lines, submit)
 from pretrain.checkpoint_format import LAST_SAVE_JOB, CheckpointError
 from pretrain.config import Config, ConfigError, load_config
 
@@ -179,6 +179,8 @@ def render(cfg: Config, args: argparse.Namespace, procs: int, first_resume: str 
         "ENV_EXPORTS": "\n".join(env_lines(args)),
         "TASK_WRAPPER": args.task_wrapper.strip(),
         "MODULE": entry_point(args.post).module,
+        "NOT_STARTED": str(NOT_STARTED),
+        "SIGNAL_FILE_ENV": SIGNAL_FILE_ENV,
     }
     text = TEMPLATE.read_text()
     text = text.replace("# {{NAME}} placeholders are filled in by launch.submit; the rendered script is plain bash.",

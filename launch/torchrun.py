@@ -12,7 +12,10 @@ sends them directly), and the shutdown timeout still bounds the wait.
 
 Before its workers start (importing torch, a multi-node rendezvous of minutes while slow nodes
 start) a handled signal stops the agent with exit code NOT_STARTED instead of killing it: nothing
-was trained, which the batch script tells apart from a failed step.
+was trained, which the batch script tells apart from a failed step. So does a file named by
+PRETRAIN_SIGNAL_FILE, found when the agent starts: the batch script writes the signal's name there
+before forwarding it, since a signal forwarded while srun is still registering the step reaches
+no process of it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
-NOT_STARTED = 75
+from launch.sbatch import NOT_STARTED, SIGNAL_FILE_ENV  # noqa: F401 - NOT_STARTED: for importers too
+
 _before_workers: list[int] = []
 
 
@@ -42,6 +47,16 @@ def handled_signals(argv: list[str]) -> list[signal.Signals]:
     return [getattr(signal, name.strip()) for name in names.split(",") if hasattr(signal, name.strip())]
 
 
+def forwarded_signal(path: str | None) -> str | None:
+    """The signal the batch script forwarded to this step before the agent could receive it, if any."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip() or "a signal"
+    except FileNotFoundError:
+        return None
+
+
 def _stop_before_workers(signum, frame) -> None:
     """The agent's handler until torch registers its own as the workers start: records the signal
     and, once the agent runs, raises torch's SignalException there (it then shuts down cleanly)."""
@@ -56,6 +71,11 @@ _started_agent = False
 if __name__ == "__main__":  # first of all, before the imports of torch (seconds)
     for _handled in handled_signals(sys.argv[1:]):
         signal.signal(_handled, _stop_before_workers)
+    # Read after the handlers are in place: a signal forwarded later reaches this process.
+    if (_forwarded := forwarded_signal(os.environ.get(SIGNAL_FILE_ENV))) is not None:
+        print(f"torchrun agent: {_forwarded} was forwarded to this step before it started; not starting",
+              file=sys.stderr)
+        sys.exit(NOT_STARTED)
 
 from torch.distributed.elastic.multiprocessing import api as _mp_api  # noqa: E402
 from torch.distributed.run import main as _torchrun_main  # noqa: E402

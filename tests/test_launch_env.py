@@ -84,6 +84,28 @@ def test_a_signal_before_the_workers_start_stops_the_agent_with_its_own_code(tmp
     assert "torchrun agent: stopped on signal SIGUSR1 before its workers started" in out
 
 
+def test_a_signal_forwarded_before_the_step_existed_stops_the_agent_as_it_starts(tmp_path):
+    """The batch script writes a forwarded signal's name to PRETRAIN_SIGNAL_FILE first: while srun
+    still registers the step, scancel reaches no process of it, and the agent, once started, must
+    not train. Without the file the same agent runs its worker."""
+    from launch.torchrun import NOT_STARTED, SIGNAL_FILE_ENV
+    from tests.dist_utils import child_env
+
+    script = tmp_path / "worker.py"
+    script.write_text("print('worker ran')\n")
+    signal_file = tmp_path / "SIGNAL_FORWARDED"
+    agent = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node=1", str(script)]
+    env = {**child_env(), SIGNAL_FILE_ENV: str(signal_file)}
+
+    ran = subprocess.run(agent, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and "worker ran" in ran.stdout, ran.stdout + ran.stderr[-2000:]
+    signal_file.write_text("SIGTERM\n")
+    stopped = subprocess.run(agent, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == NOT_STARTED, stopped.stderr[-2000:]
+    assert "SIGTERM was forwarded to this step before it started" in stopped.stderr
+    assert "worker ran" not in stopped.stdout
+
+
 def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_path, capsys):
     from launch.layouts import read_layouts
     from launch.local import main as local_main

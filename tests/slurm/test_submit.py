@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,9 +50,9 @@ def submit_cmd(config: Path, run_dir: Path, data: Path, *extra: str) -> list[str
             "--shutdown-timeout", "60", "--max-requeues", "2", f"--task-wrapper={WRAPPER}", *extra]
 
 
-def run_cli(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(cmd: list[str], timeout: float = 120, **env_extra: str) -> subprocess.CompletedProcess:
     # sbatch passes this environment on to the job.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -130,8 +131,8 @@ def status_json(run_dir: Path) -> dict:
     return json.loads(res.stdout)
 
 
-def submit(config: Path, run_dir: Path, data: Path, jobs: list[str]) -> str:
-    res = run_cli(submit_cmd(config, run_dir, data))
+def submit(config: Path, run_dir: Path, data: Path, jobs: list[str], **env_extra: str) -> str:
+    res = run_cli(submit_cmd(config, run_dir, data), **env_extra)
     assert res.returncode == 0, f"launch.submit failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
     job = re.search(r"submitted job (\d+)", res.stdout).group(1)
     jobs.append(job)
@@ -252,6 +253,26 @@ def test_config_layout_errors_stop_before_sbatch(cluster, data, config, tmp_path
     assert not run_dir.exists()
     after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout
     assert set(after.split()) <= set(before.split()), "a job was queued"
+
+
+def test_a_signal_while_srun_registers_the_step_stops_it_before_training(cluster, data, config, tmp_path, jobs):
+    """A signal forwarded while srun is still registering the training step reaches none of its
+    processes; the agents, once started, find it in the batch script's file and stop before any
+    worker. srun is slowed here (a wrapper that sleeps first) so the signal lands in that moment."""
+    slow = tmp_path / "slow_srun"
+    slow.mkdir()
+    (slow / "srun").write_text(f'#!/bin/bash\nsleep 3\nexec {shutil.which("srun")} "$@"\n')
+    (slow / "srun").chmod(0o755)
+    run_dir = tmp_path / "run"
+    job = submit(config, run_dir, data, jobs, PATH=f"{slow}:{os.environ['PATH']}")
+    wait_for(lambda: "rendezvous" in log_text(run_dir), "the batch script to start the training step", run_dir, job)
+    subprocess.run(["scancel", "--signal=TERM", "--batch", job], check=True, timeout=30)
+    info = wait_finished(job, run_dir)
+    log = log_text(run_dir)
+    assert "got SIGTERM; forwarding it to the training step" in log and "not starting it" not in log, log_tail(run_dir)
+    assert "SIGTERM was forwarded to this step before it started" in log, log_tail(run_dir)
+    assert "training step exited with 75" in log and "decision: stopped" in log, log_tail(run_dir)
+    assert info["JobState"] == "COMPLETED" and last_step(run_dir) == 0, info
 
 
 def test_time_limit_requeue_preemption_and_crash_resume(cluster, data, config, reference, tmp_path, jobs):
