@@ -25,6 +25,7 @@ import json
 import statistics
 from pathlib import Path
 
+from bench.provenance import provenance
 from bench.trainer_runs import CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
 
 VARIANT_SETS = {
@@ -83,7 +84,7 @@ def main() -> None:
                     row["minus_softmax"] = row["val_loss"]["mean"] - summary[REFERENCE]["val_loss"]["mean"]
                     row["separated_from_softmax"] = separated(row["val_loss"], summary[REFERENCE]["val_loss"])
             meta = {"steps": args.steps, "seeds": args.seeds, "micro_batch": 16, "shards": args.shards,
-                    "variants": variants, "data": "data.start_with_bos=true",
+                    "variants": variants, "data": "data.start_with_bos=true", **provenance("bench.attention_train"),
                     "note": "CPU, one process; 'apart' = the seed ranges of the final validation loss do not "
                             "overlap with softmax's"}
             out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.provenance import provenance
+
 BATCH = 512
 
 
@@ -152,7 +154,8 @@ def main(argv=None) -> int:
               f"{r['peak_rss_mb']['build x1']:.0f}, {r['peak_rss_mb']['build x2']:.0f}, {r['peak_worker_rss_mb']:.0f}")
     result = {"bench": "data_prep_speed", "machine": platform.machine(), "cpus": os.cpu_count(),
               "python": platform.python_version(), "files": args.files, "repeats": args.repeats,
-              "batch": BATCH, "seq_len": 2048, "rows": rows}
+              "batch": BATCH, "seq_len": 2048, "provenance": provenance("bench.data_prep_speed", argv),
+              "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "data_prep_speed.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.provenance import provenance
 from models.moe.dispatch import dispatch_combine, expert_counts
 
 
@@ -95,7 +96,7 @@ def write(args, device: str, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     machine = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     result = {"settings": vars(args), "device": machine, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "rows": rows}
+              "threads": torch.get_num_threads(), "provenance": provenance("bench.dispatch_speed"), "rows": rows}
     (out / "dispatch_speed.json").write_text(json.dumps(result, indent=1))
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from pathlib import Path
 
 import torch
 
 from bench.attention_speed import time_kind
+from bench.provenance import provenance
 from models.attention.masks import document_ids
 
 KINDS = ["softmax", "softmax_sink", "relu", "lisa"]
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['ratio_min']:>7.2f}{row['ratio_max']:>7.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": dev.type, "threads": torch.get_num_threads(), "machine": platform.machine(),
+    meta = {"device": dev.type, "threads": torch.get_num_threads(), **provenance("bench.document_mask_speed", argv),
             "batch": args.batch, "hidden": args.hidden, "heads": args.heads, "docs": args.docs,
             "repeats": args.repeats, "trials": 3}
     (out / "document_mask_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

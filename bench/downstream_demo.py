@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from bench.provenance import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("data_prep", "launch", "models", "pretrain", "tools")
 
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"bench": "downstream_demo", "checkpoint": meta["checkpoint"], "step": meta.get("step"),
-              "examples": args.examples, "seeds": args.seeds, "chance": 0.25, "rows": rows, "summary": summary}
+              "examples": args.examples, "seeds": args.seeds, "chance": 0.25,
+              "provenance": provenance("bench.downstream_demo", argv), "rows": rows, "summary": summary}
     (out / "downstream_demo.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'downstream_demo.json'}")
     return 0

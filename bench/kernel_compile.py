@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.provenance import provenance
+
 SIZES = dict(G=4, HID=16, NORM=-1, DOCS=False, IEEE=False, DP=128, RP=16, VP=128)
 # Names in capitals are pointers (bf16 tensors, but these) unless they are sizes.
 FLASH_SIZES = ("H", "NG", "S", "D", "R", "DV", "SHARE_K", "SHARE_V", "PW", "NBLK")
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(f"{name:<18} {'':>5} {'':>5} {'':>5} {row['block']:>10} {4:>5} {row['registers']:>5} "
               f"{row['spill_bytes']:>8} {row['shared_bytes'] / 1024:>8.1f} {row['compile_s']:>5}", flush=True)
-    result = {"arch": args.arch, "sizes": dict(SIZES), "rows": rows}
+    result = {"arch": args.arch, "sizes": dict(SIZES), "provenance": provenance("bench.kernel_compile", argv),
+              "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_compile_sm{args.arch}.json"
     path.write_text(json.dumps(result, indent=1))

@@ -42,7 +42,6 @@ import argparse
 import copy
 import json
 import math
-import platform
 import statistics
 import time
 from functools import partial
@@ -50,8 +49,8 @@ from pathlib import Path
 
 import torch
 
+from bench.provenance import provenance
 from bench.trainer_runs import REPO, RunSettings, run_variant
-
 
 SOURCE_CONFIG, SOURCE_LAYERS = "configs/tiny_dense.yaml", ["model.num_layers=8"]  # the source trained here
 
@@ -117,13 +116,23 @@ def train_step_ms(model, batch: torch.Tensor, repeats: int) -> float:
     return 1000 * median_seconds(step, repeats)
 
 
+HEAD_DIM = 128  # the 1B hybrid config's
+
+
+def check_wide_hidden(parser: argparse.ArgumentParser, flag: str, hidden: int, allow_zero: bool = False) -> None:
+    """A width wide_config can build: whole heads of HEAD_DIM."""
+    if hidden % HEAD_DIM or hidden < (0 if allow_zero else HEAD_DIM):
+        parser.error(f"{flag} {hidden}: the timed layouts use heads of {HEAD_DIM} dims, so give a positive multiple "
+                     f"of {HEAD_DIM}" + (" (0: skip)" if allow_zero else ""))
+
+
 def wide_config(cfg, hidden: int, max_seq_len: int):
     """cfg's layers (kinds, K/V sharing, LISA alignment width) at `hidden` wide, with the 1B hybrid
     config's head width, rank and alignment group (head_dim 128, rank 16, groups of 4 heads)."""
     from models.config import ModelConfig
 
     values = cfg.to_dict()
-    heads = hidden // 128
+    heads = hidden // HEAD_DIM
     ffn = round(cfg.ffn_hidden_size * hidden / cfg.hidden_size)
     values.update(hidden_size=hidden, num_heads=heads, ffn_hidden_size=ffn,
                   num_kv_heads=cfg.kv_heads * heads // cfg.num_heads if cfg.num_kv_heads else 0,
@@ -361,15 +370,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"],
                         help="the speed part's (default bf16 on cuda, else fp32)")
     args = parser.parse_args()
+    check_wide_hidden(parser, "--speed-hidden", args.speed_hidden, allow_zero=True)
     speed_device(args)  # a --device that is not here fails now, not after the conversions
     if args.speed_only:
         from pretrain.distributed import init_single_process
 
         init_single_process()  # the models' layers read megatron-core's (single-process) groups
         speed = speed_table(layouts_of(args.speed_only), args)
-        meta = {"layouts_from": str(args.speed_only), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(),
-                "machine": platform.machine()}
+        meta = {"layouts_from": str(args.speed_only), "threads": torch.get_num_threads(),
+                **provenance("bench.lisa_decode")}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": None, "speed": speed}, indent=1))
         print(f"wrote {args.out}")
@@ -436,8 +445,8 @@ def main() -> None:
               f"{r['train_step_x_source']:>7.2f}{r['qk_params']:>12,}")
     meta = {"source": str(source_run), "source_overrides": args.source_overrides, "align_hidden": args.align_hidden,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "prompt": args.prompt, "new": args.new,
+            "threads": torch.get_num_threads(), **provenance("bench.lisa_decode"), "steps": args.steps,
+            "prompt": args.prompt, "new": args.new,
             "repeats": args.repeats, "batch_for_train_step": list(batch.shape),
             "note": "times are medians of --repeats in one process; other work on the machine moves them"}
     out = Path(args.out)

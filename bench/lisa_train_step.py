@@ -22,14 +22,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.lisa_decode import wide_config
+from bench.lisa_decode import check_wide_hidden, wide_config
+from bench.provenance import provenance
 from bench.trainer_runs import REPO
 from models.attention.lisa import chained_lisa_layers
 
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                              "model.lisa.keep_chain_scores false / true")
     parser.add_argument("--out", default="bench/results/lisa_train_step.json")
     args = parser.parse_args(argv)
+    check_wide_hidden(parser, "--hidden", args.hidden)
     from models.gpt import GPT
     from pretrain.distributed import init_single_process
 
@@ -125,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                       "keep_chain_scores": configs[name].lisa.keep_chain_scores} for name in models}
     meta = {"layouts_from": args.layouts_from, "hidden": args.hidden, "seqs": args.seqs, "repeats": args.repeats,
             "modes": args.modes, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "threads": torch.get_num_threads(), "machine": platform.machine(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "batch": 1}
+            "threads": torch.get_num_threads(), **provenance("bench.lisa_train_step", argv), "batch": 1}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for mode in args.modes:

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.provenance import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = {"river": "water", "forest": "leaf", "city": "street", "ocean": "wave", "desert": "sand",
           "mountain": "rock", "garden": "flower", "sky": "cloud"}
@@ -241,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                      if "value_mse" in summary[name] else "-")
         print(f"{name:<15}" + "".join(f"{c:>22}" for c in cells))
     results["summary"] = {n: {k: {"mean": m, "half_range": h} for k, (m, h) in v.items()} for n, v in summary.items()}
+    results["provenance"] = provenance("bench.sga_synthetic", argv)
     out = REPO / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.provenance import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 STOP = 5e-3
 TEST_TRIGGER = 8  # 1-indexed, as the paper's figures
@@ -264,8 +266,9 @@ def write_results(out: Path, args, specs: list, results: list[dict]) -> dict:
             entry["bos_attention_converged"].append(r["bos_attention"])
     done = {(r["kind"], r["layers"], r["heads"], r["seed"]) for r in results}
     missing = [list(s[:4]) for s in specs if tuple(s[:4]) not in done]
-    (out / f"{args.name}.json").write_text(json.dumps({"settings": vars(args), "runs": results, "summary": summary,
-                                                    "not_run": missing}, indent=1))
+    result = {"settings": vars(args), "provenance": provenance("bench.sink_paper"), "runs": results,
+              "summary": summary, "not_run": missing}
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     return summary
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.provenance import provenance
 from models.attention.base import scaled_scores
 from models.attention.relu import relu_weights
 from models.attention.softmax import causal_softmax
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               "attention statistics are no evidence")
     (out / "sink_trigger.json").write_text(json.dumps({"spec": asdict(spec), "width": args.width, "lr": args.lr,
                                                        "steps": args.steps, "seed": args.seed,
+                                                       "provenance": provenance("bench.sink_trigger", argv),
                                                        "zero_baseline_trigger": zero_baseline,
                                                        "results": results}, indent=1))
     print(f"wrote {out / 'sink_trigger.json'}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bench.provenance import provenance
 from models.config import ModelConfig
 from models.gpt import GPT
 from pretrain.config import Config
@@ -98,7 +99,7 @@ def main() -> None:
     result = {
         "model": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq, "batch": args.batch},
         "zero_stage": args.zero_stage, "device": str(engine.device), "precision": cfg.train.precision,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "provenance": provenance("bench.throughput"),
         "plain_tokens_per_s": plain_tps, "framework_tokens_per_s": framework_tps,
         "ratio_median": statistics.median(ratios), "ratios": ratios,
     }
