@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"], default=["bfloat16", "float32"])
+    parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"],
+                        default=["bfloat16", "float32"])
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
