@@ -8,6 +8,7 @@ from pathlib import Path
 
 from models.attention.relu import reads_row_length
 from models.config import ConfigError
+from posttrain.chat import ChatFormat
 from pretrain.config import Config, parse_paths
 
 METHODS = ("sft", "dpo", "sga")
@@ -24,14 +25,15 @@ class PostConfig:
     packing: bool = False  # sft: several examples per row, each attending only to itself
     # Chat rendering: each turn is prefix + content + turn_end; an assistant turn is assistant_prefix +
     # content + EOS, and only its content and EOS are trained.
-    system_prefix: str = "System: "
-    user_prefix: str = "User: "
-    assistant_prefix: str = "Assistant: "
-    turn_end: str = "\n"
-    add_bos: bool = False  # start every example with BOS (for tokenizers that expect one, e.g. Llama's)
+    # (defaults: posttrain.chat.ChatFormat's, "System: ", "User: ", "Assistant: ", "\n")
+    system_prefix: str = ChatFormat.system_prefix
+    user_prefix: str = ChatFormat.user_prefix
+    assistant_prefix: str = ChatFormat.assistant_prefix
+    turn_end: str = ChatFormat.turn_end
+    add_bos: bool = ChatFormat.add_bos  # start every example with BOS (tokenizers that expect one: Llama's)
     # The spaces that end assistant_prefix are encoded with the response, whose first word then gets
     # the token running text has (false: prefix and response encoded apart, as before this key).
-    prefix_spaces_in_response: bool = True
+    prefix_spaces_in_response: bool = ChatFormat.prefix_spaces_in_response
     beta: float = 0.1  # DPO temperature
     # SGA: loss = dpo_weight x DPO(score-conditioned prompt) + mse_weight x MSE(value head on the raw prompt)
     dpo_weight: float = 1.0
