@@ -26,7 +26,8 @@ import statistics
 from pathlib import Path
 
 from bench.provenance import provenance
-from bench.trainer_runs import CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
+from bench.trainer_runs import (CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated,
+                               welch_p)
 
 VARIANT_SETS = {
     "kinds": {
@@ -83,19 +84,22 @@ def main() -> None:
                 if variant != REFERENCE and REFERENCE in summary:
                     row["minus_softmax"] = row["val_loss"]["mean"] - summary[REFERENCE]["val_loss"]["mean"]
                     row["separated_from_softmax"] = separated(row["val_loss"], summary[REFERENCE]["val_loss"])
+                    row["welch_p_vs_softmax"] = welch_p(row["val_loss"], summary[REFERENCE]["val_loss"])
             meta = {"steps": args.steps, "seeds": args.seeds, "micro_batch": 16, "shards": args.shards,
                     "variants": variants, "data": "data.start_with_bos=true", **provenance("bench.attention_train"),
                     "note": "CPU, one process; 'apart' = the seed ranges of the final validation loss do not "
-                            "overlap with softmax's"}
+                            "overlap with softmax's; p (welch_p_vs_softmax) = Welch's t-test on those losses, "
+                            "two-sided"}
             out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
-    print(f"{'attention':<16}{'val loss mean ± sd':>21}{'range':>17}{'vs softmax':>12}{'apart':>7}"
+    print(f"{'attention':<16}{'val loss mean ± sd':>21}{'range':>17}{'vs softmax':>12}{'apart':>7}{'p':>6}"
           f"{'tok/s':>8}{'sink rate':>11}{'alpha_1':>9}")
     for name, r in summary.items():
         v, s = r["val_loss"], r["sink_rate"]
         diff = f"{r['minus_softmax']:+.4f}" if "minus_softmax" in r else "-"
         apart = ("yes" if r["separated_from_softmax"] else "no") if "separated_from_softmax" in r else "-"
+        p = f"{r['welch_p_vs_softmax']:.2f}" if r.get("welch_p_vs_softmax") is not None else "-"
         print(f"{name:<16}{v['mean']:>12.4f} ± {v['sd']:.4f}{v['min']:>9.4f}-{v['max']:.4f}{diff:>12}"
-              f"{apart:>7}{r['tokens_per_s']:>8.0f}{s['mean']:>8.2f}±{s['sd']:.2f}"
+              f"{apart:>7}{p:>6}{r['tokens_per_s']:>8.0f}{s['mean']:>8.2f}±{s['sd']:.2f}"
               f"{r['alpha1_mean']['mean']:>9.3f}")
     plot_bands({name: [r["loss_curve"] for r in runs] for name, runs in results.items()}, out.with_suffix(".png"),
                f"tiny dense models, samples begin with BOS, {args.steps} steps", CURVE_LABEL, window=3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import math
 import statistics
 import subprocess
 import sys
@@ -93,9 +94,20 @@ def cross_entropy(record: dict) -> float:
 
 
 def over_seeds(values: list[float]) -> dict:
-    """mean, sample standard deviation (0 for one value), min, max and n."""
+    """mean, sample standard deviation (0 for one value), min, max, n and the values."""
     return {"mean": statistics.mean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "n": len(values)}
+            "min": min(values), "max": max(values), "n": len(values), "values": list(values)}
+
+
+def welch_p(a: dict, b: dict) -> float | None:
+    """Two-sided p-value of Welch's t-test between two over_seeds summaries: how often seeds this far
+    apart would come from variants that do not differ. None below two seeds each or without spread."""
+    if min(a["n"], b["n"]) < 2 or "values" not in a or "values" not in b:
+        return None
+    from scipy.stats import ttest_ind
+
+    p = float(ttest_ind(a["values"], b["values"], equal_var=False).pvalue)
+    return None if math.isnan(p) else p
 
 
 def separated(a: dict, b: dict) -> bool:

@@ -15,7 +15,8 @@ N experts, top-k K, expert width D, shared width S, N_s = S / N):
 * uoe-noaux: the same without any auxiliary loss (the authors report balance without one).
 Every run uses train.seed = the seed (the initial weights; the data order, data.shuffle_seed, is
 the same for every run, so seeds differ by initialisation only); a variant is "separated"
-from uoe when the ranges of their final validation losses over the seeds do not overlap.
+from uoe when the ranges of their final validation losses over the seeds do not overlap, and p is
+Welch's t-test on those losses (two-sided; with three seeds only large gaps reach p < 0.05).
 
 --gpu: the 125M set at sequence 2048 on one GPU (EP=1, micro-batch 16, 300 steps = 9.8M tokens,
 about 2 minutes per model at 80k tokens/s), on shards of sequence 2048 built from the Python
@@ -36,7 +37,8 @@ import sys
 from pathlib import Path
 
 from bench.provenance import provenance
-from bench.trainer_runs import CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated
+from bench.trainer_runs import (CURVE_LABEL, REPO, RunSettings, over_seeds, plot_bands, run_variant, separated,
+                               welch_p)
 
 SIZES = {"tiny": ("configs/tiny_uoe.yaml", "configs/tiny_moe.yaml", "configs/tiny_dense.yaml"),
          "125m": ("configs/125m_uoe.yaml", "configs/125m_moe.yaml", "configs/125m_moe_dense.yaml")}
@@ -89,20 +91,22 @@ def summarise(results: dict[str, list[dict]]) -> dict[str, dict]:
             if name != REFERENCE:
                 row[f"minus_{REFERENCE}"] = row["val_loss"]["mean"] - ref["mean"]
                 row[f"separated_from_{REFERENCE}"] = separated(row["val_loss"], ref)
+                row[f"welch_p_vs_{REFERENCE}"] = welch_p(row["val_loss"], ref)
     return table
 
 
 def print_table(table: dict[str, dict]) -> None:
     print(f"{'model':<12}{'total':>8}{'active':>8}{'val loss mean ± sd':>21}{'range':>17}{'vs uoe':>9}"
-          f"{'apart':>7}{'tok/s':>8}{'entropy':>9}{'max load':>9}")
+          f"{'apart':>7}{'p':>6}{'tok/s':>8}{'entropy':>9}{'max load':>9}")
     for name, r in table.items():
         v = r["val_loss"]
         diff = f"{r['minus_uoe']:+.4f}" if "minus_uoe" in r else "-"
         apart = ("yes" if r["separated_from_uoe"] else "no") if "separated_from_uoe" in r else "-"
+        p = f"{r['welch_p_vs_uoe']:.2f}" if r.get("welch_p_vs_uoe") is not None else "-"
         ent = f"{r['load_entropy']['mean']:.3f}" if "load_entropy" in r else "-"
         mx = f"{r['max_load']['max']:.2f}" if "max_load" in r else "-"
         print(f"{name:<12}{r['params_total'] / 1e6:7.2f}M{r['params_active'] / 1e6:7.2f}M"
-              f"{v['mean']:>12.4f} ± {v['sd']:.4f}{v['min']:>9.4f}-{v['max']:.4f}{diff:>9}{apart:>7}"
+              f"{v['mean']:>12.4f} ± {v['sd']:.4f}{v['min']:>9.4f}-{v['max']:.4f}{diff:>9}{apart:>7}{p:>6}"
               f"{r['tokens_per_s']:>8.0f}{ent:>9}{mx:>9}")
 
 
@@ -167,7 +171,8 @@ def main() -> None:
                     "note": "train.seed sets the initial weights (the data order is the same for all runs); "
                             "tokens/s is the median over log "
                             "intervals of all processes (noisy on a shared machine); 'apart' = the seed ranges "
-                            "of the final validation loss do not overlap with uoe's"}
+                            "of the final validation loss do not overlap with uoe's; p (welch_p_vs_uoe) = "
+                            "Welch's t-test on those losses, two-sided"}
             out.write_text(json.dumps({"meta": meta, "summary": table, "runs": results}, indent=1))
     print_table(summarise(results))
     plot_bands({name: [r["loss_curve"] for r in runs] for name, runs in results.items()}, out.with_suffix(".png"),

@@ -171,3 +171,19 @@ def test_every_path_readme_names_exists():
 ])
 def test_expand_braces(path, expanded):
     assert expand_braces(path) == expanded
+
+
+def test_the_uoe_reading_s_t_test_is_the_benchmark_s():
+    """README quotes Welch's p for dense and MoE + shared against UoE; bench.trainer_runs.welch_p on
+    the committed runs gives them (and nothing for a single seed, which has no spread to test)."""
+    import json
+
+    from bench.trainer_runs import over_seeds, welch_p
+
+    runs = json.loads((REPO / "bench/results/uoe_vs_moe.json").read_text())["runs"]
+    losses = {name: over_seeds([r["val_loss"] for r in runs[name]]) for name in ("dense", "moe+shared", "uoe")}
+    quoted = re.search(r"Welch's t-test\s+on the three seeds p = ([\d.]+), MoE \+ shared ([\d.]+)", README)
+    assert quoted, "README's UoE reading no longer quotes the t-test"
+    assert f"{welch_p(losses['dense'], losses['uoe']):.2f}" == quoted.group(1)
+    assert f"{welch_p(losses['moe+shared'], losses['uoe']):.2f}" == quoted.group(2)
+    assert welch_p(over_seeds([4.0]), losses["uoe"]) is None

@@ -117,7 +117,9 @@ def test_sink_report_probes_random_tokens_as_the_run_began_its_samples(monkeypat
     monkeypatch.setattr(report, "run_config", lambda ckpt: run)
     meta = {"bos_id": 1, "eos_id": 2, "special_ids": {"pad": None, "unk": 0}}
     tokens, source = report.sample_tokens(tmp_path, SimpleNamespace(vocab_size=8), meta, 4, 64, None)
-    assert source == "random tokens after BOS" and "using random tokens" in capsys.readouterr().err
+    warning = capsys.readouterr().err
+    assert source == "random tokens after BOS" and "using random tokens" in warning
+    assert f"no such directory ({tmp_path / 'moved'}" in warning and "--shards DIR" in warning
     assert tokens[:, 0].eq(1).all() and tokens.shape == (4, 64)
     assert not torch.isin(tokens[:, 1:], torch.tensor([0, 1, 2])).any()
 

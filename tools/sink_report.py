@@ -34,16 +34,19 @@ def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str
         if shards:
             full.data.shards, full.data.mix = shards, []  # --shards replaces the run's mixture too
         full.train.micro_batch, full.train.eval_batches = batch, 1
+        where = Path(full.data.shards)
         try:
             batches, problem = load_val_batches(full, apart=True), "no samples in their val/ split"
         except Exception as err:  # noqa: BLE001 - fall back to random tokens, but say so
             batches, problem = [], f"cannot read them: {err}"
+        if not batches and "://" not in full.data.shards and not where.is_dir():
+            problem = f"no such directory ({where.resolve()}; a relative path is read from the current directory)"
         if batches:
             return batches[0][:, :seq], f"validation shards {full.data.shards}"
         if shards:  # asked for: never replaced by random tokens
             raise ToolError(f"--shards {shards}: {problem}; give a shards directory with a validation split")
-        print(f"warning: validation shards {full.data.shards}: {problem}; using random tokens",
-              file=sys.stderr)
+        print(f"warning: validation shards {full.data.shards}: {problem}; using random tokens (--shards DIR "
+              "probes real text)", file=sys.stderr)
     gen = torch.Generator().manual_seed(0)
     special = {i for i in (meta.get("bos_id"), meta.get("eos_id"), *meta.get("special_ids", {}).values())
                if isinstance(i, int) and 0 <= i < cfg.vocab_size}
