@@ -28,6 +28,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from data_prep.sources import BadInputReport
+from models.attention.relu import reads_row_length
 
 CONTEXT_KEYS = ("context", "query", "question", "ctx", "goal")
 
@@ -140,7 +141,11 @@ def choice_logprobs(model, reqs: list[tuple[list[int], int]], batch_size: int, d
     """Summed log-probability of each request's continuation, [len(reqs)] float64 on every rank.
 
     Request i is scored on data-parallel rank i % size of ``group`` (None: this process alone); every
-    rank runs the same number of batches, padded where it has fewer requests."""
+    rank runs the same number of batches, padded where it has fewer requests. A model whose outputs
+    depend on the row's length (ReLU attention's seqlen normaliser) scores each request alone,
+    unpadded, so that its score does not depend on the other requests."""
+    alone = reads_row_length(model.cfg)
+    batch_size = 1 if alone else batch_size
     size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     mine = list(range(rank, len(reqs), size))
@@ -154,7 +159,8 @@ def choice_logprobs(model, reqs: list[tuple[list[int], int]], batch_size: int, d
     for b in range(batches):
         chunk = mine[b * batch_size:(b + 1) * batch_size]
         rows = [reqs[i][0] for i in chunk] or [[pad_id, pad_id]]  # a padding forward keeps collectives in step
-        tokens = torch.full((len(rows), width + 1), pad_id, dtype=torch.long)
+        row_width = len(rows[0]) - 1 if alone else width
+        tokens = torch.full((len(rows), row_width + 1), pad_id, dtype=torch.long)
         for r, row in enumerate(rows):
             tokens[r, :len(row)] = torch.tensor(row)
         tokens = tokens.to(device)

@@ -151,3 +151,25 @@ def test_a_stop_signal_skips_the_downstream_scoring_of_its_step(monkeypatch):
                                     device="cpu", logger=types.SimpleNamespace(print=printed.append))
     callback.on_step_end(trainer, types.SimpleNamespace(step=10))
     assert printed == ["step 10 | downstream scoring skipped: stopping on a signal"]
+
+
+def test_a_model_that_reads_the_row_length_scores_each_request_alone(tmp_path, tok_dir):
+    """ReLU attention with the seqlen normaliser divides by the row's length, so a request padded to
+    a longer one in its task scored differently than alone: such a model scores requests unpadded."""
+    from data_prep.tokenizer import load_tokenizer
+    from models.config import ModelConfig
+    from models.attention.relu import ReLUAttentionConfig
+    from models.gpt import GPT
+
+    sp, meta = load_tokenizer(tok_dir)
+    short = requests([Example("a b", ("c", "d"), 0)], sp, 64)
+    longer = requests([Example(" ".join(["word"] * 30), ("end", "stop"), 1)], sp, 64)
+    assert max(len(t) for t, _ in longer) > max(len(t) for t, _ in short) + 10
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(vocab_size=meta["vocab_size"], hidden_size=32, num_heads=2, num_layers=2,
+                                ffn_hidden_size=64, max_seq_len=64, attention="rr",
+                                relu_attention=ReLUAttentionConfig(normalizer="seqlen"))).eval()
+        alone = choice_logprobs(model, short, batch_size=4, device=torch.device("cpu"))
+        beside = choice_logprobs(model, short + longer, batch_size=4, device=torch.device("cpu"))
+    torch.testing.assert_close(beside[:len(short)], alone, rtol=0, atol=1e-9)
