@@ -281,7 +281,29 @@ def test_a_relative_tokenizer_path_is_found_from_the_directories_above_the_run(t
     with pytest.raises(export.ExportError, match=f"data.tokenizer=tok: no tokenizer.model in {tmp_path / 'tok'}, "):
         export.find_tokenizer(tag, None, meta)  # the run trained with one: an error, not an export without it
     assert export.find_tokenizer(tag, None, meta, required=False) is None  # generate --prompt-ids
-    assert export.find_tokenizer(tag, None, {}) is None  # a run without one (an import without --tokenizer)
+    assert export.find_tokenizer(tag, None, {}) is None  # a run without one recorded
+    # A run that names none (an import without --tokenizer) never takes one found on the way.
+    (tmp_path / "tok" / "tokenizer.model").write_bytes(b"other pieces")
+    run.data.tokenizer = ""
+    assert export.find_tokenizer(tag, None, {}) is None
+    with pytest.raises(export.ExportError, match="sha256 .* config names no data.tokenizer; pass --tokenizer DIR"):
+        export.find_tokenizer(tag, None, meta)
+    # A checkpoint copied out of its run: its config.yaml is not there to say where the tokenizer is.
+    monkeypatch.setattr(export, "run_config", lambda tag_dir: None)
+    with pytest.raises(export.ExportError, match="config.yaml is not beside it; pass --tokenizer DIR"):
+        export.find_tokenizer(tag, None, meta)
+    assert export.find_tokenizer(tag, None, meta, required=False) is None
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_is_refused(data, tmp_path):
+    """Its ids past the vocabulary would index outside the embedding: another model's tokenizer."""
+    import tools.export as export
+
+    root, vocab = data
+    assert export.find_tokenizer(tmp_path, str(root / "tokenizer"), {"model": {"vocab_size": vocab + 64}}) \
+        == root / "tokenizer"  # a padded vocabulary is larger than its tokenizer
+    with pytest.raises(export.ExportError, match=f"has {vocab} tokens but the model's vocabulary has {vocab - 1}"):
+        export.find_tokenizer(tmp_path, str(root / "tokenizer"), {"model": {"vocab_size": vocab - 1}})
 
 
 @pytest.mark.slow
@@ -379,6 +401,7 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
                                                                   "(no tokenizer in the folder)")
     cfg = load_config(run / "config.yaml")
     assert cfg.data.start_with_bos is False and run_bos(cfg, read_meta(tag)) is None
+    assert cfg.data.tokenizer == ""  # imported without --tokenizer: names none
     cfg.data.start_with_bos = True
     assert read_meta(tag)["bos_id"] == vocab - 2 and run_bos(cfg, {"special_ids": {"bos": vocab - 2}}) == vocab - 2
     tokens = fixed_tokens(vocab)

@@ -224,7 +224,11 @@ def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict, required: bo
             raise ExportError(f"--tokenizer {explicit}: no {MODEL_FILE} there")
     else:
         cfg = run_config(tag_dir)
-        if cfg is None:
+        if cfg is None or not cfg.data.tokenizer:  # no run config beside it, or a run without a tokenizer
+            if want and required:
+                raise ExportError(f"{tag_dir} was trained with a SentencePiece tokenizer (sha256 {want[:12]}), but "
+                                  + ("its run's config.yaml is not beside it" if cfg is None else
+                                     "its run's config names no data.tokenizer") + "; pass --tokenizer DIR")
             return None
         places = tokenizer_places(Path(cfg.data.tokenizer), Path(tag_dir))
         found = [p for p in places if (p / MODEL_FILE).is_file()]
@@ -242,7 +246,24 @@ def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict, required: bo
     if want and want != got:
         raise ExportError(f"tokenizer {path / MODEL_FILE} (sha256 {got[:12]}) is not the one this checkpoint was "
                           f"trained with (sha256 {want[:12]}); pass --tokenizer with the run's tokenizer directory")
+    check_tokenizer_fits(path, meta)
     return path
+
+
+def check_tokenizer_fits(path: Path, meta: dict) -> None:
+    """A tokenizer with ids past the model's vocabulary is another model's (a padded vocabulary may be
+    larger than the tokenizer, never smaller)."""
+    import sentencepiece as spm
+
+    from data_prep.tokenizer import MODEL_FILE
+
+    vocab = meta.get("model", {}).get("vocab_size")
+    if vocab is None:
+        return
+    pieces = spm.SentencePieceProcessor(model_file=str(path / MODEL_FILE)).get_piece_size()
+    if pieces > vocab:
+        raise ExportError(f"tokenizer {path} has {pieces} tokens but the model's vocabulary has {vocab}: it is not "
+                          "this model's tokenizer; pass --tokenizer with the run's tokenizer directory")
 
 
 def run_tokenizer(tag_dir: Path, explicit: str | None, meta: dict):

@@ -5,8 +5,8 @@
 
 Writes RUN_DIR/checkpoints/step_00000000 through a real single-process DeepSpeed engine
 (pretrain.engine.build_engine + pretrain.checkpoint.save, ZeRO-1, fresh optimizer state) and
-RUN_DIR/config.yaml with the model section filled in (data.tokenizer = --tokenizer when given;
-set data.shards and the train.* keys for the run). Continue training with
+RUN_DIR/config.yaml with the model section filled in (data.tokenizer = --tokenizer, empty without
+one; set data.shards and the train.* keys for the run). Continue training with
 
     python -m pretrain.train --config RUN_DIR/config.yaml data.shards=... train.resume=RUN_DIR/checkpoints/step_00000000
 
@@ -173,8 +173,8 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     cfg.run.name, cfg.run.dir = out.name, str(out)
     cfg.parallel.tensor, cfg.parallel.zero_stage = 1, 1
     cfg.train.precision = "fp32"
-    if tokenizer:
-        cfg.data.tokenizer = str(tokenizer)
+    # Without --tokenizer the run names none: the default data/tokenizer may be another model's.
+    cfg.data.tokenizer = str(tokenizer) if tokenizer else ""
     if start_with_bos == "auto":
         starts, why = hf_starts_with_bos(model_dir, hf_cfg)
         log(f"data.start_with_bos={str(starts).lower()}: {why} (--start-with-bos true|false to choose)")
