@@ -419,6 +419,11 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
                 f"{manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
             )
         if tokenizer is None:  # read once, when the first source needs it
+            if not cfg.data.tokenizer:
+                raise ConfigError(
+                    "data.tokenizer is empty (the config of a model imported without --tokenizer names none): "
+                    f"set data.tokenizer to the tokenizer directory the shards of {key} were built with"
+                )
             if not tokenizer_meta.is_file():
                 raise ConfigError(
                     f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "

@@ -127,6 +127,10 @@ def test_data_mismatch_errors(tmp_path):
                              "model.max_seq_len=32", "model.vocab_size=256"])
     with pytest.raises(ConfigError, match="no tokenizer.json there; train one with"):
         validate_data(cfg)
+    cfg = load_config(None, [f"data.shards={root}/shards", "data.tokenizer=", "model.max_seq_len=32",
+                             "model.vocab_size=256"])
+    with pytest.raises(ConfigError, match="data.tokenizer is empty .*set data.tokenizer to the tokenizer directory"):
+        validate_data(cfg)
     meta = root / "tokenizer" / "tokenizer.json"
     meta.write_text(json.dumps({"vocab_size": 256, "sha256": "f" * 64}))
     cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=256"])
