@@ -107,7 +107,7 @@ def read_text_file(path: Path, report) -> Iterator[Document]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        report.add(str(path), f"not UTF-8 (byte {e.start})")
+        report.add(f"{path} (byte {e.start})", "not UTF-8")  # the offset in the place: one reason for all
         return
     if text:
         yield Document(text, str(path))
@@ -122,7 +122,9 @@ class _ZstdReader(io.RawIOBase):
     def __init__(self, path: Path):
         import zstandard
 
-        self._dctx = zstandard.ZstdDecompressor()
+        # Frames of `zstd --long` (windows up to 2 GiB) too: the default limit is 128 MiB, and memory
+        # is only taken when a frame asks for it.
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
         self._file = open(path, "rb")
         self._dobj = self._dctx.decompressobj()
         self._pending = memoryview(b"")
@@ -196,6 +198,10 @@ def _json_lines(path: Path, report, lines: tuple[int, int, int, int] | None = No
     start, end, first_line, planned_bytes = lines or (0, None, 1, None)
     lineno = first_line - 1
     try:
+        if path.name.endswith((".gz", ".zst")) and path.stat().st_size == 0:
+            # No compressed stream is 0 bytes (a failed download or copy), though both read as empty.
+            report.add(str(path), "unreadable (an empty compressed file: truncated?)")
+            return
         # Binary lines so one bad line costs only that line, not the whole file.
         with _opener(path)() as f:
             if lines is not None:

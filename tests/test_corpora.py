@@ -5,6 +5,7 @@ uniform sample, and existing SentencePiece models."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import random
@@ -150,6 +151,24 @@ def test_zstd_and_gzip_json_lines_bad_lines_and_truncation(tmp_path, tok_dir):
     assert m["documents"] == len(docs) and m["bad_inputs"]["count"] == 2
     sp, _ = load_tokenizer(tok_dir)
     assert assert_samples_are_source_spans(tmp_path / "out", texts, sp) > 0
+
+
+def test_long_window_zstd_is_read_and_empty_compressed_files_are_counted(tmp_path):
+    """`zstd --long` frames declare windows over the decompressor's default 128 MiB limit; a 0-byte
+    .gz or .zst is no compressed stream at all (a failed download), not an empty corpus file."""
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=28)  # a 256 MiB window
+    writer_out = io.BytesIO()
+    with zstandard.ZstdCompressor(compression_params=params).stream_writer(writer_out, closefd=False) as w:
+        w.write(b"".join(json.dumps({"text": f"record {i}"}).encode() + b"\n" for i in range(50)))
+    data = writer_out.getvalue()
+    assert zstandard.get_frame_parameters(data).window_size == 1 << 28
+    (tmp_path / "long.jsonl.zst").write_bytes(data)
+    for name in ("empty.jsonl.gz", "empty.jsonl.zst"):
+        (tmp_path / name).write_bytes(b"")
+    report = BadInputReport()
+    docs = list(iter_documents([tmp_path], report=report))
+    assert [d.text for d in docs] == [f"record {i}" for i in range(50)]
+    assert report.to_dict()["by_reason"] == {"unreadable (an empty compressed file: truncated?)": 2}
 
 
 def test_lone_surrogate_is_counted_not_fatal_in_both_commands(tmp_path, tok_dir, capsys):

@@ -246,7 +246,7 @@ def test_bad_inputs_counted_and_reported(tmp_path, tok_dir, capsys):
     bad = m["bad_inputs"]
     assert bad["count"] == 6
     assert bad["by_reason"] == {"malformed JSON": 1, "missing or non-string 'text' field": 3,
-                                "not UTF-8 (byte 3)": 1, "unreadable (No such file or directory)": 1}
+                                "not UTF-8": 1, "unreadable (No such file or directory)": 1}
     assert len(bad["examples"]) == 5
     assert bad["examples"][:4] == [f"{d / 'data.jsonl'}:2: malformed JSON",
                                    f"{d / 'data.jsonl'}:3: missing or non-string 'text' field",
@@ -335,7 +335,7 @@ def test_file_names_that_are_not_utf8(tmp_path, tok_dir, monkeypatch):
     (corpus / os.fsdecode(b"bad\xff.txt")).write_bytes(b"\xff\xfe not UTF-8")  # reported with its name escaped
     report = BadInputReport()
     list(iter_documents([corpus], report=report))
-    assert report.examples == ["corpus/bad\\xff.txt: not UTF-8 (byte 0)"] and report.summary().encode("utf-8")
+    assert report.examples == ["corpus/bad\\xff.txt (byte 0): not UTF-8"] and report.summary().encode("utf-8")
     meta = tt.train_tokenizer([corpus], "tok", vocab_size=300, num_threads=1)
     origins = Path("tok", tt.SAMPLE_FILE).read_bytes()
     assert b"corpus/caf\xe9.txt\n" in origins and meta["training"]["sample"]["documents"] == 2
