@@ -211,12 +211,12 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
                val_fraction: float = 0.01, *, compression: str | None = "zstd", shard_size_limit: int | str = "64mb",
                seed: int = 0, text_field: str = "text", part_size: int | str = "auto",
                dedup_mode: str = "none", split_key: str = "relative", overwrite: bool = False,
-               dry_run: bool = False, progress: bool = False) -> dict:
+               dry_run: bool = False, progress: bool = False, skip_unreadable: bool = False) -> dict:
     """Check everything that can be checked cheaply, cut the corpus into parts, write ``plan.json``
     (``dry_run``: change nothing on disk).
 
     An existing plan with the same settings and parts is kept (its completed parts count); one with
-    other settings, or finished shards, need ``overwrite``.
+    other settings, or finished shards, need ``overwrite`` (refused before the corpus is read).
     """
     out_dir = Path(out_dir)
     if seq_len < 1:
@@ -229,11 +229,15 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
         raise ValueError(f"dedup {dedup_mode!r}: choose one of {', '.join(dedup.DEDUP_MODES)}")
     shard_size = P.parse_size(shard_size_limit)
     compression = check_compression(compression)
+    finished = (out_dir / "manifest.json").is_file()
+    if finished and not overwrite:
+        raise FileExistsError(f"{out_dir} already contains shards (manifest.json): pass --overwrite to replace "
+                              "them, or choose another --out")
     sp, tok = load_tokenizer(tokenizer_dir)
     srcs = as_sources(sources)
     skipped = Counter()
     files = list_files(srcs, skipped, progress)
-    require_documents(srcs, text_field=text_field, files=files)
+    require_documents(srcs, text_field=text_field, files=files, skip_unreadable=skip_unreadable)
     total = sum(P.file_bytes(f) for f in files)
     part_bytes = P.auto_part_bytes(total) if str(part_size) == "auto" else P.parse_size(part_size)
     settings = {
@@ -247,8 +251,13 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
     if split_key != "path":  # absent: hashed by path, as plans made before the setting (their plan_id kept)
         settings["split_key"] = split_key
     old = P.read_plan(out_dir)
-    if (old is not None and not overwrite and old["settings"] == settings and old.get("bytes") == total
-            and P.planned_files(old) == [str(f) for f in files]):
+    if old is not None and not overwrite:
+        if not (old["settings"] == settings and old.get("bytes") == total
+                and P.planned_files(old) == [str(f) for f in files]):
+            # Before the corpus is cut into parts, which reads every large JSON Lines file whole.
+            diff = _settings_diff(old["settings"], settings) or "the corpus files changed"
+            raise FileExistsError(f"{out_dir} holds an unfinished build planned differently ({diff}): pass "
+                                  "--overwrite to start over, or rerun with the settings of that build")
         parts = old["parts"]  # an unfinished build resumes as it was cut, its large files not read again
     else:
         parts = [p.to_dict() for p in P.plan_parts(files, part_bytes, progress)]
@@ -257,17 +266,12 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
     plan["plan_id"] = P.plan_id(plan)
     plan["planned_in"] = os.getcwd()  # what relative paths in the plan are relative to (P.planned_dir)
 
-    finished = (out_dir / "manifest.json").is_file()
     if overwrite:
         if not dry_run:
             _clear(out_dir)
-    elif finished:
-        raise FileExistsError(f"{out_dir} already contains shards (manifest.json): pass --overwrite to replace "
-                              "them, or choose another --out")
-    elif old is not None and old.get("plan_id") != plan["plan_id"]:
-        diff = _settings_diff(old["settings"], settings) or "the corpus files changed"
-        raise FileExistsError(f"{out_dir} holds an unfinished build planned differently ({diff}): pass "
-                              "--overwrite to start over, or rerun with the settings of that build")
+    elif old is not None and old.get("plan_id") != plan["plan_id"]:  # e.g. other files that no reader takes
+        raise FileExistsError(f"{out_dir} holds an unfinished build planned differently (the corpus files "
+                              "changed): pass --overwrite to start over, or rerun with the corpus of that build")
     elif old is None:
         for split in SPLITS:
             d = out_dir / split
@@ -610,7 +614,8 @@ def build_shards(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/sha
     ``out_dir``; returns the manifest."""
     plan_build(sources, tokenizer_dir, out_dir, seq_len, val_fraction, compression=compression,
                shard_size_limit=shard_size_limit, seed=seed, text_field=text_field, part_size=part_size,
-               dedup_mode=dedup_mode, split_key=split_key, overwrite=overwrite, progress=progress)
+               dedup_mode=dedup_mode, split_key=split_key, overwrite=overwrite, progress=progress,
+               skip_unreadable=skip_unreadable)
     build_parts(out_dir, workers=workers, progress=progress, log=log, skip_unreadable=skip_unreadable)
     return merge_parts(out_dir)
 
@@ -689,6 +694,9 @@ def main(argv=None) -> int:
             plan = P.read_plan(out)
             if plan is None:
                 raise FileNotFoundError(f"no {P.PLAN_FILE} in {out}: plan the build first with --plan-only")
+            if plan["settings"].get("dedup") != "exact":
+                raise ValueError(f"{out} was planned without --dedup exact, so there is nothing to index: plan it "
+                                 "again with --dedup exact --overwrite, or build it as it is")
             counts = dedup.build_index(out, plan)
             print(f"dedup index: {counts['duplicates']} of {counts['documents']} documents are duplicates")
             return 0
@@ -698,7 +706,8 @@ def main(argv=None) -> int:
         plan = plan_build(args.sources, args.tokenizer, out, args.seq_len, args.val_fraction,
                           compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                           text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
-                          split_key=args.split_key, overwrite=args.overwrite, progress=not args.no_progress)
+                          split_key=args.split_key, overwrite=args.overwrite, progress=not args.no_progress,
+                          skip_unreadable=args.skip_unreadable)
         if plan["skipped_files"]:
             kinds = ", ".join(f"{suffix} {n}" for suffix, n in plan["skipped_files"].items())
             print(f"skipped files no reader takes, by suffix ({kinds}); readers take {' '.join(ALL_SUFFIXES)}")
@@ -717,7 +726,7 @@ def main(argv=None) -> int:
         print(f"error: {e}; the parts not complete are retried then. A file that fails every time: restore it, "
               f"or {skip}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: an --out that cannot be written, a full disk...
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

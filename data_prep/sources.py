@@ -189,11 +189,14 @@ def iter_documents(sources=None, *, text_field: str = "text", report: BadInputRe
             yield doc
 
 
-def require_documents(sources=None, *, text_field: str = "text", files: Sequence[Path] | None = None) -> None:
+def require_documents(sources=None, *, text_field: str = "text", files: Sequence[Path] | None = None,
+                      skip_unreadable: bool = False) -> None:
     """Fail fast, before any expensive work, if ``sources`` hold no document at all (``files``: their
-    files, listed already: a corpus of millions of files is not walked again)."""
+    files, listed already: a corpus of millions of files is not walked again; ``skip_unreadable``: a
+    file the file system fails to read is passed over, as the command will count it)."""
     srcs = as_sources(sources)
-    if next(iter_documents(srcs, text_field=text_field, files=files), None) is None:
+    report = BadInputReport(count_io_errors=skip_unreadable)
+    if next(iter_documents(srcs, text_field=text_field, files=files, report=report), None) is None:
         names = ", ".join(str(s) for s in srcs)
         suffixes = sorted({x for s in srcs for x in s.suffixes})
         raise EmptyCorpusError(

@@ -99,6 +99,18 @@ def _train(lines, model_writer, vocab_size: int, model_type: str, num_threads: i
     )
 
 
+def check_writable(out_dir: Path) -> None:
+    """--out can hold the tokenizer: created if missing, and a file can be written there."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {out_dir}: cannot write there ({e.strerror or e}); choose a directory you can "
+                         "write to") from None
+
+
 def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 4096,
                     model_type: str = "bpe", *, max_sentences: int = 300_000, sample_docs: int = 20_000,
                     max_doc_chars: int = 50_000, seed: int = 0, overwrite: bool = False,
@@ -115,11 +127,12 @@ def train_tokenizer(sources=None, out_dir="data/tokenizer", vocab_size: int = 40
         raise ValueError("sample_docs, max_doc_chars and max_sentences must be at least 1")
     if (out_dir / MODEL_FILE).exists() and not overwrite:
         raise FileExistsError(f"tokenizer already exists at {out_dir}: pass --overwrite to replace it")
+    check_writable(out_dir)  # before the pass over the corpus and the training, not after
+    report = bad_inputs if bad_inputs is not None else BadInputReport()
     srcs = as_sources(sources)
     files = list_files(srcs, progress=progress)
-    require_documents(srcs, text_field=text_field, files=files)
+    require_documents(srcs, text_field=text_field, files=files, skip_unreadable=report.count_io_errors)
 
-    report = bad_inputs if bad_inputs is not None else BadInputReport()
     stats = {"documents_seen": 0, "documents": 0, "sentences": 0, "chars": 0}
     from tqdm import tqdm
 
@@ -182,17 +195,23 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
+    p.add_argument("--skip-unreadable", action="store_true",
+                   help="count a file the file system fails to read (EIO...) as unreadable instead of stopping")
     args = p.parse_args(argv)
 
     start = time.time()
-    report = BadInputReport()
+    report = BadInputReport(count_io_errors=args.skip_unreadable)
     try:
         meta = train_tokenizer(args.sources, args.out, args.vocab_size, args.model_type,
                                max_sentences=args.max_sentences, sample_docs=args.sample_docs,
                                max_doc_chars=args.max_doc_chars,
                                seed=args.seed, overwrite=args.overwrite, text_field=args.text_field,
                                bad_inputs=report, progress=not args.no_progress)
-    except (FileNotFoundError, FileExistsError, ValueError, FileReadError) as e:
+    except FileReadError as e:
+        print(f"error: {e}. A file that fails every time: restore it, or rerun with --skip-unreadable to count it "
+              "as unreadable", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t = meta["training"]

@@ -144,7 +144,7 @@ def submit_build(args: argparse.Namespace) -> int:
                       compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                       text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
                       split_key=args.split_key, overwrite=args.overwrite, dry_run=args.dry_run,
-                      progress=sys.stderr.isatty())
+                      progress=sys.stderr.isatty(), skip_unreadable=args.skip_unreadable)
     if args.overwrite and not args.dry_run:
         previous = []  # a new build: its task count is free again
     n_parts = len(plan["parts"])

@@ -429,6 +429,12 @@ def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, to
     assert bs.main(args + ["--task", "1"]) == 0
     assert bs.main(["--out", str(out), "--dedup-index"]) == 0
     assert "4 of 9 documents are duplicates" in capsys.readouterr().out
+    # A build planned without dedup has nothing to index: said so, not "hash them first".
+    plain = tmp_path / "plain"
+    assert bs.main(["--sources", str(corpus), "--tokenizer", str(tok_dir), "--out", str(plain), "--seq-len", "8",
+                    "--val-fraction", "0", "--part-size", "60b", "--plan-only"]) == 0
+    assert bs.main(["--out", str(plain), "--dedup-index"]) == 2
+    assert "planned without --dedup exact, so there is nothing to index" in capsys.readouterr().err
     # A file that reads differently than when hashed fails its part instead of shifting the mask.
     f0 = corpus / "f0.jsonl.gz"
     hashed = f0.read_bytes()

@@ -296,26 +296,39 @@ def test_missing_tokenizer_and_bad_args(tmp_path, tok_dir):
     assert not (tmp_path / "out").exists()
 
 
-def test_too_few_tokens_for_a_sample(tmp_path, tok_dir):
+def test_too_few_tokens_for_a_sample(tmp_path, tok_dir, monkeypatch):
     (tmp_path / "a.txt").write_text("fox jumps\n")
     with pytest.raises(ValueError, match="no complete sample.*--seq-len"):
         bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", seq_len=4096, val_fraction=0, workers=1)
     assert not (tmp_path / "out" / "manifest.json").exists()
     # The built parts are kept (a cluster's work is not thrown away); other settings need --overwrite.
     assert (tmp_path / "out" / "plan.json").exists()
-    with pytest.raises(FileExistsError, match="planned differently.*--overwrite"):
-        bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", seq_len=4, val_fraction=0, workers=1)
+    with monkeypatch.context() as m:  # refused before the corpus is cut into parts (large files read whole)
+        m.setattr(bs.P, "plan_parts", lambda *a, **k: pytest.fail("the corpus was cut before the refusal"))
+        with pytest.raises(FileExistsError, match="planned differently.*--overwrite"):
+            bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", seq_len=4, val_fraction=0, workers=1)
 
 
-def test_existing_shards_need_overwrite(tmp_path, tok_dir):
+def test_a_tokenizer_out_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(tt, "list_files", lambda *a, **k: pytest.fail("the corpus was read before the refusal"))
+    assert tt.main(["--sources", str(tmp_path / "a.txt"), "--out", str(tmp_path / "afile" / "tok"),
+                    "--no-progress"]) == 2
+    assert f"--out {tmp_path / 'afile' / 'tok'}: cannot write there" in capsys.readouterr().err
+
+
+def test_existing_shards_need_overwrite(tmp_path, tok_dir, monkeypatch):
     src = tmp_path / "a.txt"
     src.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
     out = tmp_path / "out"
     kw = dict(seq_len=8, val_fraction=0, workers=1)
     first = bs.build_shards([src], tok_dir, out, **kw)
     (out / "train" / "stale.mds").write_bytes(b"old")
-    with pytest.raises(FileExistsError, match="already contains shards.*--overwrite"):
-        bs.build_shards([src], tok_dir, out, **kw)
+    with monkeypatch.context() as m:  # refused before the corpus is listed or read
+        m.setattr(bs, "list_files", lambda *a, **k: pytest.fail("the corpus was listed before the refusal"))
+        with pytest.raises(FileExistsError, match="already contains shards.*--overwrite"):
+            bs.build_shards([src], tok_dir, out, **kw)
     again = bs.build_shards([src], tok_dir, out, overwrite=True, **kw)
     assert again == first and not (out / "train" / "stale.mds").exists()
     assert len(read_split(out / "train")) == first["splits"]["train"]["samples"]
@@ -413,3 +426,13 @@ def test_a_file_system_error_fails_the_part_for_a_rerun(tmp_path, tok_dir, monke
     assert bs.main(args) == 0  # the same command retries it
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["documents"] == 2 and manifest["bad_inputs"]["count"] == 0
+    # The first file failing too: planning (which reads a first document) counts it when asked, in
+    # both commands; without the flag the tokenizer's error names it.
+    flaky = corpus / "a.txt"
+    monkeypatch.setattr(Path, "read_bytes", failing_read)
+    assert bs.main(args[:5] + [str(tmp_path / "first")] + args[6:] + ["--skip-unreadable"]) == 0
+    first = json.loads((tmp_path / "first" / "manifest.json").read_text())
+    assert first["documents"] == 1 and first["bad_inputs"]["by_reason"] == {"unreadable (Input/output error)": 1}
+    tok_args = ["--sources", str(corpus), "--out", str(tmp_path / "tok"), "--vocab-size", "300", "--no-progress"]
+    assert tt.main(tok_args) == 2 and "rerun with --skip-unreadable" in capsys.readouterr().err
+    assert tt.main(tok_args + ["--skip-unreadable"]) == 0
