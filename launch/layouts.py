@@ -49,3 +49,17 @@ def single_gpu_overrides(path: str | os.PathLike) -> list[str]:
         raise ConfigError(f"{path} has no {SINGLE_GPU_PREFIX.strip()!r} line in its header (the size configs "
                           "under configs/ have one); pass the parallel.* and train.* overrides yourself")
     return overrides
+
+
+def one_gpu_hint(error: Exception, path: str | os.PathLike | None, world: int, flag: str | None = "--single-gpu"
+                 ) -> str:
+    """What to add to a layout error on one process: how to apply the config header's single-GPU
+    layout (the command's `flag`, or with none the overrides themselves); "" for other errors."""
+    from pretrain.config import LayoutError
+
+    fits = isinstance(error, LayoutError) and world == 1 and path and Path(path).is_file()
+    overrides = read_layouts(path).single_gpu if fits else None
+    if overrides is None:
+        return ""
+    return (f" (on one GPU, {flag} applies the config header's layout)" if flag else
+            f" (on one GPU, the config header's layout: {' '.join(overrides)})")

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import shlex
+import socket
 import sys
 import warnings
 
@@ -23,7 +24,7 @@ if __name__ == "__main__":
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 from launch.entry_points import entry_point  # noqa: E402
-from launch.layouts import single_gpu_overrides  # noqa: E402
+from launch.layouts import one_gpu_hint, single_gpu_overrides  # noqa: E402
 from pretrain.checkpoint_format import CheckpointError  # noqa: E402
 from pretrain.config import ConfigError, load_config  # noqa: E402
 
@@ -38,6 +39,19 @@ def torchrun_command(nproc: int, config: str | None, overrides: list[str], port:
     if config:
         cmd += ["--config", config]
     return cmd + overrides
+
+
+def check_port(port: int, in_use: bool) -> None:
+    """A rendezvous port torchrun can take (`in_use`: also that nothing on this machine holds it now)."""
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port {port}: give a port from 1 to 65535 (default 29500)")
+    if in_use:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                raise ConfigError(f"--port {port} is in use (another run on this machine?): pass another --port"
+                                  ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: give at least 1 process")
+        check_port(args.port, in_use=not args.dry_run)
         if args.single_gpu:
             if not args.config:
                 raise ConfigError("--single-gpu reads the layout from a config's header: name the config")
@@ -64,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides = single_gpu_overrides(args.config) + overrides
         entry.check(load_config(args.config, overrides, entry.config_class), args.nproc)
     except (ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        hint = "" if args.single_gpu else one_gpu_hint(err, args.config, args.nproc)
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 2
     command = torchrun_command(args.nproc, args.config, overrides, args.port, entry.module)
     if args.dry_run:

@@ -45,7 +45,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from launch.layouts import single_gpu_overrides
+from launch.layouts import one_gpu_hint, single_gpu_overrides
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
 from models.moe.routing import grouped_gemm_mode
@@ -166,7 +166,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
         largest = micro
     tokens_per_step = t.micro_batch * t.grad_accum * layout.data * cfg.model.max_seq_len
     fpt = flops_per_token(cfg.model)
-    peak = 1.0 if gpu == "cpu" else peak_tflops(gpu)
+    peak = 1.0 if gpu == "cpu" else peak_tflops(gpu, bf16)  # an fp32 plan runs at the fp32 peak
     step_time = fpt * tokens_per_step / (world * peak * 1e12 * mfu)
     counts = param_counts(cfg.model)
     result = {
@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         result = plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.gpu, args.mfu)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        hint = "" if args.single_gpu else one_gpu_hint(err, args.config, args.nodes * args.gpus_per_node)
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1) if args.json else format_plan(result))
     return 0 if result["fits"] else 1

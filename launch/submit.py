@@ -29,6 +29,7 @@ import yaml
 
 from launch import slurm_job
 from launch.entry_points import entry_point
+from launch.layouts import one_gpu_hint
 from launch.sbatch import (ACTIVE_STATES, NOT_STARTED, SIGNAL_FILE_ENV, SubmitError, SubmitUnknown, check_job_name,
                            check_repo, check_slurm_path, parse_time, sbatch_lines, submit)
 from pretrain.checkpoint_format import LAST_SAVE_JOB, CheckpointError
@@ -142,7 +143,8 @@ def resolve_config(args: argparse.Namespace, procs: int) -> tuple[Config, str]:
     try:
         entry.check(cfg, world)  # as the first start will run
     except ConfigError as err:
-        raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})") from None
+        raise ConfigError(f"{err} (layout: {args.nodes} nodes x {procs} processes = world size {world})"
+                          + one_gpu_hint(err, args.config, world, flag=None)) from None
     first_resume, cfg.train.resume = cfg.train.resume, "auto"  # once the job has saved
     return cfg, first_resume
 

@@ -18,6 +18,10 @@ from models.config import ConfigError, ModelConfig, _flat, apply_values, normali
 from pretrain.schedule import validate_schedule
 
 
+class LayoutError(ConfigError):
+    """The config does not fit the number of processes it is launched on (a launcher may suggest a layout)."""
+
+
 @dataclass(frozen=True)
 class DataSource:
     name: str  # "" for the single source of data.shards
@@ -277,17 +281,16 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.tensor < 1 or p.expert < 1:
         raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
     if world_size % p.tensor:
-        raise ConfigError(
+        raise LayoutError(
             f"world size {world_size} is not divisible by parallel.tensor={p.tensor}; "
             "launch a multiple of the tensor-parallel size processes"
         )
     dp = world_size // p.tensor
     if dp % p.expert:
-        raise ConfigError(
+        raise LayoutError(
             f"data-parallel size {dp} (world {world_size} / tensor {p.tensor}) is not divisible by "
             f"parallel.expert={p.expert}; set parallel.expert to a divisor of {dp} (e.g. "
-            f"parallel.expert={math.gcd(dp, p.expert)}) or launch a multiple of {p.tensor * p.expert} processes "
-            "(on one GPU, --single-gpu applies the config header's layout)"
+            f"parallel.expert={math.gcd(dp, p.expert)}) or launch a multiple of {p.tensor * p.expert} processes"
         )
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: choose 0, 1, 2 or 3")

@@ -14,14 +14,18 @@ import torch
 # device name, first match wins: the specific variants come before their family.
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200 NVL": 835.0, "H200": 989.0, "A100": 312.0,
                "L40S": 362.0, "A10G": 70.0}
+# The same for fp32 runs: plain fp32 arithmetic (torch leaves TF32 off for matmuls by default).
+FP32_PEAK_TFLOPS = {"H100 PCIe": 51.0, "H100 NVL": 60.0, "H100": 67.0, "H200 NVL": 60.0, "H200": 67.0, "A100": 19.5,
+                    "L40S": 91.6, "A10G": 31.2}
 
 
-def peak_tflops(device_name: str) -> float | None:
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key.lower() in device_name.lower()), None)
+def peak_tflops(device_name: str, bf16: bool = True) -> float | None:
+    table = PEAK_TFLOPS if bf16 else FP32_PEAK_TFLOPS
+    return next((peak for key, peak in table.items() if key.lower() in device_name.lower()), None)
 
 
-def device_peak_tflops() -> float | None:
-    return peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+def device_peak_tflops(bf16: bool = True) -> float | None:
+    return peak_tflops(torch.cuda.get_device_name(), bf16) if torch.cuda.is_available() else None
 
 
 def peak_memory_gb() -> float:
@@ -33,11 +37,11 @@ def peak_memory_gb() -> float:
 class Throughput:
     """Tokens/s and model TFLOP/s per device over the interval since the last call."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, world_size: int):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, world_size: int, bf16: bool = True):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.world_size = world_size
-        self.peak = device_peak_tflops()
+        self.peak = device_peak_tflops(bf16)  # MFU against the peak of the run's precision
         self.reset()
 
     def reset(self) -> None:

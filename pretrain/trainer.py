@@ -20,7 +20,7 @@ from pretrain import checkpoint, checkpoint_format, signals
 from pretrain.config import Config
 from pretrain.data import Batches, all_batches, run_document_eos, split_batch
 from pretrain.distributed import dp_mean
-from pretrain.engine import invalid_global_norm
+from pretrain.engine import invalid_global_norm, use_bf16
 from pretrain.spikes import SpikeGuard
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
 
@@ -291,7 +291,7 @@ class Trainer:
         t = self.cfg.train
         dp = ps.get_data_parallel_world_size()
         throughput = Throughput(t.micro_batch * t.grad_accum * self.cfg.model.max_seq_len * dp,
-                                self.meta["flops_per_token"], dist.get_world_size())
+                                self.meta["flops_per_token"], dist.get_world_size(), use_bf16(self.cfg))
         step = start_step
         if self.validation_due == start_step:  # the checkpoint's validation, interrupted by the signal
             self.logger.print(f"step {start_step}: running the validation the stop interrupted")

@@ -107,6 +107,8 @@ def test_a_signal_forwarded_before_the_step_existed_stops_the_agent_as_it_starts
 
 
 def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_path, capsys):
+    import socket
+
     from launch.layouts import read_layouts
     from launch.local import main as local_main
     from tests.synthetic import write_synthetic_shards
@@ -123,7 +125,16 @@ def test_local_launch_applies_the_single_gpu_layout_before_the_overrides(tmp_pat
     assert tail == [*single, "train.micro_batch=2", *fit_data]  # the caller's overrides win
     # Without the layout the file's 8-GPU expert layout does not fit one process.
     assert local_main([config, "--dry-run", *fit_data]) == 2
-    assert "not divisible by parallel.expert=8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not divisible by parallel.expert=8" in err and "--single-gpu applies the config header's layout" in err
+    assert local_main([config, "--dry-run", "--port", "70000", *single, *fit_data]) == 2
+    assert "--port 70000: give a port from 1 to 65535" in capsys.readouterr().err
+    with socket.socket() as held:  # another run's rendezvous
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert local_main(["configs/tiny_dense.yaml", "--port", str(port), *fit_data]) == 2
+        assert f"--port {port} is in use (another run on this machine?)" in capsys.readouterr().err
     assert local_main(["configs/tiny_dense.yaml", "--single-gpu", "--dry-run", *fit_data]) == 2
     assert "has no '# single-gpu (80-141 GB):' line" in capsys.readouterr().err
     assert local_main([config, "--single-gpu", "--nproc", "2", "--dry-run", *fit_data]) == 2

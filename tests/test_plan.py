@@ -209,3 +209,13 @@ def test_gpu_peak_matches_the_specific_variant_first():
     assert peak_tflops("NVIDIA H200") == PEAK_TFLOPS["H200"] and peak_tflops("h200") == PEAK_TFLOPS["H200"]
     assert peak_tflops("NVIDIA H200 NVL") == PEAK_TFLOPS["H200 NVL"] < PEAK_TFLOPS["H200"]
     assert peak_tflops("Tesla T4") is None  # unknown: MFU is left out rather than guessed
+    assert peak_tflops("NVIDIA H100 80GB HBM3", bf16=False) == 67.0  # fp32 runs: no tensor cores
+
+
+def test_an_fp32_plan_takes_the_fp32_peak():
+    from launch.plan import plan
+    from pretrain.config import load_config
+
+    cfg = load_config(REPO / "configs/dense_1b.yaml")
+    bf16, fp32 = (plan(cfg, 1, 8, 80, "h100", bf16=b) for b in (True, False))
+    assert fp32["step_time_s"] / bf16["step_time_s"] == pytest.approx(989 / 67)
