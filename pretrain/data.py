@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from pretrain import shared_memory
@@ -36,8 +37,6 @@ def release_shared_memory_once(cfg: Config) -> None:
     global _released
     if _released:
         return
-    import torch.distributed as dist
-
     from pretrain.distributed import device
 
     problem = ""
@@ -269,8 +268,17 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
             else:
                 release_shared_memory_once(cfg)
             dataset = streaming_dataset(**location, shuffle=False, batch_size=micro)
+            # Full batches without a sample twice (it would weigh double in the mean): fewer than
+            # train.eval_batches where the split is smaller; every rank the same count.
+            fit = dataset.num_samples // (micro * dp_size)
+            count = min(cfg.train.eval_batches, max(fit, 1))
+            if count < cfg.train.eval_batches and (not dist.is_initialized() or dist.get_rank() == 0):
+                print(f"validation {source.name or 'data.shards'}: its val split holds {dataset.num_samples} samples, "
+                      f"{count} batches of train.micro_batch={micro} x {dp_size} data-parallel ranks, not "
+                      f"train.eval_batches={cfg.train.eval_batches}"
+                      + ("" if fit else " (fewer than one batch: some samples are read twice)"), flush=True)
             batches = []
-            for b in range(cfg.train.eval_batches):
+            for b in range(count):
                 # len(dataset) counts this rank's share; indexing is over all samples.
                 indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
                 batches.append(collate([dataset[i] for i in indices]))
@@ -287,17 +295,18 @@ def load_val_batches(cfg: Config, apart: bool = False) -> list[torch.Tensor]:
     return all_batches(load_val_sets(cfg, apart))
 
 
-def read_samples(location: str | Path, count: int) -> torch.Tensor:
+def read_samples(location: str | Path, count: int, wrap: bool = True) -> torch.Tensor:
     """The first `count` samples [count, seq + 1] of one split directory, in order, wrapping
-    around a small split (for tools that read shards outside training). Read through a temporary
-    local folder (compressed shards decompressed there, not next to themselves), and without
-    releasing the node's streaming shared memory: a run on this node keeps its loader's state."""
+    around a small split (wrap=False: all of a smaller split, each once), for tools that read shards
+    outside training. Read through a temporary local folder (compressed shards decompressed there,
+    not next to themselves), and without releasing the node's streaming shared memory: a run on this
+    node keeps its loader's state."""
     with tempfile.TemporaryDirectory(prefix="pretrain-samples-") as tmp:
         dataset = streaming_dataset(remote=str(location), local=tmp, shuffle=False, batch_size=1)
         n = len(dataset)
         if n == 0:
             raise ValueError(f"{location} holds no samples")
-        return _collate([dataset[i % n] for i in range(count)])
+        return _collate([dataset[i % n] for i in range(count if wrap else min(count, n))])
 
 
 def split_batch(batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -304,6 +304,10 @@ class Trainer:
             self.logger.print(f"resumed at step {start_step}, at or past train.stop_at_step={t.stop_at_step}: "
                               "nothing to train (raise or unset train.stop_at_step to go on)")
             return step
+        if start_step > t.steps:  # equal: a finished run resumed, which says so at the end
+            self.logger.print(f"resumed at step {start_step}, past train.steps={t.steps}: nothing to train "
+                              "(raise train.steps to go on)")
+            return step
         while step < t.steps:
             self._emit("on_step_begin", step + 1)
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next

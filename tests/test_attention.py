@@ -822,6 +822,8 @@ def test_conversion_measures_a_model_within_documents_as_evaluate_does(single_pr
     within = val_loss(model, rows, 2, eos=2)
     assert within == pytest.approx(evaluate_rows(model, rows, 2, 2)["loss"], rel=1e-6)
     assert val_loss(model, rows, 2) == pytest.approx(evaluate_rows(model, rows, 2)["loss"], rel=1e-6)
+    # A short last batch weighs its rows, not a full batch's: the loss of rows 3 at a time is theirs.
+    assert evaluate_rows(model, rows, 3)["loss"] == pytest.approx(evaluate_rows(model, rows, 4)["loss"], rel=1e-6)
     assert abs(within - val_loss(model, rows, 2)) > 1e-4
     inputs = rows[:, :-1]
     apart = layer_similarity(model, [inputs], [document_ids(inputs, 2)])

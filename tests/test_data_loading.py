@@ -70,7 +70,7 @@ def test_start_with_bos_prepends_bos_to_every_sample(tmp_path):
         validate_data(bos)
 
 
-def test_an_empty_val_index_is_no_val_split(tmp_path):
+def test_an_empty_val_index_is_no_val_split(tmp_path, capsys):
     """Shards whose val split holds no sample (built with --val-fraction 0 before such builds left out
     val/index.json) train without validation instead of failing in the streaming library."""
     from pretrain.config import load_config
@@ -85,6 +85,13 @@ def test_an_empty_val_index_is_no_val_split(tmp_path):
         full = write_synthetic_shards(tmp_path / "full", train=16, val=8)
         cfg.data.shards = f"{full}/shards"
         assert len(load_val_sets(cfg)[""]) == 2
+        # A split smaller than eval_batches x micro_batch: fewer batches, no sample twice (it would
+        # weigh double in val/loss), and the start says so.
+        cfg.train.eval_batches = 5
+        capsys.readouterr()
+        rows = torch.cat(load_val_sets(cfg)[""])
+        assert len(rows) == 8 and len({tuple(r.tolist()) for r in rows}) == 8
+        assert "holds 8 samples, 2 batches of train.micro_batch=4" in capsys.readouterr().out
 
 
 def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch):

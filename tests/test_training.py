@@ -216,6 +216,9 @@ def test_resume_auto_ignores_partial_checkpoint(data, reference_run, tmp_path):
     # The same job again (a requeue): resumed at stop_at_step, it trains nothing.
     again = train(1, tiny_overrides(data, run, **common, **{"train.stop_at_step": 4}))
     assert "nothing to train" in again.stdout and not (run / "losses.jsonl").exists()
+    # So does a resume with train.steps below the checkpoint's step, and says so.
+    lower = train(1, tiny_overrides(data, run, **{**common, "train.steps": 3}))
+    assert "resumed at step 4, past train.steps=3: nothing to train" in lower.stdout
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004"]
     # A save killed halfway: files copied but truncated, no COMPLETE marker, pointer moved.
     partial = ckpt / "step_00000006"

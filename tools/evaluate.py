@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -69,7 +70,8 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int, eos_id: int | None
         inputs = batch[:, :-1]
         logits = model.logits(inputs, {"document_ids": document_ids(inputs, eos_id)} if eos_id is not None else None)
         losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch[:, 1:]).mean().item())
-    loss = sum(losses) / len(losses)
+    sizes = [len(batch) for batch in rows.split(batch_size)]
+    loss = sum(value * n for value, n in zip(losses, sizes)) / sum(sizes)  # a short last batch weighs its rows
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "batches": len(losses),
             "tokens": int(rows[:, 1:].numel()), "batch_losses": losses}
 
@@ -120,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     bos = run_bos(run, meta)  # as the run's loader
     if location is not None:
         eos = run_document_eos(run, meta)
-        rows = read_samples(location, args.batches * args.batch_size)
+        rows = read_samples(location, args.batches * args.batch_size, wrap=False)  # a sample twice weighs double
+        if len(rows) < args.batches * args.batch_size:
+            print(f"note: {location} holds {len(rows)} samples, fewer than --batches x --batch-size: each read once",
+                  file=sys.stderr)
         rows = rows if bos is None else starting_with(rows, bos)
         result.update(evaluate_rows(model, rows, args.batch_size, eos), shards=str(location),
                       document_mask=eos is not None, start_with_bos=bos is not None)
