@@ -872,6 +872,20 @@ def test_conversion_keeps_chains_within_max_chain():
     assert propose_layers({1: {"similarity": 0.9}, 2: {"similarity": 0.8}}, sinks, 1, 0.5, 1.0) == [2]
     assert conversion_problem(kinds, [3, 8], 1) == "layer 8 is not a layer of this 8-layer model (0 to 7)"
     assert conversion_problem(kinds, [-1], 1) == "layer -1 is not a layer of this 8-layer model (0 to 7)"
+    assert conversion_problem(kinds, [2, 2], 1) == "layers [2, 2] name a layer twice"  # trained twice a step
+
+
+def test_convert_lisa_refuses_layers_twice_and_shards_without_val_before_reading_the_model(tmp_path, capsys):
+    from tools.convert_lisa import main
+
+    shards = tmp_path / "shards"
+    (shards / "train").mkdir(parents=True)
+    (shards / "train" / "index.json").write_text("{}")
+    common = ["--checkpoint", str(tmp_path / "no_checkpoint"), "--out", str(tmp_path / "out")]
+    assert main([*common, "--calib-shards", str(shards), "--layers", "2,3,2"]) == 2
+    assert "--layers 2,3,2: layer 2 listed twice" in capsys.readouterr().err
+    assert main([*common, "--calib-shards", str(shards), "--layers", "2"]) == 2
+    assert "no val/ split, so the validation losses" in capsys.readouterr().err
 
 
 def test_convert_lisa_options_fit_the_source_layout():
@@ -899,6 +913,11 @@ def test_convert_lisa_options_fit_the_source_layout():
     assert (hybrid.lisa.align_group, hybrid.lisa.keep_full_layers) == (2, 2)  # the same group: nothing changes
     with pytest.raises(ToolError, match="keep_full_layers=4"):  # past the LISA layer at 2
         set_lisa_options(small_cfg("sslss"), hybrid.attention_kinds(), options(keep_full_layers=4), tensor=1)
+    # The LISA layers to come are checked before any calibration pass, as the model would check them.
+    for given, message in (({"rank": 3}, r"model.lisa.rank=3 must be even"),
+                           ({"align_hidden": -1}, r"model.lisa.align_hidden=-1 must be >= 0")):
+        with pytest.raises(ToolError, match=message + ".*--rank, --align-hidden"):
+            set_lisa_options(small_cfg("ssss"), ["softmax"] * 4, options(**given), tensor=1)
 
 
 def test_convert_lisa_matches_heads_within_alignment_groups(single_process):

@@ -9,7 +9,8 @@
    similarity of the maps, averaged over the batch).
 3. Chooses layers, never the first model.lisa.keep_full_layers, at most --max-fraction of them and
    (--max-chain N) never more than N LISA layers in a row:
-   auto = similarity >= --threshold, most similar first; sensitivity = each candidate converted
+   auto = similarity >= --threshold, most similar first (none reaching it: the most similar one, with a
+   note); sensitivity = each candidate converted
    alone and its validation-loss increase measured, then least sensitive first while the measured
    increase of the whole set stays within --loss-budget (relative, before training); or the list.
 4. Builds the LISA model: every weight copied; a LISA layer keeps V (from the fused QKV) and the
@@ -25,7 +26,7 @@ Writes RUN_DIR/lisa_model.pt ({"model": ModelConfig dict, "state_dict": ...}),
 RUN_DIR/config.yaml (the source run's config with the new attention pattern and
 train.init_from=RUN_DIR/lisa_model.pt, so `python -m pretrain.train --config RUN_DIR/config.yaml`
 continues training the converted model at any layout) and RUN_DIR/conversion.json. Single
-process, CPU or one GPU.
+process, on the CPU.
 """
 
 from __future__ import annotations
@@ -107,10 +108,14 @@ def set_lisa_options(cfg, kinds: list[str], args, tensor: int) -> None:
         raise ToolError(f"--align-group {cfg.lisa.align_group}: groups of {group} heads must divide the {per_rank} "
                         f"heads of each tensor-parallel rank (the run trained at parallel.tensor={tensor}, "
                         f"{cfg.num_heads} heads); give a divisor of {per_rank}")
+    sizes = registry.ParallelSizes(tensor=tensor, expert=1)
     try:  # the source's own layers under these settings (e.g. --keep-full-layers past a LISA layer)
-        registry.validate_model(cfg, registry.ParallelSizes(tensor=tensor, expert=1))
+        registry.validate_model(cfg, sizes)
+        # and the LISA layers to come (rank, widths), which a source without one never checks
+        registry.attention_kind("lisa").validate(cfg, kinds, sizes)
     except ConfigError as err:
-        raise ToolError(f"the options make this model invalid: {err}") from None
+        raise ToolError(f"the options make this model invalid: {err} (--rank, --align-hidden, --align-group and "
+                        "--keep-full-layers set model.lisa.*)") from None
 
 
 @reports_errors(ValueError)
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--calib-batches", type=int, default=4)
     parser.add_argument("--val-samples", type=int, default=16)
-    parser.add_argument("--threshold", type=float, default=0.6, help="auto: minimum matched map similarity")
+    parser.add_argument("--threshold", type=float, default=0.6, help="auto: minimum matched map similarity (none reaching it: the most similar layer)")
     parser.add_argument("--max-fraction", type=float, default=None,
                         help="at most this share of layers (default 0.75 for auto, 0.84 for sensitivity: "
                              "the most the method's authors share)")
@@ -163,11 +168,19 @@ def main(argv: list[str] | None = None) -> int:
             listed = sorted(int(x) for x in args.layers.split(",") if x.strip())
         except ValueError:
             raise ToolError(f"--layers {args.layers!r}: give auto, sensitivity or layer indices such as 4,5,7") from None
+        twice = sorted({layer for layer in listed if listed.count(layer) > 1})
+        if twice:
+            raise ToolError(f"--layers {args.layers}: layer{'s' if len(twice) > 1 else ''} "
+                            f"{', '.join(map(str, twice))} listed twice; name each layer once")
 
     shards = Path(args.calib_shards)
     if not (shards / "train" / "index.json").is_file():
         raise ToolError(f"--calib-shards {shards}: no train/index.json there; give the shards directory "
                         "a run trained on (the one with train/ and val/ that data_prep wrote)")
+    if not (shards / "val" / "index.json").is_file():  # its rows would be the first ones trained on
+        raise ToolError(f"--calib-shards {shards}: no val/ split, so the validation losses (and --layers "
+                        "sensitivity) would be measured on the rows the conversion trains on; give shards with "
+                        "a val/ split (data_prep.build_shards --val-fraction above 0)")
     source, cfg, meta = load_model(args.checkpoint)
     for p in source.parameters():
         p.requires_grad_(False)
@@ -194,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return rows if bos is None else starting_with(rows, bos)
 
     calib = samples("train", args.calib_batches * args.micro_batch)
-    val = samples("val" if (shards / "val").is_dir() else "train", args.val_samples)
+    val = samples("val", args.val_samples)
 
     calib_inputs = [b[:, :-1] for b in calib.split(args.micro_batch)]
     sim = layer_similarity(source, calib_inputs, [document_ids(b, eos) for b in calib_inputs])
@@ -214,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction,
                                 args.max_chain)
+        if len(layers) == 1 and sim[layers[0]]["similarity"] < args.threshold:
+            print(f"note: no layer reaches --threshold {args.threshold}: converting the most similar one, layer "
+                  f"{layers[0]} ({sim[layers[0]]['similarity']:.3f}); list layers or lower --threshold to choose")
     elif args.layers == "sensitivity":
         def loss_of(model):
             return val_loss(model, val, args.micro_batch, eos)

@@ -96,6 +96,8 @@ def conversion_problem(kinds: list[str], layers: list[int], keep_full: int, max_
     and a replaced layer must compute its family's plain function (softmax_sink adds a sink logit,
     which a LISA layer has not)."""
     new = list(kinds)
+    if len(set(layers)) != len(layers):
+        return f"layers {sorted(layers)} name a layer twice"
     for layer in layers:
         if not 0 <= layer < len(kinds):
             return f"layer {layer} is not a layer of this {len(kinds)}-layer model (0 to {len(kinds) - 1})"
