@@ -23,7 +23,8 @@ class Examples:
         for the message a record with others gets."""
         self.report = BadInputReport()
         self.too_long = 0
-        self.units: list = []
+        self.units: list = []  # examples, or with post.packing the rows they are packed into
+        self.examples = 0  # usable examples (packed or not)
         self.objectives = objectives
         limit = example_length(cfg)
         post = cfg.post
@@ -35,6 +36,7 @@ class Examples:
                     self.too_long += 1
                     continue
                 rows.append(Row(ids, trained))
+            self.examples = len(rows)
             if post.packing:  # the packing order is seeded, so the rows are the same at every start
                 order = np.random.default_rng(cfg.train.seed).permutation(len(rows))
                 rows = pack([rows[i] for i in order], limit)
@@ -63,6 +65,7 @@ class Examples:
                 self.too_long += 1
                 continue
             self.units.append(PairExample(chosen, rejected, raw_prompt, target))
+        self.examples = len(self.units)
 
     def score_levels(self, most: int = 11) -> dict[str, list[float]]:
         """SGA: each objective's distinct target values, where they are a scale of at most `most` levels

@@ -153,10 +153,16 @@ class PostTrainTask(Task):
                               f"({self.train_data.too_long} too long for post.max_len; "
                               f"{self.train_data.report.summary()}){new_head}")
         dp = world_size // cfg.parallel.tensor
-        if len(self.train_data.units) < cfg.train.micro_batch * dp:
-            raise ConfigError(f"post.data has {len(self.train_data.units)} usable examples, fewer than one micro-batch "
-                              f"on each data-parallel rank ({cfg.train.micro_batch} x {dp}); add examples or lower "
-                              "train.micro_batch")
+        units = len(self.train_data.units)
+        if units < cfg.train.micro_batch * dp:
+            what = (f"{self.train_data.examples} usable examples, packed (post.packing) into {units} rows"
+                    if cfg.post.packing else f"{units} usable examples")
+            raise ConfigError(f"post.data has {what}, fewer than one micro-batch on each data-parallel rank "
+                              f"({cfg.train.micro_batch} x {dp}); add examples or lower train.micro_batch"
+                              + (" (or set post.packing=false)" if cfg.post.packing else ""))
+        if resumed.get("method") and resumed["method"] != cfg.post.method:
+            raise ConfigError(f"post.method={cfg.post.method}: the run in {cfg.run.dir} is a {resumed['method']} "
+                              f"run; set post.method={resumed['method']} to resume it, or start a new run.dir")
         if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
             raise ConfigError(f"post.data (or post.max_len, post.packing, the chat or score format) differs "
                               "from what the "
@@ -234,8 +240,13 @@ class PostTrainTask(Task):
         info = {"method": post.method, "chat": ChatFormat.from_config(post).__dict__, "init_from": cfg.train.init_from,
                 "reference": str(self.reference), "data_sha256": self.train_data.fingerprint(),
                 "data_seed": cfg.train.seed,
-                "examples": len(self.train_data.units), "too_long": self.train_data.too_long,
+                "examples": self.train_data.examples, "too_long": self.train_data.too_long,
                 "bad_records": self.train_data.report.to_dict()}
+        if post.packing:
+            info["packed_rows"] = len(self.train_data.units)
+        if post.val_data:
+            info["val"] = {"examples": self.val_data.examples, "too_long": self.val_data.too_long,
+                           "bad_records": self.val_data.report.to_dict()}
         meta = {"posttrain": info}
         if post.method == "sga":
             info["scores"] = ScoreFormat.from_config(post).__dict__

@@ -422,6 +422,22 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
         save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "seeded", {"posttrain": {"data_seed": 7}})
     with pytest.raises(ConfigError, match=r"set train.seed=7, or start a new run.dir"):
         check(f"run.dir={tmp_path / 'seeded'}")
+    # ... and with the method it was training with, named when it is not.
+    with single_process_group():
+        save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "dpo_run", {"posttrain": {"method": "dpo"}})
+    with pytest.raises(ConfigError, match=r"post.method=sft: the run in .* is a dpo run; set post.method=dpo"):
+        check(f"run.dir={tmp_path / 'dpo_run'}")
+    # Packed, the count is of rows: the message says how many examples they hold.
+    task = PostTrainTask()  # the counts of both files go into the checkpoint marker
+    counted = load_config(None, base + [f"run.dir={tmp_path / 'counted'}", f"post.val_data={files / 'sft.jsonl'}",
+                                        "post.packing=true"], PostTrainConfig)
+    task.check(counted, 1)
+    info = task.meta(counted)["posttrain"]
+    assert info["examples"] == 24 == info["val"]["examples"] and info["val"]["bad_records"]["count"] == 1
+    assert info["packed_rows"] == len(task.train_data.units) < 24
+    with pytest.raises(ConfigError, match=r"post.data has 24 usable examples, packed \(post.packing\) into \d+ "
+                                          r"rows, fewer than one micro-batch .*post.packing=false"):
+        check(f"run.dir={tmp_path / 'packed'}", "post.packing=true", "train.micro_batch=24")
     marker = json.loads((tag / COMPLETE).read_text())
     check(f"run.dir={tmp_path / 'pretrained'}")  # weights without an optimizer (a pruned model) resume
     (tag / COMPLETE).write_text(json.dumps({k: v for k, v in marker.items() if k != "optimizer_state"}))
