@@ -65,9 +65,10 @@ def run_config(tag_dir: Path):
     return load_config(path, known_sections_only=True) if path.is_file() else None
 
 
-def describe_layout(tag_dir: Path, meta: dict) -> dict:
+def describe_layout(tag_dir: Path, meta: dict, with_optimizer: bool = False) -> dict:
     """{"tensor", "data", "zero3", "experts"} read from the file names and the marker; raises
-    ConsolidateError naming every file a complete checkpoint of that layout would have but this lacks."""
+    ConsolidateError naming every file a complete checkpoint of that layout would have but this lacks
+    (`with_optimizer`: a resume's too, ZeRO 1-2's optimizer partitions)."""
     names = {p.name for p in tag_dir.iterdir()}
     zero3 = sorted((int(m.group(1)), int(m.group(2))) for n in names if (m := ZERO3_MODEL.match(n)))
     mp = sorted(int(m.group(1)) for n in names if (m := MP_MODEL.match(n)))
@@ -95,6 +96,10 @@ def describe_layout(tag_dir: Path, meta: dict) -> dict:
                     missing.append(f"[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")
     else:
         missing += [f"mp_rank_{t:02d}_model_states.pt" for t in range(tensor) if t not in mp]
+        if with_optimizer and meta.get("zero_stage") in (1, 2) and meta.get("optimizer_state", True):
+            missing += [f"[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(data)
+                        for t in range(tensor)
+                        if not any(n.endswith(f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt") for n in names)]
     if experts:
         for t in range(tensor):
             if not any((m := EXPERT_FILE.match(n)) and int(m.group(3)) == t for n in names):
@@ -128,7 +133,9 @@ def _zero3_state(tag_dir: Path, mp_rank: int) -> dict[str, torch.Tensor]:
 
 
 def rank_state(tag_dir: Path, mp_rank: int, layout: dict) -> dict[str, torch.Tensor]:
-    """One tensor-parallel rank's state dict as saved (ZeRO-3 partitions joined, experts under global ids)."""
+    """One tensor-parallel rank's state dict as saved (ZeRO-3 partitions joined, experts under global ids):
+    a bf16 run's bf16 weights at ZeRO 0-2 (its fp32 masters live in the optimizer partitions), the
+    fp32 partitions at ZeRO-3."""
     if layout["zero3"]:
         state = _zero3_state(tag_dir, mp_rank)
     else:

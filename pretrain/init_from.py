@@ -40,8 +40,10 @@ INIT_FIX = "point train.init_from at a checkpoint of this model, or set model.* 
 def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
     """The source (tag directory or state file), checked (same model, tokenizer, every file
     present) before any process group or model exists."""
-    if Path(path).is_file():
-        check_compatible({"model": state_file(Path(path))["model"]}, model, None, Path(path), INIT_FIX)
+    if Path(path).is_file():  # tools.consolidate / convert_lisa record the run's tokenizer (older files: none)
+        state = state_file(Path(path))
+        check_compatible({"model": state["model"], "tokenizer_sha256": state.get("tokenizer_sha256")}, model,
+                         tokenizer_sha256, Path(path), INIT_FIX)
         return Path(path)
     try:
         tag = resolve_checkpoint(path)

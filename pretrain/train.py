@@ -106,7 +106,14 @@ def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dic
     manifest = (task or Task()).check(cfg, world_size)
     resume_path = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
+        from pretrain.consolidate import ConsolidateError, describe_layout
+
         meta = checkpoint_format.read_meta(resume_path)
+        try:  # every file there, before anything is built (a partial copy keeps its COMPLETE marker)
+            describe_layout(resume_path, meta, with_optimizer=True)
+        except ConsolidateError as err:
+            raise checkpoint_format.CheckpointError(f"train.resume={cfg.train.resume}: {err} "
+                                                    "(train.resume=<checkpoint>)") from None
         checkpoint.check_compatible(meta, cfg.to_dict()["model"], manifest.get("tokenizer_sha256"), resume_path)
         routed = registry.mlp_kind(cfg.model.mlp).routed
         universal = checkpoint_format.check_layout(meta, world_size, cfg.parallel.tensor, global_batch(cfg, world_size),

@@ -114,6 +114,22 @@ def fixed_tokens(vocab: int, batch: int = 2, seq: int = 32) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
 
+def test_a_consolidated_file_keeps_its_run_s_tokenizer_for_init_from(runs, dist_env, tmp_path):
+    """train.init_from refuses a checkpoint of another tokenizer; the weights file tools.consolidate
+    writes of it records the tokenizer, so it is refused the same way."""
+    from pretrain.checkpoint_format import CheckpointError, read_meta, resolve_checkpoint
+    from pretrain.init_from import check_source
+    from tools.consolidate import main as consolidate
+
+    tag = resolve_checkpoint(runs["tp2_zero2"])
+    meta = read_meta(tag)
+    assert consolidate(["--checkpoint", str(tag), "--out", str(tmp_path / "w.pt")]) == 0
+    assert check_source(str(tmp_path / "w.pt"), meta["model"], meta["tokenizer_sha256"]) == tmp_path / "w.pt"
+    for source in (str(tag), str(tmp_path / "w.pt")):
+        with pytest.raises(CheckpointError, match="trained with another tokenizer"):
+            check_source(source, meta["model"], "f" * 64)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2_zero2", "tp2_zero3"])
 def test_export_logits_match_framework(runs, data, dist_env, tmp_path, layout):

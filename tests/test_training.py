@@ -219,6 +219,13 @@ def test_resume_auto_ignores_partial_checkpoint(data, reference_run, tmp_path):
     # So does a resume with train.steps below the checkpoint's step, and says so.
     lower = train(1, tiny_overrides(data, run, **{**common, "train.steps": 3}))
     assert "resumed at step 4, past train.steps=3: nothing to train" in lower.stdout
+    # A copy that lost a file keeps its COMPLETE marker: refused before anything is built, naming it.
+    copy = tmp_path / "copy"
+    tag = saved_run_copy(reference_run, copy, 4)
+    (optim,) = tag.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    optim.unlink()
+    lost = train(1, tiny_overrides(data, copy, **common), check=False)
+    assert lost.returncode != 0 and f"is missing 1 file(s): [bf16_]{optim.name.removeprefix('bf16_')}" in lost.stderr
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004"]
     # A save killed halfway: files copied but truncated, no COMPLETE marker, pointer moved.
     partial = ckpt / "step_00000006"

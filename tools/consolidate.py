@@ -4,7 +4,7 @@ state dict, keyed like the model at tensor- and expert-parallel size 1.
     python -m tools.consolidate --checkpoint RUN_DIR[/checkpoints/TAG] --out weights.pt
 
 The file holds {"model": the model config, "state_dict": ..., "step": ..., "checkpoint": ...,
-"start_with_bos": whether the run's samples began with BOS, "posttrain": {"chat": ..., "scores": ...}
+"tokenizer_sha256": the run's tokenizer, "start_with_bos": whether the run's samples began with BOS, "posttrain": {"chat": ..., "scores": ...}
 after post-training (the chat and SGA score formats; a value head is left out)}:
 `train.init_from=weights.pt` starts a run from it at any layout, and torch.load reads it without
 this framework.
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     if formats := {k: posttrain[k] for k in ("chat", "scores") if k in posttrain}:
         carried["posttrain"] = formats
     torch_save_atomic({"model": meta["model"], "state_dict": state, "step": meta.get("step"),
-                       "checkpoint": meta["checkpoint"], **carried}, out)
+                       "checkpoint": meta["checkpoint"], "tokenizer_sha256": meta.get("tokenizer_sha256"),
+                       **carried}, out)
     print(f"wrote {out}: {len(state)} tensors, {sum(v.numel() for v in state.values()):,} parameters, "
           f"step {meta.get('step')} of {meta['checkpoint']}")
     return 0

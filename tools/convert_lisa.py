@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({tps_new / tps_source:.2f}x)")
 
     out.mkdir(parents=True, exist_ok=True)
-    torch_save_atomic({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers},
+    torch_save_atomic({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers,
+                       "tokenizer_sha256": meta.get("tokenizer_sha256")},
                       out / "lisa_model.pt")
     full = run_config(Path(meta["checkpoint"]))
     if full is not None:
