@@ -101,19 +101,23 @@ def check_args(args: argparse.Namespace, time_s: int) -> int:
 
 
 def check_plugins(modules: list[str]) -> None:
-    """The job runs in the repository, so a model.plugins module found here only because it lies in
-    the current directory would be missing there."""
+    """The job runs in the repository, so a model.plugins module found here only through the current
+    directory, or a relative PYTHONPATH entry (read from the repository there), would be missing there."""
     cwd = Path.cwd().resolve()
-    on_path = {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p} | {REPO}
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    here = {Path(p).resolve() for p in entries} | {cwd}
+    in_job = {(REPO / p).resolve() for p in entries} | {REPO}  # an absolute entry stays as it is
     for name in modules:
         spec = importlib.util.find_spec(name.split(".")[0])
         if spec is None:
             continue  # load_config reported it
         top = Path(spec.submodule_search_locations[0]) if spec.submodule_search_locations else Path(spec.origin)
-        if top.resolve().parent == cwd and cwd not in on_path:
-            raise SubmitError(f"model.plugins module {name!r} is imported from the current directory {cwd}, but the "
-                              f"job runs in {REPO}: export PYTHONPATH={cwd}${{PYTHONPATH:+:$PYTHONPATH}} before "
-                              "submitting (sbatch passes it on)")
+        found_in = top.resolve().parent
+        if found_in in here and found_in not in in_job:
+            raise SubmitError(f"model.plugins module {name!r} is imported from {found_in} (the current directory "
+                              f"or a relative PYTHONPATH entry), but the job runs in {REPO}, where that path does not "
+                              f"lead to it: export PYTHONPATH={found_in}${{PYTHONPATH:+:$PYTHONPATH}} (absolute) "
+                              "before submitting (sbatch passes it on)")
 
 
 def resolve_config(args: argparse.Namespace, procs: int) -> tuple[Config, str]:

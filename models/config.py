@@ -117,7 +117,7 @@ class ModelConfig:
         was written take their defaults."""
         from models import registry
 
-        registry.load_plugins(values.get("plugins") or [])
+        registry.load_plugins(values.get("plugins") or [], "the saved model (a checkpoint's or weights file's)")
         cfg = cls()
         apply_values(cfg, values, "model.")
         return cfg

@@ -144,7 +144,7 @@ def _origin() -> str:
 def _add(table: dict, what: str, name: str, entry) -> None:
     old = table.get(name)
     if old is not None and old.origin != entry.origin:
-        raise ValueError(f"{what} {name!r} is registered twice: by {old.origin} and by {entry.origin}; rename one")
+        raise ConfigError(f"{what} {name!r} is registered twice: by {old.origin} and by {entry.origin}; rename one")
     table[name] = entry
 
 
@@ -164,7 +164,7 @@ def register_section(name: str, config: type, training_only: tuple[str, ...] = (
     from models.config import ModelConfig
 
     if hasattr(ModelConfig, name) or name in ModelConfig.__annotations__:
-        raise ValueError(f"config section {name!r} would hide model.{name}; choose another name")
+        raise ConfigError(f"config section {name!r} would hide model.{name}; choose another name")
     _add(_sections, "config section", name, Section(name, config, tuple(training_only), _origin()))
     return config
 
@@ -185,9 +185,9 @@ def load_builtins() -> None:
     _builtins = "loaded"
 
 
-def load_plugins(modules: list[str]) -> None:
+def load_plugins(modules: list[str], source: str = "") -> None:
     """Import the modules of model.plugins (after the built-in kinds), which register kinds and
-    sections of their own."""
+    sections of their own. `source`: whose list it is when not the config's (a checkpoint's)."""
     global _plugin_loading
     load_builtins()
     for name in modules:
@@ -195,8 +195,12 @@ def load_plugins(modules: list[str]) -> None:
         try:
             importlib.import_module(name)
         except ImportError as err:
-            raise ConfigError(f"model.plugins names {name!r}, which cannot be imported ({err}); "
-                              "put the module on PYTHONPATH or remove it from model.plugins") from None
+            fix = (f"put the module on PYTHONPATH ({source} needs it)" if source else
+                   "put the module on PYTHONPATH or remove it from model.plugins")
+            raise ConfigError(f"model.plugins{' of ' + source if source else ''} names {name!r}, which cannot be "
+                              f"imported ({err}); {fix}") from None
+        except ConfigError as err:  # a name or section another module registered
+            raise ConfigError(f"model.plugins entry {name!r}: {err}") from None
         finally:
             _plugin_loading = None
 
@@ -240,7 +244,15 @@ def letters() -> dict[str, str]:
             raise ConfigError(f"attention kinds {other.name!r} ({other.origin}) and {kind.name!r} ({kind.origin}) "
                               f"both use the letter {kind.letter!r}; give one of them another letter or none")
         if kind.letter:
+            if len(kind.letter) != 1 or kind.letter in ", ":
+                raise ConfigError(f"attention kind {kind.name!r} ({kind.origin}) has the letter {kind.letter!r}: a "
+                                  "letter is one character other than a comma or a space")
             table[kind.letter] = kind
+    # A name spelt in letters would read both ways in model.attention ("sk": two layers, or one kind).
+    for kind in attention_kinds().values():
+        if set(kind.name) <= set(table):
+            raise ConfigError(f"attention kind {kind.name!r} ({kind.origin}) is spelt in the pattern letters "
+                              f"{sorted(table)}, so model.attention={kind.name!r} would read both ways; rename it")
     return {letter: kind.name for letter, kind in table.items()}
 
 

@@ -157,6 +157,38 @@ def test_an_unregistered_kind_is_an_error_everywhere():
         param_counts(ModelConfig(mlp="nonesuch"))
     with pytest.raises(ConfigError, match="model.plugins names 'no.such.module', which cannot be imported"):
         load_config(None, ["model.plugins=[no.such.module]"])
+    with pytest.raises(ConfigError, match="model.plugins of the saved model .* names 'gone_kinds'.*needs it"):
+        ModelConfig.from_dict({"plugins": ["gone_kinds"]})  # a checkpoint's plug-in: no config to edit
+
+
+def test_plugin_names_letters_and_collisions_are_config_errors(tmp_path, monkeypatch):
+    """A kind spelt in pattern letters would make model.attention read two ways ("sk": softmax then
+    softmax_sink, or that kind); a letter must be one character; a name another module registered
+    is refused naming the plug-in entry."""
+    from models import registry
+
+    spelt = AttentionKind(name="sk", module=ToyAttention, params=projected_params, activations=projected_activations,
+                          origin="their_kinds")
+    monkeypatch.setitem(registry._attention, "sk", spelt)
+    with pytest.raises(ConfigError, match="attention kind 'sk' .* is spelt in the pattern letters.*rename it"):
+        ModelConfig(attention="sk").attention_kinds()
+    monkeypatch.delitem(registry._attention, "sk")
+    lettered = AttentionKind(name="wide_toy", letter="wt", module=ToyAttention, params=projected_params,
+                             activations=projected_activations, origin="their_kinds")
+    monkeypatch.setitem(registry._attention, "wide_toy", lettered)
+    with pytest.raises(ConfigError, match="has the letter 'wt': a letter is one character"):
+        registry.letters()
+    monkeypatch.delitem(registry._attention, "wide_toy")
+    (tmp_path / "clashing_kinds.py").write_text(
+        "from models.attention.softmax import SoftmaxAttention\n"
+        "from models.attention.base import projected_activations, projected_params\n"
+        "from models.registry import AttentionKind, register_attention\n"
+        "register_attention(AttentionKind(name='softmax', module=SoftmaxAttention, params=projected_params,\n"
+        "                                 activations=projected_activations))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="model.plugins entry 'clashing_kinds': attention kind 'softmax' is "
+                                          "registered twice"):
+        registry.load_plugins(["clashing_kinds"])
 
 
 def losses(run) -> list[float]:

@@ -102,7 +102,10 @@ def test_submit_makes_every_path_absolute_and_refuses_plugins_of_the_current_dir
     monkeypatch.delenv("PYTHONPATH", raising=False)
     assert main([*args, "model.plugins=[local_kinds]"]) == 2
     err = capsys.readouterr().err
-    assert "model.plugins module 'local_kinds' is imported from the current directory" in err, err
+    assert f"model.plugins module 'local_kinds' is imported from {tmp_path} (the current directory" in err, err
+    monkeypatch.setenv("PYTHONPATH", ".")  # relative: read from the repository in the job
+    assert main([*args, "model.plugins=[local_kinds]"]) == 2
+    assert f"export PYTHONPATH={tmp_path}" in capsys.readouterr().err
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert main([*args, "model.plugins=[local_kinds]"]) == 0, capsys.readouterr().err
 
@@ -246,8 +249,13 @@ def test_submit_takes_train_resume_until_the_job_has_saved(tmp_path, monkeypatch
     from pretrain.config import load_config
 
     model = load_config(args[0], [a for a in args[1:] if "=" in a]).to_dict()["model"]
-    marker = {"model": model, "step": 4, "world_size": 1, "tensor_parallel": 1}
+    marker = {"model": model, "step": 4, "world_size": 1, "tensor_parallel": 1, "zero_stage": 1}
     (tag / "COMPLETE").write_text(json.dumps(marker))
+    assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 2  # its files are checked too
+    assert "is missing 3 file(s): rank_00000.pt, mp_rank_00_model_states.pt, [bf16_]zero_pp_rank_0_mp_rank_00_" \
+        "optim_states.pt" in capsys.readouterr().err
+    for name in ("rank_00000.pt", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (tag / name).write_bytes(b"")
     assert main([*args, "train.resume=run/checkpoints/step_00000004"]) == 0
     script = capsys.readouterr().out
     assert [resume_at(script, job) for job in (None, "77")] == [str(tag), "auto"]
