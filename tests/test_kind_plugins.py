@@ -161,6 +161,29 @@ def test_an_unregistered_kind_is_an_error_everywhere():
         ModelConfig.from_dict({"plugins": ["gone_kinds"]})  # a checkpoint's plug-in: no config to edit
 
 
+def test_a_lisa_layer_after_a_relu_family_plugin_answers_for_the_relu_normaliser(monkeypatch):
+    """A LISA layer reading a relu-family layer's scores applies model.relu_attention.normalizer: that
+    key fixes what it computes (checkpoint compatibility) and is checked, even when the relu-family
+    layer is a plug-in kind that declares no section."""
+    from models import registry
+    from models.attention.lisa import LISAConfig
+    from models.attention.relu import ReLUAttentionConfig
+
+    relu_family = AttentionKind(name="relu_toy", module=ToyAttention, params=projected_params,
+                                activations=projected_activations, score_family="relu", sections=(),
+                                origin="their_kinds")
+    monkeypatch.setitem(registry._attention, "relu_toy", relu_family)
+
+    def model(normalizer: str, first: str = "relu_toy") -> ModelConfig:
+        return ModelConfig(attention=[first, "lisa"], lisa=LISAConfig(keep_full_layers=1, align_group=2),
+                           relu_attention=ReLUAttentionConfig(normalizer=normalizer))
+
+    assert model("prefix").signature() != model("content").signature()
+    assert model("prefix", "softmax").signature() == model("content", "softmax").signature()  # not read there
+    with pytest.raises(ConfigError, match="model.relu_attention.normalizer='bogus': choose one of .*a LISA layer"):
+        validate_model(model("bogus"), ParallelSizes())
+
+
 def test_plugin_names_letters_and_collisions_are_config_errors(tmp_path, monkeypatch):
     """A kind spelt in pattern letters would make model.attention read two ways ("sk": softmax then
     softmax_sink, or that kind); a letter must be one character; a name another module registered
