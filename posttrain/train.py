@@ -104,6 +104,9 @@ class PostTrainTask(Task):
                               "resume its optimizer, learning-rate schedule and step; give that checkpoint as "
                               "train.init_from and choose a new run.dir")
         resumed = resumed_meta.get("posttrain", {})
+        if resumed.get("method") and resumed["method"] != cfg.post.method:  # before its data is read as this method's
+            raise ConfigError(f"post.method={cfg.post.method}: the run in {cfg.run.dir} is a {resumed['method']} "
+                              f"run; set post.method={resumed['method']} to resume it, or start a new run.dir")
         start = Path(resumed["reference"]) if resumed.get("reference") else \
             check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
         self.reference = start
@@ -160,9 +163,6 @@ class PostTrainTask(Task):
             raise ConfigError(f"post.data has {what}, fewer than one micro-batch on each data-parallel rank "
                               f"({cfg.train.micro_batch} x {dp}); add examples or lower train.micro_batch"
                               + (" (or set post.packing=false)" if cfg.post.packing else ""))
-        if resumed.get("method") and resumed["method"] != cfg.post.method:
-            raise ConfigError(f"post.method={cfg.post.method}: the run in {cfg.run.dir} is a {resumed['method']} "
-                              f"run; set post.method={resumed['method']} to resume it, or start a new run.dir")
         if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
             raise ConfigError(f"post.data (or post.max_len, post.packing, the chat or score format) differs "
                               "from what the "

@@ -179,6 +179,10 @@ def test_a_lisa_layer_after_a_relu_family_plugin_answers_for_the_relu_normaliser
                            relu_attention=ReLUAttentionConfig(normalizer=normalizer))
 
     assert model("prefix").signature() != model("content").signature()
+    from models.attention.relu import reads_row_length
+
+    assert reads_row_length(model("seqlen")) and not reads_row_length(model("prefix"))  # no cache, scored alone
+    assert not reads_row_length(model("seqlen", "softmax"))
     assert model("prefix", "softmax").signature() == model("content", "softmax").signature()  # not read there
     with pytest.raises(ConfigError, match="model.relu_attention.normalizer='bogus': choose one of .*a LISA layer"):
         validate_model(model("bogus"), ParallelSizes())

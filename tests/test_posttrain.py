@@ -427,6 +427,10 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
         save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "dpo_run", {"posttrain": {"method": "dpo"}})
     with pytest.raises(ConfigError, match=r"post.method=sft: the run in .* is a dpo run; set post.method=dpo"):
         check(f"run.dir={tmp_path / 'dpo_run'}")
+    with single_process_group():
+        save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "sft_run", {"posttrain": {"method": "sft"}})
+    with pytest.raises(ConfigError, match=r"post.method=dpo: the run in .* is a sft run"):  # before its data is read
+        check(f"run.dir={tmp_path / 'sft_run'}", "post.method=dpo")
     # Packed, the count is of rows: the message says how many examples they hold.
     task = PostTrainTask()  # the counts of both files go into the checkpoint marker
     counted = load_config(None, base + [f"run.dir={tmp_path / 'counted'}", f"post.val_data={files / 'sft.jsonl'}",

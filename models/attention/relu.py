@@ -23,6 +23,7 @@ from models.attention.base import ProjectedAttention, expand_kv, projected_activ
 from models.attention.masks import keys_seen, visible
 from models.attention.shared_scores import grouped_matmul
 from models.config import ConfigError, ModelConfig
+from models import registry
 from models.registry import AttentionKind, ParallelSizes, register_attention, register_section
 
 NORMALIZERS = ("none", "prefix", "content", "seqlen")
@@ -45,8 +46,14 @@ register_section("relu_attention", ReLUAttentionConfig, training_only=("block_si
 
 def reads_row_length(cfg: ModelConfig) -> bool:
     """Whether outputs depend on the length of the row (the seqlen normaliser divides by it): on the
-    padding, so on what else shares a batch, and on every token a decoded sequence adds."""
-    return "relu" in cfg.attention_kinds() and cfg.relu_attention.normalizer == "seqlen"
+    padding, so on what else shares a batch, and on every token a decoded sequence adds. Relu layers
+    apply it, and so do LISA layers reading a relu-family layer's scores (a plug-in kind's too)."""
+    if cfg.relu_attention.normalizer != "seqlen":
+        return False
+    kinds = cfg.attention_kinds()
+    sources = {registry.score_source(kinds, layer) for layer, kind in enumerate(kinds)
+               if registry.attention_kind(kind).reads_previous_scores}
+    return "relu" in kinds or any(s and registry.attention_kind(s).score_family == "relu" for s in sources)
 
 
 def fused_kernel(q: torch.Tensor, v: torch.Tensor):
