@@ -142,7 +142,9 @@ def test_export_logits_match_framework(runs, data, dist_env, tmp_path, layout):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == vocab
     assert (out / "model.safetensors").is_file() and (out / "generation_config.json").is_file()
     assert (out / "tokenizer.model").is_file() and (out / "tokenizer.json").is_file()
-    from transformers import GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
+
+    assert AutoTokenizer.from_pretrained(out).padding_side == "left"  # batched generate() of shorter prompts
 
     sampling = GenerationConfig.from_pretrained(out)  # tools.generate's: the whole vocabulary, no top-k cut
     assert (sampling.do_sample, sampling.temperature, sampling.top_p, sampling.top_k) == (True, 1.0, 1.0, 0)
@@ -244,6 +246,13 @@ def test_imported_tokenizers_export_exactly_or_not_at_all(tmp_path):
     for text in (SAMPLE, "Hello world", " two  spaces"):
         assert loaded(text)["input_ids"] == sp.encode(text), text
     assert special_ids(tmp_path / "llama2_tok")["pad"] is None  # no pad piece: not -1
+    # tools.generate prints the continuation with the space a dummy prefix strips from text decoded alone
+    from tools.generate import continuation_text
+
+    ids = sp.encode("def main(x): return x")
+    cut = next(i for i in range(1, len(ids)) if sp.id_to_piece(ids[i]).startswith("\u2581"))
+    assert sp.decode(ids[cut:])[0] != " " and continuation_text(sp, ids[:cut], ids[cut:])[0] == " "
+    assert sp.decode(ids[:cut]) + continuation_text(sp, ids[:cut], ids[cut:]) == sp.decode(ids)
     with pytest.raises(ExportError, match="cannot encode like .*nmt_nfkc.*--no-tokenizer"):
         save_tokenizer(tmp_path / "nfkc_tok", tmp_path / "nfkc_hf")
     with pytest.raises(ValueError, match="not this framework's tokenizer record.*data_prep.import_tokenizer"):

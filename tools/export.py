@@ -317,11 +317,13 @@ def hf_tokenizer(tokenizer_dir: Path, sp, meta: dict, add_bos: bool = False):
     )
 
 
-def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False) -> None:
+def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, padding_side: str = "right") -> None:
     """hf_tokenizer's files in ``out``, loading with AutoTokenizer as PreTrainedTokenizerFast straight
     from tokenizer.json: LlamaTokenizerFast rebuilds itself from the SentencePiece model (which needs
     protobuf) whenever add_prefix_space is set, and the slow LlamaTokenizer needs that key. Checked
-    against SentencePiece on TOKENIZER_PROBES as loaded back (raises ExportError on a difference)."""
+    against SentencePiece on TOKENIZER_PROBES as loaded back (raises ExportError on a difference).
+    `padding_side`: left for a Llama export, whose batched generate() needs it (LlamaTokenizerFast's
+    default, which the class name given here would not carry)."""
     from transformers import AutoTokenizer
 
     from data_prep.tokenizer import load_tokenizer
@@ -332,6 +334,7 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False) -> Non
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config["model_input_names"] = ["input_ids", "attention_mask"]  # no token_type_ids: generate() refuses them
+    config["padding_side"] = padding_side
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     loaded = AutoTokenizer.from_pretrained(out)
     for text in TOKENIZER_PROBES:
@@ -410,7 +413,8 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
 
     with directory_in_place(out) as tmp:
         if tokenizer_dir is not None:  # first: one Hugging Face cannot reproduce fails before the weights load
-            save_tokenizer(tokenizer_dir, tmp, add_bos)
+            # The bundled modeling file takes right padding only (it refuses padded generate()).
+            save_tokenizer(tokenizer_dir, tmp, add_bos, "left" if fmt == "llama" else "right")
         write_model(tmp, tag_dir, fmt, dtype, tokenizer_dir, max_shard_size, add_bos)
     if tokenizer_dir is None and with_tokenizer:
         print("warning: the run trained without a SentencePiece tokenizer.model (data.tokenizer); exported the "

@@ -74,15 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ToolError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
-    eos = sp.eos_id() if sp is not None else meta.get("special_ids", {}).get("eos", SPECIAL_IDS["eos_id"])
+    # Without a tokenizer: an imported model's own EOS, else the one the run's shards recorded
+    eos = sp.eos_id() if sp is not None else \
+        meta.get("special_ids", {}).get("eos", meta.get("eos_id", SPECIAL_IDS["eos_id"]))
     new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, args.greedy, eos,
                    torch.Generator().manual_seed(args.seed))
-    text = sp.decode(new) if sp is not None else None  # BOS was not generated: only the continuation
+    text = continuation_text(sp, prompt_ids, new) if sp is not None else None
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": new, "text": text}))
     else:
         print(text if text is not None else " ".join(map(str, new)))
     return 0
+
+
+def continuation_text(sp, prompt_ids: list[int], new: list[int]) -> str:
+    """The text the new ids add to the prompt's: decoded alone, a dummy-prefix tokenizer (Llama-2's)
+    would drop the space the first new piece begins with."""
+    head, whole = sp.decode(prompt_ids), sp.decode(prompt_ids + new)
+    return whole[len(head):] if whole.startswith(head) else sp.decode(new)
 
 
 if __name__ == "__main__":
