@@ -54,7 +54,7 @@ import torch
 from models import registry
 from models.config import ModelConfig
 from pretrain.checkpoint_format import EXPERT_KEY, read_meta, resolve_checkpoint
-from pretrain.consolidate import full_state_dict, run_config, split_heads
+from pretrain.consolidate import describe_layout, full_state_dict, run_config, split_heads
 from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
 
 
@@ -404,6 +404,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
         raise ExportError(f"--max-shard-size {max_shard_size}: {err}") from None
     tag_dir = resolve_checkpoint(checkpoint)
     meta = read_meta(tag_dir)
+    describe_layout(tag_dir, meta)  # a checkpoint that lacks files says so before anything else
     fmt = export_format(ModelConfig.from_dict(meta["model"]))
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta) if with_tokenizer else None
     check_out_dir(out, {"the checkpoint": tag_dir, "the tokenizer": tokenizer_dir})
