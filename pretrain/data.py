@@ -114,9 +114,10 @@ def resumed_position(saved: dict, marker: dict, cfg: Config) -> tuple[dict, str 
 
 
 def run_bos(cfg: Config | None, meta: dict) -> int | None:
-    """The BOS id a run's samples begin with (data.start_with_bos; the id from its checkpoint meta,
-    or an imported model's config), else None."""
-    if cfg is None or not cfg.data.start_with_bos:
+    """The BOS id a run's samples begin with (data.start_with_bos, from the run's config, else as its
+    checkpoint meta records it; the id from that meta, or an imported model's config), else None."""
+    starts = cfg.data.start_with_bos if cfg is not None else meta.get("start_with_bos", False)
+    if not starts:
         return None
     return meta.get("bos_id", meta.get("special_ids", {}).get("bos"))
 

@@ -198,6 +198,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     counts = param_counts(cfg.model)
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
             "eos_id": manifest.get("eos_id"), "bos_id": manifest.get("bos_id"),
+            "start_with_bos": cfg.data.start_with_bos,  # for readers of a checkpoint without its config.yaml
             "flops_per_token": flops_per_token(cfg.model), "params": counts,
             "global_batch": global_batch(cfg, env.world_size), "decay_groups": decay_groups,
             "schedule": dataclasses.asdict(cfg.train), **task.meta(cfg)}

@@ -282,6 +282,18 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys, tmp_p
     assert "tokenized with another tokenizer (sha256 ffffffffffff)" in capsys.readouterr().err
 
 
+def test_a_checkpoint_away_from_its_run_begins_with_bos_as_its_marker_records(runs, tmp_path):
+    """The readers take data.start_with_bos from the run's config.yaml, else from the checkpoint's
+    marker (written since it records it), so a copied checkpoint still prompts with BOS."""
+    from pretrain.checkpoint_format import read_meta, resolve_checkpoint
+    from pretrain.data import run_bos
+
+    meta = read_meta(resolve_checkpoint(runs["tp2_zero2"]))
+    assert meta["start_with_bos"] is False and run_bos(None, meta) is None
+    assert run_bos(None, {**meta, "start_with_bos": True}) == meta["bos_id"]
+    assert run_bos(None, {k: v for k, v in meta.items() if k != "start_with_bos"}) is None  # older markers
+
+
 def test_a_relative_tokenizer_path_is_found_from_the_directories_above_the_run(tmp_path, monkeypatch):
     """A run launched from its project directory (data.tokenizer: tok) and read from elsewhere."""
     import tools.export as export

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     run = run_config(resolve_checkpoint(args.checkpoint))
     # What post-training starting from the file begins its examples with (unknown without the run's config).
-    carried = {"start_with_bos": run.data.start_with_bos} if run is not None else {}
+    starts = run.data.start_with_bos if run is not None else meta.get("start_with_bos")  # the marker's: newer runs
+    carried = {"start_with_bos": starts} if starts is not None else {}
     posttrain = meta.get("posttrain", {})
     # The chat and score formats the model learned (SGA's conditioning text); not the value head
     if formats := {k: posttrain[k] for k in ("chat", "scores") if k in posttrain}:

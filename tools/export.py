@@ -409,7 +409,8 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta) if with_tokenizer else None
     check_out_dir(out, {"the checkpoint": tag_dir, "the tokenizer": tokenizer_dir})
     run_cfg = run_config(tag_dir)
-    add_bos = bool(run_cfg is not None and run_cfg.data.start_with_bos)  # as the model trained
+    # as the model trained (a checkpoint copied away from its run: as its marker records)
+    add_bos = bool(run_cfg.data.start_with_bos if run_cfg is not None else meta.get("start_with_bos"))
     from pretrain.checkpoint import directory_in_place
 
     with directory_in_place(out) as tmp:

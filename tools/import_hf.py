@@ -195,6 +195,7 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
     special = {name: hf_cfg.get(f"{name}_token_id") for name in ("bos", "eos", "pad")}
     ids = {f"{k}_id": v for k, v in special.items() if k != "pad" and v is not None}  # as a run's meta has them
     return checkpoint.save_weights_run(model, cfg, out, {"tokenizer_sha256": tokenizer_sha,
+                                                         "start_with_bos": cfg.data.start_with_bos,
                                                          "imported_from": str(model_dir.resolve()), **ids,
                                                          "special_ids": {k: v for k, v in special.items()
                                                                          if v is not None}})
