@@ -47,6 +47,8 @@ def check_port(port: int, in_use: bool) -> None:
         raise ConfigError(f"--port {port}: give a port from 1 to 65535 (default 29500)")
     if in_use:
         with socket.socket() as probe:
+            # as torch's store binds: a port an earlier run left in TIME_WAIT is free, a listener's is not
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:

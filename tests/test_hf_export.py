@@ -319,8 +319,10 @@ def test_a_relative_tokenizer_path_is_found_from_the_directories_above_the_run(t
         export.find_tokenizer(tag, None, meta)  # the run trained with one: an error, not an export without it
     assert export.find_tokenizer(tag, None, meta, required=False) is None  # generate --prompt-ids
     assert export.find_tokenizer(tag, None, {}) is None  # a run without one recorded
-    # A run that names none (an import without --tokenizer) never takes one found on the way.
+    # A run that names none (an import without --tokenizer) never takes one found on the way, nor
+    # does an import that kept the default data.tokenizer (written before imports named none).
     (tmp_path / "tok" / "tokenizer.model").write_bytes(b"other pieces")
+    assert export.find_tokenizer(tag, None, {"imported_from": "hf/model"}) is None
     run.data.tokenizer = ""
     assert export.find_tokenizer(tag, None, {}) is None
     with pytest.raises(export.ExportError, match="sha256 .* config names no data.tokenizer; pass --tokenizer DIR"):

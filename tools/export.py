@@ -224,7 +224,9 @@ def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict, required: bo
             raise ExportError(f"--tokenizer {explicit}: no {MODEL_FILE} there")
     else:
         cfg = run_config(tag_dir)
-        if cfg is None or not cfg.data.tokenizer:  # no run config beside it, or a run without a tokenizer
+        # No run config beside it, or a run without a tokenizer: an import without --tokenizer (those
+        # written before they named none keep the default data.tokenizer, another model's)
+        if cfg is None or not cfg.data.tokenizer or (not want and meta.get("imported_from")):
             if want and required:
                 raise ExportError(f"{tag_dir} was trained with a SentencePiece tokenizer (sha256 {want[:12]}), but "
                                   + ("its run's config.yaml is not beside it" if cfg is None else
