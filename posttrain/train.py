@@ -83,10 +83,12 @@ class PostTrainTask(Task):
 
     def check(self, cfg: PostTrainConfig, world_size: int) -> dict:
         from data_prep.tokenizer import load_tokenizer
-        from pretrain.config import validate
+        from pretrain.config import EMPTY_TOKENIZER, validate
 
         validate(cfg, world_size)
         validate_post(cfg)
+        if not cfg.data.tokenizer:
+            raise ConfigError(f"{EMPTY_TOKENIZER} the model was trained with")
         try:
             sp, tokenizer = load_tokenizer(cfg.data.tokenizer)
         except (FileNotFoundError, ValueError) as err:

@@ -393,10 +393,16 @@ def _validate_eval(e: EvalConfig) -> None:
         raise ConfigError(f"eval.downstream_tasks: {error}")
 
 
+EMPTY_TOKENIZER = ("data.tokenizer is empty (the config of a model imported without --tokenizer names none): "
+                   "set data.tokenizer to the tokenizer directory")
+
+
 def validate_data(cfg: Config, world_size: int | None = None) -> dict:
     """Match the model against every source's manifest and the tokenizer, and (given the world size)
     the train split against one micro-batch per data-parallel rank, before training starts.
     Returns the first local source's manifest ({} when all are remote)."""
+    if not cfg.data.tokenizer and cfg.eval.downstream_tasks:  # remote shards alone would not need it
+        raise ConfigError(f"{EMPTY_TOKENIZER} the downstream tasks are encoded with")
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
     manifests, tokenizer, train_samples = [], None, 0
     for source in cfg.data.sources:
@@ -423,10 +429,7 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
             )
         if tokenizer is None:  # read once, when the first source needs it
             if not cfg.data.tokenizer:
-                raise ConfigError(
-                    "data.tokenizer is empty (the config of a model imported without --tokenizer names none): "
-                    f"set data.tokenizer to the tokenizer directory the shards of {key} were built with"
-                )
+                raise ConfigError(f"{EMPTY_TOKENIZER} the shards of {key} were built with")
             if not tokenizer_meta.is_file():
                 raise ConfigError(
                     f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "

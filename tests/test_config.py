@@ -131,6 +131,12 @@ def test_data_mismatch_errors(tmp_path):
                              "model.vocab_size=256"])
     with pytest.raises(ConfigError, match="data.tokenizer is empty .*set data.tokenizer to the tokenizer directory"):
         validate_data(cfg)
+    task = tmp_path / "task.jsonl"
+    task.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 0}) + "\n")
+    cfg = load_config(None, ["data.shards=s3://bucket/shards", "data.tokenizer=", f"eval.downstream_tasks=[{task}]",
+                             "eval.downstream_interval=10"])
+    with pytest.raises(ConfigError, match="data.tokenizer is empty .* the downstream tasks are encoded with"):
+        validate_data(cfg)  # remote shards are not read here: the tasks still need it
     meta = root / "tokenizer" / "tokenizer.json"
     meta.write_text(json.dumps({"vocab_size": 256, "sha256": "f" * 64}))
     cfg = load_config(None, base + ["model.max_seq_len=32", "model.vocab_size=256"])

@@ -394,6 +394,8 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
         cfg = load_config(None, base + list(extra), PostTrainConfig)
         return cfg, PostTrainTask().check(cfg, 1)
 
+    with pytest.raises(ConfigError, match="data.tokenizer is empty .* the model was trained with"):
+        check(f"run.dir={tmp_path / 'none'}", "data.tokenizer=")
     cfg, meta = check(f"run.dir={tmp_path / 'bos'}", "post.add_bos=true")
     assert cfg.data.start_with_bos and meta["bos_id"] == 1  # what generate, evaluate and export read
     assert "bos_id" not in check(f"run.dir={tmp_path / 'plain'}")[1]
