@@ -260,7 +260,7 @@ def plan_build(sources=None, tokenizer_dir="data/tokenizer", out_dir="data/shard
                                   "--overwrite to start over, or rerun with the settings of that build")
         parts = old["parts"]  # an unfinished build resumes as it was cut, its large files not read again
     else:
-        parts = [p.to_dict() for p in P.plan_parts(files, part_bytes, progress)]
+        parts = [p.to_dict() for p in P.plan_parts(files, part_bytes, progress, skip_unreadable)]
     plan = {"settings": settings, "files": len(files), "bytes": total, "skipped_files": dict(skipped.most_common(20)),
             "parts": parts}
     plan["plan_id"] = P.plan_id(plan)

@@ -28,7 +28,8 @@ from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
-from data_prep.readers import PARQUET_SUFFIXES, Document, has_suffix, parquet_row_groups, read_file
+from data_prep.readers import (PARQUET_SUFFIXES, Document, FileReadError, has_suffix, parquet_row_groups,
+                               read_file)
 
 PLAN_FILE = "plan.json"
 MARKER_DIR = "parts"
@@ -135,7 +136,8 @@ def jsonl_line_ranges(path: Path, part_bytes: int, progress: bool = False) -> li
     return [(*r, offset) for r in ranges]
 
 
-def plan_parts(files: Sequence[Path], part_bytes: int, progress: bool = False) -> list[Part]:
+def plan_parts(files: Sequence[Path], part_bytes: int, progress: bool = False,
+               skip_unreadable: bool = False) -> list[Part]:
     """Cut ``files`` (in order) into parts of about ``part_bytes`` of input each (progress: a bar
     while a large .jsonl file's lines are counted)."""
     parts: list[Part] = []
@@ -171,6 +173,11 @@ def plan_parts(files: Sequence[Path], part_bytes: int, progress: bool = False) -
                 ranges = jsonl_line_ranges(path, part_bytes, progress)
             except (PermissionError, FileNotFoundError):
                 ranges = []  # the reader reports the file when its part is built
+            except OSError as err:  # the file system failing: counted when asked, as the reader does
+                if not skip_unreadable:
+                    raise FileReadError(f"could not read {path} to plan its parts: {err.strerror or err} (errno "
+                                        f"{err.errno}), a failure of the file system, not of the file") from err
+                ranges = []
             if len(ranges) > 1:
                 close()
                 parts += [Part(len(parts) + i, (Piece(str(path), lines=r),), r[1] - r[0])

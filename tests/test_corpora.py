@@ -575,3 +575,30 @@ def test_a_worker_that_dies_fails_the_build_clearly(tmp_path, tok_dir, monkeypat
     monkeypatch.setattr(bs, "_in_worker", die_in_worker)  # the pool's processes are forked: they see it
     with pytest.raises(RuntimeError, match="a worker process died .* fewer --workers"):
         bs.build_parts(tmp_path / "out", workers=2)
+
+
+def test_a_file_system_error_while_planning_a_large_json_lines_file(tmp_path, tok_dir, monkeypatch, capsys):
+    """Cutting a large .jsonl into parts reads it whole: an input/output error there names the file and
+    the flag, and --skip-unreadable plans it as one piece (its reader counts it if it fails again)."""
+    import errno
+
+    rng = random.Random(4)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    big = corpus / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": make_text(rng, 3)}) + "\n" for _ in range(60)))
+    real_open = open
+
+    def failing_open(path, *args, **kwargs):
+        if Path(path) == big:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(P, "open", failing_open, raising=False)  # the planner's reads only
+    args = ["--sources", str(corpus), "--tokenizer", str(tok_dir), "--seq-len", "8", "--val-fraction", "0",
+            "--part-size", "1kb", "--workers", "1", "--no-progress"]
+    assert bs.main([*args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"could not read {big} to plan its parts: Input/output error" in err and "--skip-unreadable" in err
+    assert bs.main([*args, "--out", str(tmp_path / "skipped"), "--skip-unreadable"]) == 0
+    assert json.loads((tmp_path / "skipped" / "manifest.json").read_text())["documents"] == 60
