@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise ToolError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
     # Without a tokenizer: an imported model's own EOS, else the one the run's shards recorded
-    eos = sp.eos_id() if sp is not None else \
-        meta.get("special_ids", {}).get("eos", meta.get("eos_id", SPECIAL_IDS["eos_id"]))
+    recorded = meta.get("special_ids", {}).get("eos", meta.get("eos_id"))
+    eos = sp.eos_id() if sp is not None else recorded if recorded is not None else SPECIAL_IDS["eos_id"]
     new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, args.greedy, eos,
                    torch.Generator().manual_seed(args.seed))
     text = continuation_text(sp, prompt_ids, new) if sp is not None else None
