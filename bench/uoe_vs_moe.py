@@ -145,12 +145,13 @@ def main() -> None:
                            eval_batches=args.eval_batches or (2 if args.gpu else 16), shards=shards,
                            tokenizer=args.tokenizer,
                            device=args.device)
-    extra = []
+    # One ZeRO stage for every variant (the tiny configs differ), so tokens/s compares the layers alone.
+    extra = ["parallel.zero_stage=1"]
     if args.gpu:  # one GPU: no expert parallelism; the data's vocabulary
         from pretrain.config import load_config
 
         vocab = json.loads((REPO / shards / "manifest.json").read_text())["vocab_size"]
-        extra = [f"model.vocab_size={vocab}", "parallel.zero_stage=1"]
+        extra.append(f"model.vocab_size={vocab}")
         assert load_config(SIZES[size][0]).model.max_seq_len == 2048
     chosen = {k: v for k, v in variants(size).items() if not args.only or k in args.only}
     out = Path(args.out or f"bench/results/uoe_vs_moe{'_gpu' if args.gpu else ''}.json")
@@ -166,6 +167,7 @@ def main() -> None:
                   flush=True)
             table = summarise(results)
             meta = {"size": size, "steps": settings.steps, "nproc": args.nproc, "micro_batch": settings.micro_batch,
+                    "zero_stage": 1,
                     "shards": shards, "seeds": args.seeds, "device": ran_on(args.device), "variants": chosen,
                     **provenance("bench.uoe_vs_moe"),
                     "note": "train.seed sets the initial weights (the data order is the same for all runs); "
