@@ -95,21 +95,28 @@ def main() -> None:
     if args.one:
         print("RESULT " + json.dumps(measure(args.one, args.steps)))
         return
-    rows = []
-    for name in SIZES:
-        out = subprocess.run([sys.executable, "-m", "bench.memory_plan", "--one", name, "--steps", str(args.steps)],
-                             capture_output=True, text=True, check=True, env=measurement_env())
-        rows.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))
-    print(f"{'size':<14}{'measured GB':>12}{'estimate GB':>12}{'est/meas':>10}")
-    for r in rows:
-        print(f"{r['size']:<14}{r['measured_gb']:>12.3f}{r['estimated_gb']:>12.3f}{r['ratio']:>10.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     from bench.provenance import provenance
 
     env = measurement_env()
     meta = {"steps": args.steps, **provenance("bench.memory_plan"),
             **{key: env[key] for key in ("MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS")}}
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    rows, failed = [], {}
+    for name in SIZES:  # each in its own process (a fresh peak); the file is rewritten after each
+        out = subprocess.run([sys.executable, "-m", "bench.memory_plan", "--one", name, "--steps", str(args.steps)],
+                             capture_output=True, text=True, env=env)
+        result = next((line for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
+        if out.returncode or result is None:
+            failed[name] = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+            print(f"{name}: failed ({failed[name]})", flush=True)
+        else:
+            rows.append(json.loads(result[7:]))
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "failed": failed}, indent=1))
+    print(f"{'size':<14}{'measured GB':>12}{'estimate GB':>12}{'est/meas':>10}")
+    for r in rows:
+        print(f"{r['size']:<14}{r['measured_gb']:>12.3f}{r['estimated_gb']:>12.3f}{r['ratio']:>10.2f}")
+    if failed:
+        raise SystemExit(f"{len(failed)} size(s) failed: {', '.join(failed)} (see {args.out})")
 
 
 if __name__ == "__main__":

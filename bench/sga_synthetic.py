@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         results["seeds"][seed] = {"table": table, "seconds": seconds, "mean_scores": mean_scores,
                                   "train_pairs": len(data["train"]), "eval_pairs": len(data["eval"])}
         print(f"seed {seed}: {len(data['train'])} train / {len(data['eval'])} eval pairs, mean scores {mean_scores}")
+        partial = REPO / args.out  # each finished seed kept, should a later one fail (the summary comes last)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({**results, "provenance": provenance("bench.sga_synthetic", argv)}, indent=1))
     names = list(next(iter(results["seeds"].values()))["table"])
     print(f"{'variant':<15}" + "".join(f"{c:>22}" for c in ("length win (tie)", "keyword win (tie)",
                                                               "length/keyword mean", "value MSE (predict mean)")))

@@ -226,15 +226,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trigger task: seq {spec.seq}, dim {spec.dim}, width {args.width}, {args.steps} AdamW steps at lr {args.lr}; "
           f"predicting 0 at the trigger gives MSE ~ {zero_baseline:.3f} there")
     jobs = [(k, n, m, vars(args), spec, str(out)) for k, n, m in RUNS]
+    results = []
+
+    def write() -> None:  # after every run: a later failure keeps the finished ones
+        (out / "sink_trigger.json").write_text(json.dumps({
+            "spec": asdict(spec), "width": args.width, "lr": args.lr, "steps": args.steps, "seed": args.seed,
+            "provenance": provenance("bench.sink_trigger", argv), "zero_baseline_trigger": zero_baseline,
+            "results": results, "not_run": len(jobs) - len(results)}, indent=1))
+
     if args.workers > 1:
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(args.workers) as pool:
-            results = pool.map(_run_one, jobs)
+            for r in pool.imap(_run_one, jobs):  # in order, each as soon as it and those before are done
+                r["learned_trigger"] = learned(r["loss_trigger"], zero_baseline)
+                results.append(r)
+                write()
     else:
-        results = [_run_one(j) for j in jobs]
-    for r in results:
-        r["learned_trigger"] = learned(r["loss_trigger"], zero_baseline)
+        for job in jobs:
+            r = _run_one(job)
+            r["learned_trigger"] = learned(r["loss_trigger"], zero_baseline)
+            results.append(r)
+            write()
     print(f"{'model':<20} {'loss':>8} {'trig':>7} {'learned':>7} {'nontrig':>8} {'BOS@nontrig':>11} "
           f"{'min head':>8} {'max head':>8} {'row tot':>7} {'Sink1':>6} {'s':>5}")
     for r in results:
@@ -248,11 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     if not all(r["learned_trigger"] for r in results):
         print("runs marked no did not learn the trigger (its MSE is near that of predicting zero): their "
               "attention statistics are no evidence")
-    (out / "sink_trigger.json").write_text(json.dumps({"spec": asdict(spec), "width": args.width, "lr": args.lr,
-                                                       "steps": args.steps, "seed": args.seed,
-                                                       "provenance": provenance("bench.sink_trigger", argv),
-                                                       "zero_baseline_trigger": zero_baseline,
-                                                       "results": results}, indent=1))
     print(f"wrote {out / 'sink_trigger.json'}")
     return 0
 
