@@ -25,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,6 +117,31 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
+def finished_differently(args: argparse.Namespace, out: Path) -> str:
+    """The settings given here that differ from those a finished build in `out` was planned with."""
+    planned = (P.read_plan(out) or {}).get("settings", {})
+    given = {"seq_len": args.seq_len, "val_fraction": args.val_fraction, "seed": args.seed,
+             "text_field": args.text_field, "dedup": args.dedup, "tokenizer": _absolute(args.tokenizer)}
+    if args.sources:
+        given["sources"] = [_absolute(source) for source in args.sources]
+    return ", ".join(f"{key}: {planned[key]!r} there, {value!r} now" for key, value in given.items()
+                     if key in planned and planned[key] != value)
+
+
+def check_sbatch_accepts(args: argparse.Namespace, out: Path) -> None:
+    """sbatch --test-only on a script with the jobs' #SBATCH lines: a partition, account, QoS or
+    option it refuses is found before --overwrite clears a build or any job is queued."""
+    with tempfile.TemporaryDirectory(prefix="prep-check-") as tmp:
+        script = Path(tmp) / "check.sbatch"
+        script.write_text(render(args, out, "true", str(Path(tmp) / "check.log")))
+        try:
+            res = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return  # no answer: the submission itself will say
+        if res.returncode != 0:
+            raise SubmitError(f"sbatch refuses these job settings ({res.stderr.strip()}); nothing was changed")
+
+
 def submit_build(args: argparse.Namespace) -> int:
     if not args.out or not args.tokenizer:
         raise SubmitError("--out and --tokenizer are required (or --status OUT)")
@@ -124,29 +150,37 @@ def submit_build(args: argparse.Namespace) -> int:
         raise SubmitError(f"--tasks {args.tasks} must be >= 1")
     check_repo(REPO)
     out = Path(_absolute(args.out))
+    if "/" in args.python:  # the jobs run in the repository: a relative path would be read from there
+        args.python = _absolute(args.python)
+        if not os.access(args.python, os.X_OK):
+            raise SubmitError(f"--python {args.python}: no executable there; give the interpreter the compute "
+                              "nodes run")
     check_script_settings(args, out)  # before --overwrite clears anything
     if (out / "manifest.json").is_file() and not args.overwrite:
+        if differences := finished_differently(args, out):
+            raise SubmitError(f"{out} holds a finished build with other settings ({differences}): pass "
+                              "--overwrite to build it again with these, or choose another --out")
         print(f"{out} is complete already (manifest.json): nothing to submit (--overwrite builds it again)")
         return 0
-    previous = _jobs(out)
+    previous = [] if args.overwrite else _jobs(out)  # --overwrite: a new build (dry runs show it too)
     if not args.dry_run:
         # Before anything on disk changes (--overwrite clears the build).
         if shutil.which("sbatch") is None:
             raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
-        if previous:
-            active = [f"{task} {state}" for job in previous[-1]["jobs"].values()
+        recorded = _jobs(out)  # queued or running ones stop a new submission, --overwrite or not
+        if recorded:
+            active = [f"{task} {state}" for job in recorded[-1]["jobs"].values()
                       for task, state in job_states(job).items() if state in ACTIVE_STATES]
             if active:
                 raise SubmitError(f"jobs of this build are still queued or running ({', '.join(active)}): wait "
                                   "for them, or scancel them first")
+        check_sbatch_accepts(args, out)
     sources = [_absolute(s) for s in args.sources] if args.sources else None
     plan = plan_build(sources, _absolute(args.tokenizer), out, args.seq_len, args.val_fraction,
                       compression=args.compression, shard_size_limit=args.shard_size_limit, seed=args.seed,
                       text_field=args.text_field, part_size=args.part_size, dedup_mode=args.dedup,
                       split_key=args.split_key, overwrite=args.overwrite, dry_run=args.dry_run,
                       progress=sys.stderr.isatty(), skip_unreadable=args.skip_unreadable)
-    if args.overwrite and not args.dry_run:
-        previous = []  # a new build: its task count is free again
     n_parts = len(plan["parts"])
     tasks = args.tasks if args.tasks is not None else (previous[-1]["tasks"] if previous else min(n_parts, 1000))
     tasks = min(tasks, n_parts)
@@ -155,7 +189,8 @@ def submit_build(args: argparse.Namespace) -> int:
         raise SubmitError(f"this build was submitted with --tasks {previous[-1]['tasks']}: keep it (or leave "
                           "--tasks out) so the remaining tasks build the remaining parts")
     parts = P.parts_of(plan)
-    todo = pending_tasks(out, plan, tasks)
+    # --overwrite: every task, whatever an old build left (a dry run has cleared nothing)
+    todo = list(range(tasks)) if args.overwrite else pending_tasks(out, plan, tasks)
     py = shlex.quote(args.python)
     out_q = shlex.quote(str(out))
     logs = out / SLURM_DIR
@@ -175,8 +210,9 @@ def submit_build(args: argparse.Namespace) -> int:
         return ",".join(map(str, ids)) + (f"%{args.max_running}" if args.max_running else "")
 
     steps: list[tuple[str, str | None, str]] = []  # (name, --array or None, script), each after the last
-    if plan["settings"].get("dedup", "none") == "exact" and not dedup.index_done(out, plan):
-        to_hash = [t for t in range(tasks) if any(not dedup.hashes_done(out, p) for p in P.tasks_parts(parts, t, tasks))]
+    if plan["settings"].get("dedup", "none") == "exact" and (args.overwrite or not dedup.index_done(out, plan)):
+        to_hash = [t for t in range(tasks) if args.overwrite
+                   or any(not dedup.hashes_done(out, p) for p in P.tasks_parts(parts, t, tasks))]
         if to_hash:
             steps.append(("hash array", array_of(to_hash), "task"))
         steps.append(("dedup", None, "dedup"))

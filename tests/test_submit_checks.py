@@ -28,7 +28,10 @@ def slurm_bin(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "sbatch_calls"
-    stand_in(bin_dir, "sbatch", f'n=$(( $(cat {calls} 2>/dev/null || echo 0) + 1 )); echo $n > {calls}\n'
+    stand_in(bin_dir, "sbatch", 'if [[ $1 == --test-only ]]; then grep -q "partition=nosuch" "$2" && '
+                                '{ echo "sbatch: error: invalid partition specified: nosuch" >&2; exit 1; }; '
+                                'echo "sbatch: Job 1 to start at now" >&2; exit 0; fi\n'
+                                f'n=$(( $(cat {calls} 2>/dev/null || echo 0) + 1 )); echo $n > {calls}\n'
                                 'if [[ $n == "${SBATCH_FAIL_AT:-0}" ]]; then echo "QOSMaxSubmitJobPerUserLimit" >&2; '
                                 'exit 1; fi\necho $((1000 + n))\n')
     stand_in(bin_dir, "scancel", f'echo "$@" >> {tmp_path / "scancelled"}\n')
@@ -142,8 +145,27 @@ def test_prep_overwrite_keeps_a_finished_build_when_an_argument_is_wrong(tmp_pat
                            (["--job-name", "prep'2"], "must be a word without spaces, '%', '#', quotes")):
         assert main(prep_args(tmp_path, tok_dir, "--overwrite", *extra)) == 2
         assert message in capsys.readouterr().err, extra
+    # ... and a partition (account, QoS, option) only sbatch can judge: asked with --test-only first
+    assert main(prep_args(tmp_path, tok_dir, "--overwrite", "--partition", "nosuch")) == 2
+    assert "sbatch refuses these job settings (sbatch: error: invalid partition" in capsys.readouterr().err
     assert (out / "manifest.json").is_file() and (out / "train").is_dir()
     assert not (tmp_path / "sbatch_calls").exists()
+
+
+def test_prep_of_a_finished_build_with_other_settings_and_a_relative_python(tmp_path, tok_dir, slurm_bin, capsys,
+                                                                            monkeypatch):
+    from launch.submit_prep import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    (out / "plan.json").write_text(json.dumps({"settings": {"seq_len": 32, "val_fraction": 0.01, "dedup": "none"}}))
+    assert main(prep_args(tmp_path, tok_dir)) == 2  # asks for seq_len 16: not "complete already"
+    assert "finished build with other settings (seq_len: 32 there, 16 now)" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    assert main(prep_args(tmp_path, tok_dir, "--overwrite", "--python", "venv/bin/python")) == 2
+    assert f"--python {tmp_path / 'venv/bin/python'}: no executable there" in capsys.readouterr().err
 
 
 def test_prep_sources_named_by_links_keep_their_names(tmp_path, monkeypatch):
@@ -174,6 +196,8 @@ def test_prep_chain_with_an_unanswered_sbatch_keeps_the_queued_jobs_on_record(tm
     calls, real_run = [], subprocess.run
 
     def second_times_out(cmd, **kwargs):
+        if "--test-only" in cmd:  # the settings check before anything is queued
+            return real_run(cmd, **kwargs)
         calls.append(cmd)
         if len(calls) == 2:
             raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
