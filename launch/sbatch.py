@@ -57,20 +57,27 @@ OWNED_OPTIONS = {"--nodes": "nodes", "--time": "time", "--signal": "signal_secon
                  "--cpus-per-task": "cpus_per_task", "--exclusive": "exclusive", "--ntasks": None,
                  "--ntasks-per-node": None, "--output": None, "--error": None, "--open-mode": None, "--chdir": None,
                  "--array": None}
+# The same for the data-preparation jobs (slurm/prep.sbatch; "": set by launch.submit_prep on each job
+# of its chain).
+PREP_OWNED_OPTIONS = {"--time": "time", "--job-name": "job_name", "--partition": "partition", "--account": "account",
+                      "--qos": "qos", "--constraint": "constraint", "--cpus-per-task": "cpus_per_task",
+                      "--exclusive": "exclusive", "--ntasks": None, "--output": None, "--error": None, "--chdir": None,
+                      "--array": "", "--dependency": ""}
 SHORT_OPTIONS = {"-N": "--nodes", "-t": "--time", "-J": "--job-name", "-p": "--partition", "-A": "--account",
                  "-q": "--qos", "-C": "--constraint", "-c": "--cpus-per-task", "-n": "--ntasks", "-o": "--output",
                  "-e": "--error", "-D": "--chdir", "-a": "--array"}
 
 
-def check_sbatch_arg(extra: str, args: argparse.Namespace) -> None:
+def check_sbatch_arg(extra: str, args: argparse.Namespace, owned: dict = OWNED_OPTIONS) -> None:
     if not extra.startswith("-") or "\n" in extra:
         raise SubmitError(f"--sbatch-arg {extra!r}: expected one option such as --mem=0")
     name = re.split(r"[=\s]", extra, maxsplit=1)[0]
     name = SHORT_OPTIONS.get(name[:2], name) if not name.startswith("--") else name
-    if name not in OWNED_OPTIONS:
+    if name not in owned:
         return
-    dest = OWNED_OPTIONS[name]
-    how = (f"set it with --{dest.replace('_', '-')}" if dest and hasattr(args, dest)
+    dest = owned[name]
+    how = ("the command sets it on each job it submits" if dest == "" else
+           f"set it with --{dest.replace('_', '-')}" if dest and hasattr(args, dest)
            else "the template fixes it (edit slurm/*.sbatch to change it)")
     raise SubmitError(f"--sbatch-arg {extra!r}: the job script sets {name} itself, and the job was checked "
                       f"for that value; {how}")
@@ -86,13 +93,14 @@ def gres_gpu_count(option: str) -> int | None:
     return None
 
 
-def sbatch_lines(args: argparse.Namespace) -> list[str]:
-    """#SBATCH lines of the cluster flags both submit commands take (GPUs, partition, account, ...)."""
+def sbatch_lines(args: argparse.Namespace, owned: dict = OWNED_OPTIONS) -> list[str]:
+    """#SBATCH lines of the cluster flags both submit commands take (GPUs, partition, account, ...);
+    `owned`: the options the command's own job script sets."""
     lines = []
     if getattr(args, "cpus_per_task", None) is not None and args.cpus_per_task < 1:
         raise SubmitError(f"--cpus-per-task {args.cpus_per_task} must be >= 1")
     for extra in args.sbatch_arg:
-        check_sbatch_arg(extra, args)
+        check_sbatch_arg(extra, args, owned)
     gres_gpus = [gres_gpu_count(extra) for extra in args.sbatch_arg if re.match(r"--gres[=\s]", extra)]
     gres_gpus = [count for count in gres_gpus if count is not None]
     if args.gpus_per_node and any(count != args.gpus_per_node for count in gres_gpus):

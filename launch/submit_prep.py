@@ -32,8 +32,8 @@ from pathlib import Path
 from data_prep import dedup
 from data_prep import parts as P
 from data_prep.build_shards import SPLIT_KEYS, plan_build
-from launch.sbatch import (ACTIVE_STATES, SubmitError, SubmitUnknown, check_job_name, check_repo, check_slurm_path,
-                           parse_time, sbatch_lines, submit)
+from launch.sbatch import (ACTIVE_STATES, PREP_OWNED_OPTIONS, SubmitError, SubmitUnknown, check_job_name, check_repo,
+                           check_slurm_path, parse_time, sbatch_lines, submit)
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "prep.sbatch"
@@ -89,13 +89,14 @@ def check_script_settings(args: argparse.Namespace, out: Path) -> None:
     check_job_name(args.job_name)
     if args.max_running is not None and args.max_running < 1:
         raise SubmitError(f"--max-running {args.max_running} must be >= 1 (leave it out for no limit)")
-    sbatch_lines(args)  # checks --sbatch-arg
+    sbatch_lines(args, PREP_OWNED_OPTIONS)  # checks --sbatch-arg
 
 
 def render(args: argparse.Namespace, out: Path, command: str, log: str) -> str:
     check_script_settings(args, out)
     values = {"JOB_NAME": args.job_name, "TIME": args.time, "LOG": log, "REPO": str(REPO),
-              "REPO_Q": shlex.quote(str(REPO)), "SBATCH_EXTRA": "\n".join(sbatch_lines(args)), "COMMAND": command}
+              "REPO_Q": shlex.quote(str(REPO)), "SBATCH_EXTRA": "\n".join(sbatch_lines(args, PREP_OWNED_OPTIONS)),
+              "COMMAND": command}
     text = TEMPLATE.read_text().replace(
         "# {{NAME}} placeholders are filled in by launch.submit_prep; the rendered script is plain bash.",
         "# Rendered by launch.submit_prep from slurm/prep.sbatch.")

@@ -186,6 +186,19 @@ def test_prep_tasks_take_skip_unreadable(tmp_path, tok_dir, slurm_bin, capsys):
     assert '--tasks 2 --no-progress --skip-unreadable' in capsys.readouterr().out
 
 
+def test_prep_sbatch_args_are_judged_by_the_prep_script(tmp_path, tok_dir, capsys):
+    """The prep jobs set neither --requeue nor --nodes (a preemptible partition may requeue a task: its
+    parts resume); what they do set is refused with the prep command's own way to set it."""
+    from launch.submit_prep import main
+
+    assert main(prep_args(tmp_path, tok_dir, "--dry-run", "--sbatch-arg=--requeue")) == 0
+    assert "#SBATCH --requeue" in capsys.readouterr().out
+    for extra, how in (("--time=01:00:00", "set it with --time"), ("--array=0-3", "sets it on each job it submits"),
+                       ("--output=x.log", "the template fixes it")):
+        assert main(prep_args(tmp_path, tok_dir, "--dry-run", f"--sbatch-arg={extra}")) == 2
+        assert how in capsys.readouterr().err, extra
+
+
 def test_prep_chain_with_an_unanswered_sbatch_keeps_the_queued_jobs_on_record(tmp_path, tok_dir, slurm_bin,
                                                                               monkeypatch, capsys):
     import subprocess
