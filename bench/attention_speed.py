@@ -255,26 +255,29 @@ def main(argv: list[str] | None = None) -> int:
           "median ms, and the median [range] of the per-repeat ratios")
     columns = "".join(f"{f'seq {s} ms':>14}{'x softmax [range]':>22}{'kept MB':>9}" for s in seqs)
     print(f"{'kind':<{name_width}}" + columns + "   (_gqa kinds against softmax_gqa)")
-    results, kept = {}, {k: {} for k in kinds}
-    for s in seqs:
-        results[s] = time_in_turn(kinds, args.hidden, args.heads, s, args.batch, args.repeats, dev)
-        for k in kinds:
-            kept[k][s] = kept_bytes(k, args.hidden, args.heads, s, args.batch, dev) / 2**20
-    for k in kinds:
-        line = f"{k:<{name_width}}"
-        for s in seqs:
-            ratios = [a / b for a, b in zip(results[s][k], results[s][reference_kind(k)])]
-            ms, rel = 1000 * statistics.median(results[s][k]), statistics.median(ratios)
-            line += f"{ms:>14.1f}{f'{rel:.2f} [{min(ratios):.2f}-{max(ratios):.2f}]':>22}{kept[k][s]:>9.1f}"
-            rows.append({"kind": k, "seq": s, "ms": ms, "relative_to_softmax": rel,
-                         "relative_range": [min(ratios), max(ratios)], "kept_mb": kept[k][s]})
-        print(line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": dev.type, "threads": torch.get_num_threads(), "batch": args.batch, "hidden": args.hidden,
             "heads": args.heads, "repeats": args.repeats, **provenance("bench.attention_speed", argv)}
     path = out / f"{args.name}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    cells = {}  # (kind, seq) -> its row
+    for s in seqs:  # the file is rewritten after each length: a later failure keeps the finished ones
+        times = time_in_turn(kinds, args.hidden, args.heads, s, args.batch, args.repeats, dev)
+        for k in kinds:
+            ratios = [a / b for a, b in zip(times[k], times[reference_kind(k)])]
+            cells[k, s] = {"kind": k, "seq": s, "ms": 1000 * statistics.median(times[k]),
+                           "relative_to_softmax": statistics.median(ratios),
+                           "relative_range": [min(ratios), max(ratios)],
+                           "kept_mb": kept_bytes(k, args.hidden, args.heads, s, args.batch, dev) / 2**20}
+        rows[:] = [cells[k, s2] for k in kinds for s2 in seqs if (k, s2) in cells]
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    for k in kinds:
+        line = f"{k:<{name_width}}"
+        for s in seqs:
+            c = cells[k, s]
+            rel, (low, high) = c["relative_to_softmax"], c["relative_range"]
+            line += f"{c['ms']:>14.1f}{f'{rel:.2f} [{low:.2f}-{high:.2f}]':>22}{c['kept_mb']:>9.1f}"
+        print(line)
     print(f"wrote {path}")
     destroy_distributed()
     return 0
