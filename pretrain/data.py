@@ -113,11 +113,16 @@ def resumed_position(saved: dict, marker: dict, cfg: Config) -> tuple[dict, str 
             f"{saved['epoch'] + 1} of it from its first sample")
 
 
+def starts_with_bos(cfg: Config | None, meta: dict) -> bool | None:
+    """A run's data.start_with_bos: from its config, else as its checkpoint meta records it (None:
+    a checkpoint of an older run away from its config.yaml)."""
+    return cfg.data.start_with_bos if cfg is not None else meta.get("start_with_bos")
+
+
 def run_bos(cfg: Config | None, meta: dict) -> int | None:
-    """The BOS id a run's samples begin with (data.start_with_bos, from the run's config, else as its
-    checkpoint meta records it; the id from that meta, or an imported model's config), else None."""
-    starts = cfg.data.start_with_bos if cfg is not None else meta.get("start_with_bos", False)
-    if not starts:
+    """The BOS id a run's samples begin with (starts_with_bos; the id from its checkpoint meta, or an
+    imported model's config), else None."""
+    if not starts_with_bos(cfg, meta):
         return None
     return meta.get("bos_id", meta.get("special_ids", {}).get("bos"))
 

@@ -19,6 +19,7 @@ import torch
 from pretrain.checkpoint import torch_save_atomic
 from pretrain.checkpoint_format import resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
+from pretrain.data import starts_with_bos
 from tools.cli import ToolError, argument_parser, check_out_file, reports_errors, run
 
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     run = run_config(resolve_checkpoint(args.checkpoint))
     # What post-training starting from the file begins its examples with (unknown without the run's config).
-    starts = run.data.start_with_bos if run is not None else meta.get("start_with_bos")  # the marker's: newer runs
+    starts = starts_with_bos(run, meta)
     carried = {"start_with_bos": starts} if starts is not None else {}
     posttrain = meta.get("posttrain", {})
     # The chat and score formats the model learned (SGA's conditioning text); not the value head

@@ -55,6 +55,7 @@ from models import registry
 from models.config import ModelConfig
 from pretrain.checkpoint_format import EXPERT_KEY, read_meta, resolve_checkpoint
 from pretrain.consolidate import describe_layout, full_state_dict, run_config, split_heads
+from pretrain.data import starts_with_bos
 from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
 
 
@@ -411,8 +412,7 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     tokenizer_dir = find_tokenizer(tag_dir, tokenizer, meta) if with_tokenizer else None
     check_out_dir(out, {"the checkpoint": tag_dir, "the tokenizer": tokenizer_dir})
     run_cfg = run_config(tag_dir)
-    # as the model trained (a checkpoint copied away from its run: as its marker records)
-    add_bos = bool(run_cfg.data.start_with_bos if run_cfg is not None else meta.get("start_with_bos"))
+    add_bos = bool(starts_with_bos(run_cfg, meta))  # as the model trained
     from pretrain.checkpoint import directory_in_place
 
     with directory_in_place(out) as tmp:
