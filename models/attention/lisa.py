@@ -72,7 +72,7 @@ from models.attention.base import ProjectedAttention, expand_kv, local_heads, pr
 from models.attention.flex import block_mask_for
 from models.attention.kernels import LISA_FLASH_MAX_GROUP, LISA_FLASH_MAX_WIDTH
 from models.attention.relu import NORMALIZERS as RELU_NORMALIZERS
-from models.attention.relu import relu_attend, relu_normaliser, relu_weights
+from models.attention.relu import relu_attend, relu_normaliser, relu_weights, reuses_relu_scores
 from models.attention.shared_scores import (
     RowCut,
     SharedScores,
@@ -650,7 +650,7 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
         )
     if lisa.kernel not in KERNELS:
         raise ConfigError(f"model.lisa.kernel={lisa.kernel!r}: choose one of {KERNELS}")
-    if reads_relu_normaliser(cfg) and cfg.relu_attention.normalizer not in RELU_NORMALIZERS:
+    if reuses_relu_scores(cfg) and cfg.relu_attention.normalizer not in RELU_NORMALIZERS:
         raise ConfigError(f"model.relu_attention.normalizer={cfg.relu_attention.normalizer!r}: choose one of "
                           f"{RELU_NORMALIZERS} (a LISA layer after a relu-family layer applies it)")
     if lisa.block_size < 1:
@@ -673,19 +673,11 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
         )
 
 
-def reads_relu_normaliser(cfg: ModelConfig) -> bool:
-    """Whether a LISA layer applies ReLU weights (its scores come from a relu-family layer), and so
-    reads model.relu_attention.normalizer, which no layer of a plug-in relu-family kind may declare."""
-    kinds = cfg.attention_kinds()
-    sources = [registry.score_source(kinds, layer) for layer, kind in enumerate(kinds) if kind == "lisa"]
-    return any(source and registry.attention_kind(source).score_family == "relu" for source in sources)
-
-
 def lisa_signature(cfg: ModelConfig) -> dict:
     """model.lisa's keys that fix the layers, and the ReLU normaliser where a LISA layer applies it."""
     skip = registry.training_only_keys()
     out = {f"lisa.{key}": value for key, value in vars(cfg.lisa).items() if f"lisa.{key}" not in skip}
-    if reads_relu_normaliser(cfg):
+    if reuses_relu_scores(cfg):
         out["relu_attention.normalizer"] = cfg.relu_attention.normalizer
     return out
 

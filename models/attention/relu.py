@@ -44,16 +44,21 @@ class ReLUAttentionConfig:
 register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size", "kernel"))
 
 
-def reads_row_length(cfg: ModelConfig) -> bool:
-    """Whether outputs depend on the length of the row (the seqlen normaliser divides by it): on the
-    padding, so on what else shares a batch, and on every token a decoded sequence adds. Relu layers
-    apply it, and so do LISA layers reading a relu-family layer's scores (a plug-in kind's too)."""
-    if cfg.relu_attention.normalizer != "seqlen":
-        return False
+def reuses_relu_scores(cfg: ModelConfig) -> bool:
+    """Whether a layer that reuses scores (LISA) reads a relu-family layer's (a plug-in kind's too), so
+    applies ReLU weights with model.relu_attention.normalizer."""
     kinds = cfg.attention_kinds()
     sources = {registry.score_source(kinds, layer) for layer, kind in enumerate(kinds)
                if registry.attention_kind(kind).reads_previous_scores}
-    return "relu" in kinds or any(s and registry.attention_kind(s).score_family == "relu" for s in sources)
+    return any(source and registry.attention_kind(source).score_family == "relu" for source in sources)
+
+
+def reads_row_length(cfg: ModelConfig) -> bool:
+    """Whether outputs depend on the length of the row (the seqlen normaliser divides by it): on the
+    padding, so on what else shares a batch, and on every token a decoded sequence adds. Relu layers
+    apply it, and so do layers reusing a relu-family layer's scores."""
+    return cfg.relu_attention.normalizer == "seqlen" and (
+        "relu" in cfg.attention_kinds() or reuses_relu_scores(cfg))
 
 
 def fused_kernel(q: torch.Tensor, v: torch.Tensor):
