@@ -51,18 +51,15 @@ def parse_time(text: str) -> int:
 
 # sbatch options the job scripts set themselves: from a flag of the submit command (its dest), or
 # fixed by the template (None). An --sbatch-arg repeating one would contradict what was checked.
-OWNED_OPTIONS = {"--nodes": "nodes", "--time": "time", "--signal": "signal_seconds", "--requeue": "max_requeues",
-                 "--no-requeue": "max_requeues", "--job-name": "job_name", "--gpus-per-node": "gpus_per_node",
-                 "--partition": "partition", "--account": "account", "--qos": "qos", "--constraint": "constraint",
-                 "--cpus-per-task": "cpus_per_task", "--exclusive": "exclusive", "--ntasks": None,
-                 "--ntasks-per-node": None, "--output": None, "--error": None, "--open-mode": None, "--chdir": None,
-                 "--array": None}
+_SHARED_OPTIONS = {"--time": "time", "--job-name": "job_name", "--partition": "partition", "--account": "account",
+                   "--qos": "qos", "--constraint": "constraint", "--cpus-per-task": "cpus_per_task",
+                   "--exclusive": "exclusive", "--ntasks": None, "--output": None, "--error": None, "--chdir": None}
+OWNED_OPTIONS = {**_SHARED_OPTIONS, "--nodes": "nodes", "--signal": "signal_seconds", "--requeue": "max_requeues",
+                 "--no-requeue": "max_requeues", "--gpus-per-node": "gpus_per_node", "--ntasks-per-node": None,
+                 "--open-mode": None, "--array": None}
 # The same for the data-preparation jobs (slurm/prep.sbatch; "": set by launch.submit_prep on each job
 # of its chain).
-PREP_OWNED_OPTIONS = {"--time": "time", "--job-name": "job_name", "--partition": "partition", "--account": "account",
-                      "--qos": "qos", "--constraint": "constraint", "--cpus-per-task": "cpus_per_task",
-                      "--exclusive": "exclusive", "--ntasks": None, "--output": None, "--error": None, "--chdir": None,
-                      "--array": "", "--dependency": ""}
+PREP_OWNED_OPTIONS = {**_SHARED_OPTIONS, "--array": "", "--dependency": ""}
 SHORT_OPTIONS = {"-N": "--nodes", "-t": "--time", "-J": "--job-name", "-p": "--partition", "-A": "--account",
                  "-q": "--qos", "-C": "--constraint", "-c": "--cpus-per-task", "-n": "--ntasks", "-o": "--output",
                  "-e": "--error", "-D": "--chdir", "-a": "--array"}

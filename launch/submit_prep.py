@@ -163,13 +163,13 @@ def submit_build(args: argparse.Namespace) -> int:
                               "--overwrite to build it again with these, or choose another --out")
         print(f"{out} is complete already (manifest.json): nothing to submit (--overwrite builds it again)")
         return 0
-    previous = [] if args.overwrite else _jobs(out)  # --overwrite: a new build (dry runs show it too)
+    recorded = _jobs(out)
+    previous = [] if args.overwrite else recorded  # --overwrite: a new build (dry runs show it too)
     if not args.dry_run:
         # Before anything on disk changes (--overwrite clears the build).
         if shutil.which("sbatch") is None:
             raise SubmitError("sbatch not found; run this on a Slurm login node (or use --dry-run)")
-        recorded = _jobs(out)  # queued or running ones stop a new submission, --overwrite or not
-        if recorded:
+        if recorded:  # queued or running jobs stop a new submission, --overwrite or not
             active = [f"{task} {state}" for job in recorded[-1]["jobs"].values()
                       for task, state in job_states(job).items() if state in ACTIVE_STATES]
             if active:

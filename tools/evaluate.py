@@ -63,14 +63,14 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int, eos_id: int | None
     if int(rows.max()) >= model.cfg.vocab_size:
         raise ValueError(f"the shards hold token id {int(rows.max())} >= model.vocab_size={model.cfg.vocab_size}: "
                          "they were built with another tokenizer")
-    losses = []
+    losses, sizes = [], []
     device = next(model.parameters()).device
     for batch in rows.split(batch_size):
+        sizes.append(len(batch))
         batch = batch.to(device)
         inputs = batch[:, :-1]
         logits = model.logits(inputs, {"document_ids": document_ids(inputs, eos_id)} if eos_id is not None else None)
         losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch[:, 1:]).mean().item())
-    sizes = [len(batch) for batch in rows.split(batch_size)]
     loss = sum(value * n for value, n in zip(losses, sizes)) / sum(sizes)  # a short last batch weighs its rows
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "batches": len(losses),
             "tokens": int(rows[:, 1:].numel()), "batch_losses": losses}
