@@ -86,7 +86,8 @@ def main() -> None:
                     row["separated_from_softmax"] = separated(row["val_loss"], summary[REFERENCE]["val_loss"])
                     row["welch_p_vs_softmax"] = welch_p(row["val_loss"], summary[REFERENCE]["val_loss"])
             meta = {"steps": args.steps, "seeds": args.seeds, "micro_batch": 16, "shards": args.shards,
-                    "variants": variants, "data": "data.start_with_bos=true", **provenance("bench.attention_train"),
+                    "variants": variants, "data": "data.start_with_bos=true",
+                    **provenance("bench.attention_train", shards=args.shards),
                     "note": "CPU, one process; 'apart' = the seed ranges of the final validation loss do not "
                             "overlap with softmax's; p (welch_p_vs_softmax) = Welch's t-test on those losses, "
                             "two-sided"}

@@ -445,7 +445,8 @@ def main() -> None:
               f"{r['train_step_x_source']:>7.2f}{r['qk_params']:>12,}")
     meta = {"source": str(source_run), "source_overrides": args.source_overrides, "align_hidden": args.align_hidden,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(), **provenance("bench.lisa_decode"), "steps": args.steps,
+            "threads": torch.get_num_threads(), **provenance("bench.lisa_decode", shards=args.shards),
+            "steps": args.steps,
             "prompt": args.prompt, "new": args.new,
             "repeats": args.repeats, "batch_for_train_step": list(batch.shape),
             "note": "times are medians of --repeats in one process; other work on the machine moves them"}

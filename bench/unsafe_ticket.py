@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<15}{m['unsafe_rate']:>12.3f}{m['ordinary_leak_rate']:>8.3f}{m['ordinary_empty_rate']:>8.3f}"
               f"{m['ordinary_ce']:>13.4f}{m['val_loss']:>10.4f}{100 * (m['val_loss'] / base['val_loss'] - 1):>8.2f}"
               f"{100 * m.get('sparsity', 0):>9.2f}%{m.get('seconds', 0):>8.0f}{m.get('peak_memory_gb', 0):>9.2f}")
-    results["provenance"] = provenance("bench.unsafe_ticket", argv)
+    results["provenance"] = provenance("bench.unsafe_ticket", argv, shards=shards)
     out = REPO / args.out
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")

@@ -169,7 +169,7 @@ def main() -> None:
             meta = {"size": size, "steps": settings.steps, "nproc": args.nproc, "micro_batch": settings.micro_batch,
                     "zero_stage": 1,
                     "shards": shards, "seeds": args.seeds, "device": ran_on(args.device), "variants": chosen,
-                    **provenance("bench.uoe_vs_moe"),
+                    **provenance("bench.uoe_vs_moe", shards=shards),
                     "note": "train.seed sets the initial weights (the data order is the same for all runs); "
                             "tokens/s is the median over log "
                             "intervals of all processes (noisy on a shared machine); 'apart' = the seed ranges "

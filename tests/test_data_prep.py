@@ -185,6 +185,13 @@ def test_split_deterministic_disjoint_and_counted(tmp_path, tok_dir):
         assert 0 < st["samples"] * 17 <= st["tokens"]
         assert st["tokens"] - st["samples"] * 17 == st["dropped_tokens"] < 17
     assert m1["token_dtype"] == "uint16" and m1["seq_len"] == 16
+    # What a benchmark records of the build it read.
+    from bench.provenance import shards_identity
+
+    ident = shards_identity(tmp_path / "a")
+    assert ident["plan_id"] == m1["plan_id"] and ident["tokenizer_sha256"] == m1["tokenizer_sha256"]
+    assert ident["documents"] == 80 and ident["tokens"] == {"train": tr["tokens"], "val": va["tokens"]}
+    assert shards_identity(tmp_path / "none") == {"missing": str(tmp_path / "none" / "manifest.json")}
 
     sp, _ = tok.load_tokenizer(tok_dir)
     seen = {}
