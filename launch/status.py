@@ -7,6 +7,7 @@ The job id comes from RUN_DIR/slurm_job_ids.txt (written by launch.submit and by
 when it was submitted with plain sbatch). Its state is asked from `scontrol show job`, then squeue
 (Slurm forgets finished jobs after MinJobAge), then sacct (needs accounting storage); the requeue count from scontrol's Restarts= or, once Slurm forgot the job, from
 RUN_DIR/slurm_history.log, which the batch script appends at every start and end.
+Given a shard build's directory instead, it prints the build's status (launch.submit_prep --status).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from data_prep import parts
 from launch import slurm_job
 from pretrain import checkpoint_format
 
@@ -147,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run_dir.is_dir():
         print(f"error: {args.run_dir} is not a directory", file=sys.stderr)
         return 2
+    if (args.run_dir / parts.PLAN_FILE).is_file() and not (args.run_dir / "config.yaml").is_file():
+        # A shard build (launch.submit_prep's, or data_prep.build_shards'): its own status.
+        from launch.submit_prep import format_status as build_status
+
+        print(json.dumps({"shard_build": str(args.run_dir.resolve()), **parts.status(args.run_dir)})
+              if args.json else build_status(args.run_dir))
+        return 0
     info = status(args.run_dir)
     print(json.dumps(info) if args.json else format_status(info))
     return 0

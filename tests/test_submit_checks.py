@@ -311,3 +311,23 @@ def test_submit_takes_train_resume_until_the_job_has_saved(tmp_path, monkeypatch
         marker.write_text("12")
         assert main([*dry, resume, "--force"]) == 0
         assert marker.exists() == kept, resume
+
+
+def test_status_of_a_shard_build_is_the_build_s(tmp_path, tok_dir, capsys):
+    """launch.status given a shard build's directory reports the build (parts, documents, merged),
+    as launch.submit_prep --status does, not an empty training run."""
+    from data_prep import build_shards as bs
+    from launch.status import main as status_main
+    from launch.submit_prep import main as prep_main
+
+    args = prep_args(tmp_path, tok_dir)
+    sources, out = args[args.index("--sources") + 1], tmp_path / "out"
+    manifest = bs.build_shards([sources], tok_dir, out, seq_len=16, val_fraction=0.1, workers=1)
+    assert status_main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"{manifest['documents']} documents" in text and "merged (manifest.json written)" in text
+    assert "job:" not in text
+    assert prep_main(["--status", str(out)]) == 0 and capsys.readouterr().out == text
+    assert status_main([str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["merged"] and report["documents"] == manifest["documents"] and report["todo"] == []
