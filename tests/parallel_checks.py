@@ -30,8 +30,14 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
     apply_values(cfg, {k: v for k, v in model_kwargs.items() if isinstance(v, dict)}, "model.")
     torch.manual_seed(seed)
     model = GPT(cfg, activation_checkpointing=activation_checkpointing, z_loss=z_loss)
+    # Full checkpointing starts each block again in backward (counted at the start: the recompute
+    # stops once it has what backward needs). Eager blocks only.
+    block_forwards = [0]
     if compile_blocks:
         model.compile_blocks()
+    else:
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda *_: block_forwards.__setitem__(0, block_forwards[0] + 1))
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     documents = None
     if eos_id is not None:  # packed documents: ends at different places in the two rows
@@ -42,6 +48,7 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
         documents = document_ids(tokens[:, :-1], eos_id)
     loss = model(tokens[:, :-1], tokens[:, 1:], documents)
     loss.backward()
+    forwards = block_forwards[0]
     grads = {name: full_tensor(p, p.grad) for name, p in model.named_parameters()}
     weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
     with torch.no_grad():  # every rank: the forward holds tensor-parallel collectives
@@ -51,7 +58,7 @@ def gpt_loss_and_grads(rank: int, model_kwargs: dict, out_path: str, seed: int =
 
         compiled = counters["stats"]["unique_graphs"] > 0
         torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "compiled": compiled,
-                    "z_loss": model.last_metrics.get("z_loss"), "logits": logits}, out_path)
+                    "block_forwards": forwards, "z_loss": model.last_metrics.get("z_loss"), "logits": logits}, out_path)
 
 
 def loader_batches(rank: int, shards_root: str, out_dir: str, batches: int = 3) -> None:
