@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from pretrain.telemetry import Throughput, progress_line
 
 
@@ -16,6 +18,30 @@ def test_paused_time_counts_for_no_interval():
     meter.step()
     time.sleep(0.05)
     assert meter.measure()["step_time_s"] >= 0.05  # outside paused() the time counts
+
+
+def test_rates_are_per_device_and_mfu_is_against_the_precision_s_peak(monkeypatch):
+    """TFLOP/s are the model's FLOPs per device (world size 4), MFU is against the bf16 or fp32 peak
+    of the device the run is on; tokens count the steps' own (a short step's fewer)."""
+    import pretrain.telemetry as T
+
+    clock = [100.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(T.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(T.torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    meter = Throughput(tokens_per_step=4096, flops_per_token=6e9, world_size=4)
+    for _ in range(3):
+        meter.step()
+    meter.step(tokens=1000)
+    clock[0] += 2.0
+    rates = meter.measure()
+    tokens_per_s = (3 * 4096 + 1000) / 2.0
+    assert rates["tokens_per_s"] == tokens_per_s and rates["step_time_s"] == 0.5
+    assert rates["tflops_per_device"] == pytest.approx(tokens_per_s * 6e9 / 4 / 1e12, rel=1e-12)
+    bf16_peak, fp32_peak = T.peak_tflops("H100", True), T.peak_tflops("H100", False)
+    assert bf16_peak > fp32_peak > 0
+    assert rates["mfu"] == pytest.approx(rates["tflops_per_device"] / bf16_peak, rel=1e-12)
+    assert Throughput(4096, 6e9, 4, bf16=False).peak == fp32_peak
 
 
 def test_progress_line_says_when_there_is_no_gradient_norm():
