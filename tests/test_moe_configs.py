@@ -103,10 +103,11 @@ def test_validation_of_sparse_settings():
             validate(cfg, 1)
 
 
-@pytest.mark.parametrize("mlp", ["dense", "uoe", "moe"])
-def test_flops_per_token_are_the_matmuls_the_model_runs(mlp):
+@pytest.mark.parametrize("mlp,tied", [("dense", False), ("dense", True), ("uoe", False), ("moe", False)])
+def test_flops_per_token_are_the_matmuls_the_model_runs(mlp, tied):
     """flops_per_token's matmul term is 3x what a forward pass multiplies per token (the norms'
-    weights multiply nothing), the score term Megatron's 12 x hidden x seq per layer."""
+    weights multiply nothing; a head tied to the embedding multiplies as an untied one does), the
+    score term Megatron's 12 x hidden x seq per layer."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -114,7 +115,7 @@ def test_flops_per_token_are_the_matmuls_the_model_runs(mlp):
     from tests.dist_utils import single_process_group
 
     seq = 16
-    overrides = [f"model.max_seq_len={seq}"] + ([f"model.mlp={mlp}"] if mlp != "dense" else [])
+    overrides = [f"model.max_seq_len={seq}", f"model.tie_embeddings={tied}"] + ([f"model.mlp={mlp}"] if mlp != "dense" else [])
     cfg = load_config(CONFIGS / "tiny_uoe.yaml" if mlp != "dense" else None, overrides).model
     with single_process_group():
         torch.manual_seed(0)
