@@ -68,8 +68,8 @@ class PostTrainModel(GPT):
                                                self.beta)
             loss = loss + (self.dpo_weight if self.method == "sga" else 1.0) * dpo
             metrics.update(dpo_loss=dpo.detach(), **dpo_metrics)
+        self.last_metrics = metrics  # validation reports them too
         if self.training:
-            self.last_metrics = metrics
             aux = self.aux_loss()
             return loss + (aux if prompt_aux is None else (prompt_aux + aux) / 2)
         return loss

@@ -64,6 +64,14 @@ class PostTrainer(Trainer):
             return self.loss_tokens(batch)
         return torch.tensor(batch["tokens"].shape[0] // 2)
 
+    @property
+    def reports_perplexity(self) -> bool:  # DPO and SGA validate a pair loss, not a cross-entropy
+        return self.cfg.post.method == "sft"
+
+    def val_metrics(self) -> dict[str, torch.Tensor]:
+        """DPO and SGA: the rewards, their margin and accuracy (and SGA's value MSE) of the pairs."""
+        return dict(self.model.last_metrics) if self.cfg.post.method != "sft" else {}
+
     def probe_batch(self, seq: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Examples attend within themselves where packed; padding is no query."""
         batch = self.val_batches[0]

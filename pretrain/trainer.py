@@ -126,6 +126,14 @@ class Trainer:
         tokens, or its examples where batches hold different numbers); None: all the same."""
         return self.loss_tokens(batch)
 
+    # exp(val/loss) is a perplexity where the loss is the mean cross-entropy of tokens.
+    reports_perplexity = True
+
+    def val_metrics(self) -> dict[str, torch.Tensor]:
+        """The model's own metrics of the validation batch just run, averaged like its loss into
+        val/<name> (e.g. post-training's DPO rewards); none for the language-model loss."""
+        return {}
+
     def micro_batch_weights(self, batches: list) -> list[float] | None:
         """Each micro-batch's share of the step's loss, so that a loss averaged over each micro-batch's
         tokens becomes the mean over all tokens of the step (every micro-batch of every data-parallel
@@ -184,6 +192,7 @@ class Trainer:
         self.engine.eval()
         sums = torch.zeros(len(self.val_sets), device=self.device)
         counts = torch.zeros(len(self.val_sets), device=self.device)  # tokens, where batches weigh by them
+        metric_sums: dict[str, torch.Tensor] = {}  # val_metrics, over all sets
         weighted = False
         for i, batches in enumerate(self.val_sets.values()):
             for batch in batches:
@@ -196,17 +205,23 @@ class Trainer:
                 weighted = tokens is not None
                 weight = 1.0 if tokens is None else tokens.float().to(self.device)
                 sums[i] += self.forward(batch).float() * weight
+                for name, value in self.val_metrics().items():
+                    metric_sums[name] = metric_sums.get(name, 0.0) + value.float() * weight
                 counts[i] += weight
         self.engine.train()
+        n, names = len(self.val_sets), list(metric_sums)
+        metrics = torch.stack([metric_sums[name] for name in names]) if names else sums[:0]
         if weighted:  # the ranks' mean sums over their mean counts: the mean over all ranks' tokens
-            totals = torch.tensor(dp_mean(torch.cat([sums, counts])), dtype=torch.float64)
-            sums, counts = totals[:len(self.val_sets)], totals[len(self.val_sets):]
-            means = [float(sums.sum() / counts.sum()), *(sums / counts).tolist()]
+            totals = torch.tensor(dp_mean(torch.cat([sums, counts, metrics])), dtype=torch.float64)
+            sums, counts, metrics = totals[:n], totals[n:2 * n], totals[2 * n:]
+            means = [float(sums.sum() / counts.sum()), *(sums / counts).tolist(), *(metrics / counts.sum()).tolist()]
         else:  # every rank has as many batches: the mean of the ranks' means
-            means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts]))
+            means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts,
+                                       metrics / counts.sum()]))
         result = {"loss": means[0]}
         if any(self.val_sets):  # data.mix sources by name, one alone too ("": data.shards)
-            result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:])})
+            result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:n + 1])})
+        result.update(zip(names, means[n + 1:]))
         return result
 
     def save(self, step: int) -> None:
@@ -273,9 +288,12 @@ class Trainer:
         self.validation_due = step if val is None else None  # None: a signal interrupted it
         if val is None:
             return
-        self.logger.scalars(step, {**val, "perplexity": math.exp(min(val["loss"], 50))}, prefix="val/")
-        per_source = ", ".join(f"{k[:-5]} {v:.4f}" for k, v in val.items() if k != "loss")
-        self.logger.print(f"step {step} | val loss {val['loss']:.4f}" + (f" ({per_source})" if per_source else ""))
+        perplexity = {"perplexity": math.exp(min(val["loss"], 50))} if self.reports_perplexity else {}
+        self.logger.scalars(step, {**val, **perplexity}, prefix="val/")
+        per_source = ", ".join(f"{k[:-5]} {v:.4f}" for k, v in val.items() if k.endswith("/loss"))
+        others = "".join(f" | {k} {v:.4f}" for k, v in val.items() if k != "loss" and not k.endswith("/loss"))
+        self.logger.print(f"step {step} | val loss {val['loss']:.4f}" + (f" ({per_source})" if per_source else "")
+                          + others)
         self._emit("on_evaluate", step, val)
 
     def _stop_on_signal(self, step: int, signum: int, save: bool = True) -> None:

@@ -646,6 +646,14 @@ def losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "losses.jsonl").read_text().splitlines()]
 
 
+def validations(run_dir) -> dict[int, dict]:
+    """step -> the val/ values logged at that step."""
+    out: dict[int, dict] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        out.setdefault(record["step"], {}).update({k[4:]: v for k, v in record.items() if k.startswith("val/")})
+    return {step: v for step, v in out.items() if v}
+
+
 @pytest.mark.slow
 def test_dpo_tensor_parallel_and_zero2_match_one_process_and_resume(tmp_path, files, tok_dir):
     single = post_train(1, files, tok_dir, tmp_path / "single", "dpo")
@@ -659,6 +667,13 @@ def test_dpo_tensor_parallel_and_zero2_match_one_process_and_resume(tmp_path, fi
     post_train(2, files, tok_dir, tmp_path / "zero2", "dpo", "parallel.zero_stage=2", "train.micro_batch=2")
     assert losses(tmp_path / "tp2") == pytest.approx(reference, rel=1e-4, abs=1e-5)
     assert losses(tmp_path / "zero2") == pytest.approx(reference, rel=1e-4, abs=1e-5)
+    # Validation reports the pairs' rewards (averaged as the loss is), not a perplexity of a pair loss.
+    val = validations(tmp_path / "single")
+    assert sorted(val) == [2, 4] and "perplexity" not in val[4]
+    assert val[4]["dpo_loss"] == pytest.approx(val[4]["loss"], rel=1e-6) and 0 <= val[4]["reward_accuracy"] <= 1
+    assert val[4]["reward_margin"] == pytest.approx(val[4]["reward_chosen"] - val[4]["reward_rejected"], abs=1e-6)
+    assert val[4]["reward_margin"] > 0  # trained on the same pairs
+    assert validations(tmp_path / "tp2")[4] == pytest.approx(val[4], rel=1e-4, abs=1e-5)
     saved_run_copy(tmp_path / "single", tmp_path / "resumed", 2)  # as if stopped after step 2
     post_train(1, files, tok_dir, tmp_path / "resumed", "dpo")
     assert losses(tmp_path / "resumed") == pytest.approx(reference[2:], rel=1e-5, abs=1e-6)
@@ -692,6 +707,8 @@ def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok
     saved_run_copy(tmp_path / "whole", tmp_path / "parts", 2)  # as if stopped after step 2
     post_train(1, files, tok_dir, tmp_path / "parts", "sft", "post.packing=true", "train.micro_batch=2")
     assert losses(tmp_path / "parts") == pytest.approx(losses(tmp_path / "whole")[2:], rel=1e-5, abs=1e-6)
+    val = validations(tmp_path / "whole")[4]  # SFT's loss is the responses' cross-entropy: a perplexity
+    assert set(val) == {"loss", "perplexity"} and val["perplexity"] == pytest.approx(math.exp(val["loss"]))
     # The same global batch in two micro-batches (with other numbers of response tokens each): the
     # loss is the mean over the step's response tokens, not the mean of the micro-batches' means.
     post_train(1, files, tok_dir, tmp_path / "accum", "sft", "post.packing=true", "train.micro_batch=1",
