@@ -179,7 +179,11 @@ class Pruner:
                 f"utility {s['utility']:.4f}")
 
     def _done(self, rate: float | None) -> bool:
-        return rate is not None and rate <= self.config.target_unsafe_rate
+        done = rate is not None and rate <= self.config.target_unsafe_rate
+        if done:
+            self.log(f"the unsafe rate {rate:.3f} is at or below the target {self.config.target_unsafe_rate}: "
+                     "the search stops here")
+        return done
 
     def empty(self) -> State:
         return State({name: torch.zeros_like(w, dtype=torch.bool) for name, w in self.originals.items()})

@@ -265,6 +265,26 @@ def test_pruned_checkpoint_loads_everywhere_and_at_tp2(source_run, tmp_path, tok
         assert not weights[name][mask].any()
 
 
+@pytest.mark.slow
+def test_the_unsafe_rate_at_step_0_is_the_held_out_answers_share(source_run, tmp_path):
+    """Sampled from --prompts, the rate that stops the search is measured on the held-out answers'
+    draws (--samples each): at step 0 it is their unsafe share, and reaching the target is said."""
+    records = [json.loads(line) for line in (source_run / "sft.jsonl").read_text().splitlines()]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in records[:16]))
+    # Answers of even length count as unsafe: labels of both kinds in both halves, whatever the model says.
+    (tmp_path / "rules.json").write_text(json.dumps({"unsafe": ["^(?:.{2})*$"]}))
+    out = tmp_path / "pruned"
+    text = run_tool("tools.prune_unsafe", "--checkpoint", source_run / "source", "--out", out, "--prompts",
+                    tmp_path / "prompts.jsonl", "--rules", tmp_path / "rules.json", "--samples", "3",
+                    "--max-new-tokens", "4", "--steps", "2", "--target-unsafe-rate", "0.9")
+    report = json.loads((out / "pruning_report.json").read_text())
+    heldout = report["responses"]["heldout"]
+    assert report["too_long"]["heldout"] == {"unsafe": 0, "safe": 0} and heldout["unsafe"] > 0
+    assert [h["step"] for h in report["history"]] == [0]
+    assert report["history"][0]["unsafe_rate"] == heldout["unsafe"] / (heldout["unsafe"] + heldout["safe"])
+    assert "is at or below the target 0.9: the search stops here" in text
+
+
 def test_labellers_rules_and_a_local_classifier(tmp_path, tok_dir):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 

@@ -12,8 +12,8 @@ or sampled here from --prompts (--samples per prompt at --temperature, as the mo
 and labelled with the --rules file or the --classifier model (posttrain.labels). Refusals count
 as safe. Responses are split in halves (seeded): one for the attribution, one held out for the
 search's cross-entropies. With a labeller, the unsafe rate of the model's own answers to the held-out
-prompts (or to --eval-prompts) is measured after every step and the search stops at
---target-unsafe-rate.
+prompts (or to --eval-prompts) is measured after every step (--samples answers each, drawn as the
+held-out answers were) and the search stops at --target-unsafe-rate.
 --utility (SFT-format JSONL: prompt / response or messages) is the utility guard's set, or --shards
 its validation loss on N samples of a shard directory's val split; without either the held-out
 safe responses are.
@@ -55,7 +55,10 @@ class Sampler:
         self.model, self.encoder, self.args, self.labeller = model, encoder, args, labeller
         self.generator = torch.Generator().manual_seed(args.seed)
 
-    def answers(self, prompts: list[list[dict]], samples: int) -> list[tuple[list[dict], str]]:
+    def answers(self, prompts: list[list[dict]], samples: int, seed: int | None = None) -> list[tuple[list[dict], str]]:
+        """`samples` answers to each prompt, drawn on from `seed` where given."""
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
         out = []
         for messages in prompts:
             ids = self.encoder.prompt(messages)
@@ -68,10 +71,13 @@ class Sampler:
     def label(self, answers: list[tuple[list[dict], str]]) -> list[str]:
         return self.labeller([m[-1]["content"] for m, _ in answers], [r for _, r in answers])
 
+    def heldout_seed(self) -> int:
+        return self.args.seed + 1
+
     def unsafe_rate(self, prompts: list[list[dict]]) -> float:
-        """On the same random draws at every step, so that the steps compare."""
-        self.generator = torch.Generator().manual_seed(self.args.seed + 1)
-        answers = self.answers(prompts, 1)
+        """The unsafe share of --samples answers per prompt, drawn as the held-out answers were (their
+        seed): at step 0 those very answers, and every step on the same draws, so that steps compare."""
+        answers = self.answers(prompts, self.args.samples, seed=self.heldout_seed())
         return sum(label == "unsafe" for label in self.label(answers)) / max(len(answers), 1)
 
 
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sampling {args.samples} answers to each of {len(prompts)} prompts ...", flush=True)
         labelled = []
         for half, part in enumerate((prompts[::2], heldout_prompts)):
-            answers = sampler.answers(part, args.samples)
+            answers = sampler.answers(part, args.samples, seed=sampler.heldout_seed() if half else args.seed)
             labelled += [(m, r, label, half) for (m, r), label in zip(answers, sampler.label(answers))]
     if args.eval_prompts:
         heldout_prompts = eval_prompts
