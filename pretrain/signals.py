@@ -1,5 +1,7 @@
-"""SIGUSR1 (Slurm time limit) and SIGTERM (preemption, scancel) set a flag; the loops poll it
-and all ranks agree through an all-reduce, so they stop at the same step boundary.
+"""SIGUSR1 (Slurm time limit), SIGTERM (preemption, scancel), SIGINT (Ctrl-C, which launch.local's
+agent forwards too) and SIGHUP (a closed terminal) set a flag; the loops poll it and all ranks agree
+through an all-reduce, so they stop at the same step boundary, after a save. SIGQUIT and SIGKILL stop
+at once.
 
 The handler only records the signal, so a second signal arriving while the checkpoint is being
 written changes nothing: the save runs to its end, outside the handler.
@@ -28,7 +30,10 @@ def _handler(signum, frame) -> None:  # noqa: ARG001
     _received.append(signum)
 
 
-def install(signals=(signal.SIGUSR1, signal.SIGTERM)) -> None:
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def install(signals=STOP_SIGNALS) -> None:
     for sig in signals:
         signal.signal(sig, _handler)
 

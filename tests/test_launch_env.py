@@ -1,8 +1,11 @@
 """Rank layout from the launcher's environment: torchrun's variables, or Slurm's under srun."""
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.dist_utils import REPO
 
@@ -154,10 +157,12 @@ def test_reading_a_config_prints_nothing():
     assert out.stdout == "300\n"
 
 
-def test_the_console_shows_each_warning_once_and_a_signal_to_the_launcher_saves(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_the_console_shows_each_warning_once_and_a_signal_to_the_launcher_saves(tmp_path, stop):
     """launch.local: the console shows each warning once and other ranks write their own log; a
     SIGTERM sent to the launcher (kill, timeout, srun --signal) reaches the torchrun agent it
-    becomes, and every rank saves and stops."""
+    becomes, and every rank saves and stops; so does Ctrl-C in its terminal (SIGINT to the whole
+    process group: the workers get it from the terminal and from the agent)."""
     import re
     import signal
     from collections import Counter
@@ -171,21 +176,24 @@ def test_the_console_shows_each_warning_once_and_a_signal_to_the_launcher_saves(
                                              "train.save_interval": 1000})
     launcher = subprocess.Popen([sys.executable, "-m", "launch.local", "configs/tiny_dense.yaml", "--nproc", "2",
                                  "--port", str(free_port()), *overrides], cwd=REPO, env=child_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    console = []
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    console, signum = [], getattr(signal, stop)
     try:
         for line in launcher.stdout:
             console.append(line.rstrip("\n"))
             if "step 3/1000" in line:
-                launcher.send_signal(signal.SIGTERM)
+                if signum == signal.SIGINT:  # as a terminal's Ctrl-C: the foreground process group
+                    os.killpg(launcher.pid, signum)
+                else:
+                    launcher.send_signal(signum)
                 break
         console += launcher.communicate(timeout=300)[0].splitlines()
     finally:
         launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM, "\n".join(console[-40:])  # as a stopped agent exits
-    assert "torchrun agent: stopped on signal SIGTERM after the workers' shutdown" in console
-    assert not any("Traceback" in line for line in console)
-    assert any("on SIGTERM; resume with train.resume=auto" in line for line in console)
+    assert launcher.returncode == 128 + signum, "\n".join(console[-40:])  # as a stopped agent exits
+    assert f"torchrun agent: stopped on signal {stop} after the workers' shutdown" in console
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in console)
+    assert any(f"on {stop}; resume with train.resume=auto" in line for line in console)
     assert (run / "checkpoints" / "latest").is_file()
     # A torch log line carries its time and pid; the message is what repeats.
     messages = [re.sub(r"^[WIE]\d{4} [\d:.]+ \d+ ", "", line) for line in console
