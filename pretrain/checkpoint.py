@@ -224,6 +224,16 @@ def save_weights_run(model: torch.nn.Module, cfg, out: Path, meta: dict) -> Path
     return Path(out) / "checkpoints" / tag_for(0)
 
 
+def readable_as_umask_says(root: Path) -> None:
+    """The modes a plain mkdir / open would have given `root` and what is in it: mkdtemp makes 0700
+    and safetensors writes 0600, so an export on a shared file system would be its owner's alone."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def directory_in_place(out: Path):
     """A new directory beside `out` to write into; it replaces `out` when the block ends without an
@@ -232,6 +242,7 @@ def directory_in_place(out: Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
     try:
         yield tmp
+        readable_as_umask_says(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

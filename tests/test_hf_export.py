@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 import subprocess
@@ -447,7 +448,15 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     with torch.no_grad():
         want = source(tokens).logits
     assert (framework_logits(tag, tokens) - want).abs().max().item() <= 1e-4
-    assert export_main(["--checkpoint", str(run), "--out", str(back)]) == 0
+    umask = os.umask(0o022)
+    try:
+        assert export_main(["--checkpoint", str(run), "--out", str(back)]) == 0
+    finally:
+        os.umask(umask)
+    # Readable by others as the umask allows (not mkdtemp's 0700 and safetensors' 0600), for shared
+    # disks; the imported run directory too (written under the suite's umask).
+    assert back.stat().st_mode & 0o777 == 0o755 and run.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert {oct(p.stat().st_mode & 0o777) for p in back.iterdir()} == {"0o644"}
     assert (hf_logits(back, tokens) - want).abs().max().item() <= 1e-4
     # Grouped-query attention is kept, not expanded: the same K/V heads and parameter count both ways.
     assert "num_kv_heads: 2" in (run / "config.yaml").read_text()
