@@ -160,6 +160,13 @@ def _expert_parallel_size() -> int:
 GROUP_SETTINGS = ("name", "weight_decay", "betas", "eps")  # a group's settings, from the config
 
 
+def restores_optimizer(meta: dict) -> bool:
+    """Whether resuming this checkpoint (not through a universal one) restores its optimizer moments:
+    ZeRO's partitions are laid out per expert-parallel size, and weights written without training
+    (optimizer_state false: tools.import_hf) have none."""
+    return meta.get("expert_parallel", 1) == _expert_parallel_size() and meta.get("optimizer_state", True)
+
+
 def load(engine, path: Path, universal: Path | None = None) -> dict:
     """Restore model, optimizer and schedule; return this rank's saved state (loader, RNG).
 
@@ -176,9 +183,7 @@ def load(engine, path: Path, universal: Path | None = None) -> dict:
         engine.load_checkpoint(str(universal.parent), tag=universal.name, load_module_strict=True,
                                load_optimizer_states=True)
     else:
-        same_ep = meta.get("expert_parallel", 1) == _expert_parallel_size()
-        # optimizer_state false: written without training (tools.import_hf), the moments are fresh anyway
-        with_optimizer = same_ep and meta.get("optimizer_state", True)
+        with_optimizer = restores_optimizer(meta)
         engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=True,
                                load_optimizer_states=with_optimizer)
         refresh = getattr(engine.optimizer, "refresh_fp32_params", None)

@@ -224,6 +224,10 @@ def run(cfg: Config, task: Task | None = None) -> int:
         start_step = marker["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}"
                      + (f" on another layout, through {universal}" if universal else ""))
+        if not universal and marker.get("optimizer_state", True) and not checkpoint.restores_optimizer(marker):
+            logger.print(f"note: the checkpoint was saved at expert-parallel size {marker.get('expert_parallel', 1)}, "
+                         f"this run is at {cfg.parallel.expert}: AdamW's moments start afresh (the weights, the "
+                         "schedule and the data position are restored)")
         rise = schedule_rise(marker, cfg, start_step)
         if rise:
             logger.print(rise)

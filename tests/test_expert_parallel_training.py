@@ -63,8 +63,9 @@ def test_uoe_ep2_resume_and_ep_change(shards, ep2_run, tmp_path):
 
     # Resume the step-4 checkpoint at EP=2: the same curve as the uninterrupted run.
     resumed = tmp_path / "resumed"
-    train(2, tiny_overrides(shards, resumed, **{"parallel.expert": 2, "parallel.zero_stage": 2,
-                                                "train.resume": step4}) + UOE)
+    out = train(2, tiny_overrides(shards, resumed, **{"parallel.expert": 2, "parallel.zero_stage": 2,
+                                                      "train.resume": step4}) + UOE)
+    assert "moments start afresh" not in out.stdout
     got = losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
@@ -73,8 +74,9 @@ def test_uoe_ep2_resume_and_ep_change(shards, ep2_run, tmp_path):
     # Load the EP=2 checkpoint at EP=1 (ZeRO-1): the next batch gives the same loss, and the same
     # global gradient norm, which checks DeepSpeed's expert-gradient scaling at both EP sizes.
     ep1 = tmp_path / "ep1"
-    train(2, tiny_overrides(shards, ep1, **{"parallel.expert": 1, "parallel.zero_stage": 1,
-                                            "train.resume": step4, "train.stop_at_step": 5}) + UOE)
+    out = train(2, tiny_overrides(shards, ep1, **{"parallel.expert": 1, "parallel.zero_stage": 1,
+                                                  "train.resume": step4, "train.stop_at_step": 5}) + UOE)
+    assert "saved at expert-parallel size 2, this run is at 1: AdamW's moments start afresh" in out.stdout
     assert losses(ep1)[5] == pytest.approx(reference[5], abs=1e-5)
     norm_ep1 = train_metrics(ep1)[5]["train/grad_norm"]
     norm_ep2 = train_metrics(full)[5]["train/grad_norm"]
