@@ -219,6 +219,9 @@ def main(argv=None) -> int:
           f"sampled from {t['documents_seen']} ({t['sentences']} lines, {t['chars']:,} chars) "
           f"in {time.time() - start:.1f}s")
     print(f"wrote {Path(args.out) / MODEL_FILE} and {Path(args.out) / META_FILE} (sha256 {meta['sha256'][:12]})")
+    if meta["vocab_size"] < args.vocab_size:  # SentencePiece stops where the corpus has no more pieces
+        print(f"note: the corpus gave {meta['vocab_size']} tokens, fewer than --vocab-size {args.vocab_size}: "
+              f"set model.vocab_size={meta['vocab_size']} (or more), or train on more text")
     print(report.summary())
     return 0
 

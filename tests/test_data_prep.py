@@ -81,6 +81,11 @@ def test_train_tokenizer_cli(tmp_path, capsys):
     assert "tokenizer.model" in capsys.readouterr().out
     assert tt.main(["--sources", str(corpus), "--out", str(out), "--vocab-size", "300"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    # More tokens than the text has pieces for: SentencePiece stops short, and the note says what to set.
+    assert tt.main(["--sources", str(corpus), "--out", str(tmp_path / "big"), "--vocab-size", "5000"]) == 0
+    got = json.loads((tmp_path / "big" / "tokenizer.json").read_text())["vocab_size"]
+    assert got < 5000 and (f"note: the corpus gave {got} tokens, fewer than --vocab-size 5000: set "
+                           f"model.vocab_size={got}") in capsys.readouterr().out
 
 
 def test_load_tokenizer_missing(tmp_path):
