@@ -322,9 +322,9 @@ class Trainer:
             self.logger.print(f"resumed at step {start_step}, at or past train.stop_at_step={t.stop_at_step}: "
                               "nothing to train (raise or unset train.stop_at_step to go on)")
             return step
-        if start_step > t.steps:  # equal: a finished run resumed, which says so at the end
-            self.logger.print(f"resumed at step {start_step}, past train.steps={t.steps}: nothing to train "
-                              "(raise train.steps to go on)")
+        if start_step >= t.steps:  # e.g. a finished run launched again
+            where = " = train.steps, the run's end" if start_step == t.steps else f", past train.steps={t.steps}"
+            self.logger.print(f"resumed at step {start_step}{where}: nothing to train (raise train.steps to go on)")
             return step
         while step < t.steps:
             self._emit("on_step_begin", step + 1)

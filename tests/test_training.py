@@ -219,6 +219,8 @@ def test_resume_auto_ignores_partial_checkpoint(data, reference_run, tmp_path):
     # So does a resume with train.steps below the checkpoint's step, and says so.
     lower = train(1, tiny_overrides(data, run, **{**common, "train.steps": 3}))
     assert "resumed at step 4, past train.steps=3: nothing to train" in lower.stdout
+    finished = train(1, tiny_overrides(data, run, **{**common, "train.steps": 4}))  # a finished run again
+    assert "resumed at step 4 = train.steps, the run's end: nothing to train" in finished.stdout
     # A copy that lost a file keeps its COMPLETE marker: refused before anything is built, naming it.
     copy = tmp_path / "copy"
     tag = saved_run_copy(reference_run, copy, 4)
