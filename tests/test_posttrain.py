@@ -337,6 +337,13 @@ def test_batches_resume_at_the_next_micro_batch():
     resumed = ExampleBatches(units, collate, micro_batch=3, dp_rank=1, dp_size=2, seed=5)
     resumed.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(later, [next(resumed) for _ in range(4)]))
+    # Resumed again within that epoch, from a loader that was itself resumed: still the next batch.
+    again = ExampleBatches(units, collate, micro_batch=3, dp_rank=1, dp_size=2, seed=5)
+    again.load_state_dict(state)
+    assert torch.equal(next(again), later[0])
+    twice = ExampleBatches(units, collate, micro_batch=3, dp_rank=1, dp_size=2, seed=5)
+    twice.load_state_dict(again.state_dict())
+    assert torch.equal(next(twice), later[1])
     # The two ranks of a round take distinct examples, and an epoch visits 18 of the 23 once.
     # Another layout with the same global batch (6 x 1 rank) continues with the same examples.
     single = ExampleBatches(units, collate, micro_batch=6, dp_rank=0, dp_size=1, seed=5)
