@@ -1044,3 +1044,46 @@ def test_weight_decay_leaves_lisa_head_mixing_and_biases_alone(single_process):
     assert weights <= set(groups["decay"])
     before = {g["name"]: {names[id(p)] for p in g["params"]} for g in param_groups(model, version=1)}
     assert set(align) <= before["decay"]  # the groups of checkpoints saved before: resumed as they were
+
+
+class ScriptedLogits(torch.nn.Module):
+    """A stand-in model for generate(): the logits of step i are script[i] (the last row of the
+    script once past it), whatever the tokens; it keeps a KV cache's length as GPT does."""
+
+    def __init__(self, script: list[list[float]]):
+        super().__init__()
+        self.cfg = small_cfg("s")
+        self.cfg.vocab_size = len(script[0])
+        self.script, self.step = torch.tensor(script), 0
+        self.weight = torch.nn.Parameter(torch.zeros(1))  # the device generate() reads
+
+    def hidden_states(self, tokens, ctx=None):
+        if ctx and ctx.get("kv_cache") is not None:
+            ctx["kv_cache"].length += tokens.shape[1]
+        return torch.zeros(1, tokens.shape[1], 1)
+
+    def output_logits(self, hidden):
+        row = self.script[min(self.step, len(self.script) - 1)]
+        self.step += 1
+        return row.expand(1, hidden.shape[1], -1)
+
+
+def test_generate_samples_at_the_temperature_and_stops_at_eos():
+    from models.generation import filter_top_p, generate
+
+    # top-p keeps the most likely tokens until their mass reaches it, renormalised.
+    kept = filter_top_p(torch.tensor([0.15, 0.5, 0.05, 0.3]), 0.7)
+    torch.testing.assert_close(kept, torch.tensor([0.0, 0.625, 0.0, 0.375]))
+    assert torch.equal(filter_top_p(torch.tensor([0.2, 0.8]), 1.0), torch.tensor([0.2, 0.8]))
+    # Greedy decoding stops after the EOS it draws (one id or several), or runs on without one.
+    script = [[0, 0, 0, 0, 0, 9, 0, 0], [0, 0, 9, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 9]]
+    for eos, want in ((2, [5, 2]), ([7, 2], [5, 2]), (None, [5, 2, 7, 7])):
+        assert generate(ScriptedLogits(script), [1, 3], 4, greedy=True, eos_id=eos) == want, eos
+    # Sampling draws from softmax(logits / T).
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    for temperature in (0.5, 2.0):
+        gen = torch.Generator().manual_seed(0)
+        draws = [generate(ScriptedLogits([logits.tolist()]), [1], 1, temperature=temperature, generator=gen)[0]
+                 for _ in range(4000)]
+        freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+        torch.testing.assert_close(freq, torch.softmax(logits / temperature, -1), atol=0.025, rtol=0)
