@@ -63,6 +63,10 @@ def test_start_with_bos_prepends_bos_to_every_sample(tmp_path):
     assert a.shape == b.shape == (16, 33) and (a[:, 0] != 1).all()
     for raw, started in ((a, b), (va, vb)):  # training and validation alike
         assert (started[:, 0] == 1).all() and torch.equal(started[:, 1:], raw[:, :-1])
+    from pretrain.data import starting_with
+
+    # A sample that already begins with BOS keeps it (and its last token), once.
+    assert starting_with(torch.tensor([[1, 5, 6], [7, 8, 9]]), 1).tolist() == [[1, 5, 6], [1, 7, 8]]
     manifest = root / "shards" / "manifest.json"
     kept = {k: v for k, v in json.loads(manifest.read_text()).items() if k != "bos_id"}
     manifest.write_text(json.dumps(kept))
