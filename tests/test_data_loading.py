@@ -351,3 +351,26 @@ def test_a_start_releases_only_what_exited_processes_left(tmp_path, monkeypatch)
     blocks(5, cache / "shards" / "train", owner=os.getppid())  # the same run, live in another process
     with pytest.raises(RuntimeError, match=f"process {os.getppid()} .* already running"):
         shared_memory.release_stale(cache)
+
+
+def test_a_resume_starts_a_new_epoch_where_the_train_data_changed(tmp_path):
+    """The saved position is kept for the same data (shards moved elsewhere included); a changed
+    weight or rebuilt shards (another index) start the next epoch, with the reason."""
+    import copy
+
+    from pretrain.config import load_config
+    from pretrain.data import resumed_position, sources_record
+
+    root = write_synthetic_shards(tmp_path / "data", train=8, val=4)
+    cfg = load_config(None, [f"data.shards={root}/shards", f"data.tokenizer={root}/tokenizer"])
+    saved = {"epoch": 2, "sample_in_epoch": 40}
+    record = sources_record(cfg)
+    assert record[0]["train_index"] and resumed_position(saved, {"data_sources": record}, cfg) == (saved, None)
+    moved = copy.deepcopy(record)
+    moved[0]["shards"] = "/elsewhere/shards"  # the same index: the same data
+    assert resumed_position(saved, {"data_sources": moved}, cfg) == (saved, None)
+    for field, before in (("weight", 0.5), ("train_index", "0123456789abcdef")):
+        changed = copy.deepcopy(record)
+        changed[0][field] = before
+        state, reason = resumed_position(saved, {"data_sources": changed}, cfg)
+        assert state == {"epoch": 3, "sample_in_epoch": 0} and "the train data changed" in reason, field
