@@ -421,6 +421,33 @@ def imported(data, dist_env, tmp_path_factory):
     return source, base / "run"
 
 
+def test_a_tied_llama_imports_and_exports_tied(data, dist_env, tmp_path):
+    """tie_word_embeddings: one embedding matrix as the head too, through import and export."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pretrain.config import load_config
+    from pretrain.consolidate import full_state_dict
+    from tools.export import main as export_main
+    from tools.import_hf import main as import_main
+
+    _, vocab = data
+    torch.manual_seed(1)
+    source = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=True, **LLAMA)).eval()
+    source.save_pretrained(tmp_path / "src")
+    assert import_main(["--model", str(tmp_path / "src"), "--out", str(tmp_path / "run"),
+                        "--start-with-bos", "false"]) == 0
+    assert load_config(tmp_path / "run" / "config.yaml").model.tie_embeddings is True
+    state, _, _ = full_state_dict(tmp_path / "run")
+    assert "head.weight" not in state
+    tokens = fixed_tokens(vocab)
+    with torch.no_grad():
+        want = source(tokens).logits
+    assert (framework_logits(tmp_path / "run", tokens) - want).abs().max().item() <= 1e-4
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert (hf_logits(tmp_path / "back", tokens) - want).abs().max().item() <= 1e-4
+
+
 def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     from tools.export import main as export_main
 
