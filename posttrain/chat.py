@@ -11,6 +11,7 @@ recorded before the key were trained).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,25 @@ def with_scores(messages: list[dict], scores: dict[str, float], fmt: ScoreFormat
     out = [dict(m) for m in messages]
     out[last]["content"] += fmt.text(scores)
     return out
+
+
+def chat_template(fmt: ChatFormat) -> str:
+    """A Hugging Face chat template (Jinja) rendering the text ChatEncoder encodes: BOS where the
+    format adds it, the system and user turns with their prefixes and turn end, an assistant turn's
+    content followed by EOS, and as the generation prompt the assistant prefix as prompts end with
+    it. ChatEncoder encodes turn by turn; a tokenizer encoding the rendered text at once may join
+    pieces across a turn's boundary differently."""
+    head = fmt.assistant_prefix.rstrip(" ") if fmt.prefix_spaces_in_response else fmt.assistant_prefix
+    text = json.dumps  # a JSON string is a Jinja string literal
+    turn = "{{ %s + message['content'] + %s }}"
+    return ("{{ bos_token }}" if fmt.add_bos else "") + (
+        "{%- for message in messages %}"
+        "{%- if message['role'] == 'assistant' %}" + turn % (text(fmt.assistant_prefix), "eos_token")
+        + "{%- elif message['role'] == 'system' %}" + turn % (text(fmt.system_prefix), text(fmt.turn_end))
+        + "{%- elif message['role'] == 'user' %}" + turn % (text(fmt.user_prefix), text(fmt.turn_end))
+        + "{%- else %}{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}"
+        "{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ " + text(head) + " }}{%- endif %}")
 
 
 class ChatEncoder:

@@ -2,6 +2,7 @@
 gloo runs (TP=2 and ZeRO-2 DPO against one process, SFT / DPO resume, SGA inference and export)."""
 
 import gzip
+import dataclasses
 import json
 import math
 import random
@@ -780,6 +781,9 @@ def test_sga_export_writes_the_value_head_beside_the_model(sga_run, tmp_path, to
 
     run_dir, _ = sga_run
     out = export(str(run_dir), tmp_path / "hf")
+    # The chat format the model learnt: recorded, and the tokenizer's chat template.
+    assert json.loads((out / "export_info.json").read_text())["chat"]["assistant_prefix"] == "Assistant: "
+    assert "Assistant:" in json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
     info = json.loads((out / "value_head.json").read_text())
     assert info["value_head"]["objectives"] == ["length", "keyword"] and info["scores"]["decimals"] == 2
     assert info["score_levels"] == {"length": [0.25, 0.5, 0.75, 1.0], "keyword": [1.0]}  # to snap predictions to
@@ -837,3 +841,27 @@ def test_sga_objectives_keep_the_starting_checkpoints_order(files, encoder, tmp_
     assert "scores:" not in sp.decode(unit.raw_prompt) and len(unit.raw_prompt) < len(unit.chosen.ids)
     first = Examples(cfg, [str(data)], encoder, None)  # without a checkpoint's: the first record's order
     assert first.objectives == ["length", "keyword"] and first.fingerprint() != ordered.fingerprint()
+
+
+def test_an_export_s_chat_template_renders_the_trained_format(tok_dir, tmp_path):
+    """The exported tokenizer's chat_template renders what ChatEncoder encodes (turn prefixes, turn
+    ends, EOS after the assistant's content, BOS where the format adds it, the generation prompt),
+    and tokenized at once it gives the prompt ids the model trained on for a plain conversation."""
+    from transformers import AutoTokenizer
+
+    from data_prep.tokenizer import load_tokenizer
+    from tools.export import save_tokenizer
+
+    fmt = ChatFormat(user_prefix="Q: ", assistant_prefix="A: ", turn_end="\n", add_bos=True)
+    save_tokenizer(tok_dir, tmp_path, chat=dataclasses.asdict(fmt))
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "red tree"},
+                {"role": "assistant", "content": "green"}, {"role": "user", "content": "more"}]
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (f"{hf.bos_token}System: be brief\nQ: red tree\nA: green{hf.eos_token}Q: more\nA:")
+    assert hf.apply_chat_template(messages[:2], tokenize=False) == f"{hf.bos_token}System: be brief\nQ: red tree\n"
+    sp, _ = load_tokenizer(tok_dir)
+    assert hf.apply_chat_template(messages[:2], add_generation_prompt=True) == \
+        ChatEncoder(sp, fmt).prompt(messages[:2])
+    with pytest.raises(Exception, match="roles are system, user and assistant, not tool"):
+        hf.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)

@@ -320,14 +320,18 @@ def hf_tokenizer(tokenizer_dir: Path, sp, meta: dict, add_bos: bool = False):
     )
 
 
-def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, padding_side: str = "right") -> None:
+def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, padding_side: str = "right",
+                   chat: dict | None = None) -> None:
     """hf_tokenizer's files in ``out``, loading with AutoTokenizer as PreTrainedTokenizerFast straight
     from tokenizer.json: LlamaTokenizerFast rebuilds itself from the SentencePiece model (which needs
     protobuf) whenever add_prefix_space is set, and the slow LlamaTokenizer needs that key. Checked
     against SentencePiece on TOKENIZER_PROBES as loaded back (raises ExportError on a difference).
     `padding_side`: left for a Llama export, whose batched generate() needs it (LlamaTokenizerFast's
-    default, which the class name given here would not carry)."""
+    default, which the class name given here would not carry). `chat`: the chat format a post-trained
+    model learnt (its meta's posttrain.chat), given as the tokenizer's chat_template."""
     from transformers import AutoTokenizer
+
+    from posttrain.chat import ChatFormat, chat_template
 
     from data_prep.tokenizer import load_tokenizer
 
@@ -338,6 +342,8 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, paddin
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config["model_input_names"] = ["input_ids", "attention_mask"]  # no token_type_ids: generate() refuses them
     config["padding_side"] = padding_side
+    if chat is not None:
+        config["chat_template"] = chat_template(ChatFormat.recorded(chat))
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     loaded = AutoTokenizer.from_pretrained(out)
     for text in TOKENIZER_PROBES:
@@ -418,7 +424,8 @@ def export(checkpoint: str, out: str | Path, dtype: str = "fp32", tokenizer: str
     with directory_in_place(out) as tmp:
         if tokenizer_dir is not None:  # first: one Hugging Face cannot reproduce fails before the weights load
             # The bundled modeling file takes right padding only (it refuses padded generate()).
-            save_tokenizer(tokenizer_dir, tmp, add_bos, "left" if fmt == "llama" else "right")
+            save_tokenizer(tokenizer_dir, tmp, add_bos, "left" if fmt == "llama" else "right",
+                           meta.get("posttrain", {}).get("chat"))
         write_model(tmp, tag_dir, fmt, dtype, tokenizer_dir, max_shard_size, add_bos)
     if tokenizer_dir is None and with_tokenizer:
         print("warning: the run trained without a SentencePiece tokenizer.model (data.tokenizer); exported the "
@@ -431,10 +438,11 @@ def write_model(out: Path, tag_dir: Path, fmt: str, dtype: str, tokenizer_dir: P
     """The checkpoint's weights (and heads) in Hugging Face's layout, with export_info.json."""
     state, cfg, meta = full_state_dict(tag_dir)
     heads = split_heads(state, meta.get("heads", []))
+    chat = meta.get("posttrain", {}).get("chat")  # the chat format a post-trained model learnt
     info = {"checkpoint": str(tag_dir), "step": meta.get("step"), "layout": meta["layout"], "format": fmt,
             "model": meta["model"], "dtype": dtype, "vocab_padding_trimmed": cfg.padded_vocab_size - cfg.vocab_size,
             "tokenizer": str(tokenizer_dir) if tokenizer_dir else None, "special_ids": meta.get("special_ids"),
-            "add_bos_token": add_bos}
+            "add_bos_token": add_bos, **({"chat": chat} if chat else {})}
     if fmt == "remote" and registry.mlp_kind(cfg.mlp).routed and cfg.moe.capacity_factor > 0:
         info["capacity_factor_dropped"] = cfg.moe.capacity_factor
         print(f"note: the run used model.moe.capacity_factor={cfg.moe.capacity_factor}; the exported model "
