@@ -87,7 +87,7 @@ class PostTrainTask(Task):
     def __init__(self):
         self.train_data: Examples | None = None
         self.val_data: Examples | None = None
-        self.chat_notes: list[str] = []  # chat keys taken from the start checkpoint, or differing from it
+        self.start_notes: list[str] = []  # keys (chat, scores, value head) taken from the start checkpoint, or differing
 
     def check(self, cfg: PostTrainConfig, world_size: int) -> dict:
         from data_prep.tokenizer import load_tokenizer
@@ -129,21 +129,21 @@ class PostTrainTask(Task):
             started, start_bos = resumed or weights.get("posttrain", {}), weights.get("start_with_bos")
         objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
         # (add_bos among them: the start checkpoint's tokenizer is this one, checked above)
-        self.chat_notes = inherit_chat_format(cfg.post, started.get("chat"))
+        self.start_notes = inherit_chat_format(cfg.post, started.get("chat"))
         if not started.get("chat") and not cfg.post.add_bos and start_bos and sp.bos_id() >= 0:
             cfg.post.add_bos = True  # a pretrained (or imported) model whose samples began with BOS
-            self.chat_notes.append("post.add_bos=True: the start checkpoint's run began its samples with BOS "
+            self.start_notes.append("post.add_bos=True: the start checkpoint's run began its samples with BOS "
                                    "(data.start_with_bos)")
         if not start.is_dir() and start_bos is None and not started:
-            self.chat_notes.append(f"train.init_from={start} records neither the chat format nor whether its "
+            self.start_notes.append(f"train.init_from={start} records neither the chat format nor whether its "
                                    "samples began with BOS (tools.consolidate writes both): the post.* keys apply "
                                    "as given")
         if cfg.post.method == "sga" and started.get("scores"):  # the conditioning text the model learned
-            self.chat_notes += inherit_settings(cfg.post, started["scores"], SCORE_KEYS, POST_DEFAULTS,
+            self.start_notes += inherit_settings(cfg.post, started["scores"], SCORE_KEYS, POST_DEFAULTS,
                                                 "score format")
         if objectives:  # the value head goes on: its shape is the checkpoint's
             recorded = started["value_head"]
-            self.chat_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_SHAPE, POST_DEFAULTS,
+            self.start_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_SHAPE, POST_DEFAULTS,
                                                 "value head")
             changed = [f"post.{key}={getattr(cfg.post, key)} (the head's {recorded[name]})"
                        for name, key in VALUE_HEAD_SHAPE.items() if getattr(cfg.post, key) != recorded[name]]
@@ -269,8 +269,8 @@ class PostTrainTask(Task):
         from pretrain.distributed import device
 
         kind = "rows" if cfg.post.method == "sft" else "pairs"
-        for note in self.chat_notes:
-            logger.print(f"chat format: {note}")
+        for note in self.start_notes:
+            logger.print(f"note: {note}")
         for name, data, files in (("training", self.train_data, cfg.post.data), ("validation", self.val_data,
                                                                                 cfg.post.val_data)):
             if files:

@@ -424,7 +424,7 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
     task = PostTrainTask()
     cfg = load_config(None, base + [f"run.dir={tmp_path / 'from_bos'}", f"train.init_from={bos_tag}"], PostTrainConfig)
     assert task.check(cfg, 1)["bos_id"] == 1 and cfg.post.add_bos and cfg.data.start_with_bos
-    assert task.chat_notes == ["post.add_bos=True: the start checkpoint's run began its samples with BOS "
+    assert task.start_notes == ["post.add_bos=True: the start checkpoint's run began its samples with BOS "
                                "(data.start_with_bos)"]
     assert task.train_data.units[0].ids[0] == 1
     # A resume draws the examples in the order of the run's own train.seed, or not at all.
@@ -482,7 +482,7 @@ def test_dpo_after_sft_renders_examples_in_the_format_sft_was_trained_with(files
     task.check(cfg, 1)
     chat = task.meta(cfg)["posttrain"]["chat"]
     assert chat == {**sft, "assistant_prefix": "Bot: "}  # as trained, but for the key set here
-    assert task.chat_notes == ["post.user_prefix='Human: ': the start checkpoint's chat format",
+    assert task.start_notes == ["post.user_prefix='Human: ': the start checkpoint's chat format",
                                "post.assistant_prefix='Bot: ' differs from the start checkpoint's 'AI: ', "
                                "the chat format it was trained with",
                                "post.turn_end='\\n\\n': the start checkpoint's chat format"]
