@@ -87,7 +87,8 @@ class PostTrainTask(Task):
     def __init__(self):
         self.train_data: Examples | None = None
         self.val_data: Examples | None = None
-        self.start_notes: list[str] = []  # keys (chat, scores, value head) taken from the start checkpoint, or differing
+        # post keys (chat, score format, value head) taken from the start checkpoint, or differing from it
+        self.start_notes: list[str] = []
 
     def check(self, cfg: PostTrainConfig, world_size: int) -> dict:
         from data_prep.tokenizer import load_tokenizer
@@ -133,18 +134,18 @@ class PostTrainTask(Task):
         if not started.get("chat") and not cfg.post.add_bos and start_bos and sp.bos_id() >= 0:
             cfg.post.add_bos = True  # a pretrained (or imported) model whose samples began with BOS
             self.start_notes.append("post.add_bos=True: the start checkpoint's run began its samples with BOS "
-                                   "(data.start_with_bos)")
+                                    "(data.start_with_bos)")
         if not start.is_dir() and start_bos is None and not started:
             self.start_notes.append(f"train.init_from={start} records neither the chat format nor whether its "
-                                   "samples began with BOS (tools.consolidate writes both): the post.* keys apply "
-                                   "as given")
+                                    "samples began with BOS (tools.consolidate writes both): the post.* keys apply "
+                                    "as given")
         if cfg.post.method == "sga" and started.get("scores"):  # the conditioning text the model learned
             self.start_notes += inherit_settings(cfg.post, started["scores"], SCORE_KEYS, POST_DEFAULTS,
-                                                "score format")
+                                                 "score format")
         if objectives:  # the value head goes on: its shape is the checkpoint's
             recorded = started["value_head"]
             self.start_notes += inherit_settings(cfg.post, recorded, VALUE_HEAD_SHAPE, POST_DEFAULTS,
-                                                "value head")
+                                                 "value head")
             changed = [f"post.{key}={getattr(cfg.post, key)} (the head's {recorded[name]})"
                        for name, key in VALUE_HEAD_SHAPE.items() if getattr(cfg.post, key) != recorded[name]]
             if changed:

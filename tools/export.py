@@ -331,9 +331,8 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, paddin
     model learnt (its meta's posttrain.chat), given as the tokenizer's chat_template."""
     from transformers import AutoTokenizer
 
-    from posttrain.chat import ChatFormat, chat_template
-
     from data_prep.tokenizer import load_tokenizer
+    from posttrain.chat import ChatFormat, chat_template
 
     sp, meta = load_tokenizer(tokenizer_dir)
     hf_tokenizer(tokenizer_dir, sp, meta, add_bos).save_pretrained(out)
