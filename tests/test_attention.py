@@ -1087,3 +1087,30 @@ def test_generate_samples_at_the_temperature_and_stops_at_eos():
                  for _ in range(4000)]
         freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
         torch.testing.assert_close(freq, torch.softmax(logits / temperature, -1), atol=0.025, rtol=0)
+
+
+def test_lisa_adds_its_low_rank_scores_at_one_over_sqrt_rank(single_process):
+    """Identity alignment and a live low-rank term at rank 2 < head_dim 16: the LISA layer's weights
+    are softmax(S_prev + (x Wq_r)(x Wk_r)^T / sqrt(r)), with RoPE on the rank-r pairs; S_prev from
+    the source layer's weights (log of them: a row's constant does not change a softmax)."""
+    from models.gpt import GPT
+
+    cfg = small_cfg("sl")
+    torch.manual_seed(0)
+    model = GPT(cfg).double()
+    lisa = model.blocks[1].attn
+    rank, heads = lisa.rank, cfg.num_heads
+    assert rank == 2 and cfg.hidden_size // heads == 16
+    with torch.no_grad():
+        lisa.qk.weight.normal_(std=0.5)
+    inputs = {}
+    hook = lisa.register_forward_pre_hook(lambda module, args: inputs.update(x=args[0]))
+    ctx = {"capture_attention": True}
+    model.logits(torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5)), ctx)
+    hook.remove()
+    x, source, shared = inputs["x"].detach(), ctx["attention_maps"][0], ctx["attention_maps"][1]
+    q, k = (x @ lisa.qk.weight.T).view(2, 24, heads, 2, rank).permute(3, 0, 2, 1, 4).unbind(0)
+    low = lisa.rotary(q) @ lisa.rotary(k).transpose(-1, -2) / math.sqrt(rank)
+    future = torch.ones(24, 24, dtype=torch.bool).triu(1)
+    want = torch.softmax((source.log() + low).masked_fill(future, float("-inf")), -1)
+    torch.testing.assert_close(shared, want, rtol=0, atol=1e-12)
