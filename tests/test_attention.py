@@ -920,19 +920,23 @@ def test_convert_lisa_options_fit_the_source_layout():
             set_lisa_options(small_cfg("ssss"), ["softmax"] * 4, options(**given), tensor=1)
 
 
-def test_convert_lisa_matches_heads_within_alignment_groups(single_process):
-    """A source whose layer 2 is layer 1 with heads swapped inside each alignment group of 2:
-    the conversion finds the permutation, sets the alignment to it and, with the zero-started
-    correction, computes exactly the source."""
+@pytest.mark.parametrize("group,perm", [(2, [1, 0, 3, 2]), (4, [1, 2, 0, 3])])  # swaps; a 3-cycle
+def test_convert_lisa_matches_heads_within_alignment_groups(single_process, group, perm):
+    """A source whose layer 2 is layer 1 with heads permuted inside each alignment group (head h of
+    layer 2 = head perm[h] of layer 1): the conversion finds the permutation, sets the alignment to
+    it and, with the zero-started correction, computes exactly the source."""
     from models.attention.lisa_conversion import match_in_groups
 
     cfg = small_cfg("ssss")
-    perm = [1, 0, 3, 2]
+    cfg.lisa.align_group = group
     source = permuted_source(cfg, perm)
     tokens = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(2))
     model, sim = converted(source, cfg, [2], "zero", tokens)
-    assert match_in_groups(torch.tensor(sim[2]["heads"]), 2) == perm
-    assert torch.equal(model.blocks[2].attn.align.mix, torch.tensor([[[0.0, 1.0], [1.0, 0.0]]] * 2).double())
+    assert match_in_groups(torch.tensor(sim[2]["heads"]), group) == perm
+    mix = torch.zeros(4 // group, group, group, dtype=torch.float64)  # [group, new head, previous head]
+    for new, previous in enumerate(perm):
+        mix[new // group, new % group, previous % group] = 1.0
+    assert torch.equal(model.blocks[2].attn.align.mix, mix)
     torch.testing.assert_close(model.logits(tokens), source.logits(tokens), rtol=0, atol=1e-10)
 
 
