@@ -163,6 +163,8 @@ def test_a_checkpoint_matches_by_the_sections_its_layers_read():
         check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "sizing": "carved"}}, None, "ckpt")
     with pytest.raises(CheckpointError, match="moe.score: checkpoint 'h' vs config 'z'"):
         check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "score": "z"}}, None, "ckpt")
+    with pytest.raises(CheckpointError, match="moe.vse_mode: checkpoint 'overlap' vs config 'disjoint'"):
+        check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "vse_mode": "disjoint"}}, None, "ckpt")
     # A router MoE refuses UoE keys no layer could take, rather than ignoring them.
     with pytest.raises(ConfigError, match="model.moe.score='hh'"):
         validate(load_config(CONFIGS / "125m_moe.yaml", ["model.moe.score=hh", "parallel.expert=1"]), 1)
