@@ -219,3 +219,32 @@ def test_an_fp32_plan_takes_the_fp32_peak():
     cfg = load_config(REPO / "configs/dense_1b.yaml")
     bf16, fp32 = (plan(cfg, 1, 8, 80, "h100", bf16=b) for b in (True, False))
     assert fp32["step_time_s"] / bf16["step_time_s"] == pytest.approx(989 / 67)
+
+
+def test_zero_shards_over_data_parallel_ranks_and_experts_over_theirs():
+    """ZeRO-1 shards the optimizer states over the data-parallel ranks, ZeRO-2 the gradients too,
+    ZeRO-3 the weights too; routed experts (4-way expert parallel over 8 ranks) over the 2 ranks
+    holding each expert. bf16: 2-byte weights, 4-byte fp32 gradients, 12-byte master + moments.
+    Selective checkpointing keeps less than none where attention is not flash (fp32: its seq^2
+    weights)."""
+    from launch.plan import Layout, activation_bytes, memory_breakdown
+    from models.counting import expert_params, param_counts
+
+    cfg = load_config(REPO / "configs/125m_moe.yaml")
+    experts = expert_params(cfg.model)
+    dense = param_counts(cfg.model)["total"] - experts
+    local, shard = dense + experts / 4, dense / 8 + experts / 4 / 2
+
+    def layout(zero_stage: int, checkpointing: str = "none", bf16: bool = True) -> Layout:
+        return Layout(world=8, tensor=1, expert=4, data=8, zero_stage=zero_stage, micro_batch=2, bf16=bf16,
+                      checkpointing=checkpointing)
+
+    want = {0: (2 * local, 2 * local + 4 * local, 12 * local), 1: (2 * local, 2 * local + 4 * shard, 12 * shard),
+            2: (2 * local, 4 * shard, 12 * shard), 3: (2 * shard, 4 * shard, 12 * shard)}
+    for stage, (weights, gradients, optimizer) in want.items():
+        got = memory_breakdown(cfg, layout(stage))
+        assert (got["weights"], got["gradients"], got["optimizer"]) == \
+            pytest.approx((weights, gradients, optimizer)), stage
+    seq = cfg.model.max_seq_len
+    assert activation_bytes(cfg.model, layout(1, "selective", bf16=False), seq) < \
+        activation_bytes(cfg.model, layout(1, bf16=False), seq)
