@@ -527,6 +527,8 @@ def test_routing_telemetry_sums_what_the_forwards_routed():
             assert metrics[f"layer0/load_e{e}"] == pytest.approx(float(counts[e] / counts.sum()), abs=1e-12)
             assert metrics[f"layer0/score_e{e}"] == pytest.approx(float(scores[:, e].mean()), rel=1e-6)
         assert metrics["layer0/max_load"] == pytest.approx(float(counts.max() / counts.mean()), rel=1e-9)
+        share = counts[counts > 0] / counts.sum()  # the load's entropy, over log of all N experts
+        assert metrics["layer0/load_entropy"] == pytest.approx(float(-(share * share.log()).sum() / math.log(N)))
         assert dropped > 0 and metrics["layer0/dropped_tokens"] == dropped
         assert metrics["layer0/dropped_frac"] == pytest.approx(dropped / (48 * K))
         assert metrics["layer0/aux_loss"] == pytest.approx(sum(seen["aux"]) / 3, rel=1e-6)
@@ -541,6 +543,23 @@ def test_routing_telemetry_sums_what_the_forwards_routed():
             RoutingTelemetry([layer]).on_step_begin(trainer, step)
             measured.append(layer.stats.measure_norms)
         assert [s for s, m in zip(range(1, 13), measured) if m] == [5, 10, 12]
+        # A router MoE reports each expert's mean router probability (its routing scores are log p);
+        # some experts are never chosen here (positive inputs and router rows, expert N-1's negated):
+        # the entropy of the load is still over log N.
+        router = build("moe", make_cfg("moe"))
+        with torch.no_grad():
+            router.router.abs_()
+            router.router[N - 1] *= -1
+        x = torch.rand(24, D, generator=torch.Generator().manual_seed(3))
+        router(x)
+        probs = torch.softmax(x @ router.router.detach().T, -1)
+        got = RoutingTelemetry.collect([router])
+        for e in range(N):
+            assert got[f"layer0/score_e{e}"] == pytest.approx(float(probs[:, e].mean()), rel=1e-5)
+        load = torch.tensor([got[f"layer0/load_e{e}"] for e in range(N)], dtype=torch.float64)
+        used = load[load > 0]
+        assert load[N - 1] == 0 and 1 < len(used) < N
+        assert got["layer0/load_entropy"] == pytest.approx(float(-(used * used.log()).sum() / math.log(N)))
 
 
 def test_router_z_loss_is_added_to_the_aux_loss_and_counted():
