@@ -1118,3 +1118,27 @@ def test_lisa_adds_its_low_rank_scores_at_one_over_sqrt_rank(single_process):
     future = torch.ones(24, 24, dtype=torch.bool).triu(1)
     want = torch.softmax((source.log() + low).masked_fill(future, float("-inf")), -1)
     torch.testing.assert_close(shared, want, rtol=0, atol=1e-12)
+
+
+def test_sensitivity_takes_the_least_sensitive_layers_while_the_whole_set_fits_the_budget(monkeypatch):
+    """Least sensitive first, a layer joins when its set's measured loss increase stays within the
+    budget: layers 2 and 3 cost little alone but much together, so 3 is left out and 4 taken; a
+    layer over the budget alone never joins. (The models are stand-ins: the loss of a set of
+    converted layers is given.)"""
+    from models.attention import lisa_conversion
+
+    alone = {1: 0.05, 2: 0.01, 3: 0.02, 4: 0.03, 5: 0.5}
+
+    def increase(layers):
+        return sum(alone[layer] for layer in layers) + (0.1 if {2, 3} <= set(layers) else 0.0)
+
+    source = object()
+    monkeypatch.setattr(lisa_conversion, "build_lisa_model", lambda source, cfg, new, layers, *rest: tuple(layers))
+    loss = lambda model: 2.0 if model is source else 2.0 * (1 + increase(model))  # noqa: E731
+    chosen, measured = lisa_conversion.sensitive_layers(source, small_cfg("ssssss"), {}, loss, "zero", budget=0.06,
+                                                        max_fraction=1.0)
+    assert measured == pytest.approx(alone) and chosen == [2, 4]
+    # At most max_fraction of the layers: one of six here.
+    chosen, _ = lisa_conversion.sensitive_layers(source, small_cfg("ssssss"), {}, loss, "zero", budget=0.06,
+                                                 max_fraction=0.2)
+    assert chosen == [2]
