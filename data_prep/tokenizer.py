@@ -35,6 +35,22 @@ def install(out_dir: Path, model_tmp: Path, meta: dict, files: dict[str, bytes] 
     write_json_atomic(out_dir / META_FILE, meta)
 
 
+def tokenizer_record(tokenizer_dir) -> dict:
+    """DIR's tokenizer.json as this framework writes it (sha256 of the model, special ids, ...);
+    ValueError naming the fix for another one (a Hugging Face tokenizer.json)."""
+    d = Path(tokenizer_dir)
+    meta_file = d / META_FILE
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or "sha256" not in meta:
+        raise ValueError(f"{meta_file} is not this framework's tokenizer record (a Hugging Face tokenizer.json?): "
+                         f"import the SentencePiece model with python -m data_prep.import_tokenizer --model "
+                         f"{d / MODEL_FILE} --out TOKENIZER_DIR, and give TOKENIZER_DIR")
+    return meta
+
+
 def load_tokenizer(tokenizer_dir):
     """(SentencePieceProcessor, metadata) of DIR, with a clear error if absent or stale."""
     import sentencepiece as spm
@@ -48,13 +64,7 @@ def load_tokenizer(tokenizer_dir):
     if not model.is_file() or not meta_file.is_file():
         raise FileNotFoundError(f"no tokenizer at {d}: run python -m data_prep.train_tokenizer --out {d} "
                                 "(or data_prep.import_tokenizer for an existing SentencePiece model)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or "sha256" not in meta:
-        raise ValueError(f"{meta_file} is not this framework's tokenizer record (a Hugging Face tokenizer.json?): "
-                         f"import the SentencePiece model with {imported}, and give TOKENIZER_DIR")
+    meta = tokenizer_record(d)
     if meta.get("sha256") != sha256_file(model):
         raise ValueError(f"{model} does not match the sha256 in {meta_file}: the model was replaced "
                          "after training; retrain it with --overwrite")

@@ -302,6 +302,9 @@ def coerce(value, annotation, key: str, parse=None):
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected float (a number)") from None
     if hint is str:
+        if isinstance(value, (list, dict)):
+            several = " (several shard sets: data.mix=[{shards: A}, {shards: B}])" if key.endswith(".shards") else ""
+            raise ConfigError(f"{key}={value!r}: expected one value, not a {type(value).__name__}{several}")
         return str(value)
     return value
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from data_prep.tokenizer import tokenizer_record
 from models import registry
 from models.config import ConfigError, ModelConfig, _flat, apply_values, normalise, parse_switch
 from pretrain.schedule import validate_schedule
@@ -237,6 +238,31 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of a key given twice (a second `train:` section drops the first one's
+    keys without a word): refused here instead."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise ConfigError(f"{self.name}: {key!r} is given twice (lines {seen[key]} and {line}); YAML would "
+                                  "keep the second alone: merge them into one")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path):
+    """A config file's YAML, its mistakes (syntax, keys given twice) as ConfigErrors."""
+    try:
+        with open(path) as stream:  # the loader names the file in its messages
+            return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 config_class: type[Config] = Config, known_sections_only: bool = False) -> Config:
     """Defaults, then the YAML file, then the overrides; model.plugins are imported first, so that
@@ -248,7 +274,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        values = yaml.safe_load(path.read_text()) or {}
+        values = read_yaml(path) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of sections (run, model, data, parallel, train, profile, eval)")
         if known_sections_only:
@@ -256,6 +282,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             values = {k: v for k, v in values.items() if k in sections}
     tree = parse_overrides(overrides or [])
     cfg = config_class()
+    if "post" not in {f.name for f in dataclasses.fields(config_class)} and ("post" in values or "post" in tree):
+        raise ConfigError("the post section sets post-training, which runs with python -m posttrain.train "
+                          "(launch.local / launch.submit with --post)")
     for layer in (values, tree):  # the overrides' plug-ins win, as their other keys do
         model = layer.get("model")
         if isinstance(model, dict) and "plugins" in model:
@@ -321,6 +350,12 @@ def validate(cfg: Config, world_size: int) -> None:
                       ("grad_clip", "no clipping"), ("weight_decay", "none")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0 = {zero})")
+    if t.stop_at_step > t.steps:
+        raise ConfigError(f"train.stop_at_step={t.stop_at_step} is past train.steps={t.steps}, where the run ends "
+                          "first: lower it, or raise train.steps")
+    if cfg.data.mix and cfg.data.shards != DataConfig.shards:
+        raise ConfigError(f"data.shards={cfg.data.shards} and data.mix are both set, and training reads data.mix "
+                          "alone: choose one (one source in a mixture: data.mix=[{shards: DIR}])")
     if t.lr < 0:
         raise ConfigError(f"train.lr={t.lr} must be >= 0 (the peak rate, e.g. 3e-4; 0 keeps the weights)")
     if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
@@ -397,6 +432,21 @@ EMPTY_TOKENIZER = ("data.tokenizer is empty (the config of a model imported with
                    "set data.tokenizer to the tokenizer directory")
 
 
+def read_manifest(path: Path, key: str) -> dict:
+    """A shard build's manifest.json, or a ConfigError naming `key` where it is not one."""
+    rebuild = "rebuild the shards with python -m data_prep.build_shards"
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{key}: {path} is not JSON ({err}); {rebuild}") from None
+    missing = [k for k in ("seq_len", "vocab_size", "tokenizer_sha256")
+               if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise ConfigError(f"{key}: {path} is not a manifest data_prep.build_shards wrote (no {', '.join(missing)}); "
+                          f"{rebuild}")
+    return manifest
+
+
 def validate_data(cfg: Config, world_size: int | None = None) -> dict:
     """Match the model against every source's manifest and the tokenizer, and (given the world size)
     the train split against one micro-batch per data-parallel rank, before training starts.
@@ -416,7 +466,7 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
                 f"{key}: no manifest.json there; build shards with "
                 "python -m data_prep.build_shards --out " + source.shards
             )
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_manifest(manifest_path, key)
         if manifest["seq_len"] != cfg.model.max_seq_len:
             raise ConfigError(
                 f"model.max_seq_len={cfg.model.max_seq_len} but the shards of {key} hold sequences of "
@@ -435,7 +485,10 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
                     f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there; train one with "
                     f"python -m data_prep.train_tokenizer --out {cfg.data.tokenizer}"
                 )
-            tokenizer = json.loads(tokenizer_meta.read_text())
+            try:
+                tokenizer = tokenizer_record(cfg.data.tokenizer)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"data.tokenizer={cfg.data.tokenizer}: {err}") from None
         if tokenizer["sha256"] != manifest["tokenizer_sha256"]:
             raise ConfigError(
                 f"the shards of {key} were built with a different tokenizer than {cfg.data.tokenizer}; "

@@ -99,11 +99,26 @@ class Task:
         return Trainer(cfg, engine, batches, val_sets, logger, device(), meta, callbacks)
 
 
+def check_run_dir(run_dir: str) -> None:
+    """A run directory the run can write: not empty (an unset shell variable would make it the
+    current directory), not a file, and its nearest existing folder writable."""
+    if not run_dir.strip():
+        raise ConfigError("run.dir is empty (an unset variable?): give the run's directory, e.g. run.dir=runs/NAME")
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run.dir={run_dir} is a file: give a directory (new, or a run's to resume)")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.dir={run_dir}: {existing} is not writable here; give a directory this user can "
+                          "write")
+
+
 def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dict, Path | None, Path | None, bool]:
     """Every check that needs no process group: config, data, tokenizer, checkpoints.
     Returns (manifest, checkpoint to resume, checkpoint whose weights to start from, whether the
     resume goes through a universal checkpoint because the layout changed)."""
     manifest = (task or Task()).check(cfg, world_size)
+    check_run_dir(cfg.run.dir)
     resume_path = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
         from pretrain.consolidate import ConsolidateError, describe_layout

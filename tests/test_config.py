@@ -108,6 +108,8 @@ def test_bad_overrides(override, message):
     (["profile.start_step=5", "profile.steps=0"], 1, "must be >= 1"),
     (["profile.start_step=5", "profile.ranks=0,8"], 8, "names rank 8, but the world has 8 ranks"),
     (["profile.start_step=5", "profile.ranks=first"], 1, "comma-separated ranks"),
+    (["train.stop_at_step=500", "train.steps=300"], 1, "stop_at_step=500 is past train.steps=300"),
+    (["data.mix=[{shards: a}]", "data.shards=b"], 1, "data.shards=b and data.mix are both set"),
 ])
 def test_validation_errors(override, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -166,3 +168,53 @@ def test_mixture_sources_are_checked_one_by_one(tmp_path):
         validate_data(load_config(None, base + [mix]))
     manifest = validate_data(load_config(None, base + [f"data.mix=[{{shards: {good}/shards}}]"]))
     assert manifest["seq_len"] == 32
+
+
+def test_yaml_mistakes_and_text_keys_given_lists_are_config_errors(tmp_path):
+    """A section given twice (YAML keeps the last alone), a syntax error, and a list where one path
+    goes: errors naming the file, line or key, not silent defaults or tracebacks."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  steps: 7\nmodel:\n  hidden_size: 64\ntrain:\n  lr: 1.0e-4\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: 'train' is given twice \(lines 1 and 5\)"):
+        load_config(twice)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: 128\n num_layers: 4\n")
+    with pytest.raises(ConfigError, match=r"(?s)bad.yaml: not valid YAML: .*line 3"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"data.shards=\['a', 'b'\]: expected one value, not a list \(several "
+                                          r"shard sets: data.mix"):
+        load_config(None, ["data.shards=[a, b]"])
+    with pytest.raises(ConfigError, match=r"run.dir=\['x'\]: expected one value"):
+        load_config(None, ["run.dir=[x]"])
+
+
+def test_foreign_tokenizer_and_manifest_files_are_config_errors(tmp_path):
+    """A Hugging Face tokenizer.json where data.tokenizer points, and a manifest.json that is not a
+    shard build's: errors naming the key and the fix, not KeyError tracebacks."""
+    root = write_synthetic_shards(tmp_path, seq_len=32, vocab_size=256, train=8, val=2)
+    base = ["model.max_seq_len=32", "model.vocab_size=256"]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
+    cfg = load_config(None, base + [f"data.shards={root}/shards", f"data.tokenizer={hf}"])
+    with pytest.raises(ConfigError, match="data.tokenizer=.*not this framework's tokenizer record"):
+        validate_data(cfg)
+    for name, text, message in (("truncated", '{"seq_len": 3', "is not JSON"),
+                                ("other", '{"files": []}', "is not a manifest data_prep.build_shards wrote "
+                                                            r"\(no seq_len, vocab_size, tokenizer_sha256\)")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(text)
+        cfg = load_config(None, base + [f"data.shards={tmp_path / name}", f"data.tokenizer={root}/tokenizer"])
+        with pytest.raises(ConfigError, match=f"data.shards=.*{name}: .*{message}"):
+            validate_data(cfg)
+
+
+def test_run_dir_empty_or_a_file_is_refused_before_anything_starts(tmp_path):
+    from pretrain.train import check_run_dir
+
+    with pytest.raises(ConfigError, match=r"run.dir is empty \(an unset variable\?\)"):
+        check_run_dir(" ")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="run.dir=.*afile is a file"):
+        check_run_dir(str(tmp_path / "afile"))
+    check_run_dir(str(tmp_path / "new" / "run"))  # created when the run starts

@@ -815,7 +815,7 @@ def test_launchers_start_post_training(files, tok_dir, capsys, monkeypatch, tmp_
     assert yaml.safe_load(job_config)["post"]["data"] == [str(tmp_path / "pref.jsonl")]
     # Without --post the launcher checks a pretraining config, which has no `post` section.
     assert local.main([str(config), "--dry-run", *overrides]) == 2
-    assert "unknown config key 'post'" in capsys.readouterr().err
+    assert "the post section sets post-training, which runs with python -m posttrain.train" in capsys.readouterr().err
 
 
 def test_sga_objectives_keep_the_starting_checkpoints_order(files, encoder, tmp_path):
