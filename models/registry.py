@@ -312,13 +312,29 @@ def validate_model(cfg: ModelConfig, sizes: ParallelSizes = ParallelSizes()) -> 
             other.validate(cfg, sizes)
 
 
+def _used_kinds(cfg: ModelConfig) -> list:
+    used = [attention_kind(name) for name in dict.fromkeys(cfg.attention_kinds())]
+    return used + [mlp_kind(name) for name in dict.fromkeys(cfg.mlp_kind(i) for i in range(cfg.num_layers))]
+
+
+def unread_sections(cfg: ModelConfig) -> list[str]:
+    """Sections set away from their defaults that none of the model's layers reads (model.moe.* on a
+    dense model): settings that change nothing, most likely a mistake. None where a kind of the
+    model does not declare what it reads."""
+    used = _used_kinds(cfg)
+    if any(kind.sections is None for kind in used):
+        return []
+    read = {name for kind in used for name in kind.sections}
+    return [name for name, section in sections().items()
+            if name not in read and getattr(cfg, name, None) != section.config()]
+
+
 def section_signature(cfg: ModelConfig, flat: dict) -> dict:
     """`flat` (the model's dotted keys) with each section that kinds declare replaced by what the
     kinds of this model read of it: left out where none of its layers does, narrowed to the keys a
     kind's signature names. A section no kind declares stays whole, and so does every section where
     one of the model's kinds declares none (sections=None: it may read any)."""
-    used = [attention_kind(name) for name in dict.fromkeys(cfg.attention_kinds())]
-    used += [mlp_kind(name) for name in dict.fromkeys(cfg.mlp_kind(i) for i in range(cfg.num_layers))]
+    used = _used_kinds(cfg)
     if any(kind.sections is None for kind in used):
         return dict(flat)
     every_kind = [*attention_kinds().values(), *mlp_kinds().values()]

@@ -225,6 +225,9 @@ def run(cfg: Config, task: Task | None = None) -> int:
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
                  f"ZeRO-{cfg.parallel.zero_stage}, {describe_optimizer(engine, cfg.train.skip_spikes)}")
+    for name in registry.unread_sections(cfg.model):
+        logger.print(f"note: model.{name}.* is set, but no layer of this model reads it (model.attention="
+                     f"{cfg.model.attention}, model.mlp={cfg.model.mlp}): it changes nothing")
     if cfg.data.mix:
         sources = cfg.data.sources
         total = sum(source.weight for source in sources)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from pretrain.config import ConfigError, load_config, validate, validate_data
+from tests.dist_utils import REPO
 from tests.synthetic import FAKE_TOKENIZER_SHA, write_synthetic_shards
 
 
@@ -218,3 +219,18 @@ def test_run_dir_empty_or_a_file_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="run.dir=.*afile is a file"):
         check_run_dir(str(tmp_path / "afile"))
     check_run_dir(str(tmp_path / "new" / "run"))  # created when the run starts
+
+
+def test_sections_no_layer_reads_are_named_when_set():
+    """model.moe.* on a dense model, LISA or ReLU settings without such layers: named (the run notes
+    them), while a model that reads them, or leaves them at their defaults, has none to name."""
+    from models.registry import unread_sections
+
+    def unread(config, *overrides):
+        return unread_sections(load_config(REPO / "configs" / config, list(overrides)).model)
+
+    assert unread("tiny_dense.yaml") == [] and unread("tiny_uoe.yaml", "model.moe.num_experts=8") == []
+    assert unread("tiny_dense.yaml", "model.moe.num_experts=8") == ["moe"]
+    assert unread("tiny_dense.yaml", "model.lisa.rank=4", "model.relu_attention.block_size=64") == \
+        ["relu_attention", "lisa"]
+    assert unread("tiny_hybrid.yaml", "model.lisa.rank=4") == []
