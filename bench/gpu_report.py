@@ -56,6 +56,13 @@ def comparison(report: dict) -> list[str]:
     return lines
 
 
+def unmeasured(name: str, row: dict, cells: int) -> str | None:
+    """The table line of a row that was skipped or failed (`cells` columns after its name), else None."""
+    why = (f"skipped: {row['skipped']}" if "skipped" in row else f"ERROR: {row['error']}" if "error" in row
+           else None)
+    return None if why is None else f"| {name} | {why} |" + " |" * (cells - 1)
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     versions = ", ".join(f"{name} {v['running']}" + (f" (pinned {v['pinned']})" if v["running"] != v["pinned"] else "")
@@ -105,11 +112,8 @@ def markdown(report: dict) -> str:
     lines += ["", "| model | params (active) | micro-batch x seq | tokens/s | TFLOP/s | MFU | peak mem GB | "
               "planned GB (plan/meas) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["throughput"].items():
-        if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | | | | |")
-            continue
-        if "error" in r:
-            lines.append(f"| {name} | ERROR: {r['error']} | | | | | | |")
+        if unmeasured(name, r, 7):
+            lines.append(unmeasured(name, r, 7))
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
         lines.append(f"| {name} | {count(r['params_total'])} ({count(r['params_active'])}) | "
@@ -122,11 +126,8 @@ def markdown(report: dict) -> str:
                   "| kind @ seq | train ms | x softmax | kept MB | prefill ms | decode ms/token | x softmax |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in attention.items():
-            if "skipped" in r:
-                lines.append(f"| {name} | skipped: {r['skipped']} | | | | | |")
-                continue
-            if "error" in r:
-                lines.append(f"| {name} | ERROR: {r['error']} | | | | | |")
+            if unmeasured(name, r, 6):
+                lines.append(unmeasured(name, r, 6))
                 continue
             fmt = lambda key, spec: format(r[key], spec) if key in r else ""  # noqa: E731
             decode = f"decode ERROR: {r['decode_error']}" if "decode_error" in r else fmt("decode_ms_per_token", ".2f")
