@@ -10,10 +10,11 @@ process groups, the DeepSpeed engine with TP / EP / ZeRO, checkpoints, exact res
 
 from __future__ import annotations
 
-from pretrain import rank_logs
+from pretrain import rank_logs, signals
 
 if __name__ == "__main__":
     rank_logs.quiet_other_ranks()
+    signals.install()  # a stop signal during the imports below waits for the first step boundary
 
 import dataclasses  # noqa: E402
 import gc  # noqa: E402

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import signal
 
-import torch
-import torch.distributed as dist
-
 EXIT_CODE_SAVED_ON_SIGNAL = 85  # exit code of pretrain.train after it saved and stopped on a signal
 
 _received: list[int] = []
+_tracker_started: list[bool] = []  # by install(), with the stop signals ignored
 
 
 def _handler(signum, frame) -> None:  # noqa: ARG001
@@ -34,13 +32,29 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def install(signals=STOP_SIGNALS) -> None:
+    """Record these signals from now on. The entry points call it first of all, before importing
+    torch (seconds): a signal during those imports is then kept for the first step boundary
+    instead of killing the process by its default action. Multiprocessing's resource tracker
+    (started here, for the shared memory the loaders use) ignores them, as it ignores SIGINT and
+    SIGTERM itself: a signal sent to every process of a Slurm step would kill it otherwise, and the
+    tracker started in its place reports the others' shared memory as unknown."""
+    from multiprocessing import resource_tracker
+
+    if not _tracker_started:
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)  # ignored signals stay ignored in the tracker it starts
+        resource_tracker.ensure_running()
+        _tracker_started.append(True)
     for sig in signals:
         signal.signal(sig, _handler)
 
 
-def any_rank_received(device: torch.device | str = "cpu") -> int:
+def any_rank_received(device="cpu") -> int:
     """Collective: on every rank, the number of the first signal received by any rank (the highest
     number when ranks got different ones), 0 while none arrived. Use it as a truth value."""
+    import torch
+    import torch.distributed as dist
+
     flag = torch.tensor([float(_received[0]) if _received else 0.0], device=device)
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -7,10 +7,11 @@ Run under torchrun or srun (one process per device); a single process runs witho
 
 from __future__ import annotations
 
-from pretrain import rank_logs
+from pretrain import rank_logs, signals
 
 if __name__ == "__main__":  # before the imports below, which print their warnings on every rank
     rank_logs.quiet_other_ranks()
+    signals.install()  # a stop signal during the imports below waits for the first step boundary
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -22,7 +23,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from models import registry  # noqa: E402
-from pretrain import checkpoint, checkpoint_format, signals  # noqa: E402
+from pretrain import checkpoint, checkpoint_format  # noqa: E402
 from pretrain.config import (  # noqa: E402
     Config,
     ConfigError,

@@ -235,3 +235,42 @@ def test_a_job_that_reached_stop_at_step_is_done_whatever_its_exit_code(tmp_path
     assert decide(tmp_path / "short", 0, "USR1", 0, 3, started=False)[0] == "requeue"
     assert decide(tmp_path / "short", 0, "USR1", 3, 3, started=False)[0] == "stopped"
     assert decide(tmp_path / "short", 0, "TERM", 0, 3, started=False)[0] == "stopped"
+
+
+def test_a_stop_signal_while_the_trainer_imports_waits_for_the_first_step(tmp_path):
+    """SIGUSR1 (a Slurm time limit) reaching pretrain.train while it still imports torch is kept for
+    the first step boundary, where it saves and stops (85), not its default action (death by the
+    signal, which the batch script reads as a failed job); the resource tracker it starts for the
+    loaders' shared memory ignores the stop signals."""
+    import signal
+    import time
+
+    from tests.dist_utils import child_env
+    from tests.synthetic import tiny_overrides, write_synthetic_shards
+
+    data, run = write_synthetic_shards(tmp_path / "data"), tmp_path / "run"
+    trainer = subprocess.Popen([sys.executable, "-m", "pretrain.train", *tiny_overrides(data, run)], cwd=REPO,
+                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    usr1, hup = 1 << (signal.SIGUSR1 - 1), 1 << (signal.SIGHUP - 1)
+
+    def caught(pid: int) -> int:
+        fields = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+        return int(fields["SigCgt"], 16)
+
+    deadline = time.monotonic() + 30
+    while not caught(trainer.pid) & usr1 and time.monotonic() < deadline:  # the handler, before torch loads
+        time.sleep(0.01)
+    assert "torch" not in open(f"/proc/{trainer.pid}/maps").read()  # still importing
+    ignored = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):  # its child: the resource tracker
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == str(trainer.pid):
+                fields = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+                ignored.append(int(fields["SigIgn"], 16))
+        except (FileNotFoundError, ProcessLookupError, IndexError):  # a process that ended meanwhile
+            continue
+    assert ignored and all(mask & usr1 and mask & hup for mask in ignored), ignored
+    trainer.send_signal(signal.SIGUSR1)
+    out = trainer.communicate(timeout=300)[0]
+    assert trainer.returncode == 85, out[-3000:]
+    assert "stopping at step 1 on SIGUSR1" in out and (run / "checkpoints" / "step_00000001").is_dir()
