@@ -104,6 +104,9 @@ def status(run_dir: Path) -> dict:
         if info.get("restarts") is None:
             info["restarts"] = hist["restarts"]
         info["last_job_end"] = hist["last_end"]
+        ended = dict(re.findall(r"(\w+)=(\S+)", hist["last_end"] or ""))
+        if info["source"] is None and "action" in ended:  # Slurm forgot the job; its batch script recorded it
+            info["state"] = f"ended: {ended['action']} (exit code {ended.get('rc', '?')}, from {slurm_job.HISTORY})"
     prog = progress(run_dir)
     info.update(step=prog["step"], loss=prog["loss"], tokens_per_s=prog["tokens_per_s"])
     log = run_dir / slurm_job.LOG
@@ -127,6 +130,8 @@ def format_status(info: dict) -> str:
         lines.append(f"job:         {info['job_id']} {info['state']}{reason}"
                      + (f", exit code {info['exit_code']}" if info.get("exit_code") else ""))
         lines.append(f"requeues:    {fmt(info.get('restarts'))}  (submissions: {info['submissions']})")
+        if info.get("last_job_end"):
+            lines.append(f"last end:    {info['last_job_end'].strip()}")
     else:
         lines.append("job:         none submitted from this run dir (no slurm_job_ids.txt)")
     loss = fmt(info["loss"], ".4f")

@@ -331,3 +331,21 @@ def test_status_of_a_shard_build_is_the_build_s(tmp_path, tok_dir, capsys):
     assert status_main([str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["merged"] and report["documents"] == manifest["documents"] and report["todo"] == []
+
+
+def test_status_of_a_job_slurm_forgot_is_its_batch_script_s_record(tmp_path, monkeypatch, capsys):
+    """Once Slurm no longer lists the job (no accounting), launch.status takes how it ended from
+    slurm_history.log, and prints the last end line."""
+    from launch import status
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "slurm_job_ids.txt").write_text("77\n")
+    (run / "slurm_history.log").write_text(
+        "2026-12-07T06:00:00Z job=77 restarts=0 start node=n1\n"
+        "2026-12-07T06:05:00Z job=77 restarts=0 end rc=1 signal=none action=failed\n")
+    monkeypatch.setattr(status, "_run", lambda cmd: None)  # scontrol, squeue and sacct know nothing of it
+    assert status.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "job:         77 ended: failed (exit code 1, from slurm_history.log)" in out
+    assert "last end:    2026-12-07T06:05:00Z job=77 restarts=0 end rc=1 signal=none action=failed" in out
