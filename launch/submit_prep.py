@@ -288,17 +288,31 @@ def _jobs(out: Path) -> list[dict]:
     return json.loads(path.read_text())["jobs"] if path.is_file() else []
 
 
+def array_task_ids(spec: str) -> list[str]:
+    """The task ids of a Slurm array spec as scontrol shows a pending array's one record
+    ("0-3", "0,2-5:2", "0-9%2")."""
+    ids = []
+    for part in spec.split("%")[0].split(","):
+        first, _, rest = part.partition("-")
+        last, _, step = rest.partition(":")
+        ids += [str(i) for i in range(int(first), int(last or first) + 1, int(step or 1))]
+    return ids
+
+
 def job_states(job: str) -> dict[str, str]:
-    """Array task or job id -> Slurm state, for what scontrol still knows of ``job``."""
+    """Array task or job id -> Slurm state, for what scontrol still knows of ``job`` (the tasks of a
+    pending array's one record each)."""
     if shutil.which("scontrol") is None:
         return {}
     res = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60)
     states = {}
     for line in res.stdout.splitlines():
         fields = dict(re.findall(r"(\w+)=(\S*)", line))
-        task = fields.get("ArrayTaskId")
-        key = f"{fields.get('ArrayJobId')}_{task}" if task else fields.get("JobId", job)
-        states[key] = fields.get("JobState", "?")
+        task, state = fields.get("ArrayTaskId"), fields.get("JobState", "?")
+        if task:
+            states.update({f"{fields.get('ArrayJobId')}_{i}": state for i in array_task_ids(task)})
+        else:
+            states[fields.get("JobId", job)] = state
     return states
 
 

@@ -349,3 +349,19 @@ def test_status_of_a_job_slurm_forgot_is_its_batch_script_s_record(tmp_path, mon
     out = capsys.readouterr().out
     assert "job:         77 ended: failed (exit code 1, from slurm_history.log)" in out
     assert "last end:    2026-12-07T06:05:00Z job=77 restarts=0 end rc=1 signal=none action=failed" in out
+
+
+def test_prep_status_counts_the_tasks_of_a_pending_array(monkeypatch):
+    """scontrol shows a pending array as one record (ArrayTaskId=0-1): each of its tasks counts."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from launch import submit_prep
+
+    shown = ("JobId=31 ArrayJobId=31 ArrayTaskId=2-6:2%1 JobState=PENDING\n"
+             "JobId=32 ArrayJobId=31 ArrayTaskId=0 JobState=RUNNING\n"
+             "JobId=33 ArrayJobId=31 ArrayTaskId=1 JobState=COMPLETED\n")
+    monkeypatch.setattr(submit_prep.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=shown, returncode=0))
+    assert submit_prep.job_states("31") == {"31_2": "PENDING", "31_4": "PENDING", "31_6": "PENDING",
+                                            "31_0": "RUNNING", "31_1": "COMPLETED"}
