@@ -256,7 +256,7 @@ def submit_build(args: argparse.Namespace) -> int:
         P.write_json_atomic(logs / JOBS_FILE, {"jobs": previous + [record]})
     print(summary)
     print("submitted " + ", ".join(f"{name} job {job}" for name, job in jobs.items()))
-    print(f"logs:   {logs}/task-*.log, merge-*.log")
+    print(f"logs:   {logs}/" + ", ".join(dict.fromkeys(f"{script}-*.log" for _, _, script in steps)))
     print(f"status: python -m launch.submit_prep --status {out}")
     return 0
 

@@ -353,9 +353,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.stop_at_step > t.steps:
         raise ConfigError(f"train.stop_at_step={t.stop_at_step} is past train.steps={t.steps}, where the run ends "
                           "first: lower it, or raise train.steps")
-    if cfg.data.mix and cfg.data.shards != DataConfig.shards:
-        raise ConfigError(f"data.shards={cfg.data.shards} and data.mix are both set, and training reads data.mix "
-                          "alone: choose one (one source in a mixture: data.mix=[{shards: DIR}])")
     if t.lr < 0:
         raise ConfigError(f"train.lr={t.lr} must be >= 0 (the peak rate, e.g. 3e-4; 0 keeps the weights)")
     if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):

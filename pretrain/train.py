@@ -27,6 +27,7 @@ from pretrain import checkpoint, checkpoint_format  # noqa: E402
 from pretrain.config import (  # noqa: E402
     Config,
     ConfigError,
+    DataConfig,
     load_config,
     save_config,
     switched_on,
@@ -233,7 +234,8 @@ def run(cfg: Config, task: Task | None = None) -> int:
         sources = cfg.data.sources
         total = sum(source.weight for source in sources)
         logger.print("data mixture: " + ", ".join(f"{s.name} {100 * s.weight / total:.1f}% ({s.shards})"
-                                                  for s in sources))
+                                                  for s in sources)
+                     + (f"; data.shards={cfg.data.shards} is not read" if cfg.data.shards != DataConfig.shards else ""))
     start_step = 0
     if init_path is not None:
         logger.print(f"started from the weights of {init_path}")

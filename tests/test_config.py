@@ -110,7 +110,6 @@ def test_bad_overrides(override, message):
     (["profile.start_step=5", "profile.ranks=0,8"], 8, "names rank 8, but the world has 8 ranks"),
     (["profile.start_step=5", "profile.ranks=first"], 1, "comma-separated ranks"),
     (["train.stop_at_step=500", "train.steps=300"], 1, "stop_at_step=500 is past train.steps=300"),
-    (["data.mix=[{shards: a}]", "data.shards=b"], 1, "data.shards=b and data.mix are both set"),
 ])
 def test_validation_errors(override, world, message):
     with pytest.raises(ConfigError, match=message):
