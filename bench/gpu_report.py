@@ -112,8 +112,8 @@ def markdown(report: dict) -> str:
     lines += ["", "| model | params (active) | micro-batch x seq | tokens/s | TFLOP/s | MFU | peak mem GB | "
               "planned GB (plan/meas) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["throughput"].items():
-        if unmeasured(name, r, 7):
-            lines.append(unmeasured(name, r, 7))
+        if line := unmeasured(name, r, 7):
+            lines.append(line)
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
         lines.append(f"| {name} | {count(r['params_total'])} ({count(r['params_active'])}) | "
@@ -126,8 +126,8 @@ def markdown(report: dict) -> str:
                   "| kind @ seq | train ms | x softmax | kept MB | prefill ms | decode ms/token | x softmax |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in attention.items():
-            if unmeasured(name, r, 6):
-                lines.append(unmeasured(name, r, 6))
+            if line := unmeasured(name, r, 6):
+                lines.append(line)
                 continue
             fmt = lambda key, spec: format(r[key], spec) if key in r else ""  # noqa: E731
             decode = f"decode ERROR: {r['decode_error']}" if "decode_error" in r else fmt("decode_ms_per_token", ".2f")

@@ -60,7 +60,7 @@ def slurm_state(job: str) -> dict:
 def history(run_dir: Path, job: str) -> dict:
     """Starts and the last recorded restart count / end of `job` from the batch script's history."""
     path = run_dir / slurm_job.HISTORY
-    starts, restarts, last_end = 0, None, None
+    starts, restarts, last_end, end_fields = 0, None, None, {}
     if path.is_file():
         for line in path.read_text().splitlines():
             fields = dict(re.findall(r"(\w+)=(\S+)", line))
@@ -70,8 +70,8 @@ def history(run_dir: Path, job: str) -> dict:
             if " start " in f" {line} ":
                 starts += 1
             elif " end " in f" {line} ":
-                last_end = line
-    return {"starts": starts, "restarts": restarts, "last_end": last_end}
+                last_end, end_fields = line, fields
+    return {"starts": starts, "restarts": restarts, "last_end": last_end, "end_fields": end_fields}
 
 
 def progress(run_dir: Path) -> dict:
@@ -104,7 +104,7 @@ def status(run_dir: Path) -> dict:
         if info.get("restarts") is None:
             info["restarts"] = hist["restarts"]
         info["last_job_end"] = hist["last_end"]
-        ended = dict(re.findall(r"(\w+)=(\S+)", hist["last_end"] or ""))
+        ended = hist["end_fields"]
         if info["source"] is None and "action" in ended:  # Slurm forgot the job; its batch script recorded it
             info["state"] = f"ended: {ended['action']} (exit code {ended.get('rc', '?')}, from {slurm_job.HISTORY})"
     prog = progress(run_dir)
