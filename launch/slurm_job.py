@@ -4,7 +4,7 @@ with launch.submit and launch.status.
     python -m launch.slurm_job decide RUN_DIR --rc RC --received USR1|TERM| --restarts N --max-requeues M \
         [--started 0|1]
 
-prints one word for the batch script:
+prints the action for the batch script, and the signal the step stopped on (USR1, TERM, ...; none):
     requeue  the run saved on the time-limit signal (USR1) and may be requeued again
     stopped  the run saved on a signal and ends here (preemption/TERM, or requeues used up)
     done     training finished (or stopped where train.stop_at_step asked)
@@ -81,6 +81,13 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
     return "failed", f"training step exited {rc} without a signal save; latest complete checkpoint: step {last}"
 
 
+def stop_signal(run_dir: Path, received: str, started: bool = True) -> str:
+    """The signal the job run stopped on, for its history line: the one the batch shell received, else
+    (a signal sent straight to the step) the one the trainer's stop marker records; "none"."""
+    marker = read_stop_marker(run_dir) if started else None
+    return received or (str(marker.get("signal", "")).removeprefix("SIG") if marker else "") or "none"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     action, reason = decide(args.run_dir, args.rc, args.received, args.restarts, args.max_requeues,
                             bool(args.started))
     print(f"[slurm_job] {action}: {reason}", file=sys.stderr, flush=True)
-    print(action)
+    print(action, stop_signal(args.run_dir, args.received, bool(args.started)))
     return 0
 
 

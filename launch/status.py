@@ -23,6 +23,7 @@ from pathlib import Path
 
 from data_prep import parts
 from launch import slurm_job
+from launch.sbatch import ACTIVE_STATES
 from pretrain import checkpoint_format
 
 
@@ -117,7 +118,32 @@ def status(run_dir: Path) -> dict:
     info["latest_checkpoint_step"] = checkpoint_format.latest_complete_step(run_dir)
     info["stopped_on_signal"] = checkpoint_format.read_stop_marker(run_dir)
     info["log"] = str(log) if log.is_file() else None
+    info["train_steps"] = slurm_job.configured_steps(run_dir)
+    info["unfinished"] = unfinished(info, hist["end_fields"] if job else {})
     return info
+
+
+def unfinished(info: dict, ended: dict) -> str | None:
+    """Why a run whose job has ended stopped short of its configured steps, and how to go on; None
+    while its job is queued or running, and once the last step is saved."""
+    steps, saved = info.get("train_steps"), info.get("latest_checkpoint_step")
+    state = str(info.get("state") or "").split()[0].rstrip(":")
+    if not info.get("job_id") or steps is None or state in ACTIVE_STATES or (saved or 0) >= steps:
+        return None
+    signal, action = ended.get("signal", "none"), ended.get("action")
+    if action == "stopped" and signal == "USR1":
+        why = f"the time limit stopped it after {info.get('restarts')} requeues (launch.submit --max-requeues)"
+    elif action == "stopped":
+        why = f"it stopped on SIG{signal} (preemption or cancel)"
+    elif action == "failed":
+        why = f"its last job run failed (exit code {ended.get('rc', '?')}; see the log)"
+    else:
+        why = "its job ended"
+    resubmit = f"`sbatch {info['run_dir']}/{slurm_job.JOB_SCRIPT}`"
+    if (Path(info["run_dir"]) / checkpoint_format.LAST_SAVE_JOB).is_file():  # its jobs resume the newest save
+        return f"step {saved} of {steps} saved: {why}; {resubmit} resumes from it"
+    return (f"step {saved or 0} of {steps} saved: {why}; {resubmit} starts it again as submitted "
+            "(with the train.resume given to launch.submit)")
 
 
 def format_status(info: dict) -> str:
@@ -141,6 +167,8 @@ def format_status(info: dict) -> str:
     if info.get("stopped_on_signal"):
         m = info["stopped_on_signal"]
         lines.append(f"last stop:   saved at step {m.get('step')} on {m.get('signal')}")
+    if info.get("unfinished"):
+        lines.append(f"unfinished:  {info['unfinished']}")
     lines.append(f"last log:    {fmt(info['seconds_since_last_log'])} s ago")
     lines.append(f"log file:    {fmt(info['log'])}")
     return "\n".join(lines)

@@ -134,6 +134,7 @@ if __name__ == "__main__":
             print(f"torchrun agent: stopped on signal {stop.sigval.name} before its workers started",
                   file=sys.stderr)
             sys.exit(NOT_STARTED)
-        # the workers had the signal and --shutdown-timeout to save
-        print(f"torchrun agent: stopped on signal {stop.sigval.name} after the workers' shutdown", file=sys.stderr)
+        # The agent cannot tell whether they saved: rank 0's log and RUN_DIR/STOPPED_ON_SIGNAL say.
+        print(f"torchrun agent: stopped on signal {stop.sigval.name}; the workers had it and up to "
+              "--shutdown-timeout to save", file=sys.stderr)
         sys.exit(128 + int(stop.sigval))

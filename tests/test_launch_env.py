@@ -191,7 +191,8 @@ def test_the_console_shows_each_warning_once_and_a_signal_to_the_launcher_saves(
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signum, "\n".join(console[-40:])  # as a stopped agent exits
-    assert f"torchrun agent: stopped on signal {stop} after the workers' shutdown" in console
+    assert f"torchrun agent: stopped on signal {stop}; the workers had it and up to --shutdown-timeout to save" \
+        in console
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in console)
     assert any(f"on {stop}; resume with train.resume=auto" in line for line in console)
     assert (run / "checkpoints" / "latest").is_file()
@@ -235,6 +236,25 @@ def test_a_job_that_reached_stop_at_step_is_done_whatever_its_exit_code(tmp_path
     assert decide(tmp_path / "short", 0, "USR1", 0, 3, started=False)[0] == "requeue"
     assert decide(tmp_path / "short", 0, "USR1", 3, 3, started=False)[0] == "stopped"
     assert decide(tmp_path / "short", 0, "TERM", 0, 3, started=False)[0] == "stopped"
+
+
+def test_the_history_records_the_signal_a_step_stopped_on(tmp_path, capsys):
+    """slurm_history.log's signal: the batch shell's, else (a signal sent straight to the step, which
+    the shell never sees) the trainer's stop marker's."""
+    from launch.slurm_job import main as slurm_job_main
+    from pretrain.checkpoint_format import write_stop_marker
+
+    fake_run(tmp_path, steps=10, stop_at_step=0, saved_step=4)
+
+    def decision(*args: str) -> str:
+        assert slurm_job_main(["decide", str(tmp_path), "--restarts", "0", "--max-requeues", "3", *args]) == 0
+        return capsys.readouterr().out.splitlines()[-1]
+
+    assert decision("--rc", "1") == "failed none"
+    write_stop_marker(tmp_path, 4, "SIGTERM")
+    assert decision("--rc", "143") == "stopped TERM"
+    assert decision("--rc", "138", "--received", "USR1") == "requeue USR1"
+    assert decision("--rc", "0", "--received", "USR1", "--started", "0") == "requeue USR1"
 
 
 def test_a_stop_signal_while_the_trainer_imports_waits_for_the_first_step(tmp_path):

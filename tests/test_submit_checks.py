@@ -351,6 +351,36 @@ def test_status_of_a_job_slurm_forgot_is_its_batch_script_s_record(tmp_path, mon
     assert "last end:    2026-12-07T06:05:00Z job=77 restarts=0 end rc=1 signal=none action=failed" in out
 
 
+@pytest.mark.parametrize("end, why", [
+    ("rc=0 signal=USR1 action=stopped", "the time limit stopped it after 3 requeues (launch.submit --max-requeues)"),
+    ("rc=0 signal=TERM action=stopped", "it stopped on SIGTERM (preemption or cancel)"),
+    ("rc=1 signal=none action=failed", "its last job run failed (exit code 1; see the log)")])
+def test_status_says_why_an_ended_run_is_short_of_its_steps_and_how_to_go_on(tmp_path, monkeypatch, capsys, end, why):
+    from launch import status
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000004" / "COMPLETE").write_text(json.dumps({"step": 4}))
+    (run / "slurm_config.yaml").write_text("train:\n  steps: 10\n")
+    (run / "slurm_job_ids.txt").write_text("77\n")
+    (run / "slurm_history.log").write_text(f"2026-12-07T06:05:00Z job=77 restarts=3 end {end}\n")
+    monkeypatch.setattr(status, "_run", lambda cmd: None)
+    assert status.main([str(run)]) == 0
+    script = f"`sbatch {run.resolve()}/train.sbatch`"
+    assert f"unfinished:  step 4 of 10 saved: {why}; {script} starts it again as submitted" in capsys.readouterr().out
+    (run / "last_save_job").write_text("77")  # a job of the script saved: its resubmissions resume
+    assert status.main([str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unfinished"] == f"step 4 of 10 saved: {why}; {script} resumes from it"
+    # Queued or running, or with its last step saved: nothing to say.
+    monkeypatch.setattr(status, "slurm_state", lambda job: {"state": "PENDING", "reason": "BeginTime",
+                                                            "restarts": 3, "exit_code": None, "source": "scontrol"})
+    assert status.status(run)["unfinished"] is None
+    monkeypatch.undo()
+    monkeypatch.setattr(status, "_run", lambda cmd: None)
+    (run / "slurm_config.yaml").write_text("train:\n  steps: 4\n")
+    assert status.status(run)["unfinished"] is None
+
+
 def test_prep_status_counts_the_tasks_of_a_pending_array(monkeypatch):
     """scontrol shows a pending array as one record (ArrayTaskId=0-1): each of its tasks counts."""
     import subprocess

@@ -308,7 +308,9 @@ def test_time_limit_requeue_preemption_and_crash_resume(cluster, data, config, r
     second_stop = marker["step"]
     assert complete_steps(run_dir)[-1] == second_stop and "decision: stopped" in log_text(run_dir)
     history = (run_dir / "slurm_history.log").read_text()
-    assert "restarts=0 start" in history and "restarts=1 start" in history and "action=requeue" in history
+    assert "restarts=0 start" in history and "restarts=1 start" in history
+    assert re.search(r"restarts=0 end rc=\d+ signal=USR1 action=requeue", history), history
+    assert re.search(r"restarts=1 end rc=\d+ signal=TERM action=stopped", history), history  # from the marker
     assert (run_dir / "last_save_job").read_text() == job  # its requeues resume with train.resume=auto
     want = reference.result(timeout=600)
     got = losses_jsonl(run_dir)  # appended by each process run: both runs together, each step once
