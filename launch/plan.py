@@ -70,7 +70,6 @@ class Layout:
     checkpointing: str  # none | full | selective
     grouped_experts: bool = False  # experts run as grouped GEMMs (model.moe.grouped_gemm on the --gpu)
     fused_swiglu: bool = False  # SwiGLU as one kernel (a GPU's Triton kernel; compiled blocks keep as much)
-    z_loss: bool = False  # train.z_loss > 0: its logsumexp keeps another logits-sized tensor
 
 
 def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
@@ -89,8 +88,8 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
         layers = cfg.num_layers * h + handed_on + max(per_layer)
     else:
         layers = sum(per_layer) + handed_on
-    # fp32 logits and their gradient; the z-loss's logsumexp keeps its own exp of them for backward
-    logits = (2 + layout.z_loss) * cfg.padded_vocab_size / t * 4 / elem
+    # fp32 logits and their gradient (with train.z_loss too: models/cross_entropy.py keeps one softmax)
+    logits = 2 * cfg.padded_vocab_size / t * 4 / elem
     return tokens * (layers + h + logits) * elem
 
 
@@ -154,7 +153,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     # Not for train.compile on a CPU: its routed experts run eagerly unless grouped (the formula).
     fused_swiglu = gpu != "cpu"
     layout = Layout(world, p.tensor, p.expert, world // p.tensor, p.zero_stage, t.micro_batch, bf16,
-                    t.activation_checkpointing, grouped, fused_swiglu, t.z_loss > 0)
+                    t.activation_checkpointing, grouped, fused_swiglu)
     memory = memory_breakdown(cfg, layout)
     total = peak_bytes(memory)
     fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context

@@ -13,13 +13,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
+from models.cross_entropy import cross_entropy_and_logsumexp
 from models.layers import (
     Rotary,
     column_linear,
     normal_init,
     parallel_config,
     tp_size,
-    vocab_parallel_logsumexp,
 )
 from models.registry import build_attention, build_mlp
 
@@ -174,11 +174,12 @@ class GPT(nn.Module):
         logits = self.logits(tokens, {"document_ids": document_ids} if document_ids is not None else None).float()
         z = None
         metrics = {}
-        if self.training and self.z_loss > 0:
-            # Before the cross-entropy: megatron's overwrites the logits in place.
-            z = self.z_loss * vocab_parallel_logsumexp(logits).square().mean()
+        if self.training and self.z_loss > 0:  # one pass over the logits gives both
+            ce, logsumexp = cross_entropy_and_logsumexp(logits, labels)
+            loss, z = ce.mean(), self.z_loss * logsumexp.square().mean()
             metrics["z_loss"] = z.detach()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels).mean()
+        else:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels).mean()
         if not self.training:
             return loss
         aux = self.aux_loss()

@@ -24,19 +24,6 @@ def tp_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def vocab_parallel_logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the vocabulary of vocab-split logits [..., V / tp] -> [...], the same on every
-    tensor-parallel rank; the gradient reaches each rank's own slice (as in the cross-entropy)."""
-    peak = logits.detach().amax(-1)
-    if tp_size() > 1:
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_tensor_model_parallel_group())
-    sum_exp = (logits - peak.unsqueeze(-1)).exp().sum(-1)
-    if tp_size() > 1:
-        sum_exp = tensor_parallel.reduce_from_tensor_model_parallel_region(sum_exp)
-    return sum_exp.log() + peak
-
-
 def parallel_config(params_dtype: torch.dtype = torch.float32) -> ModelParallelConfig:
     return ModelParallelConfig(
         tensor_model_parallel_size=tp_size(),

@@ -102,3 +102,43 @@ def gathered_initial_weights(rank: int, model_overrides: list[str], source: str,
     weights = {name: full_tensor(p, p.data) for name, p in model.named_parameters()}
     if rank == 0:
         torch.save(weights, out_path)
+
+
+def cross_entropy_and_logsumexp_grads(rank: int, out_path: str) -> None:
+    """models.cross_entropy on this rank's vocabulary slice of fixed logits: both outputs, weighted
+    by fixed per-position weights, and the gradient of the full logits (gathered)."""
+    from models.cross_entropy import cross_entropy_and_logsumexp
+
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(2, 5, 12, generator=gen)
+    labels = torch.randint(0, 12, (2, 5), generator=gen)
+    w_ce, w_lse = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
+    width = 12 // ps.get_tensor_model_parallel_world_size()
+    start = ps.get_tensor_model_parallel_rank() * width
+    mine = logits[..., start:start + width].clone().requires_grad_()
+    ce, lse = cross_entropy_and_logsumexp(mine, labels)
+    ((ce * w_ce).sum() + (lse * w_lse).sum()).backward()
+    parts = [torch.empty_like(mine) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, mine.grad, group=ps.get_tensor_model_parallel_group())
+    if rank == 0:
+        torch.save({"logits": logits, "labels": labels, "w_ce": w_ce, "w_lse": w_lse, "ce": ce.detach(),
+                    "lse": lse.detach(), "grad": torch.cat(parts, -1)}, out_path)
+
+
+def bytes_saved_for_backward(rank: int, model_kwargs: dict, z_loss: float, out_path: str) -> None:
+    """Bytes of the distinct storages a GPT's training forward keeps for backward."""
+    from models.config import ModelConfig
+    from models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**model_kwargs), z_loss=z_loss)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    storages: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(tokens[:, :-1], tokens[:, 1:])
+    torch.save(sum(storages.values()), out_path)

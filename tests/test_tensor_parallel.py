@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.dist_utils import spawn
-from tests.parallel_checks import gpt_loss_and_grads
+from tests.parallel_checks import bytes_saved_for_backward, cross_entropy_and_logsumexp_grads, gpt_loss_and_grads
 
 MODEL = dict(vocab_size=300, hidden_size=64, num_heads=4, num_layers=2, ffn_hidden_size=96, max_seq_len=32)
 
@@ -24,6 +24,23 @@ def test_tp2_matches_tp1_loss_and_grads(tmp_path, tie):
         torch.testing.assert_close(tp["grads"][name], ref["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_cross_entropy_and_logsumexp_are_the_plain_formulas_with_their_gradients(tmp_path, tensor):
+    """The z-loss's one-pass cross-entropy: values and gradients of both outputs (weighted apart, so
+    a mixed-up term shows) against F.cross_entropy and torch.logsumexp on the whole vocabulary."""
+    import torch.nn.functional as F
+
+    spawn(cross_entropy_and_logsumexp_grads, tensor, str(tmp_path / "ce.pt"), tensor=tensor)
+    got = torch.load(tmp_path / "ce.pt")
+    logits = got["logits"].clone().requires_grad_()
+    ce = F.cross_entropy(logits.flatten(0, 1), got["labels"].flatten(), reduction="none").view_as(got["w_ce"])
+    lse = torch.logsumexp(logits, -1)
+    ((ce * got["w_ce"]).sum() + (lse * got["w_lse"]).sum()).backward()
+    torch.testing.assert_close(got["ce"], ce.detach())
+    torch.testing.assert_close(got["lse"], lse.detach())
+    torch.testing.assert_close(got["grad"], logits.grad)
+
+
 def test_z_loss_is_the_formula_and_tp2_matches_tp1(tmp_path):
     coef = 0.05
     spawn(gpt_loss_and_grads, 1, MODEL, str(tmp_path / "off.pt"))
@@ -41,6 +58,16 @@ def test_z_loss_is_the_formula_and_tp2_matches_tp1(tmp_path):
         torch.testing.assert_close(tp["grads"][name], ref["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
     # The term has a gradient: the head's gradient moves with it.
     assert not torch.allclose(ref["grads"]["head.weight"], off["grads"]["head.weight"], atol=1e-6)
+
+
+def test_the_z_loss_keeps_no_second_logits_sized_tensor_for_backward(tmp_path):
+    """Its logsumexp comes out of the cross-entropy's pass (what launch.plan counts)."""
+    kwargs = {**MODEL, "vocab_size": 4096}  # the logits dominate what the forward keeps
+    for coef in (0.0, 0.05):
+        spawn(bytes_saved_for_backward, 1, kwargs, coef, str(tmp_path / f"{coef}.pt"))
+    off, on = (torch.load(tmp_path / f"{coef}.pt") for coef in (0.0, 0.05))
+    logits_bytes = 2 * 16 * 4096 * 4  # fp32 [batch, seq, vocab]
+    assert off > logits_bytes and on - off < logits_bytes / 16, (off, on)
 
 
 
