@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from torch import nn
 
+from models.layers import swiglu
+
 EXCLUDED = ("embed.", "head.", "value_head.")
 
 
@@ -95,9 +97,8 @@ class InputNorms:
             x, expert_ids = args[0], args[1]
             for gid, (expert, (w_in, w_out)) in enumerate(zip(experts, pairs)):
                 rows = x[(expert_ids == gid).any(-1) & self.mask]
-                gate_up = F.linear(rows, expert.w_in).unflatten(-1, (-1, 2))
                 w_in.add(rows)
-                w_out.add(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+                w_out.add(swiglu(F.linear(rows, expert.w_in)))  # what the expert's w_out reads
         return hook
 
     @torch.no_grad()

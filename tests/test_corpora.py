@@ -390,6 +390,21 @@ def test_existing_sentencepiece_model_is_used_like_ours(tmp_path, tok_dir, capsy
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_first_of_each_keeps_the_first_of_every_128_bit_hash():
+    """Both 64-bit halves decide (real texts' hashes never share one half, so only this test shows
+    it): against a plain set over small-range halves, which share them often."""
+    from data_prep.dedup import first_of_each
+
+    rng = np.random.default_rng(0)
+    hi, lo = rng.integers(0, 3, 200).astype(np.uint64), rng.integers(0, 3, 200).astype(np.uint64)
+    seen, want = set(), []
+    for pair in zip(hi.tolist(), lo.tolist()):
+        want.append(pair not in seen)
+        seen.add(pair)
+    assert first_of_each(hi, lo).tolist() == want and sum(want) == 9
+    assert first_of_each(np.array([], np.uint64), np.array([], np.uint64)).tolist() == []
+
+
 def test_exact_dedup_keeps_first_occurrences_across_parts_and_tasks(tmp_path, tok_dir, capsys):
     rng = random.Random(7)
     a, b, c, d, e = (make_text(rng, 6) for _ in range(5))

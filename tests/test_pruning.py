@@ -69,11 +69,24 @@ def test_experts_are_attributed_from_the_rows_routed_to_them():
     with single_process_group():
         model = build(UOE)
         norms = InputNorms(model)
+        seen = {}  # layer 0's expert inputs and choices, as its expert container receives them
+        container = model.blocks[0].mlp.experts
+        handle = container.register_forward_pre_hook(lambda m, args: seen.update(x=args[0], ids=args[1]))
         rms = norms.collect(model, [batch])
+        handle.remove()
         tokens = {t.name: t.tokens for t in norms.targets}
     responses = int(batch["trained"][:, 1:].sum())  # inputs whose next token is trained
     experts = [n for n in rms if ".deepspeed_experts." in n]
     assert len(experts) == 2 * 2 * 4  # 2 layers x 4 experts x (w_in, w_out)
+    # Values: the rows routed to each expert, and the SwiGLU of its gate (even rows of w_in) and up
+    # (odd rows) that its w_out reads.
+    names = {id(p): n for n, p in model.named_parameters()}
+    mask = batch["trained"][:, 1:].reshape(-1)
+    for g, expert in enumerate(container.deepspeed_moe.experts.deepspeed_experts):
+        rows = seen["x"][(seen["ids"] == g).any(-1) & mask]
+        hidden = torch.nn.functional.silu(rows @ expert.w_in[0::2].T) * (rows @ expert.w_in[1::2].T)
+        torch.testing.assert_close(rms[names[id(expert.w_in)]], rows.pow(2).mean(0).sqrt())
+        torch.testing.assert_close(rms[names[id(expert.w_out)]], hidden.pow(2).mean(0).sqrt())
     # top-2 routing: every response token reaches two experts of each layer
     assert sum(tokens[n] for n in experts if n.startswith("blocks.0.") and n.endswith("w_in")) == 2 * responses
     assert tokens["blocks.0.mlp.vse_in.weight"] == responses

@@ -54,6 +54,20 @@ def test_alpha1_of_known_maps():
     assert flat["layer00/head02/alpha1"] == pytest.approx(1 / t)
 
 
+def test_head_statistics_average_over_the_kept_queries_only():
+    """Padding queries (queries=False) count in none of the three: here their rows sum to 5 and put
+    everything on the first key, unlike the kept rows."""
+    gen = torch.Generator().manual_seed(0)
+    by_query = torch.rand(2, 4, 3, 4, generator=gen)  # [batch, q, heads, k]
+    keep = torch.tensor([[True, True, False, False], [True, False, True, False]])
+    by_query[~keep] = torch.tensor([5.0, 0.0, 0.0, 0.0])
+    alpha, total, share = head_stats(by_query.transpose(1, 2), None, keep)  # weights [batch, heads, q, k]
+    kept = by_query[keep].transpose(0, 1)  # [heads, kept queries, k]
+    torch.testing.assert_close(alpha, kept[..., 0].mean(-1))
+    torch.testing.assert_close(total, kept.sum(-1).mean(-1))
+    torch.testing.assert_close(share, (kept[..., 0] / kept.sum(-1)).mean(-1))
+
+
 def test_relu_absolute_weight_is_not_a_share():
     """A ReLU head that outputs ~0 everywhere with a tiny weight on the first token: the share of
     the row (Gu's proxy) says 'sink', the absolute weight does not."""

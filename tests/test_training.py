@@ -91,6 +91,15 @@ def test_tensor_parallel_training_matches_single_process(data, tmp_path):
     for r in map(json.loads, (ref_run / "metrics.jsonl").read_text().splitlines()):  # the loss's parts
         if "train/loss" in r:
             assert r["train/ce_loss"] + r["train/z_loss"] == pytest.approx(r["train/loss"], rel=1e-6)
+    # Saved at TP=2 and resumed at TP=1: the slices merge back, replicated ones (norms) taken once.
+    run = tmp_path / "tp2_to_tp1"
+    tag = saved_run_copy(tp_run, run, 4)
+    out = train(1, tiny_overrides(data, run, **overrides))
+    assert f"resumed from {tag} at step 4 on another layout" in out.stdout, out.stdout[-2000:]
+    got = losses(run)
+    assert sorted(got) == list(range(5, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5, abs=1e-6), step
 
 
 @pytest.fixture(scope="module")
@@ -390,6 +399,14 @@ def test_schedule_rates_and_config_errors():
                              (["data.mix=[{shards: a, weight: .inf}, {shards: b}]"], r"data.mix\[0\].weight=inf")):
         with pytest.raises(ConfigError, match=match):
             validate(load_config(None, overrides), world_size=1)
+    # Warmup ending where the decay starts fits exactly: full rate at its last warmup step only.
+    from pretrain.schedule import validate_schedule
+
+    edge = TrainConfig(steps=10, warmup_steps=7, schedule="wsd", decay_fraction=0.3, min_lr_ratio=0.1)
+    validate_schedule(edge)
+    assert [round(lr_multiplier(i, edge), 4) for i in range(6, 10)] == [1.0, 0.7, 0.4, 0.1]
+    with pytest.raises(ConfigError, match="warmup_steps=8 plus the 3 decay steps"):
+        validate_schedule(TrainConfig(steps=10, warmup_steps=8, schedule="wsd", decay_fraction=0.3))
 
 
 def test_schedule_takes_the_step_count_of_deepspeed_cosine_state():
