@@ -39,6 +39,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -370,7 +371,27 @@ def _load_plan_tokenizer(plan: dict):
     return sp
 
 
-def _init_worker(out_dir: str, plan: dict, progress_queue, skip_unreadable: bool) -> None:
+def _die_with(parent: int) -> None:
+    """A worker ends when the build's process does (SIGKILL, the OOM killer): orphans would wait on
+    their task queue forever, holding the tokenizer's memory. Linux only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)
+
+
+def _stop_on_signal(signum, frame) -> None:
+    """The build's SIGTERM handler: stop as on Ctrl-C (no new parts; the running ones finish and are kept)."""
+    raise SystemExit(128 + signum)
+
+
+def _init_worker(out_dir: str, plan: dict, progress_queue, skip_unreadable: bool, parent: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a worker signalled itself just ends
+    _die_with(parent)
     # Loaded once per process: the tokenizer cannot be pickled with each task.
     progress_queue.cancel_join_thread()  # progress only: a worker may exit with messages unread
     _worker.update(out_dir=Path(out_dir), plan=plan, parts=P.parts_of(plan), sp=_load_plan_tokenizer(plan),
@@ -400,7 +421,7 @@ def _run(job: str, out_dir: Path, plan: dict, todo: list[P.Part], workers: int, 
     # An executor, not a Pool: a worker that dies (the OOM killer) breaks it with an error, where a
     # Pool would wait for that task forever.
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(str(out_dir), plan, progress_queue, skip_unreadable))
+                               initargs=(str(out_dir), plan, progress_queue, skip_unreadable, os.getpid()))
     try:
         pending = {pool.submit(_in_worker, job, p.index): p.index for p in todo}
         while pending:
@@ -669,6 +690,8 @@ def main(argv=None) -> int:
                       help="with --dedup exact: mark first occurrences once every part is hashed")
     p.add_argument("--tasks", type=int, default=None, help="number of tasks the parts are dealt to (with --task)")
     args = p.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        p.error(f"--workers {args.workers}: give at least 1 process (default: the CPUs available)")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -733,4 +756,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stop_on_signal)
     sys.exit(main())

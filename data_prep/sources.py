@@ -159,7 +159,9 @@ def list_files(sources, skipped: Counter | None = None, progress: bool = False) 
     counter.close()
     firsts = {}  # resolved path -> the path first listed for it (dicts keep insertion order)
     for f in files:
-        firsts.setdefault(f.resolve(), f)
+        # realpath, not Path.resolve: a link loop raises there; here it stays listed and its read
+        # counts it as unreadable
+        firsts.setdefault(os.path.realpath(f), f)
     return list(firsts.values())
 
 

@@ -617,3 +617,67 @@ def test_a_file_system_error_while_planning_a_large_json_lines_file(tmp_path, to
     assert f"could not read {big} to plan its parts: Input/output error" in err and "--skip-unreadable" in err
     assert bs.main([*args, "--out", str(tmp_path / "skipped"), "--skip-unreadable"]) == 0
     assert json.loads((tmp_path / "skipped" / "manifest.json").read_text())["documents"] == 60
+
+
+def _children(pid: int) -> list[int]:
+    def parent(proc: str) -> int | None:
+        try:
+            return int(Path(f"/proc/{proc}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return None  # gone meanwhile
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == pid]
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if result := condition():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_killed_or_terminated_build_leaves_no_worker_behind(tmp_path, tok_dir):
+    """The build's process killed (SIGKILL, the OOM killer): its workers end too instead of waiting
+    on their queue forever. SIGTERM to it alone (kill, timeout): it stops as on Ctrl-C, the running
+    part finishing first, and exits 143. A worker is held inside a part by a named pipe it reads."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO, child_env
+
+    make_corpus(tmp_path / "corpus", files=3)
+    fifo = tmp_path / "corpus" / "slow.txt"
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-m", "data_prep.build_shards", "--sources", str(tmp_path / "corpus"), "--tokenizer",
+           str(tok_dir), "--seq-len", "8", "--val-fraction", "0", "--workers", "2", "--part-size", "1kb",
+           "--no-progress"]
+
+    def writer_once_a_worker_reads() -> int:  # the part of the pipe is running, its worker held in read()
+        def opened():
+            try:
+                return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader yet (ENXIO)
+                return None
+        return _wait_for(opened, "a worker to open the named pipe")
+
+    for stop in (signal.SIGKILL, signal.SIGTERM):
+        build = subprocess.Popen([*cmd, "--out", str(tmp_path / stop.name)], cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+        try:
+            write_end = writer_once_a_worker_reads()
+            workers = _children(build.pid)
+            assert len(workers) == 2, workers
+            build.send_signal(stop)
+            if stop == signal.SIGTERM:
+                _wait_for(lambda: "stopping:" in build.stderr.readline(), "the build to say it stops")
+            os.close(write_end)  # the held part reads its end and finishes
+            build.wait(timeout=60)  # not its pipes: orphaned workers would hold them open
+        finally:
+            build.kill()
+        assert build.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 143)
+        _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), f"the workers to end after {stop!r}",
+                  timeout=10)

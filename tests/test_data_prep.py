@@ -244,6 +244,7 @@ def test_bad_inputs_counted_and_reported(tmp_path, tok_dir, capsys):
     (d / "good.txt").write_text("fox jumps over the lazy dog\n" * 10)
     (d / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     (d / "gone.txt").symlink_to(tmp_path / "does-not-exist")  # unreadable, even for root
+    (d / "loop.jsonl").symlink_to("loop.jsonl")  # a link to itself: unreadable too, not a traceback
     (d / "data.jsonl").write_text("\n".join([
         json.dumps({"text": "good json line fox\n" * 5}),
         "{not json",
@@ -257,13 +258,14 @@ def test_bad_inputs_counted_and_reported(tmp_path, tok_dir, capsys):
     assert bs.main(["--sources", str(d), "--tokenizer", str(tok_dir), "--out", str(out), "--seq-len", "8",
                     "--val-fraction", "0", "--workers", "1", "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "bad inputs: 6 skipped" in printed and f"{d / 'data.jsonl'}:2: malformed JSON" in printed
+    assert "bad inputs: 7 skipped" in printed and f"{d / 'data.jsonl'}:2: malformed JSON" in printed
 
     m = json.loads((out / "manifest.json").read_text())
     bad = m["bad_inputs"]
-    assert bad["count"] == 6
-    assert bad["by_reason"] == {"malformed JSON": 1, "missing or non-string 'text' field": 3,
-                                "not UTF-8": 1, "unreadable (No such file or directory)": 1}
+    assert bad["count"] == 7
+    assert bad["by_reason"] == {"malformed JSON": 1, "missing or non-string 'text' field": 3, "not UTF-8": 1,
+                                "unreadable (No such file or directory)": 1,
+                                "unreadable (Too many levels of symbolic links)": 1}
     assert len(bad["examples"]) == 5
     assert bad["examples"][:4] == [f"{d / 'data.jsonl'}:2: malformed JSON",
                                    f"{d / 'data.jsonl'}:3: missing or non-string 'text' field",
@@ -324,6 +326,13 @@ def test_too_few_tokens_for_a_sample(tmp_path, tok_dir, monkeypatch):
         m.setattr(bs.P, "plan_parts", lambda *a, **k: pytest.fail("the corpus was cut before the refusal"))
         with pytest.raises(FileExistsError, match="planned differently.*--overwrite"):
             bs.build_shards([tmp_path / "a.txt"], tok_dir, tmp_path / "out", seq_len=4, val_fraction=0, workers=1)
+
+
+def test_a_build_without_workers_is_refused(tmp_path, capsys):
+    for workers in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            bs.main(["--out", str(tmp_path / "out"), "--workers", workers])
+        assert f"--workers {workers}: give at least 1 process" in capsys.readouterr().err
 
 
 def test_a_tokenizer_out_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch, capsys):
