@@ -45,10 +45,15 @@ def parse_mix(value, key: str = "data.mix") -> list[DataSource]:
         where = f"{key}[{i}]"
         if isinstance(entry, DataSource):
             entry = dataclasses.asdict(entry)
-        if not isinstance(entry, dict) or "shards" not in entry or set(entry) - MIX_KEYS:
+        if isinstance(entry, dict) and (unknown := sorted(map(str, set(entry) - MIX_KEYS))):
+            raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; an entry "
+                              "takes shards, weight and name")
+        if not isinstance(entry, dict) or "shards" not in entry:
             raise ConfigError(f"{where}={entry!r}: give a mapping with shards (and optionally weight, name), "
                               "e.g. {shards: data/web, weight: 0.7}")
         try:
+            if isinstance(entry.get("weight"), bool):
+                raise TypeError
             weight = float(entry.get("weight", 1.0))
         except (TypeError, ValueError):
             raise ConfigError(f"{where}.weight={entry['weight']!r}: expected a number") from None
@@ -444,6 +449,35 @@ def read_manifest(path: Path, key: str) -> dict:
     return manifest
 
 
+def missing_manifest_fix(path: Path) -> str:
+    """What to do about a shards directory without manifest.json."""
+    if (path / "plan.json").is_file():
+        return ("it is an unfinished build (plan.json, no manifest yet): run its python -m data_prep.build_shards "
+                "command again to finish it")
+    if path.name in ("train", "val") and (path / "index.json").is_file():
+        return f"it is one split of a build: give the build's directory, {path.parent}"
+    return f"build shards with python -m data_prep.build_shards --out {path}"
+
+
+def split_shards(root: Path, split: str, key: str, manifest: dict) -> list[dict]:
+    """The shards the index of a local split lists ([] for a split the manifest says is empty, as
+    val after --val-fraction 0), each file there: a ConfigError names a copy or build that lost some."""
+    index = root / split / "index.json"
+    if not index.is_file():
+        if split == "val" and not manifest.get("splits", {}).get(split, {}).get("samples"):
+            return []
+        raise ConfigError(f"{key}: {split}/index.json is missing: the build is incomplete; run its python -m "
+                          "data_prep.build_shards command again (or copy the directory again)")
+    shards = json.loads(index.read_text())["shards"]
+    missing = [name for shard in shards
+               if not (root / split / (name := (shard.get("zip_data") or shard["raw_data"])["basename"])).is_file()]
+    if missing:
+        raise ConfigError(f"{key}: {len(missing)} of the {len(shards)} shard files {split}/index.json lists are "
+                          f"missing (first: {split}/{missing[0]}): run its python -m data_prep.build_shards command "
+                          "again with --overwrite (or copy the directory again)")
+    return shards
+
+
 def validate_data(cfg: Config, world_size: int | None = None) -> dict:
     """Match the model against every source's manifest and the tokenizer, and (given the world size)
     the train split against one micro-batch per data-parallel rank, before training starts.
@@ -459,10 +493,7 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
                else f"data.shards={source.shards}")
         manifest_path = Path(source.shards) / "manifest.json"
         if not manifest_path.is_file():
-            raise ConfigError(
-                f"{key}: no manifest.json there; build shards with "
-                "python -m data_prep.build_shards --out " + source.shards
-            )
+            raise ConfigError(f"{key}: no manifest.json there; {missing_manifest_fix(Path(source.shards))}")
         manifest = read_manifest(manifest_path, key)
         if manifest["seq_len"] != cfg.model.max_seq_len:
             raise ConfigError(
@@ -501,9 +532,8 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
                               "data_prep.build_shards and a tokenizer with BOS, or set "
                               "data.start_with_bos=false")
         manifests.append(manifest)
-        index = Path(source.shards) / "train" / "index.json"
-        if index.is_file():
-            train_samples += sum(shard["samples"] for shard in json.loads(index.read_text())["shards"])
+        train_samples += sum(shard["samples"] for shard in split_shards(Path(source.shards), "train", key, manifest))
+        split_shards(Path(source.shards), "val", key, manifest)
     if world_size and len(manifests) == len(cfg.data.sources):
         # Streaming gives each data-parallel rank ceil(samples / ranks) of an epoch; the loader drops
         # a last partial micro-batch, so fewer than one micro-batch each would give no batch at all.

@@ -265,8 +265,11 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
     sets = {}
     for source in cfg.data.sources:
         location = _split_location(cfg, source, "val")
-        if not has_samples(location):
-            continue  # no val split (shards built with --val-fraction 0)
+        if not has_samples(location):  # no val split (shards built with --val-fraction 0)
+            if len(cfg.data.sources) > 1 and (not dist.is_initialized() or dist.get_rank() == 0):
+                print(f"validation: data.mix entry {source.name!r} has no val split (built with --val-fraction 0); "
+                      "val/loss covers the other entries", flush=True)
+            continue
         folder = tempfile.TemporaryDirectory(prefix="pretrain-val-") if apart else contextlib.nullcontext()
         with folder as tmp:
             if apart:

@@ -46,7 +46,8 @@ def write_synthetic_shards(root: Path, vocab_size: int = 256, seq_len: int = 32,
                     tokens[:] = 4 + i % span
                 writer.write({"tokens": tokens.astype(np.uint16)})
     manifest = {"seq_len": seq_len, "vocab_size": vocab_size, "tokenizer_sha256": FAKE_TOKENIZER_SHA,
-                "samples": {"train": train, "val": val}, "bos_id": 1,  # the tokens themselves are >= 4
+                "splits": {"train": {"samples": train}, "val": {"samples": val}},  # as a build's manifest
+                "bos_id": 1,  # the tokens themselves are >= 4
                 **({"eos_id": eos_id} if eos_id is not None else {})}
     (root / "shards" / "manifest.json").write_text(json.dumps(manifest))
     (root / "tokenizer").mkdir(exist_ok=True)

@@ -89,7 +89,9 @@ def test_bad_overrides(override, message):
     (["train.fused_optimizer=maybe"], 1, "fused_optimizer='maybe': choose auto, true or false"),
     (["data.mix=data/web"], 1, "give a list of sources"),
     (["data.mix=[{shards: a, weight: 0}]"], 1, r"data.mix\[0\].weight=0.0: must be a number > 0"),
-    (["data.mix=[{shards: a, share: 2}]"], 1, r"data.mix\[0\]=.*give a mapping with shards"),
+    (["data.mix=[{shards: a, share: 2}]"], 1, r"data.mix\[0\]: unknown key share; an entry takes shards, weight"),
+    (["data.mix=[{weight: 2}]"], 1, r"data.mix\[0\]=.*give a mapping with shards"),
+    (["data.mix=[{shards: a, weight: true}]"], 1, r"data.mix\[0\].weight=True: expected a number"),
     (["data.mix=[{shards: x/web}, {shards: y/web}]"], 1, r"names \['web', 'web'\] repeat"),
     (["data.mix=[{shards: a, name: 'web mix'}]"], 1, "must be letters, digits"),
     (["train.beta1=1.5"], 1, "train.beta1=1.5 and train.beta2=0.95 must be in"),
@@ -168,6 +170,26 @@ def test_mixture_sources_are_checked_one_by_one(tmp_path):
         validate_data(load_config(None, base + [mix]))
     manifest = validate_data(load_config(None, base + [f"data.mix=[{{shards: {good}/shards}}]"]))
     assert manifest["seq_len"] == 32
+    # What a directory without manifest.json is, and what to do about it
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "unfinished" / "plan.json").write_text("{}")
+    for where, fix in ((f"{tmp_path}/unfinished", "an unfinished build .*run its python -m data_prep.build_shards "
+                                                  "command again"),
+                       (f"{good}/shards/train", f"one split of a build: give the build's directory, {good}/shards")):
+        with pytest.raises(ConfigError, match=f"no manifest.json there; it is {fix}"):
+            validate_data(load_config(None, base + [f"data.mix=[{{shards: {good}/shards}}, {{shards: {where}}}]"]))
+    # A copy or build that lost files: refused before training, not a traceback in the loader
+    import shutil
+
+    for lose, error in (("train/index.json", r"train/index.json is missing: the build is incomplete"),
+                        ("val/index.json", r"val/index.json is missing"),
+                        ("train/shard.00000.mds.zstd", r"1 of the 1 shard files train/index.json lists are missing "
+                                                  r"\(first: train/shard.00000.mds.zstd\)")):
+        copy = tmp_path / lose.replace("/", "-").replace(".", "_")
+        shutil.copytree(f"{good}/shards", copy)
+        (copy / lose).unlink()
+        with pytest.raises(ConfigError, match=f"data.mix entry '{copy.name}' .*: {error}"):
+            validate_data(load_config(None, base + [f"data.mix=[{{shards: {good}/shards}}, {{shards: {copy}}}]"]))
 
 
 def test_yaml_mistakes_and_text_keys_given_lists_are_config_errors(tmp_path):

@@ -96,6 +96,11 @@ def test_an_empty_val_index_is_no_val_split(tmp_path, capsys):
         rows = torch.cat(load_val_sets(cfg)[""])
         assert len(rows) == 8 and len({tuple(r.tolist()) for r in rows}) == 8
         assert "holds 8 samples, 2 batches of train.micro_batch=4" in capsys.readouterr().out
+        # In a mixture, a source without val split is left out of val/loss, and the start says so.
+        cfg = load_config(None, [f"data.mix=[{{shards: {root}/shards, name: web}}, {{shards: {full}/shards}}]",
+                                 "train.micro_batch=4", "model.max_seq_len=32", f"data.cache={tmp_path}/cache"])
+        assert list(load_val_sets(cfg)) == ["shards"]
+        assert "data.mix entry 'web' has no val split (built with --val-fraction 0)" in capsys.readouterr().out
 
 
 def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch):
