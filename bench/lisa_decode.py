@@ -135,7 +135,8 @@ def wide_config(cfg, hidden: int, max_seq_len: int):
     heads = hidden // HEAD_DIM
     ffn = round(cfg.ffn_hidden_size * hidden / cfg.hidden_size)
     values.update(hidden_size=hidden, num_heads=heads, ffn_hidden_size=ffn,
-                  num_kv_heads=cfg.kv_heads * heads // cfg.num_heads if cfg.num_kv_heads else 0,
+                  # grouped-query sharing kept, at least one K/V head (0 would mean one per query head)
+                  num_kv_heads=max(1, cfg.kv_heads * heads // cfg.num_heads) if cfg.num_kv_heads else 0,
                   max_seq_len=max_seq_len)
     values["lisa"].update(rank=16, align_group=min(4, heads))
     return ModelConfig.from_dict(values)
@@ -200,8 +201,8 @@ def speed_table(layouts: list[tuple[str, object]], args) -> dict:
     device, dtype = speed_device(args)
     models, out = {}, {}
     for name, cfg in layouts:
-        wide = wide_config(cfg, args.speed_hidden,
-                           max(max(args.speed_contexts) + args.speed_new, args.speed_train_seq))
+        longest = max([*args.speed_contexts, *args.equal_memory_contexts]) + args.speed_new
+        wide = wide_config(cfg, args.speed_hidden, max(longest, args.speed_train_seq))
         torch.manual_seed(0)
         model = GPT(wide).eval()
         hf = hf_model(model, wide).to(device, dtype)
@@ -383,8 +384,6 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": None, "speed": speed}, indent=1))
         print(f"wrote {args.out}")
         return
-    from models.config import ModelConfig
-    from models.gpt import GPT
     from pretrain.consolidate import load_model
     from pretrain.data import read_samples
     from tools.convert_lisa import main as convert
@@ -400,7 +399,12 @@ def main() -> None:
                                shards=args.shards, tokenizer=args.tokenizer, device="cpu", evals=1)
         run_variant("lisa-source", SOURCE_CONFIG, [*SOURCE_LAYERS, *args.source_overrides], settings,
                     0, source_run)
-    source, cfg, _ = load_model(str(source_run))
+    from pretrain.checkpoint_format import CheckpointError
+
+    try:
+        source, cfg, _ = load_model(str(source_run))
+    except CheckpointError as err:
+        raise SystemExit(f"--checkpoint: {err}") from None
     samples = read_samples(Path(args.shards) / "val", 9)
     prompt, batch = samples[:1, :args.prompt], samples[1:9]
     if args.prompt + args.new > cfg.max_seq_len:
@@ -408,17 +412,14 @@ def main() -> None:
     rows, layouts, source_loss = [], [], None
     for fraction in args.fractions:
         out = runs / f"lisa_{int(100 * fraction)}"
-        if not (args.reuse and (out / "conversion.json").is_file()):
+        if not (args.reuse and (out / "conversion.json").is_file() and (out / "converted").is_dir()):
             convert(["--checkpoint", str(source_run), "--layers", "sensitivity", "--loss-budget", "1e9",
                      "--max-fraction", str(fraction), "--keep-full-layers", "1", "--calib-shards", args.shards,
                      "--out", str(out), "--overwrite", "--steps", str(args.steps), "--micro-batch", "8",
                      "--val-samples", "64",
                      *(["--align-hidden", str(args.align_hidden)] if args.align_hidden is not None else [])])
         report = json.loads((out / "conversion.json").read_text())
-        saved = torch.load(out / "lisa_model.pt", weights_only=False)
-        new_cfg = ModelConfig.from_dict(saved["model"])
-        model = GPT(new_cfg)
-        model.load_state_dict(saved["state_dict"])
+        model, new_cfg, _ = load_model(out / "converted")
         if source_loss is None:
             source_loss = report["val_loss"]["source"]
             rows.append(measure("source", source, cfg, source_loss, prompt, batch, args))

@@ -125,14 +125,14 @@ RESUME_FIX = "point train.resume at a checkpoint of this model, use a new run.di
 
 
 def check_compatible(meta: dict, model_config_dict: dict, tokenizer_sha256: str | None, path: Path,
-                     fix: str = RESUME_FIX) -> None:
+                     fix: str = RESUME_FIX, ignore: tuple[str, ...] = ()) -> None:
     """The checkpoint's model is the config's. Keys and sections the marker lacks (added since it was
     written, or declared by a plug-in only one side lists) count at their defaults. `fix`: what the
-    error tells the user to do."""
+    error tells the user to do; `ignore`: keys that may differ."""
     plugins = sorted({*meta["model"].get("plugins", []), *model_config_dict.get("plugins", [])})
     saved = ModelConfig.from_dict({**meta["model"], "plugins": plugins}).signature()
     wanted = ModelConfig.from_dict({**model_config_dict, "plugins": plugins}).signature()
-    diff = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    diff = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k) and k not in ignore)
     if diff:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {wanted.get(k)!r}" for k in diff)
         raise CheckpointError(

@@ -4,8 +4,8 @@
 
 The source may be any complete checkpoint of the same model (a run directory means its newest
 complete one): any tensor / expert / data-parallel size and ZeRO stage, or one written by
-tools.import_hf; or a file of full weights {"model": ..., "state_dict": ...} such as
-tools.consolidate writes, or tools.convert_lisa's lisa_model.pt. Every rank reads the source's tensor-parallel shards,
+tools.import_hf or tools.convert_lisa; or a file of full weights {"model": ..., "state_dict": ...} such as
+tools.consolidate writes. Every rank reads the source's tensor-parallel shards,
 merges them into full tensors (pretrain.consolidate) and keeps its own slice for the run's
 layout, before DeepSpeed builds the engine (so ZeRO-3 partitions the loaded weights). The optimizer, learning-rate
 schedule and data order start fresh at step 0. A run that has its own checkpoints resumes from
@@ -35,6 +35,9 @@ def state_file(path: Path) -> dict:
 
 
 INIT_FIX = "point train.init_from at a checkpoint of this model, or set model.* to the checkpoint's"
+# The weights do not depend on the positions RoPE is built for: a new run may train at another
+# sequence length (e.g. a longer context) from them.
+MAY_DIFFER = ("max_seq_len",)
 
 
 def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
@@ -43,7 +46,7 @@ def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
     if Path(path).is_file():  # tools.consolidate / convert_lisa record the run's tokenizer (older files: none)
         state = state_file(Path(path))
         check_compatible({"model": state["model"], "tokenizer_sha256": state.get("tokenizer_sha256")}, model,
-                         tokenizer_sha256, Path(path), INIT_FIX)
+                         tokenizer_sha256, Path(path), INIT_FIX, MAY_DIFFER)
         return Path(path)
     try:
         tag = resolve_checkpoint(path)
@@ -51,7 +54,7 @@ def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
         describe_layout(tag, meta)
     except CheckpointError as err:
         raise CheckpointError(f"train.init_from={path}: {err}") from None
-    check_compatible(meta, model, tokenizer_sha256, tag, INIT_FIX)
+    check_compatible(meta, model, tokenizer_sha256, tag, INIT_FIX, MAY_DIFFER)
     return tag
 
 

@@ -914,7 +914,9 @@ def test_convert_lisa_options_fit_the_source_layout():
     with pytest.raises(ToolError, match="keep_full_layers=4"):  # past the LISA layer at 2
         set_lisa_options(small_cfg("sslss"), hybrid.attention_kinds(), options(keep_full_layers=4), tensor=1)
     # The LISA layers to come are checked before any calibration pass, as the model would check them.
+    head_dim = small_cfg("ssss").head_dim
     for given, message in (({"rank": 3}, r"model.lisa.rank=3 must be even"),
+                           ({"rank": 2 * head_dim}, rf"model.lisa.rank={2 * head_dim} exceeds head_dim {head_dim}"),
                            ({"align_hidden": -1}, r"model.lisa.align_hidden=-1 must be >= 0")):
         with pytest.raises(ToolError, match=message + ".*--rank, --align-hidden"):
             set_lisa_options(small_cfg("ssss"), ["softmax"] * 4, options(**given), tensor=1)

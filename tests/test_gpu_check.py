@@ -209,7 +209,7 @@ def test_lisa_decode_speed_part_runs_alone_on_earlier_layouts(tmp_path):
     results = REPO / "bench/results/lisa_decode.json"
     out = tmp_path / "speed.json"
     sizes = ["--speed-hidden", "256", "--speed-contexts", "16", "--speed-batches", "1",
-             "--equal-memory-batch", "2", "--equal-memory-contexts", "16", "--speed-new", "2",
+             "--equal-memory-batch", "2", "--equal-memory-contexts", "36", "--speed-new", "2",  # past the others
              "--speed-train-seq", "32", "--repeats", "1"]
     run = subprocess.run([sys.executable, "-m", "bench.lisa_decode", "--speed-only", str(results), *sizes,
                           "--out", str(out)],
@@ -225,7 +225,7 @@ def test_lisa_decode_speed_part_runs_alone_on_earlier_layouts(tmp_path):
         assert model["attention"] == row["attention"]
         # as the conversion sets it: kept where LISA layers form a chain (train_step times that)
         assert model["keep_chain_scores"] == ("lisa,lisa" in row["attention"]), name
-        for key in ("framework_decode@16", "hf_decode@16", "equal_memory_decode@16", "train_step"):
+        for key in ("framework_decode@16", "hf_decode@16", "equal_memory_decode@36", "train_step"):
             assert model[key]["median_s"] > 0 and model[key]["x_source"] > 0, (name, key, model[key])
         shared = row["attention"].count("lisa")
         assert (model["cache_bytes_per_position"] < source["cache_bytes_per_position"]) == (shared > 0), name

@@ -129,6 +129,11 @@ def test_a_consolidated_file_keeps_its_run_s_tokenizer_for_init_from(runs, dist_
     for source in (str(tag), str(tmp_path / "w.pt")):
         with pytest.raises(CheckpointError, match="trained with another tokenizer"):
             check_source(source, meta["model"], "f" * 64)
+        # Another sequence length: the weights do not depend on it (a longer context from them)
+        longer = {**meta["model"], "max_seq_len": 2 * meta["model"]["max_seq_len"]}
+        assert str(check_source(source, longer, meta["tokenizer_sha256"])) == source
+        with pytest.raises(CheckpointError, match="hidden_size: checkpoint"):
+            check_source(source, {**longer, "hidden_size": 2 * meta["model"]["hidden_size"]}, None)
 
 
 @pytest.mark.slow

@@ -288,6 +288,11 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     assert "--layers '3,x': give auto, sensitivity or layer indices" in capsys.readouterr().err
     assert convert_main(common + ["--out", str(tmp_path / "new"), "--max-chain", "-1"]) == 2
     assert "--max-chain -1: give a number of LISA layers in a row" in capsys.readouterr().err
+    for option, value, said in (("--max-fraction", "0.0", "give the largest share of layers to convert, in (0, 1]"),
+                                ("--max-fraction", "2.0", "give the largest share"), ("--val-samples", "0", "give at least 1"),
+                                ("--loss-budget", "-1.0", "give the largest relative loss increase, >= 0")):
+        assert convert_main(common + ["--out", str(tmp_path / "new"), option, value]) == 2
+        assert f"{option} {value}: {said}" in capsys.readouterr().err
     assert convert_main(common + ["--out", str(run), "--overwrite"]) == 2  # a run: never, even with --overwrite
     assert "holds checkpoints of a run" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
@@ -312,19 +317,39 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
                              "--keep-full-layers", "5", "--out", str(tmp_path / "new")]) == 2
     said = capsys.readouterr()
     assert "puts lisa at layers [4], but model.lisa.keep_full_layers=5" in said.err and "sim to l-1" not in said.out
-    assert "val loss: source" in proc.stdout
-    saved = torch.load(out / "lisa_model.pt", weights_only=False)
-    assert saved["model"]["attention"] == report["attention"]
+    # Calibration shards the model cannot read as it was trained: refused before the passes.
+    import shutil
 
-    # The written config continues training the converted model (train.init_from=lisa_model.pt),
+    manifest = json.loads((root / "shards" / "manifest.json").read_text())
+    for name, change, error in (("other_tok", {"tokenizer_sha256": "f" * 64}, "tokenized with another tokenizer "
+                                 "(sha256 ffffffffffff)"),
+                                ("longer", {"seq_len": 4096}, "sequences of 4096 tokens, longer than the model's")):
+        shutil.copytree(root / "shards", tmp_path / name)
+        (tmp_path / name / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        with single_process_group():
+            assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(tmp_path / name), "--layers", "2",
+                                 "--out", str(tmp_path / "new")]) == 2
+        said = capsys.readouterr()
+        assert error in said.err and "sim to l-1" not in said.out, said.err
+    with single_process_group():  # a fraction that allows no layer of five
+        assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"), "--max-fraction", "0.1",
+                             "--out", str(tmp_path / "new")]) == 2
+    assert "--max-fraction 0.1 allows no layer of this 5-layer model; give at least 0.2" in capsys.readouterr().err
+    assert "val loss: source" in proc.stdout
+    from pretrain.checkpoint_format import read_meta, resolve_checkpoint
+
+    marker = read_meta(resolve_checkpoint(out / "converted"))  # what tools.evaluate / export / generate read
+    assert marker["model"]["attention"] == report["attention"] and marker["lisa_layers"] == [2]
+
+    # The written config continues training the converted model (train.init_from=its checkpoint),
     # here at TP=2; with lr = 0 the run's checkpoint holds exactly the converted weights.
     train(2, ["--config", str(out / "config.yaml"), f"data.shards={root / 'shards'}", "train.steps=1",
               "train.lr=0", "train.warmup_steps=0", "train.save_interval=1", "train.eval_interval=1",
               "parallel.tensor=2"])
     compare = ("import sys, torch; from pretrain.consolidate import load_model; "
-               "m, _, _ = load_model(sys.argv[1]); want = torch.load(sys.argv[2], weights_only=False)['state_dict']; "
+               "m, _, _ = load_model(sys.argv[1]); want = load_model(sys.argv[2])[0].state_dict(); "
                "print(max(float((v - want[k]).abs().max()) for k, v in m.state_dict().items() if torch.is_tensor(v)))")
-    proc = subprocess.run([sys.executable, "-c", compare, str(out), str(out / "lisa_model.pt")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", compare, str(out), str(out / "converted")], cwd=REPO,
                           env=dist_utils.child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) == 0.0

@@ -22,16 +22,18 @@
    original, the converted model before training and after, parameter counts, Q/K compression
    and the forward throughput change.
 
-Writes RUN_DIR/lisa_model.pt ({"model": ModelConfig dict, "state_dict": ...}),
+Writes RUN_DIR/converted (the converted model as a run directory of its own, its weights the step-0
+checkpoint, as tools.import_hf writes one: tools.evaluate, export, generate and sink_report read it),
 RUN_DIR/config.yaml (the source run's config with the new attention pattern and
-train.init_from=RUN_DIR/lisa_model.pt, so `python -m pretrain.train --config RUN_DIR/config.yaml`
-continues training the converted model at any layout) and RUN_DIR/conversion.json. Single
-process, on the CPU.
+train.init_from=RUN_DIR/converted/checkpoints/step_00000000, so `python -m pretrain.train --config
+RUN_DIR/config.yaml` continues training the converted model at any layout) and RUN_DIR/conversion.json.
+Single process, on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -52,9 +54,9 @@ from models.attention.lisa_conversion import (
 )
 from models.attention.masks import document_ids
 from models.config import ConfigError
-from pretrain.checkpoint import torch_save_atomic
+from pretrain.checkpoint import save_weights_run
 from pretrain.checkpoint_format import resolve_checkpoint
-from pretrain.config import save_config
+from pretrain.config import Config, missing_manifest_fix, read_manifest, save_config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples, run_bos, run_document_eos, starting_with
 from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-shards", required=True, help="shards directory with train/ (and val/)")
     parser.add_argument("--out", required=True, help="run directory for the converted model")
     parser.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty --out (its lisa_model.pt, config.yaml and conversion.json)")
+                        help="write into a non-empty --out (its converted/, config.yaml and conversion.json)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -162,6 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                         "config); choose a new directory or pass --overwrite")
     if args.max_chain < 0:
         raise ToolError(f"--max-chain {args.max_chain}: give a number of LISA layers in a row, or 0 for any")
+    for option in ("micro_batch", "calib_batches", "val_samples"):
+        if getattr(args, option) < 1:
+            raise ToolError(f"--{option.replace('_', '-')} {getattr(args, option)}: give at least 1")
+    if args.steps < 0 or not args.lr > 0:
+        raise ToolError(f"--steps {args.steps} --lr {args.lr}: give steps >= 0 (0: no training) and a rate > 0")
+    if args.max_fraction is not None and not 0 < args.max_fraction <= 1:
+        raise ToolError(f"--max-fraction {args.max_fraction}: give the largest share of layers to convert, in (0, 1]")
+    if not args.loss_budget >= 0:
+        raise ToolError(f"--loss-budget {args.loss_budget}: give the largest relative loss increase, >= 0 "
+                        "(0.05: 5%)")
     listed = None
     if args.layers not in ("auto", "sensitivity"):
         try:
@@ -181,7 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ToolError(f"--calib-shards {shards}: no val/ split, so the validation losses (and --layers "
                         "sensitivity) would be measured on the rows the conversion trains on; give shards with "
                         "a val/ split (data_prep.build_shards --val-fraction above 0)")
+    if not (shards / "manifest.json").is_file():
+        raise ToolError(f"--calib-shards {shards}: no manifest.json there; {missing_manifest_fix(shards)}")
+    try:  # the calibration rows must be the model's tokens and fit its positions
+        manifest = read_manifest(shards / "manifest.json", f"--calib-shards {shards}")
+    except ConfigError as err:
+        raise ToolError(str(err)) from None
     source, cfg, meta = load_model(args.checkpoint)
+    check_calibration_shards(manifest, shards, cfg, meta)
     for p in source.parameters():
         p.requires_grad_(False)
     kinds = cfg.attention_kinds()
@@ -224,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     sensitivity = None
     if args.max_fraction is None:
         args.max_fraction = 0.84 if args.layers == "sensitivity" else 0.75
+    if args.layers in ("auto", "sensitivity") and int(args.max_fraction * len(kinds)) < 1:
+        raise ToolError(f"--max-fraction {args.max_fraction} allows no layer of this {len(kinds)}-layer model; give at "
+                        f"least {1 / len(kinds):.3g}")
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction,
                                 args.max_chain)
@@ -294,25 +316,58 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"val loss: source {loss_source:.4f} | converted, before training {loss_init:.4f} | "
           f"after {args.steps} steps {loss_after:.4f}")
+    ratio = report["qk_params"]["compression"]
     print(f"params: {n_source:,} -> {n_new:,} ({100 * (n_new - n_source) / n_source:+.2f}%); trained {n_train:,} "
           f"({100 * n_train / n_new:.2f}%); Q/K in the {len(layers)} LISA layers {qk_source:,} -> {qk_new:,} "
-          f"({report['qk_params']['compression']:.1f}x fewer)")
+          + (f"({ratio:.1f}x fewer)" if ratio >= 1 else f"({1 / ratio:.1f}x more at --rank {rank})"))
     print(f"forward throughput (this device, seq {val.shape[1] - 1}): {tps_source:,.0f} -> {tps_new:,.0f} tokens/s "
           f"({tps_new / tps_source:.2f}x)")
 
     out.mkdir(parents=True, exist_ok=True)
-    torch_save_atomic({"model": new_cfg.to_dict(), "state_dict": model.state_dict(), "layers": layers,
-                       "tokenizer_sha256": meta.get("tokenizer_sha256")},
-                      out / "lisa_model.pt")
     full = run_config(Path(meta["checkpoint"]))
+    weights = write_converted(model, new_cfg, copy.deepcopy(full) if full is not None else Config(), meta,
+                              out / "converted", layers)
     if full is not None:
         full.model = new_cfg
         full.run.dir, full.run.name = str(out), out.name
-        full.train.init_from, full.train.resume = str(out / "lisa_model.pt"), "auto"
+        full.train.init_from, full.train.resume = str(weights), "auto"
         save_config(full, out / "config.yaml")
     (out / "conversion.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / 'lisa_model.pt'}, {out / 'conversion.json'}")
+    print(f"wrote {out / 'converted'} (the converted model: --checkpoint for tools.evaluate, export, generate), "
+          f"{out / 'conversion.json'}" + (f"; continue training with {out / 'config.yaml'}" if full is not None else ""))
     return 0
+
+
+def check_calibration_shards(manifest: dict, shards: Path, cfg, meta: dict) -> None:
+    """Calibration rows the model can read as it was trained: its tokenizer, vocabulary, positions."""
+    theirs, ours = manifest.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
+    if theirs and ours and theirs != ours:
+        raise ToolError(f"--calib-shards {shards}: tokenized with another tokenizer (sha256 {theirs[:12]}) than the "
+                        f"checkpoint was trained with (sha256 {ours[:12]}); give shards built with its tokenizer")
+    if manifest.get("vocab_size", cfg.vocab_size) > cfg.vocab_size:
+        raise ToolError(f"--calib-shards {shards}: built for {manifest['vocab_size']} tokens, more than the model's "
+                        f"{cfg.vocab_size}; give shards built with its tokenizer")
+    if manifest.get("seq_len", 0) > cfg.max_seq_len:
+        raise ToolError(f"--calib-shards {shards}: sequences of {manifest['seq_len']} tokens, longer than the "
+                        f"model's {cfg.max_seq_len} positions (model.max_seq_len); give shards built with "
+                        f"data_prep.build_shards --seq-len {cfg.max_seq_len}")
+
+
+READER_KEYS = ("tokenizer_sha256", "eos_id", "bos_id", "start_with_bos", "special_ids")
+
+
+def write_converted(model, model_cfg, run_cfg: Config, source_meta: dict, out: Path, layers: list[int]) -> Path:
+    """The converted model as a run directory whose step-0 checkpoint holds its weights (one process,
+    fp32, no optimizer state); returns that checkpoint's directory."""
+    run_cfg.model = model_cfg
+    run_cfg.run.dir, run_cfg.run.name = str(out), out.name
+    run_cfg.parallel.tensor, run_cfg.parallel.expert, run_cfg.parallel.zero_stage = 1, 1, 1
+    run_cfg.train.precision, run_cfg.train.init_from, run_cfg.train.resume = "fp32", "", "auto"
+    for p in model.parameters():  # the engine's optimizer takes every weight, as training will
+        p.requires_grad_(True)
+    meta = {k: source_meta[k] for k in READER_KEYS if k in source_meta}
+    return save_weights_run(model, run_cfg, out, {**meta, "lisa_layers": layers,
+                                                  "converted_from": str(source_meta["checkpoint"])})
 
 
 if __name__ == "__main__":

@@ -658,6 +658,9 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
     rank = lisa.resolved_rank(cfg.head_dim)
     if rank % 2 or rank < 2:
         raise ConfigError(f"model.lisa.rank={lisa.rank} must be even and >= 2 (RoPE rotates pairs)")
+    if rank > cfg.head_dim:  # a head's own Q.K^T has rank head_dim at most: more only adds parameters
+        raise ConfigError(f"model.lisa.rank={lisa.rank} exceeds head_dim {cfg.head_dim}; give at most {cfg.head_dim} "
+                          f"(0: head_dim / 8)")
     group = lisa.resolved_group(cfg.num_heads)
     if cfg.num_heads % group:
         raise ConfigError(
