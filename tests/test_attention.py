@@ -573,6 +573,17 @@ def test_kv_cache_decoding_equals_recomputing(single_process, align_hidden):
     assert cached == generate(model, prompt, 25, greedy=True, use_cache=False) and len(set(cached)) > 3
     hook.remove()
     assert head_rows == [1] * 50
+    with torch.no_grad():  # both: a plain greedy loop over the last max_seq_len tokens (30 > 24)
+        plain = list(prompt)
+        for _ in range(25):
+            plain.append(int(model.logits(torch.tensor([plain[-cfg.max_seq_len:]]))[0, -1, :VOCAB].argmax()))
+    assert cached == plain[len(prompt):]
+    # Padding ids of the head (vocab_pad_to) are never drawn, however high their logits.
+    own = model.output_logits
+    model.output_logits = lambda hidden: torch.cat([own(hidden), torch.full((*own(hidden).shape[:-1], 64), 1e9,
+                                                                              dtype=torch.float64)], -1)
+    assert generate(model, prompt, 3, greedy=True) == cached[:3]
+    assert max(generate(model, prompt, 3, generator=torch.Generator().manual_seed(0))) < VOCAB
 
 
 def test_planner_counts_kept_chain_rows_only_where_the_fused_kernel_does_not_run():

@@ -3,6 +3,7 @@ selection rules, beam width 1 = greedy, and the tool's pruned checkpoint in the 
 TP=2 and in training."""
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -119,6 +120,32 @@ def test_scores_and_selection_follow_the_rules():
     assert second["a"].tolist() == [[False, False], [True, True]] and not second["b"].any()
     capped = select(scores, masks, count=3, skip=0, layer_cap=0.5)  # at most 2 of a's 4, 1 of b's 2
     assert int(capped["a"].sum()) == 2 and int(capped["b"].sum()) == 1
+    # The cap counts what earlier steps pruned: a layer at its cap takes no more; one below it, the rest
+    earlier = {"a": torch.tensor([[False, True], [False, True]]), "b": torch.zeros(1, 2, dtype=torch.bool)}
+    more = select({"a": scores["a"].masked_fill(earlier["a"], -math.inf), "b": scores["b"]}, earlier, count=3,
+                  skip=0, layer_cap=0.5)
+    assert torch.equal(more["a"], earlier["a"]) and int(more["b"].sum()) == 1
+    # The pool: the highest-unsafe share of the weights not yet pruned (2 of the 5 left at 0.5)
+    pooled = weight_scores(weight, unsafe, safe, "ratio", pool=0.5, pruned=pruned)
+    assert int(torch.isfinite(pooled).sum()) == 2
+
+
+def test_a_pruning_step_is_accepted_within_budgets_of_the_unpruned_model():
+    """A child must raise the unsafe CE and lower the objective over its parent, and keep the safe
+    and utility CEs within their budgets of the unpruned base (not of its parent: drift adds up)."""
+    from types import SimpleNamespace
+
+    judge = SimpleNamespace(config=SearchConfig(safe_budget=0.02, utility_budget=0.02))
+
+    def state(safe, unsafe, objective, utility=1.0):
+        return State({}, {"ce_safe": safe, "ce_unsafe": unsafe, "objective": objective, "utility": utility})
+
+    base, parent = state(1.0, 2.0, 0.0), state(1.015, 2.1, -0.1)
+    assert Pruner.acceptable(judge, state(1.019, 2.2, -0.2), parent, base)
+    assert not Pruner.acceptable(judge, state(1.03, 2.2, -0.2), parent, base)  # within 2% of the parent only
+    assert not Pruner.acceptable(judge, state(1.019, 2.2, -0.2, utility=1.03), parent, base)
+    assert not Pruner.acceptable(judge, state(1.019, 2.05, -0.2), parent, base)  # the unsafe CE fell
+    assert not Pruner.acceptable(judge, state(1.019, 2.2, -0.05), parent, base)  # the objective rose
 
 
 def _pruner(config):
