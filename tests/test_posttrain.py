@@ -232,6 +232,8 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
     metrics = policy.last_metrics
     torch.testing.assert_close(metrics["reward_margin"], margin.mean().detach())
     assert metrics["reward_accuracy"].item() == pytest.approx((margin > 0).float().mean().item())
+    torch.testing.assert_close(metrics["reward_chosen"], beta * (pi[:3] - ref[:3]).mean().detach())
+    torch.testing.assert_close(metrics["reward_rejected"], beta * (pi[3:] - ref[3:]).mean().detach())
 
 
 def test_sga_value_head_loss_and_conditioning_text():
@@ -245,6 +247,13 @@ def test_sga_value_head_loss_and_conditioning_text():
     assert conditioned[0]["content"] == ("write about trees\nYour response must satisfy the following scores: "
                                          "<length_score:0.5> and <keyword_score:1.0>")
     assert messages[0]["content"] == "write about trees"  # the raw prompt is left as it was
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert with_scores(turns, {"length": 0.5}, fmt) == [*turns[:2], {"role": "user", "content": "c" + fmt.text(
+        {"length": 0.5})}]  # the last user turn's request
+    from posttrain.value_head import ValueHead
+
+    head = ValueHead.from_spec({"hidden_size": 64, "objectives": ["a", "b"], "layers": 2, "width": 32, "dropout": 0})
+    assert [tuple(m.weight.shape) for m in head.mlp if isinstance(m, torch.nn.Linear)] == [(32, 64), (32, 32), (2, 32)]
     assert ScoreFormat(item="[{name}={value}]", joiner=", ", decimals=1, prefix=" | ").text(
         {"a": 0.26, "b": 0.94}) == " | [a=0.3], [b=0.9]"
 
@@ -841,6 +850,37 @@ def test_sga_objectives_keep_the_starting_checkpoints_order(files, encoder, tmp_
     assert "scores:" not in sp.decode(unit.raw_prompt) and len(unit.raw_prompt) < len(unit.chosen.ids)
     first = Examples(cfg, [str(data)], encoder, None)  # without a checkpoint's: the first record's order
     assert first.objectives == ["length", "keyword"] and first.fingerprint() != ordered.fingerprint()
+
+
+def test_examples_longer_than_a_row_are_counted_and_left_out(files, encoder, tmp_path):
+    """A pair whose rejected side alone is too long, and SFT conversations one token either side of
+    the limit (sequence length + 1 tokens per row)."""
+    from posttrain.config import PostTrainConfig
+    from posttrain.examples import Examples, example_length
+    from pretrain.config import load_config
+
+    dpo = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + ["post.method=dpo"], PostTrainConfig)
+    limit = example_length(dpo)
+    pair = json.loads((files / "pref.jsonl").read_text().splitlines()[0])
+    long_rejected = {**pair, "rejected": " ".join(["word"] * 4 * limit)}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps(long_rejected) + "\n")
+    got = Examples(dpo, [str(tmp_path / "pairs.jsonl")], encoder, None)
+    assert (len(got.units), got.too_long) == (1, 1)
+
+    sft = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + ["post.method=sft"], PostTrainConfig)
+    prompt = [{"role": "user", "content": "say"}]
+    base = len(encoder.conversation([*prompt, {"role": "assistant", "content": ""}])[0])
+    records, lengths = [], []
+    for words in range(1, 4 * limit):
+        messages = [*prompt, {"role": "assistant", "content": " ".join(["a"] * words)}]
+        lengths.append(len(encoder.conversation(messages)[0]))
+        records.append({"messages": messages})
+        if lengths[-1] > limit + 1:
+            break
+    assert base <= limit and limit in lengths  # one exactly at the limit (kept) and longer ones
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = Examples(sft, [str(tmp_path / "sft.jsonl")], encoder, None)
+    assert (got.examples, got.too_long) == (sum(n <= limit for n in lengths), sum(n > limit for n in lengths))
 
 
 def test_an_export_s_chat_template_renders_the_trained_format(tok_dir, tmp_path):
