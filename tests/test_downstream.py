@@ -153,6 +153,27 @@ def test_a_stop_signal_skips_the_downstream_scoring_of_its_step(monkeypatch):
     assert printed == ["step 10 | downstream scoring skipped: stopping on a signal"]
 
 
+def test_downstream_scoring_runs_every_interval_and_at_the_last_step(monkeypatch):
+    """Steps 3 and 6 of 7 at interval 3, and step 7 (the last) though no multiple of it."""
+    import types
+
+    from pretrain import downstream_metrics, signals
+
+    scored_at = []
+    monkeypatch.setattr(downstream_metrics, "evaluate_tasks", lambda *args: scored_at.append(step) or {})
+    monkeypatch.setattr(downstream_metrics, "run_bos", lambda *args: None)
+    monkeypatch.setattr(downstream_metrics.ps, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(signals, "any_rank_received", lambda device: 0)
+    callback = object.__new__(downstream_metrics.DownstreamEval)
+    callback.interval, callback.tasks, callback.sp = 3, {}, None
+    trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(train=types.SimpleNamespace(steps=7, micro_batch=2)),
+                                    device="cpu", meta={}, model=None,
+                                    logger=types.SimpleNamespace(print=lambda *a: None, scalars=lambda *a, **k: None))
+    for step in range(1, 8):
+        callback.on_step_end(trainer, types.SimpleNamespace(step=step))
+    assert scored_at == [3, 6, 7]
+
+
 def test_a_model_that_reads_the_row_length_scores_each_request_alone(tmp_path, tok_dir):
     """ReLU attention with the seqlen normaliser divides by the row's length, so a request padded to
     a longer one in its task scored differently than alone: such a model scores requests unpadded."""

@@ -79,6 +79,10 @@ def test_matching_rejects_uneven_routing_neurons():
         matched_models(ModelConfig(), num_experts=4, top_k=1, expert_hidden=8, shared_hidden=8, sizing="carved")
     models = matched_models(ModelConfig(), num_experts=4, top_k=1, expert_hidden=8, shared_hidden=8, score="z")
     assert models["uoe"].moe.score == "z"
+    # Routed in one layer of two: one layer's routers apart, counted off the models themselves
+    base = ModelConfig(hidden_size=64, num_heads=4, num_layers=2, ffn_hidden_size=96, vocab_size=256)
+    table = parity(matched_models(base, num_experts=4, top_k=1, expert_hidden=8, shared_hidden=8, moe_layers="0"))
+    assert table["uoe_minus_moe"]["routers"] == 64 * 4 == table["moe"]["total"] - table["uoe"]["total"]
 
 
 def test_validation_of_sparse_settings():

@@ -905,3 +905,22 @@ def test_an_export_s_chat_template_renders_the_trained_format(tok_dir, tmp_path)
         ChatEncoder(sp, fmt).prompt(messages[:2])
     with pytest.raises(Exception, match="roles are system, user and assistant, not tool"):
         hf.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_sga_generation_ends_before_eos():
+    """Stage 2 returns the response up to EOS, without it; with no EOS drawn, every new token."""
+    from types import SimpleNamespace
+
+    from posttrain.inference import SGAModel
+    from tests.test_attention import ScriptedLogits
+
+    def row(best: int) -> list[float]:
+        return [10.0 if i == best else 0.0 for i in range(8)]
+
+    def sga(script):
+        encoder = SimpleNamespace(eos=2, prompt=lambda messages: [5, 6])
+        return SGAModel(ScriptedLogits(script), None, encoder, ScoreFormat(), ["a"], {})
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert sga([row(4), row(2), row(7)]).generate(messages, {"a": 0.5}, 5, greedy=True) == [4]
+    assert sga([row(4), row(7)]).generate(messages, {"a": 0.5}, 3, greedy=True) == [4, 7, 7]
