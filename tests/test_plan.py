@@ -194,6 +194,8 @@ def test_the_plan_follows_train_precision_and_zero_0():
     zero0_fp32, zero0_bf16 = memory("parallel.zero_stage=0", "train.precision=fp32"), memory("parallel.zero_stage=0")
     assert zero0_fp32["optimizer"] == pytest.approx(8 * params) and zero0_fp32["buffers"] == pytest.approx(4 * params)
     assert zero0_bf16["gradients"] == pytest.approx((2 + 4) * params) and zero0_bf16["buffers"] == 0
+    for stage in (1, 2):  # DeepSpeed's reduce and all-gather buckets, each the whole model below 5e8 elements
+        assert memory(f"parallel.zero_stage={stage}")["buffers"] == pytest.approx(2 * 2 * params), stage
     # The z-loss's logsumexp comes from the cross-entropy's own pass: no second logits-sized tensor.
     assert memory("train.z_loss=1e-4")["activations"] == bf16["activations"]
 
