@@ -71,5 +71,7 @@ class PostTrainModel(GPT):
         self.last_metrics = metrics  # validation reports them too
         if self.training:
             aux = self.aux_loss()
+            if self.method == "sft" and torch.is_tensor(aux):  # the part comparable with val/loss
+                metrics["ce_loss"] = loss.detach()
             return loss + (aux if prompt_aux is None else (prompt_aux + aux) / 2)
         return loss

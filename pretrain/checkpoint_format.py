@@ -203,8 +203,8 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
                               f"(parallel.zero_stage=0), which a conversion to {asked} needs: {keep}")
     if routed:
         raise CheckpointError(f"checkpoint {path} was saved at {saved}, this run asks for {asked}: a model with "
-                              f"routed experts resumes only at the saved world size (the expert-parallel size may "
-                              f"change); {keep}")
+                              f"routed experts resumes only at the saved world size and tensor-parallel size (the "
+                              f"expert-parallel size may change); {keep}")
     if meta["global_batch"] != global_batch:
         raise CheckpointError(
             f"checkpoint {path} was trained with a global batch of {meta['global_batch']} samples (at {saved}); "

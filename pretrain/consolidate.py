@@ -65,6 +65,17 @@ def run_config(tag_dir: Path):
     return load_config(path, known_sections_only=True) if path.is_file() else None
 
 
+def expert_files(model: dict, tensor: int) -> set[str]:
+    """The expert files DeepSpeed writes for a model: one per routed layer (numbered among the routed
+    layers), expert (global id) and tensor-parallel rank, whatever the expert-parallel size."""
+    from models import registry
+
+    cfg = ModelConfig.from_dict(model)
+    routed = sum(registry.mlp_kind(cfg.mlp_kind(layer)).routed for layer in range(cfg.num_layers))
+    return {f"layer_{layer}_expert_{expert}_mp_rank_{t:02d}_model_states.pt"
+            for layer in range(routed) for expert in range(cfg.moe.num_experts) for t in range(tensor)}
+
+
 def describe_layout(tag_dir: Path, meta: dict, with_optimizer: bool = False) -> dict:
     """{"tensor", "data", "zero3", "experts"} read from the file names and the marker; raises
     ConsolidateError naming every file a complete checkpoint of that layout would have but this lacks
@@ -100,7 +111,9 @@ def describe_layout(tag_dir: Path, meta: dict, with_optimizer: bool = False) -> 
             missing += [f"[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(data)
                         for t in range(tensor)
                         if not any(n.endswith(f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt") for n in names)]
-    if experts:
+    if experts and "model" in meta:
+        missing += sorted(expert_files(meta["model"], tensor) - names)
+    elif experts:
         for t in range(tensor):
             if not any((m := EXPERT_FILE.match(n)) and int(m.group(3)) == t for n in names):
                 missing.append(f"layer_*_expert_*_mp_rank_{t:02d}_model_states.pt")

@@ -301,6 +301,19 @@ def test_sga_of_a_moe_model_balances_the_routers_on_both_forwards():
         on_pairs = model.aux_loss()
     assert float((on_prompts - on_pairs).detach().abs()) > 1e-4  # two different balances
     torch.testing.assert_close(loss, without_aux + (on_prompts + on_pairs) / 2, rtol=1e-5, atol=1e-6)
+    # SFT of it: the loss trained on has the balance in it; ce_loss (logged) is the part val/loss compares with
+    rows = collate_rows([Row(np.arange(4, 12), np.arange(8) > 3), Row(np.arange(5, 11), np.arange(6) > 2)], 3)
+    with single_process_group():
+        torch.manual_seed(4)
+        sft = PostTrainModel(cfg, "sft")
+        loss = sft(rows)
+        aux, ce = sft.aux_loss(), sft.last_metrics["ce_loss"]
+        sft.eval()
+        with torch.no_grad():
+            plain = sft(rows)
+    assert float(aux.detach()) > 0
+    torch.testing.assert_close(loss.detach(), ce + aux.detach())
+    torch.testing.assert_close(ce, plain)
 
 
 def test_throughput_counts_the_rows_a_step_runs():

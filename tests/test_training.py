@@ -318,8 +318,10 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
     saved = {"world_size": 2, "tensor_parallel": 2, "expert_parallel": 1, "global_batch": 8}
     assert check_layout(saved, 2, 2, 8, False, tag) is False
     assert check_layout(saved, 2, 1, 8, False, tag) is True  # TP 2 -> 1 at the same global batch: converted
-    with pytest.raises(CheckpointError, match="routed experts resumes only at the saved world size"):
-        check_layout(saved, 4, 2, 8, True, tag)
+    for world, tensor in ((4, 2), (2, 1)):  # another world size, or the same one split otherwise
+        with pytest.raises(CheckpointError, match="routed experts resumes only at the saved world size and "
+                                                  "tensor-parallel size"):
+            check_layout(saved, world, tensor, 8, True, tag)
     with pytest.raises(CheckpointError, match="records no layout"):
         check_layout({"world_size": 2}, 1, 1, 8, False, tag)  # a marker from before layouts were recorded
     # ZeRO-1 and 2 share their files; 0 and 3 have files of their own, which load at their stage only.
@@ -367,6 +369,24 @@ def test_markers_without_their_zero_stage_are_told_by_their_files(tmp_path):
         assert saved_zero_family({"world_size": 1}, tag) == family.split()[0], family
     assert saved_zero_family({"world_size": 1, "zero_stage": 2}, tmp_path / "0") == "1-2"  # recorded: believed
     assert saved_zero_family({"world_size": 1}, tmp_path) is None  # no DeepSpeed files: nothing to tell by
+
+
+def test_a_checkpoint_missing_one_expert_file_is_told_by_its_name(tmp_path):
+    """Every expert file a routed model's checkpoint needs: DeepSpeed numbers them by routed layer
+    (model.moe.moe_layers 1,3 -> layer_0, layer_1), global expert and tensor-parallel rank."""
+    from models.config import ModelConfig
+    from models.moe.routing import MoEConfig
+    from pretrain.consolidate import ConsolidateError, describe_layout
+
+    model = ModelConfig(mlp="moe", num_layers=4, moe=MoEConfig(num_experts=4, moe_layers="1,3")).to_dict()
+    meta = {"model": model, "world_size": 2, "tensor_parallel": 1}
+    for name in ["rank_00000.pt", "rank_00001.pt", "mp_rank_00_model_states.pt",
+                 *(f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(4))]:
+        (tmp_path / name).write_bytes(b"")
+    assert describe_layout(tmp_path, meta)["experts"]
+    (tmp_path / "layer_1_expert_3_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ConsolidateError, match=r"is missing 1 file\(s\): layer_1_expert_3_mp_rank_00_model_states.pt"):
+        describe_layout(tmp_path, meta)
 
 
 COSINE = [0.5, 1.0, 0.9657, 0.8682, 0.7222, 0.55, 0.3778, 0.2318, 0.1343, 0.1]
