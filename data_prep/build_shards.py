@@ -390,7 +390,10 @@ def _stop_on_signal(signum, frame) -> None:
 
 
 def _init_worker(out_dir: str, plan: dict, progress_queue, skip_unreadable: bool, parent: int) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a worker signalled itself just ends
+    # Ctrl-C and SIGTERM reach the whole process group (a terminal, timeout, scancel): the build's
+    # process stops it, and its workers finish their running parts; they end with it (_die_with).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with(parent)
     # Loaded once per process: the tokenizer cannot be pickled with each task.
     progress_queue.cancel_join_thread()  # progress only: a worker may exit with messages unread

@@ -127,8 +127,11 @@ def unfinished(info: dict, ended: dict) -> str | None:
     """Why a run whose job has ended stopped short of its configured steps, and how to go on; None
     while its job is queued or running, and once the last step is saved."""
     steps, saved = info.get("train_steps"), info.get("latest_checkpoint_step")
-    state = str(info.get("state") or "").split()[0].rstrip(":")
-    if not info.get("job_id") or steps is None or state in ACTIVE_STATES or (saved or 0) >= steps:
+    if not info.get("job_id") or steps is None or (saved or 0) >= steps:
+        return None
+    if info.get("source") is None and not ended:  # Slurm did not answer and no end was recorded: it may run
+        return None
+    if str(info.get("state")).split()[0].rstrip(":") in ACTIVE_STATES:
         return None
     signal, action = ended.get("signal", "none"), ended.get("action")
     if action == "stopped" and signal == "USR1":

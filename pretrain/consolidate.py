@@ -111,8 +111,10 @@ def describe_layout(tag_dir: Path, meta: dict, with_optimizer: bool = False) -> 
             missing += [f"[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(data)
                         for t in range(tensor)
                         if not any(n.endswith(f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt") for n in names)]
-    if experts and "model" in meta:
-        missing += sorted(expert_files(meta["model"], tensor) - names)
+    if "model" in meta:  # every expert file the model needs, also where a copy lost them all
+        expected = expert_files(meta["model"], tensor)
+        missing += sorted(expected - names)
+        experts = bool(expected)
     elif experts:
         for t in range(tensor):
             if not any((m := EXPERT_FILE.match(n)) and int(m.group(3)) == t for n in names):

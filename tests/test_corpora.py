@@ -641,8 +641,9 @@ def _wait_for(condition, what: str, timeout: float = 60.0):
 
 def test_a_killed_or_terminated_build_leaves_no_worker_behind(tmp_path, tok_dir):
     """The build's process killed (SIGKILL, the OOM killer): its workers end too instead of waiting
-    on their queue forever. SIGTERM to it alone (kill, timeout): it stops as on Ctrl-C, the running
-    part finishing first, and exits 143. A worker is held inside a part by a named pipe it reads."""
+    on their queue forever. SIGTERM to it alone (kill) or to its process group (timeout, scancel):
+    it stops as on Ctrl-C, the running part finishing and kept, and exits 143. A worker is held
+    inside a part by a named pipe it reads."""
     import signal
     import subprocess
     import sys
@@ -664,14 +665,18 @@ def test_a_killed_or_terminated_build_leaves_no_worker_behind(tmp_path, tok_dir)
                 return None
         return _wait_for(opened, "a worker to open the named pipe")
 
-    for stop in (signal.SIGKILL, signal.SIGTERM):
-        build = subprocess.Popen([*cmd, "--out", str(tmp_path / stop.name)], cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True)
+    for stop, to_group in ((signal.SIGKILL, False), (signal.SIGTERM, False), (signal.SIGTERM, True)):
+        out = tmp_path / f"{stop.name}{'-group' * to_group}"
+        build = subprocess.Popen([*cmd, "--out", str(out)], cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             write_end = writer_once_a_worker_reads()
             workers = _children(build.pid)
             assert len(workers) == 2, workers
-            build.send_signal(stop)
+            if to_group:
+                os.killpg(build.pid, stop)
+            else:
+                build.send_signal(stop)
             if stop == signal.SIGTERM:
                 _wait_for(lambda: "stopping:" in build.stderr.readline(), "the build to say it stops")
             os.close(write_end)  # the held part reads its end and finishes
@@ -681,3 +686,8 @@ def test_a_killed_or_terminated_build_leaves_no_worker_behind(tmp_path, tok_dir)
         assert build.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 143)
         _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), f"the workers to end after {stop!r}",
                   timeout=10)
+        if stop == signal.SIGTERM:  # the held part was kept
+            plan = P.read_plan(out)
+            held = [p for p in P.parts_of(plan) if any("slow.txt" in str(piece[0]) for piece in plan["parts"][p.index]
+                                                        ["pieces"])]
+            assert len(held) == 1 and P.read_marker(out, held[0], plan) is not None, out

@@ -334,7 +334,9 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     with single_process_group():  # a fraction that allows no layer of five
         assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"), "--max-fraction", "0.1",
                              "--out", str(tmp_path / "new")]) == 2
-    assert "--max-fraction 0.1 allows no layer of this 5-layer model; give at least 0.2" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "--max-fraction 0.1 allows no layer of this 5-layer model; give at least 0.2" in said.err
+    assert "sim to l-1" not in said.out  # before the calibration passes
     assert "val loss: source" in proc.stdout
     from pretrain.checkpoint_format import read_meta, resolve_checkpoint
 

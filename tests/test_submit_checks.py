@@ -377,8 +377,17 @@ def test_status_says_why_an_ended_run_is_short_of_its_steps_and_how_to_go_on(tmp
     assert status.status(run)["unfinished"] is None
     monkeypatch.undo()
     monkeypatch.setattr(status, "_run", lambda cmd: None)
+    # Slurm does not answer and the job's end is not recorded: it may still run, so no resubmission
+    (run / "slurm_history.log").write_text("2026-12-07T06:00:00Z job=77 restarts=3 start nodes=n1\n")
+    assert status.status(run)["unfinished"] is None
     (run / "slurm_config.yaml").write_text("train:\n  steps: 4\n")
     assert status.status(run)["unfinished"] is None
+    # A run never submitted to Slurm (launch.local): its status, nothing unfinished to say
+    local = tmp_path / "local"
+    (local / "checkpoints").mkdir(parents=True)
+    (local / "config.yaml").write_text("train:\n  steps: 10\n")
+    assert status.main([str(local)]) == 0
+    assert "none submitted from this run dir" in capsys.readouterr().out
 
 
 def test_prep_status_counts_the_tasks_of_a_pending_array(monkeypatch):

@@ -387,6 +387,10 @@ def test_a_checkpoint_missing_one_expert_file_is_told_by_its_name(tmp_path):
     (tmp_path / "layer_1_expert_3_mp_rank_00_model_states.pt").unlink()
     with pytest.raises(ConsolidateError, match=r"is missing 1 file\(s\): layer_1_expert_3_mp_rank_00_model_states.pt"):
         describe_layout(tmp_path, meta)
+    for lost in tmp_path.glob("layer_*"):  # a copy that lost them all
+        lost.unlink()
+    with pytest.raises(ConsolidateError, match=r"is missing 8 file\(s\): layer_0_expert_0_mp_rank_00"):
+        describe_layout(tmp_path, meta)
 
 
 COSINE = [0.5, 1.0, 0.9657, 0.8682, 0.7222, 0.55, 0.3778, 0.2318, 0.1343, 0.1]

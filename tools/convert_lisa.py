@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 from pathlib import Path
 
@@ -218,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         if all(problems):
             raise ToolError(f"no layer of this {len(kinds)}-layer model can become a LISA layer: "
                             + "; ".join(problems) + f" (--keep-full-layers sets how many stay, {keep} now)")
+    if args.max_fraction is None:
+        args.max_fraction = 0.84 if args.layers == "sensitivity" else 0.75
+    if args.layers in ("auto", "sensitivity") and int(args.max_fraction * len(kinds)) < 1:
+        raise ToolError(f"--max-fraction {args.max_fraction} allows no layer of this {len(kinds)}-layer model; give at "
+                        f"least {math.ceil(1000 / len(kinds)) / 1000}")
     bos = run_bos(run_cfg, meta)
     eos = run_document_eos(run_cfg, meta)  # as it trained
 
@@ -241,11 +247,6 @@ def main(argv: list[str] | None = None) -> int:
               "starting the low-rank Q/K at zero instead (choose --rank to keep it)")
         args.qk_init = "zero"
     sensitivity = None
-    if args.max_fraction is None:
-        args.max_fraction = 0.84 if args.layers == "sensitivity" else 0.75
-    if args.layers in ("auto", "sensitivity") and int(args.max_fraction * len(kinds)) < 1:
-        raise ToolError(f"--max-fraction {args.max_fraction} allows no layer of this {len(kinds)}-layer model; give at "
-                        f"least {1 / len(kinds):.3g}")
     if args.layers == "auto":
         layers = propose_layers(sim, kinds, cfg.lisa.keep_full_layers, args.threshold, args.max_fraction,
                                 args.max_chain)
