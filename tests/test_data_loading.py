@@ -103,6 +103,28 @@ def test_an_empty_val_index_is_no_val_split(tmp_path, capsys):
         assert "data.mix entry 'web' has no val split (built with --val-fraction 0)" in capsys.readouterr().out
 
 
+def test_each_data_parallel_rank_validates_on_its_own_samples_each_once(tmp_path, monkeypatch, capsys):
+    """12 val samples, micro-batch 4, two data-parallel ranks: one batch each (8 samples), disjoint,
+    no sample read twice to fill train.eval_batches."""
+    from pretrain import data
+    from pretrain.config import load_config
+    from tests.dist_utils import single_process_group
+
+    root = write_synthetic_shards(tmp_path / "data", train=16, val=12)
+    cfg = load_config(None, [f"data.shards={root}/shards", "train.micro_batch=4", "model.max_seq_len=32",
+                             "train.eval_batches=4", f"data.cache={tmp_path}/cache"])
+    rows = []
+    with single_process_group():
+        monkeypatch.setattr(data.ps, "get_data_parallel_world_size", lambda: 2)
+        for rank in (0, 1):
+            monkeypatch.setattr(data.ps, "get_data_parallel_rank", lambda: rank)
+            batches = data.load_val_sets(cfg)[""]
+            assert len(batches) == 1, rank
+            rows += [tuple(row.tolist()) for row in batches[0]]
+    assert len(rows) == len(set(rows)) == 8
+    assert "holds 12 samples, 1 batches of train.micro_batch=4 x 2 data-parallel ranks" in capsys.readouterr().out
+
+
 def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch):
     """Remote shards (any URL streaming downloads from) are checked for a val split by their index,
     as local ones are; here the "remote" is a directory under a URL scheme of the test's own."""

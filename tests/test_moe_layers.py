@@ -560,6 +560,14 @@ def test_routing_telemetry_sums_what_the_forwards_routed():
         used = load[load > 0]
         assert load[N - 1] == 0 and 1 < len(used) < N
         assert got["layer0/load_entropy"] == pytest.approx(float(-(used * used.log()).sum() / math.log(N)))
+        # Over layers: the mean entropy and the largest max load (the unbalanced router's, not the last's)
+        layer(torch.randn(24, D, generator=torch.Generator().manual_seed(5)))
+        router(x)
+        layer.layer = 1  # its place in a model
+        both = RoutingTelemetry.collect([router, layer])
+        assert both["layer0/max_load"] > both["layer1/max_load"]
+        assert both["max_load"] == both["layer0/max_load"]
+        assert both["load_entropy"] == pytest.approx((both["layer0/load_entropy"] + both["layer1/load_entropy"]) / 2)
 
 
 def test_router_z_loss_is_added_to_the_aux_loss_and_counted():

@@ -119,6 +119,25 @@ def test_post_training_probe_attends_within_packed_examples_and_skips_padding():
     assert scalars(stats)["alpha1_uniform"] == pytest.approx(expected)
 
 
+def test_pretraining_probe_attends_within_documents_where_training_does():
+    """With data.document_mask (document_eos set) the sink probe's rows split at EOS as training's do."""
+    from types import SimpleNamespace
+
+    from models.attention.masks import document_ids
+    from models.sinks import measure
+    from pretrain.trainer import Trainer
+
+    batch = torch.tensor([[5, 6, 2, 7, 8, 9, 2, 4, 4], [2, 5, 5, 5, 5, 2, 6, 6, 6]])  # EOS = 2
+    masked = SimpleNamespace(val_batches=[batch], device=torch.device("cpu"), document_eos=2)
+    tokens, documents, queries = Trainer.probe_batch(masked, 8)
+    assert torch.equal(tokens, batch[:, :8]) and queries is None
+    assert torch.equal(documents, document_ids(batch[:, :8], 2))
+    whole = Trainer.probe_batch(SimpleNamespace(val_batches=[batch], device=torch.device("cpu"), document_eos=None), 8)
+    assert whole[1] is None  # no mask: whole rows
+    within, across = measure(UniformWithinDocuments(), tokens, documents), measure(UniformWithinDocuments(), tokens)
+    assert float(within.alpha1) > float(across.alpha1)  # shorter documents: more weight on their first token
+
+
 def test_sink_report_probes_random_tokens_as_the_run_began_its_samples(monkeypatch, tmp_path, capsys):
     """Shards that cannot be read: random ordinary tokens, after BOS where the run's samples had it."""
     from types import SimpleNamespace

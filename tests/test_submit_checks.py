@@ -113,6 +113,34 @@ def test_submit_makes_every_path_absolute_and_refuses_plugins_of_the_current_dir
     assert main([*args, "model.plugins=[local_kinds]"]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("01:00:00", 3600), ("1-02", 93600),
+                                           ("1-02:03", 93780), ("1-02:03:04", 93784)])
+def test_slurm_time_limits_in_every_form_slurm_takes(text, seconds):
+    from launch.sbatch import SubmitError, parse_time
+
+    assert parse_time(text) == seconds
+    for bad in ("0", "abc", "1:2:3:4"):
+        with pytest.raises(SubmitError):
+            parse_time(bad)
+
+
+def test_the_job_script_gives_the_save_time_to_spare_and_each_cpu_process_its_threads(tmp_path, capsys):
+    """Without --shutdown-timeout the agents wait --signal-seconds - 30 (at least 10) for the save,
+    so they end before Slurm's kill; CPU processes share the task's CPUs."""
+    from launch.submit import main
+    from tests.dist_utils import REPO
+
+    write_synthetic_shards(tmp_path / "web")
+    base = [str(REPO / "configs/tiny_dense.yaml"), f"data.shards={tmp_path}/web/shards",
+            f"data.tokenizer={tmp_path}/web/tokenizer", "model.vocab_size=256", "model.max_seq_len=32",
+            f"run.dir={tmp_path}/run", "--nodes", "1", "--cpu-procs-per-node", "2", "--time", "00:10:00", "--dry-run"]
+    for signal_s, cpus, shutdown, threads in (("120", "8", 90, 4), ("20", "1", 10, 1)):
+        assert main([*base, "--signal-seconds", signal_s, "--cpus-per-task", cpus]) == 0, capsys.readouterr().err
+        script = capsys.readouterr().out
+        assert f"SHUTDOWN_TIMEOUT={shutdown}  #" in script and f"#SBATCH --signal=B:USR1@{signal_s}" in script
+        assert f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}" in script
+
+
 def prep_args(tmp_path, tok_dir, *extra: str) -> list[str]:
     import random
 

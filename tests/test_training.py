@@ -77,8 +77,10 @@ def test_fused_optimizer_matches_the_default(data, reference, tmp_path):
 
 def test_tensor_parallel_training_matches_single_process(data, tmp_path):
     ref_run, tp_run = tmp_path / "tp1", tmp_path / "tp2"
-    # Clipping active: the TP grad norm must be global; z-loss on: its logsumexp spans both vocab halves.
-    overrides = {"train.steps": STEPS, "train.grad_clip": 0.05, "train.z_loss": 1e-3, "train.log_interval": 1}
+    # Clipping active: the TP grad norm must be global; z-loss on: its logsumexp spans both vocab halves;
+    # two micro-batches a step: the logged parts of the loss are their means, as the loss is.
+    overrides = {"train.steps": STEPS, "train.grad_clip": 0.05, "train.z_loss": 1e-3, "train.log_interval": 1,
+                 "train.micro_batch": 2, "train.grad_accum": 2}
     train(1, tiny_overrides(data, ref_run, **overrides))
     train(2, tiny_overrides(data, tp_run, **overrides, **{"parallel.tensor": 2}))
     ref, got = losses(ref_run), losses(tp_run)
@@ -369,6 +371,29 @@ def test_markers_without_their_zero_stage_are_told_by_their_files(tmp_path):
         assert saved_zero_family({"world_size": 1}, tag) == family.split()[0], family
     assert saved_zero_family({"world_size": 1, "zero_stage": 2}, tmp_path / "0") == "1-2"  # recorded: believed
     assert saved_zero_family({"world_size": 1}, tmp_path) is None  # no DeepSpeed files: nothing to tell by
+
+
+def test_a_save_keeps_the_last_complete_checkpoints_and_clears_older_partial_ones(tmp_path):
+    """train.keep_last complete checkpoints stay, the cached universal conversions of the others go
+    with them; partial ones older than the save are crashed saves' leftovers."""
+    from pretrain.checkpoint import _prune
+
+    def tag(step: int, complete: bool = True):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        if complete:
+            (tmp_path / f"step_{step:08d}" / "COMPLETE").write_text("{}")
+
+    for step in (1, 2, 4, 5):
+        tag(step)
+    tag(3, complete=False)  # a crashed save
+    tag(6, complete=False)  # one being written after this save (not older: kept)
+    (tmp_path / "universal" / "step_00000001").mkdir(parents=True)
+    _prune(tmp_path, keep_last=2, keep="step_00000005")
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000005", "step_00000006"]
+    assert not (tmp_path / "universal" / "step_00000001").exists()
+    tag(7)
+    _prune(tmp_path, keep_last=1, keep="step_00000007")  # the partial 6 is older now
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000007"]
 
 
 def test_a_checkpoint_missing_one_expert_file_is_told_by_its_name(tmp_path):
