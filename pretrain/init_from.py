@@ -43,7 +43,7 @@ MAY_DIFFER = ("max_seq_len",)
 def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
     """The source (tag directory or state file), checked (same model, tokenizer, every file
     present) before any process group or model exists."""
-    if Path(path).is_file():  # tools.consolidate / convert_lisa record the run's tokenizer (older files: none)
+    if Path(path).is_file():  # tools.consolidate records the run's tokenizer (older files: none)
         state = state_file(Path(path))
         check_compatible({"model": state["model"], "tokenizer_sha256": state.get("tokenizer_sha256")}, model,
                          tokenizer_sha256, Path(path), INIT_FIX, MAY_DIFFER)
