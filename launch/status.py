@@ -72,6 +72,8 @@ def history(run_dir: Path, job: str) -> dict:
                 starts += 1
             elif " end " in f" {line} ":
                 last_end, end_fields = line, fields
+            elif line.endswith(" requeue failed") and end_fields:  # the batch script's scontrol requeue
+                end_fields = {**end_fields, "action": "requeue failed"}
     return {"starts": starts, "restarts": restarts, "last_end": last_end, "end_fields": end_fields}
 
 
@@ -140,6 +142,8 @@ def unfinished(info: dict, ended: dict) -> str | None:
         why = f"it stopped on SIG{signal} (preemption or cancel)"
     elif action == "failed":
         why = f"its last job run failed (exit code {ended.get('rc', '?')}; see the log)"
+    elif action == "requeue failed":
+        why = "the time limit stopped it and its requeue (scontrol requeue) failed"
     else:
         why = "its job ended"
     resubmit = f"`sbatch {info['run_dir']}/{slurm_job.JOB_SCRIPT}`"

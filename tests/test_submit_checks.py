@@ -382,7 +382,9 @@ def test_status_of_a_job_slurm_forgot_is_its_batch_script_s_record(tmp_path, mon
 @pytest.mark.parametrize("end, why", [
     ("rc=0 signal=USR1 action=stopped", "the time limit stopped it after 3 requeues (launch.submit --max-requeues)"),
     ("rc=0 signal=TERM action=stopped", "it stopped on SIGTERM (preemption or cancel)"),
-    ("rc=1 signal=none action=failed", "its last job run failed (exit code 1; see the log)")])
+    ("rc=1 signal=none action=failed", "its last job run failed (exit code 1; see the log)"),
+    ("rc=0 signal=USR1 action=requeue\n2026-12-07T06:05:01Z job=77 restarts=3 requeue failed",
+     "the time limit stopped it and its requeue (scontrol requeue) failed")])
 def test_status_says_why_an_ended_run_is_short_of_its_steps_and_how_to_go_on(tmp_path, monkeypatch, capsys, end, why):
     from launch import status
 
