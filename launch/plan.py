@@ -1,7 +1,7 @@
 """Will a layout fit, and how fast will it run? Memory per GPU and step time from the config.
 
     python -m launch.plan CONFIG [key=value ...] --nodes N --gpus-per-node G --gpu-mem-gb M \
-        [--gpu h100|h200|a100] [--mfu 0.4] [--json]
+        [--gpu h100|h200|a100|cpu] [--mfu 0.4] [--json]
     python -m launch.plan CONFIG --single-gpu --gpu-mem-gb 141 --gpu h200   # the header's single-GPU layout
 
 Formulas (per GPU; P = parameters held by this GPU after tensor/expert sharding, D = data-parallel

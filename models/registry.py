@@ -4,7 +4,7 @@ memory terms, checkpoint compatibility, export) asks this registry.
 
     register_attention(AttentionKind(name="softmax", letter="s", module=SoftmaxAttention, params=...))
     register_mlp(MLPKind(name="dense", module=lambda cfg, layer: SwiGLU(cfg), params=...))
-    register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size",))
+    register_section("relu_attention", ReLUAttentionConfig, training_only=("block_size", "kernel"))
 
 A registered section becomes a key of the model config (model.relu_attention.normalizer). The
 modules of models/attention/, models/mlp/ and models/moe/ register the built-in kinds when a kind

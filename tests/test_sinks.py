@@ -374,6 +374,23 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
                           env=dist_utils.child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) == 0.0
+    # A checkpoint copied without its run's config.yaml: the config written holds the defaults and the new model
+    import shutil
+
+    import yaml
+
+    from tools.convert_lisa import main as convert_main
+
+    lone = tmp_path / "copied" / "step_00000004"
+    shutil.copytree(run / "checkpoints" / "step_00000004", lone)
+    with single_process_group():
+        assert convert_main(["--checkpoint", str(lone), "--calib-shards", str(root / "shards"), "--layers", "2",
+                             "--steps", "0", "--calib-batches", "1", "--val-samples", "4",
+                             "--out", str(tmp_path / "from_copy")]) == 0
+    assert "the source run's config.yaml was not found" in capsys.readouterr().out
+    written = yaml.safe_load((tmp_path / "from_copy" / "config.yaml").read_text())
+    assert written["model"]["attention"] == report["attention"]
+    assert written["train"]["init_from"] == str(tmp_path / "from_copy" / "converted" / "checkpoints" / "step_00000000")
 
 
 def test_paper_trigger_task_data_follows_the_paper():

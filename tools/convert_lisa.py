@@ -325,17 +325,18 @@ def main(argv: list[str] | None = None) -> int:
           f"({tps_new / tps_source:.2f}x)")
 
     out.mkdir(parents=True, exist_ok=True)
-    full = run_config(Path(meta["checkpoint"]))
-    weights = write_converted(model, new_cfg, copy.deepcopy(full) if full is not None else Config(), meta,
-                              out / "converted", layers)
-    if full is not None:
-        full.model = new_cfg
-        full.run.dir, full.run.name = str(out), out.name
-        full.train.init_from, full.train.resume = str(weights), "auto"
-        save_config(full, out / "config.yaml")
+    source_run = run_config(Path(meta["checkpoint"]))
+    full = source_run if source_run is not None else Config()  # a checkpoint copied without its run's config
+    weights = write_converted(model, new_cfg, copy.deepcopy(full), meta, out / "converted", layers)
+    full.model = new_cfg
+    full.run.dir, full.run.name = str(out), out.name
+    full.train.init_from, full.train.resume = str(weights), "auto"
+    save_config(full, out / "config.yaml")
     (out / "conversion.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'converted'} (the converted model: --checkpoint for tools.evaluate, export, generate), "
-          f"{out / 'conversion.json'}" + (f"; continue training with {out / 'config.yaml'}" if full is not None else ""))
+          f"{out / 'conversion.json'}; continue training with {out / 'config.yaml'}"
+          + ("" if source_run is not None else " (the source run's config.yaml was not found: set its data.* and "
+                                                "train.* keys)"))
     return 0
 
 
