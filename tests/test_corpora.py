@@ -348,6 +348,9 @@ def test_reservoir_sample_is_uniform_and_bounded():
         hits.update(int(d.origin[1:]) // 50 for d in sample)  # which quarter of the stream
     # 300 x 20 draws, 1500 expected per quarter; "the first N" would put all 6000 in the first.
     assert all(1300 < hits[q] < 1700 for q in range(4)), hits
+    # One slot, ten documents: each is the sample in a tenth of the seeds (2000 seeds: 200 expected)
+    kept = Counter(tt.reservoir_sample(iter(docs[:10]), 1, seed, 10, {})[0].origin for seed in range(2000))
+    assert sorted(kept) == [f"d{i}" for i in range(10)] and all(140 < n < 260 for n in kept.values()), kept
 
 
 def test_tokenizer_trains_on_a_sample_of_all_files(tmp_path):

@@ -480,6 +480,12 @@ def test_import_round_trip_and_resume(data, imported, dist_env, tmp_path):
     with torch.no_grad():
         want = source(tokens).logits
     assert (framework_logits(tag, tokens) - want).abs().max().item() <= 1e-4
+    from pretrain.consolidate import load_model
+
+    model, model_cfg, _ = load_model(tag)  # the padded vocabulary rows start at zero: their logits are 0
+    assert model_cfg.padded_vocab_size > vocab
+    state = model.state_dict()
+    assert not state["embed.weight"][vocab:].any() and not state["head.weight"][vocab:].any()
     umask = os.umask(0o022)
     try:
         assert export_main(["--checkpoint", str(run), "--out", str(back)]) == 0
@@ -932,3 +938,33 @@ def test_evaluate_names_the_splits_the_shards_have(tmp_path):
     assert split_dir(tmp_path, "train") == tmp_path / "train"
     with pytest.raises(ToolError, match="neither"):
         split_dir(tmp_path / "train" / "nothing", "val")
+
+
+def test_remote_code_routing_and_head_alignment_follow_their_formulas():
+    """The bundled modeling file on its own: experts picked on scores + bias, weighted by the softmax
+    of the unbiased scores; LISA's head alignment over several blocks of query rows equals
+    M S + W2 GELU(W1 S + b1) + b2 per group, unblocked."""
+    import torch.nn.functional as F
+
+    from models.hf import modeling_uoe_pretrain as remote
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, 4, generator=gen).log_softmax(-1)
+    bias = torch.tensor([3.0, -3.0, 0.0, 0.0])  # expert 0 always picked, expert 1 never
+    selected, weights = remote.top_k(scores, bias, 2)
+    assert torch.equal(selected, (scores + bias).topk(2, dim=-1).indices) and (selected[:, 0] == 0).all()
+    torch.testing.assert_close(weights, torch.softmax(scores.gather(-1, selected), -1))
+    assert not torch.allclose(weights, torch.softmax((scores + bias).gather(-1, selected), -1))
+
+    align = remote.HeadAlign(heads=4, group=2, hidden=3)
+    with torch.no_grad():
+        for p in align.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    s = torch.randn(1, 4, 20, 20, generator=gen)
+    g = s.view(1, 2, 2, 20, 20)  # [batch, group, head in group, q, k]
+    hidden = F.gelu(torch.einsum("ghj,bgjqk->bghqk", align.w1, g) + align.b1[None, :, :, None, None])
+    want = (torch.einsum("gij,bgjqk->bgiqk", align.mix, g) + torch.einsum("gih,bghqk->bgiqk", align.w2, hidden)
+            + align.b2[None, :, :, None, None])
+    align.ROW_BLOCK = 8  # three blocks of query rows
+    with torch.no_grad():
+        torch.testing.assert_close(align(s), want.reshape(1, 4, 20, 20).detach(), rtol=1e-5, atol=1e-5)

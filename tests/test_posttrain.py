@@ -17,6 +17,7 @@ from posttrain.batches import (
     ExampleBatches,
     PairExample,
     Row,
+    chunked,
     collate_pairs,
     collate_rows,
     fixed_batches,
@@ -937,3 +938,37 @@ def test_sga_generation_ends_before_eos():
     messages = [{"role": "user", "content": "hi"}]
     assert sga([row(4), row(2), row(7)]).generate(messages, {"a": 0.5}, 5, greedy=True) == [4]
     assert sga([row(4), row(7)]).generate(messages, {"a": 0.5}, 3, greedy=True) == [4, 7, 7]
+
+
+def test_packing_fills_rows_greedily_and_padding_stops_at_the_cap():
+    """pack opens a new row only when the next example would overflow it (one that fits exactly
+    stays); collate pads to a multiple of 8 but never past the row length it is given."""
+    rng = random.Random(0)
+
+    def row(n: int) -> Row:
+        return Row(np.arange(n), np.ones(n, dtype=bool))
+
+    assert [len(r.ids) for r in pack([row(3), row(5), row(1)], 8)] == [8, 1]
+    lengths = [rng.randint(1, 8) for _ in range(40)]
+    want, used = [], 0
+    for n in lengths:  # the plain greedy rule
+        if want and used + n > 8:
+            used = 0
+        if used == 0:
+            want.append(0)
+        want[-1] += n
+        used += n
+    assert [len(r.ids) for r in pack([row(n) for n in lengths], 8)] == want
+    assert collate_rows([row(65)], 0)["tokens"].shape == (1, 72)
+    assert collate_rows([row(65)], 0, cap=65)["tokens"].shape == (1, 65)
+    assert all(b["tokens"].shape[1] <= 65 for b in chunked([row(65), row(30), row(64)], 2, 0, cap=65))
+
+
+def test_converted_pairs_take_the_first_of_equal_best_and_worst_responses():
+    from collections import Counter
+
+    from posttrain.convert import pairs
+
+    rated = [("d1", {"a": 3.0}), ("d2", {"a": 3.0}), ("d3", {"a": 1.0}), ("d4", {"a": 1.0})]
+    got = pairs({json.dumps("D"): rated}, Counter())
+    assert [(p["chosen"], p["rejected"]) for p in got] == [("d1", "d3")]
