@@ -64,7 +64,7 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
     if marker is not None:
         # The batch shell knows why it was signalled; a signal sent straight to the step is only
         # known from the marker.
-        reason = received or str(marker.get("signal", "")).removeprefix("SIG")
+        reason = received or marker_signal(marker)
         where = f"saved at step {marker.get('step')} on SIG{reason}"
         if reason != "USR1":
             return "stopped", f"{where} (preemption or cancel): not requeueing"
@@ -81,11 +81,16 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
     return "failed", f"training step exited {rc} without a signal save; latest complete checkpoint: step {last}"
 
 
+def marker_signal(marker: dict) -> str:
+    """The signal a stop marker records, without its SIG prefix (USR1, TERM)."""
+    return str(marker.get("signal", "")).removeprefix("SIG")
+
+
 def stop_signal(run_dir: Path, received: str, started: bool = True) -> str:
     """The signal the job run stopped on, for its history line: the one the batch shell received, else
     (a signal sent straight to the step) the one the trainer's stop marker records; "none"."""
     marker = read_stop_marker(run_dir) if started else None
-    return received or (str(marker.get("signal", "")).removeprefix("SIG") if marker else "") or "none"
+    return received or (marker_signal(marker) if marker else "") or "none"
 
 
 def main(argv: list[str] | None = None) -> int:

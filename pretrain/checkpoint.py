@@ -7,6 +7,7 @@ A crash at any point leaves `latest` at the previous complete checkpoint.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import random
@@ -212,6 +213,9 @@ def save_weights_run(model: torch.nn.Module, cfg, out: Path, meta: dict) -> Path
     from pretrain.config import save_config
     from pretrain.engine import build_engine
 
+    cfg = copy.deepcopy(cfg)  # the layout of the checkpoint it writes: one process, TP=1, ZeRO-1, fp32
+    cfg.parallel.tensor, cfg.parallel.expert, cfg.parallel.zero_stage = 1, 1, 1
+    cfg.train.precision = "fp32"
     with directory_in_place(Path(out)) as tmp:
         engine = build_engine(cfg, model)
         meta = {"model": cfg.to_dict()["model"], "flops_per_token": flops_per_token(cfg.model),

@@ -42,7 +42,6 @@ import torch
 from models.config import ModelConfig
 from pretrain.checkpoint_format import (
     COMPLETE,
-    EXPERT_FILE,
     EXPERT_KEY,
     MP_MODEL,
     ZERO3_MODEL,
@@ -83,7 +82,6 @@ def describe_layout(tag_dir: Path, meta: dict, with_optimizer: bool = False) -> 
     names = {p.name for p in tag_dir.iterdir()}
     zero3 = sorted((int(m.group(1)), int(m.group(2))) for n in names if (m := ZERO3_MODEL.match(n)))
     mp = sorted(int(m.group(1)) for n in names if (m := MP_MODEL.match(n)))
-    experts = any(EXPERT_FILE.match(n) for n in names)
     world = int(meta.get("world_size", 1))
     # The size the checkpoint was saved at: its marker's (config.yaml follows the latest start of the
     # run, perhaps at another layout); markers written before it was recorded: config.yaml, else the
@@ -111,21 +109,17 @@ def describe_layout(tag_dir: Path, meta: dict, with_optimizer: bool = False) -> 
             missing += [f"[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(data)
                         for t in range(tensor)
                         if not any(n.endswith(f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt") for n in names)]
-    if "model" in meta:  # every expert file the model needs, also where a copy lost them all
-        expected = expert_files(meta["model"], tensor)
-        missing += sorted(expected - names)
-        experts = bool(expected)
-    elif experts:
-        for t in range(tensor):
-            if not any((m := EXPERT_FILE.match(n)) and int(m.group(3)) == t for n in names):
-                missing.append(f"layer_*_expert_*_mp_rank_{t:02d}_model_states.pt")
+    # Every expert file the model needs, also where a copy lost them all (markers without the model
+    # are refused by every reader)
+    expected = expert_files(meta["model"], tensor) if "model" in meta else set()
+    missing += sorted(expected - names)
     if missing:
         raise ConsolidateError(
             f"checkpoint {tag_dir} (world size {world} = tensor {tensor} x data {data}, "
             f"{'ZeRO-3' if zero3 else 'ZeRO 0-2'}) is missing {len(missing)} file(s): {', '.join(missing[:8])}"
             f"{' ...' if len(missing) > 8 else ''}; copy the whole checkpoint directory or use another step"
         )
-    return {"tensor": tensor, "data": data, "zero3": bool(zero3), "experts": experts}
+    return {"tensor": tensor, "data": data, "zero3": bool(zero3), "experts": bool(expected)}
 
 
 def _load(path: Path) -> dict:

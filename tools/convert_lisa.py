@@ -61,6 +61,7 @@ from pretrain.config import Config, missing_manifest_fix, read_manifest, save_co
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import read_samples, run_bos, run_document_eos, starting_with
 from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors, run
+from tools.evaluate import check_shards_tokenizer
 
 
 @torch.no_grad()
@@ -342,10 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_calibration_shards(manifest: dict, shards: Path, cfg, meta: dict) -> None:
     """Calibration rows the model can read as it was trained: its tokenizer, vocabulary, positions."""
-    theirs, ours = manifest.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
-    if theirs and ours and theirs != ours:
-        raise ToolError(f"--calib-shards {shards}: tokenized with another tokenizer (sha256 {theirs[:12]}) than the "
-                        f"checkpoint was trained with (sha256 {ours[:12]}); give shards built with its tokenizer")
+    check_shards_tokenizer(shards, meta, "--calib-shards")
     if manifest.get("vocab_size", cfg.vocab_size) > cfg.vocab_size:
         raise ToolError(f"--calib-shards {shards}: built for {manifest['vocab_size']} tokens, more than the model's "
                         f"{cfg.vocab_size}; give shards built with its tokenizer")
@@ -359,12 +357,11 @@ READER_KEYS = ("tokenizer_sha256", "eos_id", "bos_id", "start_with_bos", "specia
 
 
 def write_converted(model, model_cfg, run_cfg: Config, source_meta: dict, out: Path, layers: list[int]) -> Path:
-    """The converted model as a run directory whose step-0 checkpoint holds its weights (one process,
-    fp32, no optimizer state); returns that checkpoint's directory."""
+    """The converted model as a run directory whose step-0 checkpoint holds its weights
+    (pretrain.checkpoint.save_weights_run); returns that checkpoint's directory."""
     run_cfg.model = model_cfg
     run_cfg.run.dir, run_cfg.run.name = str(out), out.name
-    run_cfg.parallel.tensor, run_cfg.parallel.expert, run_cfg.parallel.zero_stage = 1, 1, 1
-    run_cfg.train.precision, run_cfg.train.init_from, run_cfg.train.resume = "fp32", "", "auto"
+    run_cfg.train.init_from, run_cfg.train.resume = "", "auto"
     for p in model.parameters():  # the engine's optimizer takes every weight, as training will
         p.requires_grad_(True)
     meta = {k: source_meta[k] for k in READER_KEYS if k in source_meta}
