@@ -220,6 +220,25 @@ def test_an_fp32_plan_takes_the_fp32_peak():
     assert fp32["step_time_s"] / bf16["step_time_s"] == pytest.approx(989 / 67)
 
 
+def test_full_checkpointing_keeps_the_largest_layer_wherever_it_is():
+    """Full checkpointing keeps each layer's input plus one layer's full set for its recompute: the
+    largest layer's, first or last, in a model whose layers differ (routed and dense MLPs)."""
+    from launch.plan import Layout, activation_bytes
+
+    layout = Layout(world=1, tensor=1, expert=1, data=1, zero_stage=1, micro_batch=2, bf16=True,
+                    checkpointing="full")
+
+    def full(*overrides: str) -> float:
+        model = load_config(REPO / "configs/125m_moe.yaml", list(overrides)).model
+        return activation_bytes(model, layout, model.max_seq_len)
+
+    routed, dense = full("model.moe.moe_layers=all"), full("model.mlp=dense")
+    assert routed != dense
+    last = load_config(REPO / "configs/125m_moe.yaml").model.num_layers - 1
+    for layer in (0, last):
+        assert full(f"model.moe.moe_layers={layer}") == pytest.approx(max(routed, dense)), layer
+
+
 def test_zero_shards_over_data_parallel_ranks_and_experts_over_theirs():
     """ZeRO-1 shards the optimizer states over the data-parallel ranks, ZeRO-2 the gradients too,
     ZeRO-3 the weights too; routed experts (4-way expert parallel over 8 ranks) over the 2 ranks
