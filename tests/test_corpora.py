@@ -78,6 +78,11 @@ def test_parquet_streams_row_groups_counts_nulls_and_round_trips(tmp_path, tok_d
     assert docs[4].origin == f"{src}:6"  # 1-based rows: the null was row 5
     assert report.to_dict()["by_reason"] == {"missing or non-string 'content' field": 1}
     assert report.examples == [f"{src}:5: missing or non-string 'content' field"]
+    # Read a row group at a time (parts cut by row groups), each row keeps its origin in the file,
+    # which its split is hashed from.
+    by_group = [d for group in (3, 1, 4, 0, 2) for d in
+                read_parquet_file(src, "content", BadInputReport(), row_groups=[group])]
+    assert sorted((d.origin, d.text) for d in by_group) == sorted((d.origin, d.text) for d in docs)
 
     wrong = BadInputReport()
     assert list(iter_documents([src], text_field="text", report=wrong)) == []
