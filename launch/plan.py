@@ -56,6 +56,7 @@ from pretrain.telemetry import peak_tflops
 GPUS = ("h100", "h200", "a100", "cpu")  # --gpu: peak from pretrain.telemetry's table (cpu: 1 TFLOP/s)
 COMPUTE_CAPABILITY = {"h100": (9, 0), "h200": (9, 0), "a100": (8, 0)}
 GIB = 2**30
+USABLE_FRACTION = 0.95  # of a GPU's memory: the rest for the allocator's fragmentation and the CUDA context
 
 
 @dataclass
@@ -156,11 +157,12 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
                     t.activation_checkpointing, grouped, fused_swiglu)
     memory = memory_breakdown(cfg, layout)
     total = peak_bytes(memory)
-    fits = total <= gpu_mem_gb * GIB * 0.95  # keep 5% for the allocator and the CUDA context
+    usable = gpu_mem_gb * GIB * USABLE_FRACTION
+    fits = total <= usable
     largest = 0
     for micro in range(1, 257):
         trial = Layout(**{**layout.__dict__, "micro_batch": micro})
-        if peak_bytes(memory_breakdown(cfg, trial)) > gpu_mem_gb * GIB * 0.95:
+        if peak_bytes(memory_breakdown(cfg, trial)) > usable:
             break
         largest = micro
     tokens_per_step = t.micro_batch * t.grad_accum * layout.data * cfg.model.max_seq_len
@@ -171,13 +173,14 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
     result = {
         "layout": layout.__dict__, "params_total": counts["total"], "params_active": counts["active"],
         "flops_per_token": fpt, "memory_gb": {k: v / GIB for k, v in memory.items()},
-        "memory_total_gb": total / GIB, "gpu_mem_gb": gpu_mem_gb, "fits": fits,
+        "memory_total_gb": total / GIB, "gpu_mem_gb": gpu_mem_gb, "usable_gb": usable / GIB, "fits": fits,
         "largest_micro_batch": largest, "tokens_per_step": tokens_per_step,
         "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time, "assumed_mfu": mfu, "gpu": gpu,
     }
     if not fits:
         result["reason"] = (
-            f"needs {total / GIB:.1f} GB per GPU but {gpu_mem_gb:.0f} GB are available; "
+            f"needs {total / GIB:.1f} GB per GPU but {usable / GIB:.1f} GB are usable ({gpu_mem_gb:g} GB less "
+            f"{1 - USABLE_FRACTION:.0%} for the allocator and the CUDA context); "
             + (f"the largest micro-batch that fits is {largest}" if largest else
                "no micro-batch fits: raise parallel.tensor / parallel.zero_stage or enable "
                "train.activation_checkpointing")
@@ -197,7 +200,8 @@ def format_plan(r: dict) -> str:
     ]
     for key, value in r["memory_gb"].items():
         lines.append(f"  {key:<14}{value:>10.2f}")
-    lines.append(f"  {'peak':<14}{r['memory_total_gb']:>10.2f}  of {r['gpu_mem_gb']:.0f} GB -> "
+    lines.append(f"  {'peak':<14}{r['memory_total_gb']:>10.2f}  of {r['usable_gb']:.2f} usable "
+                 f"({r['gpu_mem_gb']:g} GB less {1 - USABLE_FRACTION:.0%}) -> "
                  f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
     lines.append(f"largest micro-batch that fits: {r['largest_micro_batch']}")
     lines.append(f"estimated step time {r['step_time_s']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s "

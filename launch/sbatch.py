@@ -62,7 +62,7 @@ OWNED_OPTIONS = {**_SHARED_OPTIONS, "--nodes": "nodes", "--signal": "signal_seco
 PREP_OWNED_OPTIONS = {**_SHARED_OPTIONS, "--array": "", "--dependency": ""}
 SHORT_OPTIONS = {"-N": "--nodes", "-t": "--time", "-J": "--job-name", "-p": "--partition", "-A": "--account",
                  "-q": "--qos", "-C": "--constraint", "-c": "--cpus-per-task", "-n": "--ntasks", "-o": "--output",
-                 "-e": "--error", "-D": "--chdir", "-a": "--array"}
+                 "-e": "--error", "-D": "--chdir", "-a": "--array", "-d": "--dependency"}
 
 
 def check_sbatch_arg(extra: str, args: argparse.Namespace, owned: dict = OWNED_OPTIONS) -> None:

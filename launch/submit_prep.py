@@ -18,6 +18,7 @@ submitted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -31,7 +32,8 @@ from pathlib import Path
 
 from data_prep import dedup
 from data_prep import parts as P
-from data_prep.build_shards import SPLIT_KEYS, plan_build
+from data_prep.build_shards import SPLIT_KEYS, check_compression, plan_build
+from data_prep.tokenizer import tokenizer_record
 from launch.sbatch import (ACTIVE_STATES, PREP_OWNED_OPTIONS, SubmitError, SubmitUnknown, check_job_name, check_repo,
                            check_slurm_path, parse_time, sbatch_lines, submit)
 
@@ -100,7 +102,7 @@ def render(args: argparse.Namespace, out: Path, command: str, log: str) -> str:
     text = TEMPLATE.read_text().replace(
         "# {{NAME}} placeholders are filled in by launch.submit_prep; the rendered script is plain bash.",
         "# Rendered by launch.submit_prep from slurm/prep.sbatch.")
-    text = re.sub(r"\{\{([A-Z_]+)\}\}", lambda m: values[m.group(1)], text)
+    text = re.sub(r"\{\{([A-Z_]+)\}\}", lambda m: values.get(m.group(1), m.group(0)), text)
     if "{{" in text:
         raise SubmitError("slurm/prep.sbatch has a placeholder launch.submit_prep does not know")
     return text
@@ -119,12 +121,31 @@ def _absolute(path: str | None) -> str | None:
 
 
 def finished_differently(args: argparse.Namespace, out: Path) -> str:
-    """The settings given here that differ from those a finished build in `out` was planned with."""
-    planned = (P.read_plan(out) or {}).get("settings", {})
+    """The settings given here that differ from those a finished build in `out` was planned with
+    (its relative paths read from where it was planned; a tokenizer retrained in place differs)."""
+    plan = P.read_plan(out) or {}
+    planned = dict(plan.get("settings", {}))
+    where = plan.get("planned_in") or os.getcwd()
+
+    def located(path: str) -> str:
+        return os.path.abspath(os.path.join(where, os.path.expanduser(path)))
+
+    if planned:
+        planned.setdefault("split_key", "path")  # plans made before the setting hashed the paths as given
+    if "tokenizer" in planned:
+        planned["tokenizer"] = located(planned["tokenizer"])
+    if "sources" in planned:
+        planned["sources"] = [located(source) for source in planned["sources"]]
     given = {"seq_len": args.seq_len, "val_fraction": args.val_fraction, "seed": args.seed,
-             "text_field": args.text_field, "dedup": args.dedup, "tokenizer": _absolute(args.tokenizer)}
+             "text_field": args.text_field, "dedup": args.dedup, "split_key": args.split_key,
+             "compression": check_compression(args.compression),
+             "shard_size_limit": P.parse_size(args.shard_size_limit), "tokenizer": _absolute(args.tokenizer)}
+    with contextlib.suppress(OSError, ValueError):  # no tokenizer record there: the build would say so
+        given["tokenizer_sha256"] = tokenizer_record(args.tokenizer)["sha256"]
     if args.sources:
         given["sources"] = [_absolute(source) for source in args.sources]
+    if str(args.part_size) != "auto":
+        given["part_bytes"] = P.parse_size(args.part_size)
     return ", ".join(f"{key}: {planned[key]!r} there, {value!r} now" for key, value in given.items()
                      if key in planned and planned[key] != value)
 

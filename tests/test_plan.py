@@ -51,6 +51,12 @@ def test_layout_that_cannot_fit_is_rejected_with_reason(capsys):
     assert plan(cfg, 1, 8, 80)["memory_gb"]["weights"] < big["memory_gb"]["weights"] / 4
     assert plan_main([str(REPO / "configs/dense_3b.yaml"), "--gpus-per-node", "1", "--gpu-mem-gb", "16"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+    # A peak above 95% of the GPU's memory does not fit: the reason and the table name that budget.
+    peak = big["memory_total_gb"]
+    tight = plan(load_config(REPO / "configs/dense_3b.yaml"), 1, 8, peak / 0.97)
+    assert not tight["fits"] and tight["usable_gb"] == pytest.approx(peak / 0.97 * 0.95)
+    assert f"{tight['usable_gb']:.1f} GB are usable ({peak / 0.97:g} GB less 5% for" in tight["reason"]
+    assert plan(load_config(REPO / "configs/dense_3b.yaml"), 1, 8, peak / 0.94)["fits"]
 
 
 def test_single_gpu_plan_uses_the_header_layout(capsys):

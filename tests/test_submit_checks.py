@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -182,14 +183,38 @@ def test_prep_overwrite_keeps_a_finished_build_when_an_argument_is_wrong(tmp_pat
 
 def test_prep_of_a_finished_build_with_other_settings_and_a_relative_python(tmp_path, tok_dir, slurm_bin, capsys,
                                                                             monkeypatch):
+    """A finished local build asked for again: complete with the same settings, its relative paths
+    read from where it was planned; refused naming every setting that differs, among them the split
+    key, the compression and a tokenizer retrained in place."""
+    import shutil
+
+    from data_prep import build_shards as bs
     from launch.submit_prep import main
 
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "manifest.json").write_text("{}")
-    (out / "plan.json").write_text(json.dumps({"settings": {"seq_len": 32, "val_fraction": 0.01, "dedup": "none"}}))
-    assert main(prep_args(tmp_path, tok_dir)) == 2  # asks for seq_len 16: not "complete already"
-    assert "finished build with other settings (seq_len: 32 there, 16 now)" in capsys.readouterr().err
+    prep_args(tmp_path, tok_dir)  # writes tmp_path/corpus
+    shutil.copytree(tok_dir, tmp_path / "tok")
+    monkeypatch.chdir(tmp_path)
+    bs.plan_build(["corpus"], "tok", "out", seq_len=16, val_fraction=0.1, compression="none", split_key="path")
+    bs.build_parts(Path("out"), workers=1)
+    bs.merge_parts(Path("out"))
+    same = ["--tokenizer", "tok", "--out", "out", "--sources", "corpus", "--seq-len", "16", "--val-fraction", "0.1",
+            "--compression", "none", "--split-key", "path", "--time", "00:05:00"]
+    assert main(same) == 0
+    assert "is complete already (manifest.json): nothing to submit" in capsys.readouterr().out
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    absolute = [str(tmp_path / a) if a in ("tok", "out", "corpus") else a for a in same]
+    assert main(absolute) == 0 and "complete already" in capsys.readouterr().out
+    defaults = absolute[:absolute.index("--compression")] + ["--time", "00:05:00"]
+    assert main(defaults + ["--seq-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "finished build with other settings (seq_len: 16 there, 32 now, split_key: 'path' there, " \
+           "'relative' now, compression: None there, 'zstd' now)" in err
+    record = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps({**record, "sha256": "0" * 64}))
+    assert main(absolute) == 2
+    assert f"(tokenizer_sha256: {record['sha256']!r} there, {'0' * 64!r} now)" in capsys.readouterr().err
+    assert not (tmp_path / "sbatch_calls").exists()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     assert main(prep_args(tmp_path, tok_dir, "--overwrite", "--python", "venv/bin/python")) == 2
@@ -214,17 +239,24 @@ def test_prep_tasks_take_skip_unreadable(tmp_path, tok_dir, slurm_bin, capsys):
     assert '--tasks 2 --no-progress --skip-unreadable' in capsys.readouterr().out
 
 
-def test_prep_sbatch_args_are_judged_by_the_prep_script(tmp_path, tok_dir, capsys):
+def test_prep_sbatch_args_are_judged_by_the_prep_script(tmp_path, tok_dir, capsys, monkeypatch):
     """The prep jobs set neither --requeue nor --nodes (a preemptible partition may requeue a task: its
     parts resume); what they do set is refused with the prep command's own way to set it."""
+    from launch import submit_prep
     from launch.submit_prep import main
 
     assert main(prep_args(tmp_path, tok_dir, "--dry-run", "--sbatch-arg=--requeue")) == 0
     assert "#SBATCH --requeue" in capsys.readouterr().out
     for extra, how in (("--time=01:00:00", "set it with --time"), ("--array=0-3", "sets it on each job it submits"),
-                       ("--output=x.log", "the template fixes it")):
+                       ("-d afterok:5", "sets it on each job it submits"), ("--output=x.log", "the template fixes it")):
         assert main(prep_args(tmp_path, tok_dir, "--dry-run", f"--sbatch-arg={extra}")) == 2
         assert how in capsys.readouterr().err, extra
+    # A template placeholder the command does not fill is named, not a traceback.
+    template = tmp_path / "prep.sbatch"
+    template.write_text(submit_prep.TEMPLATE.read_text() + "#SBATCH --mem={{MEM}}\n")
+    monkeypatch.setattr(submit_prep, "TEMPLATE", template)
+    assert main(prep_args(tmp_path, tok_dir, "--dry-run")) == 2
+    assert "slurm/prep.sbatch has a placeholder launch.submit_prep does not know" in capsys.readouterr().err
 
 
 def test_prep_chain_with_an_unanswered_sbatch_keeps_the_queued_jobs_on_record(tmp_path, tok_dir, slurm_bin,
