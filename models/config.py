@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -224,6 +225,10 @@ def parse_attention_pattern(pattern: str | list[str], num_layers: int) -> list[s
             kinds = [p.strip() for p in pattern.split(",") if p.strip()]
         else:
             unknown = sorted(set(pattern) - set(letters))
+            close = difflib.get_close_matches(pattern, known, n=1)
+            if unknown and close:  # a misspelt kind, not a string of letters
+                raise ConfigError(f"model.attention={pattern!r} is no attention kind; did you mean {close[0]!r}? "
+                                  f"(kinds {known}, or one letter per layer {letters})")
             if unknown:
                 raise ConfigError(
                     f"model.attention={pattern!r}: unknown letters {unknown}; use a list of "
@@ -236,6 +241,9 @@ def parse_attention_pattern(pattern: str | list[str], num_layers: int) -> list[s
     if len(kinds) == 1:
         kinds = kinds * num_layers
     bad = [k for k in kinds if k not in registry.attention_kinds()]
+    if bad and all(k in letters for k in kinds):
+        raise ConfigError(f"model.attention={pattern!r}: letters go without commas ({''.join(kinds)!r}); kinds "
+                          f"are listed with them ({','.join(letters[k] for k in kinds)!r})")
     if bad:
         raise ConfigError(f"model.attention: unknown kinds {bad}; choose from {known} "
                           "(a kind outside models/attention/ registers when its module is imported: list it in "

@@ -252,6 +252,11 @@ def run(cfg: Config, task: Task | None = None) -> int:
         rise = schedule_rise(marker, cfg, start_step)
         if rise:
             logger.print(rise)
+        batch, saved_batch = global_batch(cfg, env.world_size), marker.get("global_batch")
+        if saved_batch not in (None, batch):  # at the saved layout (another layout refuses it)
+            logger.print(f"note: the checkpoint trained with a global batch of {saved_batch} samples; from step "
+                         f"{start_step + 1} each step takes {batch} (train.micro_batch x train.grad_accum x "
+                         "data-parallel size), the learning-rate schedule still counting steps")
     trainer = task.trainer(cfg, engine, batches, task.val_sets(cfg), logger, meta, build_callbacks(cfg, model))
     if resume_path is not None:
         trainer.load_rank_state(state)

@@ -93,8 +93,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_resume_follows_the_config_and_a_skipped_update_keeps_the_schedule(tmp_path):
-    """A wsd run saved in its decay (step 5 of 6) resumes with 10 steps, another weight decay and
-    beta2: a note says the rate rises again, the optimizer takes the new settings, and step 7, whose
+    """A wsd run saved in its decay (step 5 of 6) resumes with 10 steps, another weight decay, beta2
+    and global batch: notes say the rate rises again and the batch changed, the optimizer takes the new settings, and step 7, whose
     gradients are not finite, is skipped with the schedule moving on (every logged rate is the
     schedule's at its step)."""
     from pretrain.config import TrainConfig
@@ -105,10 +105,12 @@ def test_a_resume_follows_the_config_and_a_skipped_update_keeps_the_schedule(tmp
     script.write_text(NAN_GRADIENT_TRAIN)
     common = {"train.schedule": "wsd", "train.decay_fraction": 0.5, "train.warmup_steps": 1, "train.eval_batches": 0}
     train(1, tiny_overrides(data, run, **common, **{"train.steps": 6, "train.stop_at_step": 5}))
-    resumed = {**common, "train.steps": 10, "train.weight_decay": 0.5, "train.beta2": 0.99}
+    resumed = {**common, "train.steps": 10, "train.weight_decay": 0.5, "train.beta2": 0.99, "train.grad_accum": 2}
     out = torchrun(1, [str(script), *tiny_overrides(data, run, **resumed)])
     assert ("note: step 6 trains at lr 0.00246, where the checkpoint's schedule (train.steps=6, wsd) was at "
             "0.0003") in out.stdout
+    # train.micro_batch=4 on one process: twice the samples per step from here
+    assert "note: the checkpoint trained with a global batch of 4 samples; from step 6 each step takes 8" in out.stdout
     assert "step 7: the gradients were not finite; update skipped (1 so far in this process)" in out.stdout
     schedule = TrainConfig(steps=10, warmup_steps=1, schedule="wsd", decay_fraction=0.5, lr=3e-3)
     logged = {r["step"]: r["train/lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())

@@ -564,6 +564,8 @@ def test_imported_llama_converts_to_lisa(data, imported, dist_env, tmp_path, cap
                          str(root / "shards"), "--out", str(tmp_path / "lisa"), "--steps", "1", "--rank", "16",
                          "--keep-full-layers", "1", "--loss-budget", "1e-6", "--calib-batches", "1",
                          "--val-samples", "8"]) == 0
+    assert ("note: one alignment group of all 4 heads, so the converted model runs at parallel.tensor=1 only; "
+            "--align-group G (a divisor of 4)") in capsys.readouterr().out
     report = json.loads((tmp_path / "lisa" / "conversion.json").read_text())
     assert report["layers"] == [1] and report["qk_init"] == "own" and set(report["sensitivity"]) == {"1"}
     assert report["val_loss"]["converted_init"] == pytest.approx(report["val_loss"]["source"], rel=1e-5)

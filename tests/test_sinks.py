@@ -253,6 +253,7 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, 
     proc = run_module("tools.sink_report", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
                       "--out", str(out))
     assert "Sink_1^0.3" in proc.stdout and "lisa" in proc.stdout
+    assert "note: --seq 64 is longer than the model's model.max_seq_len=32: measuring 32 tokens" in proc.stdout
     report = json.loads((out / "sink_report.json").read_text())
     assert report["kinds"] == ["softmax", "softmax_sink", "softmax", "relu", "lisa"]
     assert torch.tensor(report["alpha1"]).shape == (5, 4)
@@ -325,11 +326,16 @@ def test_convert_lisa_on_trained_checkpoint(hybrid_run, tmp_path, capsys):
     said = capsys.readouterr()
     assert "--layers 1: layer 1 is within model.lisa.keep_full_layers=2" in said.err
     assert "sim to l-1" not in said.out
+    with single_process_group():
+        assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"), "--layers", "0",
+                             "--keep-full-layers", "0", "--out", str(tmp_path / "new")]) == 2
+    assert ("--layers 0: layer 0 has no earlier layer whose attention scores a LISA layer could reuse"
+            in capsys.readouterr().err)
     with single_process_group():  # no layer left to choose from: keep_full_layers covers all but the LISA one
         assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"),
                              "--keep-full-layers", "4", "--out", str(tmp_path / "new")]) == 2
         said = capsys.readouterr()
-        assert "no layer of this 5-layer model can become a LISA layer: layer 0 is within" in said.err
+        assert "no layer of this 5-layer model can become a LISA layer: layer 0 has no earlier layer" in said.err
         assert "(--keep-full-layers sets how many stay, 4 now)" in said.err and "sim to l-1" not in said.out
         # covering the model's own LISA layer (4) would make it invalid: refused before calibration
         assert convert_main(["--checkpoint", ckpt, "--calib-shards", str(root / "shards"),

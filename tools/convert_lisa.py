@@ -108,6 +108,9 @@ def set_lisa_options(cfg, kinds: list[str], args, tensor: int) -> None:
         print(f"note: alignment groups of the {per_rank} heads of each tensor-parallel rank (the run trained at "
               f"parallel.tensor={tensor}; --align-group sets another size)")
     group = cfg.lisa.resolved_group(cfg.num_heads)
+    if group == cfg.num_heads > 1 and "lisa" not in kinds:
+        print(f"note: one alignment group of all {group} heads, so the converted model runs at parallel.tensor=1 "
+              f"only; --align-group G (a divisor of {group}) lets it run at tensor-parallel sizes up to {group}/G")
     if cfg.num_heads % group or per_rank % group:
         raise ToolError(f"--align-group {cfg.lisa.align_group}: groups of {group} heads must divide the {per_rank} "
                         f"heads of each tensor-parallel rank (the run trained at parallel.tensor={tensor}, "

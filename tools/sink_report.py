@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                         "validation split (data_prep.build_shards with --val-fraction above 0)")
     ckpt = resolve_checkpoint(args.checkpoint)
     model, cfg, meta = load_model(ckpt)
+    if args.seq > cfg.max_seq_len:
+        print(f"note: --seq {args.seq} is longer than the model's model.max_seq_len={cfg.max_seq_len}: measuring "
+              f"{cfg.max_seq_len} tokens per sequence")
     tokens, source = sample_tokens(ckpt, cfg, meta, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
     full = run_config(ckpt)
     eos = run_document_eos(full, meta)

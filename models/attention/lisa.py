@@ -638,15 +638,19 @@ class LISAAttention(nn.Module):
 def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) -> None:
     """Where lisa layers may go and whether their sizes fit."""
     lisa = cfg.lisa
-    for key in ("align_group", "align_hidden", "keep_full_layers", "rank"):
+    zero_means = {"align_group": "0: all heads in one group", "align_hidden": "0: linear head mixing",
+                  "keep_full_layers": "0: none", "rank": "0: head_dim / 8"}
+    for key, zero in zero_means.items():
         if getattr(lisa, key) < 0:
-            raise ConfigError(f"model.lisa.{key}={getattr(lisa, key)} must be >= 0 (see the key's comment)")
+            raise ConfigError(f"model.lisa.{key}={getattr(lisa, key)} must be >= 0 ({zero})")
     early = [i for i, k in enumerate(kinds[: lisa.keep_full_layers]) if k == "lisa"]
     if early:
+        fix = (f"move them to layer {lisa.keep_full_layers} or later, or lower keep_full_layers"
+               if lisa.keep_full_layers < len(kinds) else
+               f"lower keep_full_layers below {len(kinds)}, the model's number of layers")
         raise ConfigError(
             f"model.attention puts lisa at layers {early}, but model.lisa.keep_full_layers="
-            f"{lisa.keep_full_layers} keeps the first layers as full attention; move them later or "
-            "lower keep_full_layers"
+            f"{lisa.keep_full_layers} keeps the first layers as full attention; {fix}"
         )
     if lisa.kernel not in KERNELS:
         raise ConfigError(f"model.lisa.kernel={lisa.kernel!r}: choose one of {KERNELS}")

@@ -101,7 +101,9 @@ def conversion_problem(kinds: list[str], layers: list[int], keep_full: int, max_
     for layer in layers:
         if not 0 <= layer < len(kinds):
             return f"layer {layer} is not a layer of this {len(kinds)}-layer model (0 to {len(kinds) - 1})"
-        if layer < max(keep_full, 1):
+        if layer == 0:
+            return "layer 0 has no earlier layer whose attention scores a LISA layer could reuse"
+        if layer < keep_full:
             return f"layer {layer} is within model.lisa.keep_full_layers={keep_full}"
         kind = registry.attention_kind(kinds[layer])
         if kind.reads_previous_scores:
