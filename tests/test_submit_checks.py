@@ -285,6 +285,35 @@ def test_prep_chain_with_an_unanswered_sbatch_keeps_the_queued_jobs_on_record(tm
     assert records[-1]["jobs"] == {"hash array": "1001"}
 
 
+def test_prep_tasks_throttle_running_jobs_and_overwrite(tmp_path, tok_dir, slurm_bin, capsys):
+    """--tasks beyond the parts run one task per part, --max-running throttles the array; a build with
+    jobs still running takes no new submission; --overwrite submits every task whatever the last
+    submission's --tasks and the parts built since."""
+    from data_prep import build_shards as bs
+    from data_prep import parts as P
+    from launch.submit_prep import JOBS_FILE, SLURM_DIR, main
+
+    out = tmp_path / "out"
+    assert main(prep_args(tmp_path, tok_dir, "--max-running", "0")) == 2
+    assert "--max-running 0 must be >= 1" in capsys.readouterr().err
+    assert main(prep_args(tmp_path, tok_dir, "--tasks", "50", "--max-running", "2")) == 0
+    parts = len(P.read_plan(out)["parts"])
+    record = json.loads((out / SLURM_DIR / JOBS_FILE).read_text())["jobs"][-1]
+    assert parts >= 2 and record["tasks"] == parts
+    assert record["array"] == ",".join(map(str, range(parts))) + "%2"
+    assert main(["--status", str(out)]) == 0
+    assert f"0/{parts} parts complete (0% of" in capsys.readouterr().out
+    stand_in(tmp_path / "bin", "scontrol", 'echo "JobId=1001 ArrayJobId=1001 ArrayTaskId=1 JobState=RUNNING"\n')
+    assert main(prep_args(tmp_path, tok_dir, "--overwrite")) == 2
+    assert "jobs of this build are still queued or running (1001_1 RUNNING" in capsys.readouterr().err
+    stand_in(tmp_path / "bin", "scontrol", 'echo "JobId=1001 ArrayJobId=1001 ArrayTaskId=1 JobState=COMPLETED"\n')
+    bs.build_parts(out, workers=1)
+    assert main(prep_args(tmp_path, tok_dir, "--overwrite", "--tasks", "1", "--dry-run")) == 0
+    assert "over 1 tasks; 1 tasks to run (0)" in capsys.readouterr().out
+    assert main(prep_args(tmp_path, tok_dir, "--overwrite", "--tasks", "1")) == 0
+    assert json.loads((out / SLURM_DIR / JOBS_FILE).read_text())["jobs"][-1]["tasks"] == 1
+
+
 def test_prep_chain_refused_half_way_is_cancelled(tmp_path, tok_dir, slurm_bin, monkeypatch, capsys):
     from launch.submit_prep import JOBS_FILE, SLURM_DIR, main
 
