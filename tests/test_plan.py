@@ -77,6 +77,22 @@ def test_single_gpu_plan_uses_the_header_layout(capsys):
     assert "(on one GPU, --single-gpu applies the config header's layout)" in capsys.readouterr().err
 
 
+def test_one_gpu_hint_offers_the_header_layout_for_layout_errors_on_one_process(tmp_path):
+    """Only the leading comment block is the header; the hint is for a layout error on one process."""
+    from launch.layouts import one_gpu_hint
+    from pretrain.config import ConfigError, LayoutError
+
+    config = REPO / "configs/1b_uoe.yaml"
+    single = read_layouts(config).single_gpu
+    err = LayoutError("parallel.expert=8 ...")
+    assert one_gpu_hint(err, config, 1) == " (on one GPU, --single-gpu applies the config header's layout)"
+    assert one_gpu_hint(err, config, 1, flag=None) == f" (on one GPU, the config header's layout: {' '.join(single)})"
+    assert one_gpu_hint(err, config, 2) == "" and one_gpu_hint(ConfigError("other"), config, 1) == ""
+    body_comment = tmp_path / "mine.yaml"
+    body_comment.write_text(f"# my config\nmodel:\n  hidden_size: 64\n{SINGLE_GPU_PREFIX}parallel.tensor=1\n")
+    assert read_layouts(body_comment).single_gpu is None and one_gpu_hint(err, body_comment, 1) == ""
+
+
 def test_grouped_gemm_experts_count_a_layer_of_stacked_weights_on_hopper():
     """model.moe.grouped_gemm=auto stacks a layer's local experts' bf16 weights for each grouped GEMM
     on an H100 / H200 (forward and backward; none are kept), not on an A100; true on any GPU."""
