@@ -379,8 +379,23 @@ def test_existing_sentencepiece_model_is_used_like_ours(tmp_path, tok_dir, capsy
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "llama"), vocab_size=300,
                                    model_type="unigram", pad_id=-1, byte_fallback=True, minloglevel=2)
     meta = import_tokenizer(tmp_path / "llama.model", tmp_path / "imported")
-    assert {k: meta[k] for k in ("unk_id", "bos_id", "eos_id", "pad_id", "model_type", "add_dummy_prefix")} == \
-        {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1, "model_type": "unigram", "add_dummy_prefix": True}
+    keys = ("unk_id", "bos_id", "eos_id", "pad_id", "model_type", "add_dummy_prefix", "byte_fallback")
+    assert {k: meta[k] for k in keys} == {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1, "model_type": "unigram",
+                                         "add_dummy_prefix": True, "byte_fallback": True}
+    # What the model itself says, other conventions too; a directory holding tokenizer.model is taken.
+    (tmp_path / "bpe").mkdir()
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "bpe" / "tokenizer"),
+                                   vocab_size=300, model_type="bpe", add_dummy_prefix=False, byte_fallback=False,
+                                   bos_id=-1, eos_id=1, unk_id=2, hard_vocab_limit=False, minloglevel=2)
+    other = import_tokenizer(tmp_path / "bpe", tmp_path / "bpe_imported")
+    assert {k: other[k] for k in keys} == {"unk_id": 2, "bos_id": -1, "eos_id": 1, "pad_id": -1, "model_type": "bpe",
+                                          "add_dummy_prefix": False, "byte_fallback": False}
+    # Without an end-of-sequence piece documents cannot be separated in shards: refused, nothing written.
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "no_eos"), vocab_size=300,
+                                   eos_id=-1, hard_vocab_limit=False, minloglevel=2)
+    assert import_main(["--model", str(tmp_path / "no_eos.model"), "--out", str(tmp_path / "no_eos_tok")]) == 2
+    assert "has no end-of-sequence piece: build_shards separates documents" in capsys.readouterr().err
+    assert not (tmp_path / "no_eos_tok").exists()
     sp, loaded = load_tokenizer(tmp_path / "imported")
     assert loaded == meta and sp.get_piece_size() == meta["vocab_size"]
 
