@@ -64,6 +64,10 @@ ATTENTION_KINDS = ("softmax", "softmax_gqa", "softmax_sink", "relu", "relu_torch
                    "lisa_linear_torch_gqa", "lisa_linear_chain_gqa", "softmax+publish", "softmax docs",
                    "softmax_sink docs", "relu docs", "lisa_linear docs")
 ATTENTION_SEQS = (2048, 4096)
+# Tokens per timed call of an attention row on the GPU (batch 8 at 2048, 4 at 4096): at batch 1 a
+# softmax layer's forward + backward took 2.35 / 2.38 ms at 2048 / 4096, the cost of its launches,
+# not of its work, so ratios against it said little.
+ATTENTION_TOKENS = 16384
 # Kinds whose forward + backward is also profiled at the first length (their top operators in the row,
 # the operator table in -profiles.txt): where a LISA layer's time goes, beside its reference.
 PROFILED_KINDS = ("softmax_gqa", "lisa", "lisa_torch", "lisa_linear_gqa")
@@ -182,7 +186,8 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
         return loss
 
     started = time.perf_counter()
-    for _ in range(3):  # warm-up: compilation, allocator, autotuning
+    first_loss = step().item()  # warm-up (compilation, allocator, autotuning): three steps
+    for _ in range(2):
         step()
     sync()
     warmup_s = time.perf_counter() - started
@@ -209,7 +214,7 @@ def throughput(name: str, steps: int, device: str, micro_batch: int | None, prof
            "mfu": tflops / peak if peak else None, "peak_memory_gb": measured,
            "planned_memory_gb": planned["memory_total_gb"],
            "plan_over_measured": planned["memory_total_gb"] / measured,
-           "final_loss": loss.item()}
+           "first_loss": first_loss, "final_loss": loss.item()}  # one batch, repeated: how fast it is learnt
     print(RESULT + json.dumps(row), flush=True)
     if profile_dir is None:
         return
@@ -268,13 +273,17 @@ def attention_rows(device: str, seq: int, profile_dir: Path | None = None) -> No
     cpu = device == "cpu"
     dev, dtype = torch.device(device), torch.float32 if cpu else torch.bfloat16
     hidden, heads = (128, 4) if cpu else (2048, 16)
+    batch = 1 if cpu else max(1, ATTENTION_TOKENS // seq)
     documents = (torch.arange(seq, device=dev) * 4 // seq)[None]
     for kind in ATTENTION_KINDS:
-        row = {"kind": kind, "seq": seq}
-        base_kind, docs = kind.removesuffix(" docs"), documents if kind.endswith(" docs") else None
+        row = {"kind": kind, "seq": seq, "batch": batch}
+        base_kind = kind.removesuffix(" docs")
+        docs = documents.expand(batch, seq) if kind.endswith(" docs") else None
         try:
-            row["train_ms"] = 1000 * time_kind(base_kind, hidden, heads, seq, 1, 5, dev, docs, dtype=dtype)
-            row["kept_mb"] = kept_bytes(base_kind, hidden, heads, seq, 1, dev, docs, dtype=dtype) / 2**20
+            row["train_ms"] = 1000 * time_kind(base_kind, hidden, heads, seq, batch, 5, dev, docs, dtype=dtype)
+            # per sequence: what a layer keeps for backward at batch 1
+            row["kept_mb"] = kept_bytes(base_kind, hidden, heads, seq, 1, dev, None if docs is None else docs[:1],
+                                        dtype=dtype) / 2**20
         except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
             row["error"] = f"{type(err).__name__}: {err}"
         if kind in DECODE_LAYERS:

@@ -27,6 +27,8 @@ def baseline_of(path: Path) -> dict:
     rows = {part: {name: {k: r[k] for k in keys if r.get(k) is not None}
                    for name, r in earlier.get(part, {}).items() if any(r.get(k) is not None for k in keys)}
             for part, keys in BASELINE_KEYS.items()}
+    for name, row in rows["attention"].items():  # the batch its times were taken at (earlier reports: 1)
+        row["batch"] = earlier["attention"][name].get("batch", 1)
     gpu = earlier.get("environment", {}).get("gpu")
     return {"path": str(path), "date": earlier.get("date"), "gpu": gpu, **rows}
 
@@ -50,6 +52,8 @@ def comparison(report: dict) -> list[str]:
             spec = lambda k: BASELINE_FORMATS.get(k, ".2f")  # noqa: E731
             cells = [f"{before[k]:{spec(k)}} -> {now[k]:{spec(k)}}" if k in before and now.get(k) is not None
                      else "" for k in keys]
+            if part == "attention" and before["batch"] != now.get("batch", 1) and cells[0]:
+                cells[0] += f" (batch {before['batch']} -> {now.get('batch', 1)})"
             other = sum(len(v) for p, v in BASELINE_KEYS.items() if p != part)
             cells = cells + [""] * other if part == "throughput" else [""] * other + cells
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -123,15 +127,16 @@ def markdown(report: dict) -> str:
     if attention:
         lines += ["", "One attention layer per kind (forward + backward; decode: a softmax layer, then the "
                   "kind, with the KV cache):", "",
-                  "| kind @ seq | train ms | x softmax | kept MB | prefill ms | decode ms/token | x softmax |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| kind @ seq | batch | train ms | x softmax | kept MB (per sequence) | prefill ms | "
+                  "decode ms/token | x softmax |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, r in attention.items():
-            if line := unmeasured(name, r, 6):
+            if line := unmeasured(name, r, 7):
                 lines.append(line)
                 continue
             fmt = lambda key, spec: format(r[key], spec) if key in r else ""  # noqa: E731
             decode = f"decode ERROR: {r['decode_error']}" if "decode_error" in r else fmt("decode_ms_per_token", ".2f")
-            lines.append(f"| {name} | {fmt('train_ms', '.2f')} | {fmt('train_x_softmax', '.2f')} | "
+            lines.append(f"| {name} | {r.get('batch', 1)} | {fmt('train_ms', '.2f')} | {fmt('train_x_softmax', '.2f')} | "
                          f"{fmt('kept_mb', '.1f')} | {fmt('prefill_ms', '.1f')} | {decode} | "
                          f"{fmt('decode_x_softmax', '.2f')} |")
     profiled = {name: r for name, r in report["throughput"].items() if "top_ops" in r or "profile_error" in r}

@@ -3,7 +3,7 @@ matched active parameters, trained on the same shards and tokens through the rea
 several seeds.
 
     python -m bench.uoe_vs_moe [--steps 400 --seeds 0 1 2 --only uoe moe]       # CPU, tiny models
-    python -m bench.uoe_vs_moe --gpu [--device cpu --steps 2]                    # 125M models, one GPU
+    python -m bench.uoe_vs_moe --gpu [--device cpu --steps 2]                    # the 125m configs, one GPU
 
 Variants, from one size's matched set (configs/{size}_{uoe,moe}.yaml and its dense twin;
 N experts, top-k K, expert width D, shared width S, N_s = S / N):
@@ -18,8 +18,8 @@ the same for every run, so seeds differ by initialisation only); a variant is "s
 from uoe when the ranges of their final validation losses over the seeds do not overlap, and p is
 Welch's t-test on those losses (two-sided; with three seeds only large gaps reach p < 0.05).
 
---gpu: the 125M set at sequence 2048 on one GPU (EP=1, micro-batch 16, 300 steps = 9.8M tokens,
-about 2 minutes per model at 80k tokens/s), on shards of sequence 2048 built from the Python
+--gpu: the 125m configs at the demo vocabulary (42M active parameters) at sequence 2048 on one GPU
+(EP=1, micro-batch 16, 300 steps = 9.8M tokens, about 2 minutes per model at 80k tokens/s), on shards of sequence 2048 built from the Python
 standard library with the demo tokenizer data/demo/tokenizer (built first when missing:
 data/gpu_uoe/shards, 3.5M tokens, so about 2.8 epochs; 2 validation batches = 32 of its 38
 validation samples; carry both to a GPU machine to skip the build).

@@ -19,7 +19,7 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     earlier.write_text(json.dumps({"date": "2026-01-01", "environment": {"gpu": "GPU X"}, "throughput": {
         "dense-1b": {"tokens_per_s": 1000.0, "mfu": 0.1, "peak_memory_gb": 1.0},
         "gone": {"tokens_per_s": 1.0}},
-        "attention": {"lisa @ 64": {"train_ms": 5.0, "train_x_softmax": 3.0, "kept_mb": 1.0}}}))
+        "attention": {"lisa @ 64": {"train_ms": 5.0, "train_x_softmax": 3.0, "kept_mb": 1.0, "batch": 8}}}))
     out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--steps", "1",
                           "--families", FAMILIES, "--out-dir", str(tmp_path), "--baseline", str(earlier)],
                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
@@ -81,7 +81,10 @@ def test_cpu_smoke_run_writes_report(tmp_path):
     assert now["mfu"] is None and "| gone |" not in table  # a CPU has no MFU: its cell stays empty
     tokens, peak = now["tokens_per_s"], now["peak_memory_gb"]
     assert f"| dense-1b | 1,000 -> {tokens:,.0f} |  | 1.00 -> {peak:.2f} |" in table
-    assert f"| lisa @ 64 |  |  |  | 5.00 -> {attention['lisa @ 64']['train_ms']:.2f} | 3.00 -> " in table
+    # times taken at another batch say so (the GPU rows time several sequences per call, a CPU one)
+    assert (f"| lisa @ 64 |  |  |  | 5.00 -> {attention['lisa @ 64']['train_ms']:.2f} (batch 8 -> 1) | 3.00 -> "
+            in table)
+    assert f"| lisa @ 64 | 1 | {attention['lisa @ 64']['train_ms']:.2f} |" in table
     assert all(f"| {name} |" in table for name in names)
     assert all(f"- {name}: " in table for name in names)  # the profiled step's top operators
 
