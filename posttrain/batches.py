@@ -49,7 +49,10 @@ def pack(rows: list[Row], length: int) -> list[Row]:
 
     def close():
         if current:
-            packed.append(Row(np.concatenate([r.ids for r in current]), np.concatenate([r.trained for r in current]),
+            # No token of its own document comes before an example's first: never a target (unpacked,
+            # the label shift drops it; packed, it would be predicted from the example before).
+            trained = [np.concatenate([[False], r.trained[1:]]) for r in current]
+            packed.append(Row(np.concatenate([r.ids for r in current]), np.concatenate(trained),
                               np.concatenate([np.full(len(r.ids), i) for i, r in enumerate(current)])))
 
     used = 0

@@ -21,7 +21,7 @@ class PostConfig:
     # dpo / sga: {"prompt", "chosen", "rejected", "scores"} (posttrain.records).
     data: list[str] = field(default_factory=list, metadata={"parse": parse_paths})
     val_data: list[str] = field(default_factory=list, metadata={"parse": parse_paths})  # validation files
-    max_len: int = 0  # tokens per example (prompt + response); 0 = model.max_seq_len; longer ones are dropped
+    max_len: int = 0  # input tokens per example (all but its last label); 0 = model.max_seq_len; longer: dropped
     packing: bool = False  # sft: several examples per row, each attending only to itself
     # Chat rendering: each turn is prefix + content + turn_end; an assistant turn is assistant_prefix +
     # content + EOS, and only its content and EOS are trained.

@@ -189,9 +189,12 @@ class PostTrainTask(Task):
             raise ConfigError(f"post.val_data={cfg.post.val_data} holds no usable {cfg.post.method} example "
                               f"({self.val_data.too_long} too long for post.max_len; {self.val_data.report.summary()})")
         if cfg.post.val_data and len(self.val_data.units) < dp:
-            raise ConfigError(f"post.val_data has {len(self.val_data.units)} usable examples, fewer than the {dp} "
-                              "data-parallel ranks, which validate at least one each; add examples, or leave "
-                              "post.val_data out")
+            val_units = len(self.val_data.units)
+            what = (f"{self.val_data.examples} usable examples, packed (post.packing) into {val_units} rows"
+                    if cfg.post.packing else f"{val_units} usable examples")
+            raise ConfigError(f"post.val_data has {what}, fewer than the {dp} data-parallel ranks, which validate "
+                              "at least one each; add examples, or leave post.val_data out"
+                              + (" (or set post.packing=false)" if cfg.post.packing else ""))
         self.pad_id = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
         # Examples start with BOS: recorded as pretraining records it, so generate, evaluate and export
         # (which read data.start_with_bos and the checkpoint's bos_id) add it too.
@@ -277,7 +280,7 @@ class PostTrainTask(Task):
                                                                                 cfg.post.val_data)):
             if files:
                 logger.print(f"{cfg.post.method}: {len(data.units)} {name} {kind} from {', '.join(files)} "
-                             f"({data.too_long} longer than {example_length(cfg) - 1} tokens dropped); "
+                             f"({data.too_long} longer than {example_length(cfg)} tokens with the last label dropped); "
                              f"{data.report.summary()}")
         if cfg.post.method == "sga":
             logger.print(f"sga: objectives {', '.join(self.train_data.objectives)}")

@@ -171,7 +171,8 @@ class Trainer:
                 self.spikes.begin_step(dp_mean(total / self.cfg.train.grad_accum))  # before the update
             self.engine.step()
             for name, value in self.model.last_metrics.items():  # e.g. the z-loss, part of the loss
-                sums[name] = sums.get(name, 0.0) + value.float()
+                # weighted as the loss is: means over the step's tokens, as train/loss
+                sums[name] = sums.get(name, 0.0) + value.float() * (1.0 if weights is None else weights[micro])
         self.last_metrics = {name: value / self.cfg.train.grad_accum for name, value in sums.items()}
         # Part of the optimizer step: validation and the checkpoint of this step see its result. A step
         # that changed no parameter (a spike, a non-finite norm, an fp16 overflow) moves nothing else.

@@ -437,6 +437,11 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
     with pytest.raises(ConfigError, match="post.val_data has 1 usable examples, fewer than the 2 data-parallel"):
         PostTrainTask().check(load_config(None, base + [f"run.dir={tmp_path / 'val'}",
                                                         f"post.val_data={tmp_path / 'one.jsonl'}"], PostTrainConfig), 2)
+    (tmp_path / "short.jsonl").write_text((json.dumps({"prompt": WORDS[0], "response": WORDS[1]}) + "\n") * 3)
+    with pytest.raises(ConfigError, match=r"post.val_data has 3 usable examples, packed \(post.packing\) into 1 rows, "
+                                          r"fewer than the 2 .* \(or set post.packing=false\)"):
+        PostTrainTask().check(load_config(None, base + [f"run.dir={tmp_path / 'val'}", "post.packing=true",
+                                                        f"post.val_data={tmp_path / 'short.jsonl'}"], PostTrainConfig), 2)
     pretrained = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}"])
     with single_process_group():
         tag = save_weights_run(build_gpt(pretrained.model), pretrained, tmp_path / "pretrained", {})
@@ -747,6 +752,28 @@ def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok
     assert losses(tmp_path / "accum") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
 
 
+def test_sft_of_an_expert_model_logs_the_cross_entropy_weighted_as_the_loss(tmp_path, files, tok_dir):
+    """train/ce_loss (train/loss less the routers' balance loss) over two micro-batches with other
+    numbers of response tokens: the mean over the step's response tokens, as train/loss, not the
+    mean of the micro-batches' means (a negligible balance coefficient makes the two equal)."""
+    from models.gpt import GPT
+    from pretrain.config import load_config
+
+    uoe = [f"{k}={v}" for k, v in MODEL.items()] + ["model.mlp=uoe", "model.moe.expert_hidden_size=32",
+                                                   "model.moe.shared_hidden_size=32", "model.moe.aux_loss_coef=1e-12"]
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(load_config(None, uoe).model)
+        torch.save({"model": model.cfg.to_dict(), "state_dict": model.state_dict()}, tmp_path / "uoe.pt")
+    post_train(1, files, tok_dir, tmp_path / "run", "sft", *uoe[len(MODEL):], f"train.init_from={tmp_path / 'uoe.pt'}",
+               "train.micro_batch=1", "train.grad_accum=2", "post.val_data=")
+    logged = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "train/loss" in r]
+    assert len(logged) == 4
+    for r in logged:
+        assert r["train/ce_loss"] == pytest.approx(r["train/loss"], rel=1e-6), r["step"]
+
+
 @pytest.fixture(scope="module")
 def sga_run(tmp_path_factory, files, tok_dir):
     run_dir = tmp_path_factory.mktemp("sga") / "run"
@@ -949,6 +976,12 @@ def test_packing_fills_rows_greedily_and_padding_stops_at_the_cap():
         return Row(np.arange(n), np.ones(n, dtype=bool))
 
     assert [len(r.ids) for r in pack([row(3), row(5), row(1)], 8)] == [8, 1]
+    # An example whose first token is a target (an assistant turn with no prefix, no BOS) trains
+    # the targets it trains unpacked: none is predicted across the boundary from the one before.
+    [joined] = pack([row(3), row(5)], 8)
+    assert joined.trained.tolist() == [False, True, True, False, True, True, True, True]
+    unpacked = sum(int(collate_rows([r], 0)["trained"][:, 1:].sum()) for r in (row(3), row(5)))
+    assert int(collate_rows([joined], 0)["trained"][:, 1:].sum()) == unpacked
     lengths = [rng.randint(1, 8) for _ in range(40)]
     want, used = [], 0
     for n in lengths:  # the plain greedy rule

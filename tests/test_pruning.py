@@ -463,6 +463,29 @@ def test_pruned_run_keeps_the_source_special_ids_and_encodes_with_its_bos():
     assert carried_meta(post_trained) == {"eos_id": 2, "posttrain": {"chat": chat}}
 
 
+def test_sampled_answers_cut_at_max_new_tokens_get_no_eos(tok_dir, monkeypatch):
+    """An answer that stopped at --max-new-tokens has no EOS to learn or attribute; one the model
+    ended keeps it (trained)."""
+    import argparse
+
+    import tools.prune_unsafe as tool
+    from data_prep.tokenizer import load_tokenizer
+    from posttrain.chat import ChatEncoder, ChatFormat
+
+    encoder = ChatEncoder(load_tokenizer(tok_dir)[0], ChatFormat())
+    drawn = iter([[40, 41, encoder.eos], [40, 41, 42]])
+    monkeypatch.setattr(tool, "generate", lambda *args, **kwargs: next(drawn))
+    sampler = tool.Sampler(None, encoder, argparse.Namespace(seed=0, max_new_tokens=3, temperature=1.0), None)
+    prompt = [{"role": "user", "content": "hello"}]
+    (_, ended_text, ended), (_, cut_text, cut_ended) = sampler.answers([prompt], 2)
+    assert (ended, cut_ended) == (True, False)
+    whole = tool.answer_row(encoder, prompt, ended_text, ended)
+    cut = tool.answer_row(encoder, prompt, cut_text, cut_ended)
+    assert whole.ids[-1] == encoder.eos and whole.trained[-1]
+    assert cut.ids.tolist() == encoder.prompt(prompt) + encoder.response(cut_text)[:-1]
+    assert encoder.eos not in cut.ids[len(encoder.prompt(prompt)):].tolist() and cut.trained[-1]
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--search", "beam", "--beam-width", "0"], "--beam-width 0: must be at least 1"),
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),

@@ -48,6 +48,13 @@ from tools.cli import ToolError, argument_parser, check_out_dir, reports_errors,
 from tools.export import run_tokenizer
 
 
+def answer_row(encoder: ChatEncoder, messages: list[dict], response: str, ended: bool):
+    """An answer as a row whose response is trained, with its EOS only where the model drew one: an
+    answer cut off at --max-new-tokens has no end to learn or to attribute."""
+    response_ids = encoder.response(response)
+    return response_row(encoder.prompt(messages), response_ids if ended else response_ids[:-1])
+
+
 class Sampler:
     """The model's own answers to prompts (the run's chat format), and their labels."""
 
@@ -55,8 +62,10 @@ class Sampler:
         self.model, self.encoder, self.args, self.labeller = model, encoder, args, labeller
         self.generator = torch.Generator().manual_seed(args.seed)
 
-    def answers(self, prompts: list[list[dict]], samples: int, seed: int | None = None) -> list[tuple[list[dict], str]]:
-        """`samples` answers to each prompt, drawn on from `seed` where given."""
+    def answers(self, prompts: list[list[dict]], samples: int, seed: int | None = None
+                ) -> list[tuple[list[dict], str, bool]]:
+        """`samples` answers to each prompt, drawn on from `seed` where given: (prompt, answer, whether
+        it ended with EOS rather than at --max-new-tokens)."""
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
         out = []
@@ -65,11 +74,12 @@ class Sampler:
             for _ in range(samples):
                 new = generate(self.model, ids, self.args.max_new_tokens, self.args.temperature, 1.0, False,
                                self.encoder.eos, self.generator)
-                out.append((messages, self.encoder.decode_response([t for t in new if t != self.encoder.eos])))
+                ended = bool(new) and new[-1] == self.encoder.eos
+                out.append((messages, self.encoder.decode_response([t for t in new if t != self.encoder.eos]), ended))
         return out
 
-    def label(self, answers: list[tuple[list[dict], str]]) -> list[str]:
-        return self.labeller([m[-1]["content"] for m, _ in answers], [r for _, r in answers])
+    def label(self, answers: list[tuple[list[dict], str, bool]]) -> list[str]:
+        return self.labeller([m[-1]["content"] for m, _, _ in answers], [r for _, r, _ in answers])
 
     def heldout_seed(self) -> int:
         return self.args.seed + 1
@@ -222,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler(model, encoder, args, labeller) if labeller is not None else None
     rng = random.Random(args.seed)
     heldout_prompts: list[list[dict]] = []
-    if args.responses:  # (prompt, response, label, half)
+    if args.responses:  # (prompt, response, label, half, ended): given responses are whole
         labelled = labels.read_labelled(args.responses, report)
         rng.shuffle(labelled)
-        labelled = [(*item, i % 2) for i, item in enumerate(labelled)]
+        labelled = [(*item, i % 2, True) for i, item in enumerate(labelled)]
     else:  # the halves by prompt: the held-out prompts' answers are never attributed
         prompts = labels.read_prompts(args.prompts, report)
         rng.shuffle(prompts)
@@ -234,15 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         labelled = []
         for half, part in enumerate((prompts[::2], heldout_prompts)):
             answers = sampler.answers(part, args.samples, seed=sampler.heldout_seed() if half else args.seed)
-            labelled += [(m, r, label, half) for (m, r), label in zip(answers, sampler.label(answers))]
+            labelled += [(m, r, label, half, ended) for (m, r, ended), label in zip(answers, sampler.label(answers))]
     if args.eval_prompts:
         heldout_prompts = eval_prompts
     sets = {"calibration": {"unsafe": [], "safe": []}, "heldout": {"unsafe": [], "safe": []}}
     longer = {split: {"unsafe": 0, "safe": 0} for split in sets}
-    for messages, response, label, half in labelled:
+    for messages, response, label, half, ended in labelled:
         kind = "unsafe" if label == "unsafe" else "safe"
         split = "heldout" if half else "calibration"
-        row = response_row(encoder.prompt(messages), encoder.response(response))
+        row = answer_row(encoder, messages, response, ended)
         if len(row.ids) <= cfg.max_seq_len + 1:
             sets[split][kind].append(row)
         else:
