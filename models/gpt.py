@@ -190,6 +190,14 @@ class GPT(nn.Module):
         self.last_metrics = metrics
         return loss + aux + (z if z is not None else 0.0)
 
+    def cast_parameters(self, dtype: torch.dtype) -> "GPT":
+        """The parameters in `dtype`, the buffers (RoPE tables, routers' selection bias) as they are:
+        the model as DeepSpeed's mixed precision runs it (a rounded bias would send tokens near a tie
+        to other experts than training did)."""
+        for param in self.parameters():
+            param.data = param.data.to(dtype)
+        return self
+
     def after_optimizer_step(self, applied: bool = True) -> None:
         """Every layer's own update after an optimizer step (routed layers move their selection
         bias): the outermost submodules that define after_optimizer_step, each once, found on the

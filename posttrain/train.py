@@ -218,7 +218,8 @@ class PostTrainTask(Task):
 
             reference = GPT(cfg.model)
             load_weights(reference, self.reference)
-            model.set_reference(reference.to(device(), torch.bfloat16 if use_bf16(cfg) else torch.float32))
+            # in the policy's precision, as DeepSpeed runs the policy (its buffers stay fp32)
+            model.set_reference(reference.to(device()).cast_parameters(torch.bfloat16 if use_bf16(cfg) else torch.float32))
         return model
 
     def load_init(self, model, path: Path) -> None:

@@ -763,6 +763,15 @@ def test_remote_code_export_logits_match_framework(remote_runs, data, dist_env, 
         framework, _, _ = load_model(run)
         assert framework.blocks[0].mlp.router_bias.abs().sum() > 0
         assert torch.equal(model.model.blocks[0].mlp.router_bias, framework.blocks[0].mlp.router_bias)
+        # In bf16 the weights are rounded, the selection bias is not (training kept it in fp32).
+        from safetensors.torch import load_file
+
+        assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "hf16"), "--dtype", "bf16"]) == 0
+        saved = {k: v for f in (tmp_path / "hf16").glob("*.safetensors") for k, v in load_file(f).items()}
+        biases = {k: v for k, v in saved.items() if k.endswith("router_bias")}
+        assert biases and all(v.dtype == torch.float32 for v in biases.values())
+        assert torch.equal(biases["model.blocks.0.mlp.router_bias"], framework.blocks[0].mlp.router_bias)
+        assert {v.dtype for k, v in saved.items() if k not in biases} == {torch.bfloat16}
 
 
 ISOLATED_LOAD = """

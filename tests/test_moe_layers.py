@@ -616,6 +616,30 @@ def test_a_skipped_step_moves_no_selection_bias():
             torch.testing.assert_close(layer.router_bias, 0.25 * torch.sign(c.mean() - c))
 
 
+def test_cast_parameters_keeps_the_buffers_as_deepspeed_does():
+    """A frozen reference model in bf16 (DPO, SGA) routes and rotates as the policy DeepSpeed runs:
+    its parameters rounded, its selection bias and RoPE tables in fp32 (a bf16 bias sent tokens near a
+    tie to other experts)."""
+    from models.gpt import GPT
+    from models.moe.routing import sparse_layers
+    from tests.dist_utils import single_process_group
+
+    cfg = make_cfg("uoe", bias_update_rate=0.25)
+    cfg.vocab_size, cfg.num_heads = 256, 2
+    with single_process_group():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        bias = torch.randint(-999, 1000, (cfg.moe.num_experts,), generator=torch.Generator().manual_seed(1)) * 1e-3
+        for layer in sparse_layers(model):
+            layer.router_bias.copy_(bias)
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        assert model.cast_parameters(torch.bfloat16) is model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert buffers and all(torch.equal(b, buffers[name]) and b.dtype == buffers[name].dtype
+                           for name, b in model.named_buffers())
+    assert any(name.endswith("router_bias") for name in buffers) and not torch.equal(bias.bfloat16().float(), bias)
+
+
 @pytest.mark.parametrize("kind", ["uoe", "moe"])
 def test_padding_takes_no_part_in_routing(kind):
     """A padded batch with its token mask routes its real tokens as those tokens alone: the same

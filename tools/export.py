@@ -366,7 +366,9 @@ def write_folder(out: Path, cfg, state: dict, dtype: torch.dtype, tokenizer_dir:
         config = remote_config(cfg, dtype, special)
         model_class = _remote_module().UoEPretrainForCausalLM
         hf_state = to_remote_state(cfg, state)
-    hf_state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in hf_state.items()}
+    # the routers' selection bias stays fp32, as training kept it (the modeling code selects in fp32)
+    hf_state = {k: t.to(dtype) if t.is_floating_point() and not k.endswith("router_bias") else t
+                for k, t in hf_state.items()}
     with torch.device("meta"):
         model = model_class(config)
     missing, unexpected = model.load_state_dict(hf_state, strict=False, assign=True)
