@@ -1092,10 +1092,13 @@ def test_generate_samples_at_the_temperature_and_stops_at_eos():
     kept = filter_top_p(torch.tensor([0.15, 0.5, 0.05, 0.3]), 0.7)
     torch.testing.assert_close(kept, torch.tensor([0.0, 0.625, 0.0, 0.375]))
     assert torch.equal(filter_top_p(torch.tensor([0.2, 0.8]), 1.0), torch.tensor([0.2, 0.8]))
+    # the most likely token alone reaches top_p exactly: nothing else is kept
+    assert torch.equal(filter_top_p(torch.tensor([0.5, 0.3, 0.2]), 0.5), torch.tensor([1.0, 0.0, 0.0]))
     # Greedy decoding stops after the EOS it draws (one id or several), or runs on without one.
     script = [[0, 0, 0, 0, 0, 9, 0, 0], [0, 0, 9, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 9]]
     for eos, want in ((2, [5, 2]), ([7, 2], [5, 2]), (None, [5, 2, 7, 7])):
         assert generate(ScriptedLogits(script), [1, 3], 4, greedy=True, eos_id=eos) == want, eos
+    assert generate(ScriptedLogits(script), [1, 3], 4, temperature=0.0) == [5, 2, 7, 7]  # temperature 0: greedy
     # Sampling draws from softmax(logits / T).
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     for temperature in (0.5, 2.0):

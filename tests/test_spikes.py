@@ -44,9 +44,19 @@ def test_guard_skips_what_is_sigmas_above_the_window_and_only_that():
     assert all(reasons[:-1]) and reasons[-1] == "" and len(shifted.losses) == 1
     assert run_guard(shifted, 200, 5.0, float("nan")).startswith("grad norm nan")  # never applied, never kept
     assert len(shifted.grad_norms) == 1
-    # Nothing is judged before the window holds MIN_STEPS applied steps.
+    # Nothing is judged before the window holds MIN_STEPS applied steps; from then on it is.
     fresh = SpikeGuard(window=30, sigmas=3.0)
     assert run_guard(fresh, 1, 2.0, 1.0) == run_guard(fresh, 2, 1e6, 1e6) == ""
+    for step in range(3, MIN_STEPS + 1):
+        assert run_guard(fresh, step, values[step % 2], 1.0) == ""
+    assert len(fresh.losses) == MIN_STEPS and run_guard(fresh, MIN_STEPS + 1, 1e6, 1.0).startswith("loss")
+    # A step whose optimizer never asked (DeepSpeed's own overflow skip) adds nothing to the window.
+    fresh.begin_step(2.0)
+    assert fresh.end_step(MIN_STEPS + 2) == "" and len(fresh.losses) == MIN_STEPS
+    # Skips in a row survive a resume: the restart comes after MAX_CONSECUTIVE_SKIPS in all.
+    resumed = SpikeGuard(window=30, sigmas=3.0)
+    resumed.load_state_dict(json.loads(json.dumps(guard.state_dict() | {"consecutive": MAX_CONSECUTIVE_SKIPS})))
+    assert run_guard(resumed, 300, 1e6, 1.0) == "" and resumed.restarted
 
 
 def test_a_skipped_step_leaves_parameters_and_moments_alone():
