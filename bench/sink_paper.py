@@ -168,13 +168,14 @@ def train_one(spec: tuple[str, int, int, int, int]) -> dict:
     maps = torch.stack(keep, 1)  # [B, layers, H, L, L]
     queries = [q for q in range(1, 16) if q != TEST_TRIGGER - 1]
     bos = maps[:, :, :, queries, 0].mean((0, 3))  # [layers, H]: BOS attention of non-trigger queries
-    from models.sinks import DEFAULT_EPS, head_stats
+    from models.sinks import DEFAULT_EPS, sink_stats
 
-    alpha1 = torch.stack([head_stats(maps[:, layer])[0] for layer in range(layers)])  # [layers, H], all queries
+    sinks = sink_stats({layer: maps[:, layer] for layer in range(layers)})  # all queries
+    alpha1 = sinks.alpha1  # [layers, H]
     return {"kind": kind, "layers": layers, "heads": heads, "seed": seed, "converged": linf < STOP, "steps": step,
             "train_linf": linf, "test_mse": float(nn.functional.mse_loss(pred, y)),
             "test_linf": float((pred - y).abs().max()), "bos_attention": bos.tolist(), "alpha1": alpha1.tolist(),
-            "sink_rate": float((alpha1 > DEFAULT_EPS).float().mean()),
+            "sink_rate": sinks.sink_rate(DEFAULT_EPS),
             "seconds": time.perf_counter() - started,
             "mean_map": maps.mean(0).tolist() if layers == 1 else None, "example_map": maps[0].tolist()}
 

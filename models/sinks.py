@@ -1,7 +1,10 @@
 """Attention-sink metrics (Gu et al., "When Attention Sink Emerges in LMs"):
 
-    alpha_1^{l,h} = mean over queries t of A^{l,h}_{t,1}     (weight on the first token)
-    Sink_1^eps    = (1/L) sum_l (1/H) sum_h 1(alpha_1^{l,h} > eps),  eps = 0.3
+    alpha_1^{l,h}(x) = mean over queries t of A^{l,h}_{t,1}     (weight on the first token of sequence x)
+    Sink_1^eps       = mean over sequences x, layers l, heads h of 1(alpha_1^{l,h}(x) > eps),  eps = 0.3
+
+(thresholded per sequence, then averaged, as Gu et al.'s code does: a head that sinks on some
+sequences counts for their share). The alpha_1 reported per head is its mean over all their queries.
 
 A is the weight each query puts on each value. Where the model attends within documents
 (document_ids), "the first token" is the first token of the query's own document. For softmax it is a probability; for
@@ -30,12 +33,46 @@ class SinkStats:
     # alpha_1 of a head attending uniformly over the same queries: mean 1/(keys seen). Within short
     # documents it nears eps (0.34 at 8 tokens), so Sink_1^eps would count sink-free heads.
     uniform1: float = 0.0
+    # [layers, sequences, heads] alpha_1 of each sequence (None: the per-head means stand for them),
+    # and [sequences] bool: those with a query to average over (not all padding)
+    alpha1_sequences: torch.Tensor | None = None
+    sequences_kept: torch.Tensor | None = None
+
+    def over_eps(self, eps: float = DEFAULT_EPS) -> torch.Tensor:
+        """[layers, heads]: the share of sequences on which each head's alpha_1 exceeds eps."""
+        if self.alpha1_sequences is None:
+            return (self.alpha1 > eps).float()
+        kept = self.sequences_kept.to(self.alpha1_sequences.device).float()[None, :, None]
+        return ((self.alpha1_sequences > eps).float() * kept).sum(1) / kept.sum().clamp_min(1.0)
 
     def sink_rate(self, eps: float = DEFAULT_EPS) -> float:
-        return float((self.alpha1 > eps).float().mean())
+        return float(self.over_eps(eps).mean())
 
     def layer_sink_rate(self, eps: float = DEFAULT_EPS) -> torch.Tensor:
-        return (self.alpha1 > eps).float().mean(-1)
+        return self.over_eps(eps).mean(-1)
+
+
+def _first_weights(weights: torch.Tensor, starts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights as [batch, heads, q, k] in fp32, each query's weight on its first token [batch, heads, q])."""
+    w = weights.float()
+    if w.dim() == 3:
+        w = w.unsqueeze(0)
+    if starts is None:
+        return w, w[..., 0]
+    index = starts[:, None, -w.shape[-2]:, None].expand(*w.shape[:-1], 1)
+    return w, w.gather(-1, index.to(w.device)).squeeze(-1)
+
+
+def sequence_alpha1(weights: torch.Tensor, starts: torch.Tensor | None = None, queries: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha_1 of each sequence [batch, heads], whether it has a query to average over [batch]), as
+    head_stats takes its arguments."""
+    w, first = _first_weights(weights, starts)
+    if queries is None:
+        return first.mean(-1), torch.ones(first.shape[0], dtype=torch.bool)
+    keep = queries[:, None, -w.shape[-2]:].to(w.device, w.dtype)  # [batch, 1, q]
+    count = keep.sum(-1)  # [batch, 1]
+    return (first * keep).sum(-1) / count.clamp_min(1.0), count[:, 0].cpu() > 0
 
 
 def head_stats(weights: torch.Tensor, starts: torch.Tensor | None = None, queries: torch.Tensor | None = None
@@ -43,14 +80,7 @@ def head_stats(weights: torch.Tensor, starts: torch.Tensor | None = None, querie
     """(alpha1, row_total, share1), each [heads], from weights [batch, heads, q, k] (or [heads, q, k]);
     starts [batch, q]: the key each query counts as its first (its document's start), else key 0;
     queries [batch, q] bool: the queries to average over (not padding), else all."""
-    w = weights.float()
-    if w.dim() == 3:
-        w = w.unsqueeze(0)
-    if starts is None:
-        first = w[..., 0]  # [batch, heads, q]
-    else:
-        index = starts[:, None, -w.shape[-2]:, None].expand(*w.shape[:-1], 1)
-        first = w.gather(-1, index.to(w.device)).squeeze(-1)
+    w, first = _first_weights(weights, starts)
     total = w.sum(-1)
     share = first / total.clamp_min(1e-12)
     if queries is None:
@@ -82,10 +112,12 @@ def sink_stats(maps: dict[int, torch.Tensor], starts: torch.Tensor | None = None
     `queries` [batch, q] that are not padding (default all)."""
     layers = sorted(maps)
     per = [head_stats(maps[layer], starts, queries) for layer in layers]
+    sequences = [sequence_alpha1(maps[layer], starts, queries) for layer in layers]
     first = maps[layers[0]]
     batch, seq = (1 if first.dim() == 3 else first.shape[0]), first.shape[-2]
     return SinkStats(*(torch.stack([p[i] for p in per]) for i in range(3)), layers=layers,
-                     uniform1=uniform_alpha1(batch, seq, starts, queries))
+                     uniform1=uniform_alpha1(batch, seq, starts, queries),
+                     alpha1_sequences=torch.stack([a for a, _ in sequences]), sequences_kept=sequences[0][1])
 
 
 @torch.no_grad()
@@ -137,7 +169,9 @@ def gather_heads(t: torch.Tensor) -> torch.Tensor:
 
 def gathered(stats: SinkStats) -> SinkStats:
     return SinkStats(gather_heads(stats.alpha1), gather_heads(stats.row_total), gather_heads(stats.share1),
-                     stats.layers, stats.uniform1)
+                     stats.layers, stats.uniform1,
+                     None if stats.alpha1_sequences is None else gather_heads(stats.alpha1_sequences),
+                     stats.sequences_kept)
 
 
 def scalars(stats: SinkStats, eps: float = DEFAULT_EPS, per_head: bool = True) -> dict[str, float]:

@@ -54,6 +54,28 @@ def test_alpha1_of_known_maps():
     assert flat["layer00/head02/alpha1"] == pytest.approx(1 / t)
 
 
+def test_sink_rate_thresholds_each_sequence_then_averages():
+    """Gu et al. threshold alpha_1 per sequence: a head with 0.55 on one sequence's first token and
+    0.12 on another's is a sink on half of them (its mean alpha_1, 0.345, would call it one on all);
+    a sequence that is all padding counts in none."""
+    t = 64
+
+    def head(a1: float) -> torch.Tensor:
+        weights = torch.zeros(t, t, dtype=torch.float64)
+        weights[0, 0] = 1.0
+        for i in range(1, t):
+            weights[i, 0], weights[i, 1:i + 1] = a1, (1 - a1) / i
+        return weights
+
+    maps = {0: torch.stack([head(0.55), head(0.12), head(0.9)])[:, None]}  # [batch, heads, q, k]
+    queries = torch.tensor([True, True, False])[:, None].expand(3, t)  # the third sequence is padding
+    stats = sink_stats(maps, None, queries)
+    assert float(stats.alpha1) == pytest.approx((0.55 * 63 + 1 + 0.12 * 63 + 1) / 128)
+    assert stats.sink_rate(0.3) == pytest.approx(0.5) and stats.layer_sink_rate(0.3).tolist() == [0.5]
+    assert stats.sink_rate(0.1) == pytest.approx(1.0) and stats.sink_rate(0.6) == pytest.approx(0.0)
+    assert scalars(stats, 0.3)["sink_rate"] == pytest.approx(0.5)
+
+
 def test_head_statistics_average_over_the_kept_queries_only():
     """Padding queries (queries=False) count in none of the three: here their rows sum to 5 and put
     everything on the first key, unlike the kept rows."""
