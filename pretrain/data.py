@@ -162,7 +162,13 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
     uncompressed shards in place."""
     name, root = source.name or "shards", cache_root(cfg)
     if "://" in source.shards:
-        return {"remote": f"{source.shards.rstrip('/')}/{split}", "local": str(root / name / split)}
+        # Named after the URL: streaming reuses an index it finds in the folder, so another URL (a
+        # resume after data.shards moved, runs sharing data.cache) must not find this one's. Other
+        # URLs' folders stay (a run sharing data.cache may be reading them); the one from before
+        # folders were named so goes.
+        url = f"{source.shards.rstrip('/')}/{split}"
+        shutil.rmtree(root / name / split, ignore_errors=True)
+        return {"remote": url, "local": str(root / name / f"{split}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")}
     directory = Path(source.shards) / split
     fingerprint = compressed_split(directory)
     if not fingerprint:

@@ -154,7 +154,14 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
         remote = load_config(None, [f"data.shards=disk://{full}/shards", f"data.cache={tmp_path}/cache2", *base])
         local = load_config(None, [f"data.shards={full}/shards", f"data.cache={tmp_path}/cache3", *base])
         got, want = load_val_sets(remote)[""], load_val_sets(local)[""]
+        # Other shards at another URL through the same cache (a moved data.shards, a shared data.cache):
+        # read from there, not from the copy of the first.
+        other = write_synthetic_shards(tmp_path / "other", train=16, val=8, seed=500)
+        moved = load_config(None, [f"data.shards=disk://{other}/shards", f"data.cache={tmp_path}/cache2", *base])
+        got_other = load_val_sets(moved)[""]
+        want_other = load_val_sets(load_config(None, [f"data.shards={other}/shards", *base]))[""]
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not torch.equal(got_other[0], got[0]) and all(torch.equal(g, w) for g, w in zip(got_other, want_other))
 
 
 def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch):
