@@ -5,7 +5,9 @@ prefix), its resume offset among them, read again at every checkpoint. A killed 
 blocks behind, and a run whose cache folder they name cannot start. streaming's own cleaner clears
 every block from prefix 0 up to the first free one: a live run's too, whose next checkpoint then
 records its position as counted from its resume. Here each process registers the prefixes it uses,
-and a start releases only the blocks no live process uses."""
+and a start releases only the blocks no live process uses. A registration is held open under a shared
+lock while its process lives: the kernel drops the lock when the process dies, in any pid namespace
+(containers sharing /dev/shm), where a pid cannot be looked up."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 _registered: list[Path] = []  # this process's registrations, removed at exit
+_held: list = []  # their open files, each under a shared lock while this process lives
 
 
 def _owners_dir() -> Path:
@@ -42,9 +45,19 @@ def _pid_namespace() -> str:
     return ""
 
 
-def _alive(record: dict, pid: int) -> bool:
-    """Whether a registration's process still runs. One in another pid namespace (a container
-    sharing /dev/shm) cannot be looked up from here: it counts as alive."""
+def _alive(entry: Path, record: dict, pid: int) -> bool:
+    """Whether a registration's process still runs: whether its entry is still locked (an entry
+    removed meanwhile was unregistered). Registrations without the lock (older versions) by the pid;
+    one of those in another pid namespace cannot be looked up from here: it counts as alive."""
+    if record.get("locked"):
+        try:
+            with open(entry) as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
     if record.get("pid_namespace") != _pid_namespace():
         return True
     started = _start_time(pid)
@@ -129,16 +142,23 @@ def register(prefix: int) -> None:
     owners = _owners_dir()
     owners.mkdir(exist_ok=True)
     entry = owners / f"{prefix:06}.{os.getpid()}"
-    record = {"start": _start_time(os.getpid()), "pid_namespace": _pid_namespace(), "locals": _locals(prefix)}
-    entry.write_text(json.dumps(record))
+    record = {"start": _start_time(os.getpid()), "pid_namespace": _pid_namespace(), "locals": _locals(prefix),
+              "locked": True}
+    held = open(entry, "w")
+    fcntl.flock(held, fcntl.LOCK_SH)  # before the record is readable: never seen unlocked while alive
+    held.write(json.dumps(record))
+    held.flush()
     if not _registered:
         atexit.register(_unregister)
     _registered.append(entry)
+    _held.append(held)
 
 
 def _unregister() -> None:
     for entry in _registered:
         entry.unlink(missing_ok=True)
+    for held in _held:
+        held.close()
 
 
 def _blocks() -> dict[int, list[Path]]:
@@ -201,9 +221,9 @@ def release_stale(cache: Path) -> list[int]:
         released = []
         for prefix, paths in sorted(_blocks().items()):
             local = _locals(prefix)
-            claims = [(pid, record) for _, pid, record in owners.get(prefix, [])
+            claims = [(entry, pid, record) for entry, pid, record in owners.get(prefix, [])
                       if record.get("locals") == local]  # else the prefix is another dataset's now
-            live = [pid for pid, record in claims if _alive(record, pid)]
+            live = [pid for entry, pid, record in claims if _alive(entry, record, pid)]
             ours = any(os.path.commonpath([cache, os.path.abspath(folder)]) == cache for folder in local)
             if live:
                 others = sorted(set(live) - {os.getpid()})
@@ -222,6 +242,6 @@ def release_stale(cache: Path) -> list[int]:
             released.append(prefix)
         for entries in owners.values():  # registrations of processes that have exited
             for entry, pid, record in entries:
-                if not _alive(record, pid):
+                if not _alive(entry, record, pid):
                     entry.unlink(missing_ok=True)
     return released

@@ -344,6 +344,7 @@ def test_a_run_starting_on_the_node_keeps_a_live_runs_loader_state(tmp_path, mon
 def test_a_start_releases_only_what_exited_processes_left(tmp_path, monkeypatch):
     import os
     import subprocess
+    import sys
     import tempfile
 
     from streaming.base.shared.prefix import _pack_locals
@@ -358,15 +359,17 @@ def test_a_start_releases_only_what_exited_processes_left(tmp_path, monkeypatch)
     exited.wait()
 
     def blocks(prefix: int, local: Path, owner: int | None = None, recorded: Path | None = None,
-               namespace: str | None = None) -> None:
+               namespace: str | None = None, locked: bool = False) -> Path:
         (shm / f"{prefix:06}_locals").write_bytes(_pack_locals([str(local)], prefix))
         (shm / f"{prefix:06}_resume").write_bytes(b"{}")
         (locks / f"{prefix:06}_cache_filelock").touch()
+        entry = shared_memory._owners_dir() / f"{prefix:06}.{owner}"
         if owner is not None:
             shared_memory._owners_dir().mkdir(exist_ok=True)
             record = {"start": shared_memory._start_time(owner), "locals": [str(recorded or local)],
-                      "pid_namespace": namespace or shared_memory._pid_namespace()}
-            (shared_memory._owners_dir() / f"{prefix:06}.{owner}").write_text(json.dumps(record))
+                      "pid_namespace": namespace or shared_memory._pid_namespace(), "locked": locked}
+            entry.write_text(json.dumps(record))
+        return entry
 
     blocks(1, tmp_path / "elsewhere", owner=exited.pid)  # a killed run's: released
     blocks(2, cache / "shards" / "train", owner=os.getpid())  # in use here: kept
@@ -385,6 +388,35 @@ def test_a_start_releases_only_what_exited_processes_left(tmp_path, monkeypatch)
     blocks(5, cache / "shards" / "train", owner=os.getppid())  # the same run, live in another process
     with pytest.raises(RuntimeError, match=f"process {os.getppid()} .* already running"):
         shared_memory.release_stale(cache)
+    for prefix in (5, 6):
+        for block in shm.glob(f"{prefix:06}_*"):
+            block.unlink()
+
+    # Registrations hold a lock while their process lives, which tells a dead process in another pid
+    # namespace (a killed run in a container sharing /dev/shm) from a live one, where a pid cannot.
+    blocks(7, cache / "shards" / "train", owner=2, namespace="pid:[1]", locked=True)  # dead: released
+    assert shared_memory.release_stale(cache) == [7] and not (shared_memory._owners_dir() / "000007.2").exists()
+    held = blocks(8, cache / "shards" / "val", owner=3, namespace="pid:[1]", locked=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+                               "fcntl.flock(f, fcntl.LOCK_SH); print('held', flush=True); time.sleep(60)", str(held)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match="process 3 .* already running"):  # live, reading this cache
+            shared_memory.release_stale(cache)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert shared_memory.release_stale(cache) == [8]
+    # This process's own registration is locked while it lives.
+    shared_memory.register(10)
+    try:
+        entry = shared_memory._owners_dir() / f"000010.{os.getpid()}"
+        assert json.loads(entry.read_text())["locked"] and shared_memory._alive(entry, {"locked": True}, os.getpid())
+    finally:
+        shared_memory._unregister()
+        shared_memory._registered.clear(), shared_memory._held.clear()
+    assert not entry.exists()
 
 
 def test_a_resume_starts_a_new_epoch_where_the_train_data_changed(tmp_path):
