@@ -165,8 +165,9 @@ class ExampleBatches:
 
 def fixed_batches(units: list, collate, micro_batch: int, dp_rank: int, dp_size: int, count: int) -> list:
     """Validation: the first `count` x `micro_batch` x `dp_size` examples in file order (all of a
-    smaller set), each once, rounded down to a multiple of `dp_size`; rank r takes every dp_size-th
-    from r, in micro-batches of up to `micro_batch`, so every rank runs as many."""
-    total = min(len(units), count * micro_batch * dp_size) // dp_size * dp_size
-    mine = units[dp_rank:total:dp_size]
+    smaller set), each once, rounded down to a multiple of `dp_size`; rank r takes the r-th of
+    dp_size equal blocks of them, in micro-batches of up to `micro_batch`, so every rank runs as many
+    (and rank 0's first, the sink probe, holds the first examples at any data-parallel size)."""
+    per_rank = min(len(units), count * micro_batch * dp_size) // dp_size
+    mine = units[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     return [collate(mine[i:i + micro_batch]) for i in range(0, len(mine), micro_batch)]

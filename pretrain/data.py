@@ -294,9 +294,11 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
                       + ("" if fit else " (fewer than one batch: some samples are read twice)"), flush=True)
             batches = []
             for b in range(count):
-                # len(dataset) counts this rank's share; indexing is over all samples.
-                indices = [(dp_rank + (b * micro + i) * dp_size) % dataset.num_samples for i in range(micro)]
-                batches.append(collate([dataset[i] for i in indices]))
+                # len(dataset) counts this rank's share; indexing is over all samples. Each rank takes
+                # a block of them, so that rank 0's first batch, the sink probe, is the first samples
+                # at any data-parallel size.
+                first = (dp_rank * count + b) * micro
+                batches.append(collate([dataset[(first + i) % dataset.num_samples] for i in range(micro)]))
         sets[source.name] = batches
     return sets
 

@@ -343,6 +343,9 @@ def test_validation_takes_each_example_once_at_any_layout():
         assert len({len(batches) for batches in ranks}) == 1, (n, micro, dp)  # as many on every rank
         assert all(len(batch) <= micro for batches in ranks for batch in batches)
         assert sorted(u for batches in ranks for batch in batches for u in batch) == list(want), (n, micro, dp)
+    # rank 0's first batch, the sink metrics' probe, is the same at any data-parallel size
+    assert {dp: fixed_batches(list(range(40)), collate, 4, 0, dp, count=4)[0] for dp in (1, 2, 4)} == \
+        {dp: [0, 1, 2, 3] for dp in (1, 2, 4)}
 
 
 def other_rank_next(units, collate, state):
