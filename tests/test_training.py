@@ -105,10 +105,12 @@ def test_tensor_parallel_training_matches_single_process(data, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def resumed_run(data, tmp_path_factory):
+def resumed_run(tmp_path_factory):
     """An 8-step DP = 2 ZeRO-2 run straight through, and the same run stopped after step 4 and
-    resumed, profiling steps 3-5 on both ranks: (straight, resumed, first output, second output)."""
+    resumed, profiling steps 3-5 on both ranks: (straight, resumed, first output, second output).
+    40 train samples, 8 a step: the resumed run goes on into the second epoch after step 5."""
     tmp = tmp_path_factory.mktemp("resume")
+    data = write_synthetic_shards(tmp / "data", train=40)
     straight, resumed = tmp / "straight", tmp / "resumed"
     common = {"train.steps": 8, "train.save_interval": 100, "parallel.zero_stage": 2}
     profile = {"profile.start_step": 3, "profile.steps": 3, "profile.ranks": "all"}
@@ -125,6 +127,7 @@ def test_resume_reproduces_uninterrupted_losses(resumed_run):
     want, got = losses(straight), losses(resumed)
     assert sorted(got) == list(range(1, 9))
     assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise on CPU, profiled or not
+    assert len(set(want.values())) == 8  # every step a batch of its own, the second epoch's too
     records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == list(range(1, 9))  # log_interval 1
