@@ -290,3 +290,32 @@ def test_compiled_routed_block_traces_a_dropless_grouped_dispatch():
         scale = float(grad.float().abs().max()) + 1e-6
         torch.testing.assert_close(p1[name].float() / scale, grad.float() / scale, rtol=0, atol=3e-2,
                                    msg=name)
+
+
+TOOL_STOPPED_MID_WRITE = """
+import os, signal, sys, time
+from pathlib import Path
+from pretrain.checkpoint import directory_in_place
+from tools.cli import run
+
+def main():
+    with directory_in_place(Path(sys.argv[1])) as tmp:
+        (tmp / "half").write_text("written")
+        os.kill(os.getpid(), signal.SIGTERM)  # as timeout, kill or scancel sends it
+        time.sleep(30)
+    return 0
+
+run(main)
+"""
+
+
+def test_a_tool_stopped_by_sigterm_leaves_no_partial_output(tmp_path):
+    """A tool stopped by SIGTERM while writing removes what it wrote, as on Ctrl-C (a hidden
+    temporary folder of a 3B export was left behind)."""
+    script = tmp_path / "tool.py"
+    script.write_text(TOOL_STOPPED_MID_WRITE)
+    out = tmp_path / "out" / "export"
+    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 143 and "stopped by SIGTERM" in proc.stderr, proc.stderr[-2000:]
+    assert list((tmp_path / "out").iterdir()) == []

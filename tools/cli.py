@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -92,10 +93,19 @@ def tool_device(name: str):
     return device
 
 
+def _exit_on_signal(signum: int, frame) -> NoReturn:
+    print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def run(main: Callable[[], int]) -> NoReturn:
-    """Exit with a tool's main(), tearing down any process group it started."""
+    """Exit with a tool's main(), tearing down any process group it started. SIGTERM (timeout,
+    kill, scancel) and SIGHUP stop it as Ctrl-C does: what it was writing is removed on the way out,
+    not left as a hidden partial file."""
     from pretrain.distributed import destroy_distributed
 
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, _exit_on_signal)
     try:
         code = main()
     finally:
