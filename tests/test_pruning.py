@@ -512,6 +512,7 @@ def test_prune_unsafe_refuses_to_delete_its_source_and_empty_inputs_before_loadi
     from data_prep.tokenizer import load_tokenizer
     from pretrain.checkpoint import save_weights_run
     from pretrain.config import load_config
+    from tests.synthetic import write_synthetic_shards
     from tools.prune_unsafe import main
 
     cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"data.tokenizer={tok_dir}"])
@@ -544,6 +545,11 @@ def test_prune_unsafe_refuses_to_delete_its_source_and_empty_inputs_before_loadi
     assert main(argv + ["--out", str(tmp_path / "out"), "--eval-prompts", str(tmp_path / "prompts.jsonl"),
                         "--rules", str(tmp_path / "rules.json")]) == 2
     assert "holds no usable prompt" in capsys.readouterr().err
+    shards = write_synthetic_shards(tmp_path / "other", vocab_size=64) / "shards"  # another tokenizer's
+    manifest = json.loads((shards / "manifest.json").read_text())
+    (shards / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "f" * 64}))
+    assert main(argv + ["--out", str(tmp_path / "out"), "--shards", str(shards)]) == 2
+    assert "tokenized with another tokenizer (sha256 ffffffffffff)" in capsys.readouterr().err
     # a model whose outputs depend on its batch's padding is refused once it is read
     monkeypatch.undo()
     seqlen = {"model.attention": "sr", "model.relu_attention.normalizer": "seqlen"}

@@ -258,7 +258,9 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, capsys):
-    _, run = hybrid_run
+    import shutil
+
+    root, run = hybrid_run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     sinks = [r for r in records if "sinks/sink_rate" in r]
     assert [r["step"] for r in sinks] == [2, 4]
@@ -302,6 +304,26 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, 
     assert sink_report(["--checkpoint", str(run), "--out", str(out)]) == 2
     assert "holds a report already (sink_report.json, sink_heatmap.png)" in capsys.readouterr().err
     assert (out / "sink_report.json").read_bytes() == before
+    # Shards of another tokenizer: refused, not measured.
+    other = tmp_path / "other_shards"
+    shutil.copytree(root / "shards" / "val", other / "val")
+    manifest = json.loads((root / "shards" / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "f" * 64}))
+    with single_process_group():
+        assert sink_report(["--checkpoint", str(run), "--out", str(none), "--shards", str(other)]) == 2
+    assert f"--shards {other}: tokenized with another tokenizer (sha256 ffffffffffff)" in capsys.readouterr().err
+    # The run's own relative data.shards, read from above the run directory (where it was launched),
+    # not replaced by random tokens when the report runs elsewhere.
+    project = tmp_path / "project"
+    shutil.copytree(run, project / "runs" / "hybrid", ignore=shutil.ignore_patterns("tensorboard", "universal"))
+    (project / "data").mkdir()
+    (project / "data" / "shards").symlink_to(root / "shards")
+    config = project / "runs" / "hybrid" / "config.yaml"
+    config.write_text(config.read_text().replace(str(root / "shards"), "data/shards"))
+    with single_process_group():
+        assert sink_report(["--checkpoint", str(project / "runs" / "hybrid"), "--out", str(tmp_path / "moved")]) == 0
+    assert json.loads((tmp_path / "moved" / "sink_report.json").read_text())["tokens"] == \
+        f"validation shards {project / 'data' / 'shards'}"
 
 
 @pytest.mark.slow

@@ -201,10 +201,10 @@ def to_remote_state(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: t.contiguous().clone() for k, t in out.items()}
 
 
-def tokenizer_places(configured: Path, tag_dir: Path) -> list[Path]:
-    """Where a run's data.tokenizer may be: a relative path from this directory, else from the
-    directories above the run directory (a run is usually launched from one of them, e.g. the
-    repository holding runs/ and data/)."""
+def run_path_places(configured: Path, tag_dir: Path) -> list[Path]:
+    """Where a path in a run's config (data.tokenizer, data.shards) may be: a relative one from this
+    directory, else from the directories above the run directory (a run is usually launched from
+    one of them, e.g. the repository holding runs/ and data/)."""
     if configured.is_absolute():
         return [configured]
     run_dir = tag_dir.resolve().parent.parent  # RUN_DIR/checkpoints/<tag>
@@ -213,7 +213,7 @@ def tokenizer_places(configured: Path, tag_dir: Path) -> list[Path]:
 
 def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict, required: bool = True) -> Path | None:
     """The SentencePiece tokenizer directory: --tokenizer, else the run's data.tokenizer
-    (tokenizer_places); checked against the checkpoint's tokenizer sha256. None when the run used
+    (run_path_places); checked against the checkpoint's tokenizer sha256. None when the run used
     no SentencePiece model (its checkpoint records none, as an import without --tokenizer), or
     when not `required` and it is not found."""
     from data_prep.tokenizer import MODEL_FILE, sha256_file
@@ -233,7 +233,7 @@ def find_tokenizer(tag_dir: Path, explicit: str | None, meta: dict, required: bo
                                   + ("its run's config.yaml is not beside it" if cfg is None else
                                      "its run's config names no data.tokenizer") + "; pass --tokenizer DIR")
             return None
-        places = tokenizer_places(Path(cfg.data.tokenizer), Path(tag_dir))
+        places = run_path_places(Path(cfg.data.tokenizer), Path(tag_dir))
         found = [p for p in places if (p / MODEL_FILE).is_file()]
         # the first that is the checkpoint's own (another project's data/tokenizer may come first)
         own = next((p for p in found if sha256_file(p / MODEL_FILE) == want), None) if want else None

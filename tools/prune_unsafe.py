@@ -208,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     tag_dir = resolve_checkpoint(args.checkpoint)
     check_out_dir(out, {"the checkpoint being pruned": tag_dir})  # --checkpoint may name a run, resolved here
     meta = read_meta(tag_dir)
+    if args.shards:
+        from tools.evaluate import check_shards_tokenizer, split_dir
+
+        check_shards_tokenizer(split_dir(args.shards, "val"), meta)  # before the model loads
     sp = run_tokenizer(tag_dir, args.tokenizer, meta)
     from pretrain.consolidate import load_model, run_config
     from pretrain.data import run_bos, run_document_eos

@@ -9,6 +9,7 @@ per-layer table and writes sink_report.json and a layer x head heatmap of alpha_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ from pretrain.config import Config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import load_val_batches, run_bos, run_document_eos, starting_with
 from tools.cli import ToolError, argument_parser, reports_errors, run
+from tools.evaluate import check_shards_tokenizer
+from tools.export import run_path_places
 
 
 def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str | None
@@ -33,6 +36,16 @@ def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str
         full = full or Config()
         if shards:
             full.data.shards, full.data.mix = shards, []  # --shards replaces the run's mixture too
+        else:  # the run's own, relative to where it was launched perhaps
+            def located(path: str) -> str:
+                found = [] if "://" in path else [p for p in run_path_places(Path(path), ckpt) if p.is_dir()]
+                return str(found[0]) if found else path
+
+            full.data.shards = located(full.data.shards)
+            full.data.mix = [dataclasses.replace(source, shards=located(source.shards)) for source in full.data.mix]
+        for source in full.data.sources:
+            if "://" not in source.shards:
+                check_shards_tokenizer(Path(source.shards), meta, "--shards" if shards else "the run's data.shards")
         full.train.micro_batch, full.train.eval_batches = batch, 1
         where = Path(full.data.shards)
         try:
