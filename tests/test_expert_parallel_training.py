@@ -112,13 +112,16 @@ def _consolidated_loss_at_ep2_and_ep1(rank: int, tag_dir: str, config_path: str)
 def test_convert_ep2_checkpoint_to_plain_state_dict_loads_at_any_ep(ep2_run, tmp_path, capsys):
     """The EP=2 checkpoint, consolidated into one expert-major state dict, gives the same loss on a
     fixed batch in a model built at EP=2 and at EP=1."""
-    from tools.convert_experts import main
+    from tools.convert_experts import expert_major_state, main
 
     tag = ep2_run / "checkpoints" / "step_00000004"
     spawn(_consolidated_loss_at_ep2_and_ep1, 2, str(tag), str(ep2_run / "config.yaml"), expert=2)
-    assert main([str(tag), str(tmp_path / "experts.pt"), "--mp-rank", "1"]) == 2
+    assert main(["--checkpoint", str(tag), "--out", str(tmp_path / "experts.pt"), "--mp-rank", "1"]) == 2
     assert (f"--mp-rank 1: {tag} was saved at tensor-parallel size 1; give a rank from 0 to 0"
             in capsys.readouterr().err)
+    out = tmp_path / "new" / "folder" / "experts.pt"  # its folders made, as consolidate makes them
+    assert main(["--checkpoint", str(ep2_run), "--out", str(out)]) == 0
+    assert sorted(torch.load(out, weights_only=True)) == sorted(expert_major_state(tag))
 
 
 def test_convert_experts_never_replaces_a_file_unasked(tmp_path, capsys):
@@ -126,6 +129,8 @@ def test_convert_experts_never_replaces_a_file_unasked(tmp_path, capsys):
 
     out = tmp_path / "experts.pt"
     out.write_bytes(b"an earlier conversion")
-    assert main([str(tmp_path / "no_such_run"), str(out)]) == 2
-    assert f"{out} exists; choose another file or pass --overwrite" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "no_such_run"), "--out", str(out)]) == 2
+    assert f"--out {out} exists; choose a new file or pass --overwrite" in capsys.readouterr().err
+    assert main([str(tmp_path / "no_such_run"), str(out)]) == 2  # CHECKPOINT OUT, as earlier versions took them
+    assert f"--out {out} exists" in capsys.readouterr().err
     assert out.read_bytes() == b"an earlier conversion"

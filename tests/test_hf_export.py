@@ -286,6 +286,9 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys, tmp_p
     (other / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "f" * 64}))
     assert evaluate_main(["--checkpoint", str(runs["tp2_zero2"]), "--shards", str(other)]) == 2
     assert "tokenized with another tokenizer (sha256 ffffffffffff)" in capsys.readouterr().err
+    assert evaluate_main(["--checkpoint", str(runs["tp2_zero2"]), "--shards", str(root / "shards"),
+                          "--tokenizer", str(tmp_path / "nope")]) == 2  # it would have been ignored
+    assert "--tokenizer " + str(tmp_path / "nope") + " encodes --tasks, which are not given" in capsys.readouterr().err
 
 
 def test_a_checkpoint_away_from_its_run_begins_with_bos_as_its_marker_records(runs, tmp_path):
@@ -616,6 +619,9 @@ def test_bad_inputs_fail_clearly_and_write_nothing(runs, imported, dist_env, tmp
     hf_model = imported[1].parent / "src"
     assert import_main(["--model", str(hf_model), "--out", str(hf_model), "--overwrite"]) == 2
     assert "holds the Hugging Face model" in capsys.readouterr().err
+    assert import_main(["--model", str(hf_model), "--out", str(tmp_path / "new"), "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert (f"--tokenizer {tmp_path / 'nope'}: no tokenizer.model there; give the directory data_prep.import_tokenizer "
+            "made from the model's own tokenizer.model") in capsys.readouterr().err
     assert (run_copy / "checkpoints").is_dir() and (hf_model / "config.json").is_file()
     (tmp_path / "a_file").write_text("")
     assert export_main(["--checkpoint", str(run_copy), "--out", str(tmp_path / "a_file")]) == 2

@@ -479,6 +479,10 @@ def test_status_says_why_an_ended_run_is_short_of_its_steps_and_how_to_go_on(tmp
     (local / "config.yaml").write_text("train:\n  steps: 10\n")
     assert status.main([str(local)]) == 0
     assert "none submitted from this run dir" in capsys.readouterr().out
+    # A folder that holds no run (a mistyped path, an export): an error, not "not started yet"
+    (tmp_path / "empty").mkdir()
+    assert status.main([str(tmp_path / "empty")]) == 2
+    assert f"error: {tmp_path / 'empty'} holds no run (none of config.yaml, slurm_config.yaml" in capsys.readouterr().err
 
 
 def test_prep_status_counts_the_tasks_of_a_pending_array(monkeypatch):

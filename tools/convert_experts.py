@@ -8,13 +8,14 @@ a checkpoint at another EP size directly (weights and LR schedule restored, opti
 restarted); this tool converts between the DeepSpeed layout and one plain, EP-independent state
 dict of one tensor-parallel rank, with experts in global, expert-major order:
 
-    python -m tools.convert_experts RUN_DIR[/checkpoints/step_00000100] model_tp00.pt [--mp-rank 0]
+    python -m tools.convert_experts --checkpoint RUN_DIR[/checkpoints/step_00000100] --out model_tp00.pt [--mp-rank 0]
 
 `load_full_state_dict(model, full)` loads such a state dict into a model built at any EP size.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -56,16 +57,24 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) 
 @reports_errors()
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser(__spec__.name, __doc__)
-    parser.add_argument("checkpoint", help="a checkpoint tag directory, e.g. runs/x/checkpoints/step_00000100")
-    parser.add_argument("out", help="output .pt file (one per TP rank)")
+    parser.add_argument("--checkpoint", help="RUN_DIR (newest complete) or RUN_DIR/checkpoints/TAG")
+    parser.add_argument("--out", help="output .pt file (one per TP rank)")
     parser.add_argument("--mp-rank", type=int, default=0, help="tensor-parallel rank to convert")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)  # CHECKPOINT OUT, as earlier versions took them
     args = parser.parse_args(argv)
+    if args.paths:
+        if len(args.paths) != 2 or args.checkpoint or args.out:
+            parser.error("give --checkpoint CHECKPOINT --out FILE")
+        args.checkpoint, args.out = args.paths
+    if not (args.checkpoint and args.out):
+        parser.error("the following arguments are required: --checkpoint, --out")
     out = Path(args.out)
     check_out_file(out, {"the checkpoint": args.checkpoint})
     if out.exists() and not args.overwrite:
-        raise ToolError(f"{out} exists; choose another file or pass --overwrite")
+        raise ToolError(f"--out {out} exists; choose a new file or pass --overwrite")
     state = expert_major_state(args.checkpoint, args.mp_rank)
+    out.parent.mkdir(parents=True, exist_ok=True)
     torch_save_atomic(state, out)
     n = sum(1 for k in state if EXPERT_KEY.match(k))
     print(f"wrote {args.out}: {len(state)} tensors, {n} of them expert weights (global expert-major order)")

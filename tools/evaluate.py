@@ -7,8 +7,8 @@ downstream tasks, in one process.
         [--tokenizer DIR]
 
 --shards is a shard directory holding the split (DIR/val/index.json) or a split directory itself
-(DIR/index.json). Samples are read in order, batch b holding samples [b*B, (b+1)*B) (wrapping
-around a small split), so `--batches N --batch-size B` covers the same N*B samples the trainer's
+(DIR/index.json). Samples are read in order, batch b holding samples [b*B, (b+1)*B) (each once: a
+smaller split gives fewer batches, which the output notes), so `--batches N --batch-size B` covers the same N*B samples the trainer's
 validation covers with train.eval_batches * data-parallel size = N and micro_batch = B; the loss is
 the trainer's (mean next-token cross-entropy over the padded vocabulary, no auxiliary losses; within
 documents when the run trained with data.document_mask). Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batches < 1 or args.batch_size < 1:
         raise ToolError("--batches and --batch-size must be >= 1")
+    if args.tokenizer and not args.tasks:
+        raise ToolError(f"--tokenizer {args.tokenizer} encodes --tasks, which are not given (shards are already "
+                        "tokenized): add --tasks or leave --tokenizer out")
     if not args.shards and not args.tasks:
         raise ToolError("give --shards (validation loss) and/or --tasks (downstream accuracy)")
     device = tool_device(args.device)

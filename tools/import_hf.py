@@ -161,7 +161,11 @@ def import_model(model_dir: str | Path, out: str | Path, tokenizer: str | None =
         raise UnsupportedModel(f"--out {out} exists and is not empty; choose a new run directory or pass --overwrite")
     tokenizer_sha = None
     if tokenizer:
-        from data_prep.tokenizer import load_tokenizer
+        from data_prep.tokenizer import MODEL_FILE, load_tokenizer
+
+        if not (Path(tokenizer) / MODEL_FILE).is_file():  # a tokenizer trained now could not match the model's
+            raise ToolError(f"--tokenizer {tokenizer}: no {MODEL_FILE} there; give the directory data_prep."
+                            f"import_tokenizer made from the model's own tokenizer.model")
 
         sp, meta = load_tokenizer(tokenizer)
         if sp.get_piece_size() != hf_cfg["vocab_size"]:
