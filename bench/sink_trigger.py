@@ -10,7 +10,8 @@ with normaliser n_i = visible keys / 1 / seq_len), then a linear read-out.
 
 Reported per model: final MSE (all / trigger / non-trigger positions), attention mass on BOS at
 non-trigger queries per layer and head (softmax: probability; ReLU: absolute weight ReLU(s)/n_i),
-ReLU row totals at non-trigger queries, and Sink_1^0.3 (alpha_1 over all queries, as in Gu et al.).
+ReLU row totals at non-trigger queries, and Sink_1^0.3 (alpha_1 over all queries, thresholded per
+sequence as in Gu et al.; models.sinks).
 A run whose trigger MSE is not below half of what predicting zero there gives did not learn the task
 (`learned_trigger` false, `no` in the table): its attention statistics are no evidence either way.
 
@@ -33,7 +34,7 @@ from bench.provenance import provenance
 from models.attention.base import scaled_scores
 from models.attention.relu import relu_weights
 from models.attention.softmax import causal_softmax
-from models.sinks import head_stats
+from models.sinks import head_stats, sink_stats
 
 
 @dataclass
@@ -115,14 +116,14 @@ def evaluate(model: TriggerModel, spec: TaskSpec, gen: torch.Generator, batch: i
         share.append(s.tolist())
     trig_bos = [[float(w[:, h, :, 0][trigger].mean()) if trigger.any() else math.nan for h in range(w.shape[1])]
                 for w in maps]
-    flat_alpha = torch.tensor(alpha)
+    sinks = sink_stats(dict(enumerate(maps)))
     return {"loss": float(err.mean()), "loss_trigger": float(err[trigger].mean()),
             "loss_nontrigger": float(err[nontrig].mean()), "target_var_trigger": float((targets[trigger] ** 2).mean()),
             "bos_mass_nontrigger_per_head": bos, "bos_mass_nontrigger": float(torch.tensor(bos).mean()),
             "bos_mass_nontrigger_max_head": float(torch.tensor(bos).max()),
             "bos_mass_trigger_per_head": trig_bos, "row_total_nontrigger_per_head": rows,
             "row_total_nontrigger": float(torch.tensor(rows).mean()), "alpha1_per_head": alpha,
-            "share1_per_head": share, "sink_rate_0.3": float((flat_alpha > 0.3).float().mean())}, maps, inputs
+            "share1_per_head": share, "sink_rate_0.3": sinks.sink_rate(0.3)}, maps, inputs
 
 
 def learned(loss_trigger: float, zero_baseline: float) -> bool:

@@ -102,9 +102,11 @@ def render(args: argparse.Namespace, out: Path, command: str, log: str) -> str:
     text = TEMPLATE.read_text().replace(
         "# {{NAME}} placeholders are filled in by launch.submit_prep; the rendered script is plain bash.",
         "# Rendered by launch.submit_prep from slurm/prep.sbatch.")
-    text = re.sub(r"\{\{([A-Z_]+)\}\}", lambda m: values.get(m.group(1), m.group(0)), text)
-    if "{{" in text:
-        raise SubmitError("slurm/prep.sbatch has a placeholder launch.submit_prep does not know")
+    unknown = sorted(set(re.findall(r"\{\{([A-Z_]+)\}\}", text)) - set(values))
+    if unknown:
+        raise SubmitError(f"slurm/prep.sbatch has placeholders {unknown} that launch.submit_prep does not fill: "
+                          "remove them from the template, or give them values in launch.submit_prep.render")
+    text = re.sub(r"\{\{([A-Z_]+)\}\}", lambda m: values[m.group(1)], text)
     return text
 
 

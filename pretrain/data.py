@@ -166,9 +166,10 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
         # resume after data.shards moved, runs sharing data.cache) must not find this one's. Other
         # URLs' folders stay (a run sharing data.cache may be reading them); the one from before
         # folders were named so goes.
+        # ("@", not "-": local compressed shards clear their stale "{split}-*" copies.)
         url = f"{source.shards.rstrip('/')}/{split}"
         shutil.rmtree(root / name / split, ignore_errors=True)
-        return {"remote": url, "local": str(root / name / f"{split}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")}
+        return {"remote": url, "local": str(root / name / f"{split}@{hashlib.sha256(url.encode()).hexdigest()[:12]}")}
     directory = Path(source.shards) / split
     fingerprint = compressed_split(directory)
     if not fingerprint:

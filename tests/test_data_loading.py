@@ -134,7 +134,7 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
     from streaming.base.storage import LocalDownloader, download
 
     from pretrain.config import load_config
-    from pretrain.data import load_val_sets
+    from pretrain.data import _split_location, load_val_sets
     from tests.dist_utils import single_process_group
 
     class DiskURLDownloader(LocalDownloader):
@@ -163,6 +163,10 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
         moved = load_config(None, [f"data.shards=disk://{other}/shards", f"data.cache={tmp_path}/cache2", *base])
         got_other = load_val_sets(moved)[""]
         want_other = load_val_sets(load_config(None, [f"data.shards={other}/shards", *base]))[""]
+        # A run on local compressed shards through the same cache keeps the remote copies.
+        load_val_sets(load_config(None, [f"data.shards={other}/shards", f"data.cache={tmp_path}/cache2", *base]))
+        remote_copies = [_split_location(c, c.data.sources[0], "val")["local"] for c in (remote, moved)]
+        assert all(Path(copy, "index.json").is_file() for copy in remote_copies)
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
     assert not torch.equal(got_other[0], got[0]) and all(torch.equal(g, w) for g, w in zip(got_other, want_other))
 

@@ -131,6 +131,7 @@ def test_convert_experts_never_replaces_a_file_unasked(tmp_path, capsys):
     out.write_bytes(b"an earlier conversion")
     assert main(["--checkpoint", str(tmp_path / "no_such_run"), "--out", str(out)]) == 2
     assert f"--out {out} exists; choose a new file or pass --overwrite" in capsys.readouterr().err
-    assert main([str(tmp_path / "no_such_run"), str(out)]) == 2  # CHECKPOINT OUT, as earlier versions took them
-    assert f"--out {out} exists" in capsys.readouterr().err
+    for older in ([str(tmp_path / "no_such_run"), str(out)], [str(tmp_path / "no_such_run"), "--mp-rank", "0", str(out)]):
+        assert main(older) == 2  # CHECKPOINT OUT, as earlier versions took them
+        assert f"--out {out} exists" in capsys.readouterr().err
     assert out.read_bytes() == b"an earlier conversion"

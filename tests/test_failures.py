@@ -301,8 +301,8 @@ from tools.cli import run
 def main():
     with directory_in_place(Path(sys.argv[1])) as tmp:
         (tmp / "half").write_text("written")
-        os.kill(os.getpid(), signal.SIGTERM)  # as timeout, kill or scancel sends it
-        time.sleep(30)
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))  # as timeout, kill or scancel sends SIGTERM
+        time.sleep(3)
     return 0
 
 run(main)
@@ -315,7 +315,12 @@ def test_a_tool_stopped_by_sigterm_leaves_no_partial_output(tmp_path):
     script = tmp_path / "tool.py"
     script.write_text(TOOL_STOPPED_MID_WRITE)
     out = tmp_path / "out" / "export"
-    proc = subprocess.run([sys.executable, str(script), str(out)], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script), str(out), "SIGTERM"], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 143 and "stopped by SIGTERM" in proc.stderr, proc.stderr[-2000:]
     assert list((tmp_path / "out").iterdir()) == []
+    # Started under nohup (SIGHUP ignored), a closed terminal does not stop it.
+    proc = subprocess.run([sys.executable, str(script), str(out), "SIGHUP"], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert proc.returncode == 0 and (out / "half").read_text() == "written", proc.stderr[-2000:]

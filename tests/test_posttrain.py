@@ -414,6 +414,24 @@ def test_config_errors_name_the_key(files):
                                                       "model.mlp=uoe", "model.moe.capacity_factor=1.25")
 
 
+def test_a_bf16_reference_model_keeps_its_buffers_in_fp32(files):
+    """DPO's frozen reference in bf16 runs as DeepSpeed runs the policy: its parameters rounded, its
+    RoPE tables (and routers' selection bias) in fp32."""
+    from posttrain.config import PostTrainConfig
+    from posttrain.train import PostTrainTask
+    from pretrain.config import load_config
+
+    cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + ["post.method=dpo", "train.precision=bf16"],
+                      PostTrainConfig)
+    task = PostTrainTask()
+    task.reference = files / "init.pt"
+    with single_process_group():
+        reference = task.build_model(cfg)._reference[0]
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    buffers = dict(reference.named_buffers())
+    assert buffers and {b.dtype for b in buffers.values() if b.is_floating_point()} == {torch.float32}
+
+
 def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records_bos(files, tok_dir, tmp_path):
     from posttrain.config import PostTrainConfig
     from posttrain.train import PostTrainTask

@@ -206,6 +206,8 @@ def test_trigger_task_trains():
         assert result["bos_mass_nontrigger"] == pytest.approx(float(bos.mean(1).mean()), rel=1e-5)
         assert result["row_total_nontrigger"] == pytest.approx(float(rows.mean(1).mean()), rel=1e-5)
         assert 0 < result["bos_mass_nontrigger"] < 1
+        per_sequence = (weights[..., 0].mean(-1) > 0.3).float().mean()  # Gu et al.: thresholded per sequence
+        assert result["sink_rate_0.3"] == pytest.approx(float(per_sequence))
     assert soft["row_total_nontrigger"] == pytest.approx(1.0, abs=1e-5)  # softmax rows sum to one
 
 
@@ -257,7 +259,7 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, capsys):
+def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, capsys, monkeypatch):
     import shutil
 
     root, run = hybrid_run
@@ -320,6 +322,9 @@ def test_hybrid_tp2_training_logs_sink_metrics_and_report(hybrid_run, tmp_path, 
     (project / "data" / "shards").symlink_to(root / "shards")
     config = project / "runs" / "hybrid" / "config.yaml"
     config.write_text(config.read_text().replace(str(root / "shards"), "data/shards"))
+    (tmp_path / "here" / "data").mkdir(parents=True)  # the current directory's data/shards: another tokenizer's
+    (tmp_path / "here" / "data" / "shards").symlink_to(other)
+    monkeypatch.chdir(tmp_path / "here")
     with single_process_group():
         assert sink_report(["--checkpoint", str(project / "runs" / "hybrid"), "--out", str(tmp_path / "moved")]) == 0
     assert json.loads((tmp_path / "moved" / "sink_report.json").read_text())["tokens"] == \

@@ -256,7 +256,7 @@ def test_prep_sbatch_args_are_judged_by_the_prep_script(tmp_path, tok_dir, capsy
     template.write_text(submit_prep.TEMPLATE.read_text() + "#SBATCH --mem={{MEM}}\n")
     monkeypatch.setattr(submit_prep, "TEMPLATE", template)
     assert main(prep_args(tmp_path, tok_dir, "--dry-run")) == 2
-    assert "slurm/prep.sbatch has a placeholder launch.submit_prep does not know" in capsys.readouterr().err
+    assert "slurm/prep.sbatch has placeholders ['MEM'] that launch.submit_prep does not fill" in capsys.readouterr().err
 
 
 def test_prep_chain_with_an_unanswered_sbatch_keeps_the_queued_jobs_on_record(tmp_path, tok_dir, slurm_bin,

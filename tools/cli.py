@@ -105,7 +105,8 @@ def run(main: Callable[[], int]) -> NoReturn:
     from pretrain.distributed import destroy_distributed
 
     for stop in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stop, _exit_on_signal)
+        if signal.getsignal(stop) is not signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
+            signal.signal(stop, _exit_on_signal)
     try:
         code = main()
     finally:

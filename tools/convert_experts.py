@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mp-rank", type=int, default=0, help="tensor-parallel rank to convert")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)  # CHECKPOINT OUT, as earlier versions took them
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # CHECKPOINT --mp-rank 0 OUT, as earlier versions took them
     if args.paths:
         if len(args.paths) != 2 or args.checkpoint or args.out:
             parser.error("give --checkpoint CHECKPOINT --out FILE")

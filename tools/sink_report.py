@@ -27,6 +27,11 @@ from tools.evaluate import check_shards_tokenizer
 from tools.export import run_path_places
 
 
+def shards_tokenizer(shards: Path) -> str | None:
+    manifest = shards / "manifest.json"
+    return json.loads(manifest.read_text()).get("tokenizer_sha256") if manifest.is_file() else None
+
+
 def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str | None
                   ) -> tuple[torch.Tensor, str]:
     """Validation tokens [batch, seq] from the shards (the run's own by default), else random
@@ -38,8 +43,10 @@ def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str
             full.data.shards, full.data.mix = shards, []  # --shards replaces the run's mixture too
         else:  # the run's own, relative to where it was launched perhaps
             def located(path: str) -> str:
+                """The first place holding shards of the checkpoint's tokenizer, else the first there."""
                 found = [] if "://" in path else [p for p in run_path_places(Path(path), ckpt) if p.is_dir()]
-                return str(found[0]) if found else path
+                own = [p for p in found if shards_tokenizer(p) == meta.get("tokenizer_sha256")]
+                return str((own or found)[0]) if found else path
 
             full.data.shards = located(full.data.shards)
             full.data.mix = [dataclasses.replace(source, shards=located(source.shards)) for source in full.data.mix]
