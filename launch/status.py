@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run_dir.is_dir():
         print(f"error: {args.run_dir} is not a directory", file=sys.stderr)
         return 2
-    marks = ("config.yaml", slurm_job.JOB_CONFIG, "checkpoints", "metrics.jsonl", parts.PLAN_FILE)
+    marks = ("config.yaml", "checkpoints", "metrics.jsonl", slurm_job.JOB_CONFIG, slurm_job.JOB_IDS,
+             slurm_job.HISTORY, parts.PLAN_FILE)
     if not any((args.run_dir / name).exists() for name in marks):  # a mistyped path reads as "not started"
         print(f"error: {args.run_dir} holds no run (none of {', '.join(marks)}): give the run.dir of a run, or "
               "the --out of a shard build", file=sys.stderr)

@@ -482,7 +482,7 @@ def test_status_says_why_an_ended_run_is_short_of_its_steps_and_how_to_go_on(tmp
     # A folder that holds no run (a mistyped path, an export): an error, not "not started yet"
     (tmp_path / "empty").mkdir()
     assert status.main([str(tmp_path / "empty")]) == 2
-    assert f"error: {tmp_path / 'empty'} holds no run (none of config.yaml, slurm_config.yaml" in capsys.readouterr().err
+    assert f"error: {tmp_path / 'empty'} holds no run (none of config.yaml, checkpoints, metrics.jsonl" in capsys.readouterr().err
 
 
 def test_prep_status_counts_the_tasks_of_a_pending_array(monkeypatch):
