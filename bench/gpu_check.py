@@ -278,7 +278,7 @@ def attention_rows(device: str, seq: int, profile_dir: Path | None = None) -> No
     for kind in ATTENTION_KINDS:
         row = {"kind": kind, "seq": seq, "batch": batch}
         base_kind = kind.removesuffix(" docs")
-        docs = documents.expand(batch, seq) if kind.endswith(" docs") else None
+        docs = documents.expand(batch, seq).contiguous() if kind.endswith(" docs") else None
         try:
             row["train_ms"] = 1000 * time_kind(base_kind, hidden, heads, seq, batch, 5, dev, docs, dtype=dtype)
             # per sequence: what a layer keeps for backward at batch 1
