@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -238,14 +239,14 @@ def attention_seqs(device: str) -> tuple[int, ...]:
     return (64,) if device == "cpu" else ATTENTION_SEQS
 
 
-def profile_attention(kind: str, hidden: int, heads: int, seq: int, dev: torch.device, dtype: torch.dtype,
-                      profile_dir: Path) -> list[dict]:
+def profile_attention(kind: str, hidden: int, heads: int, seq: int, batch: int, dev: torch.device,
+                      dtype: torch.dtype, profile_dir: Path) -> list[dict]:
     """One forward + backward of an attention layer under torch.profiler (after one unprofiled):
     its top operators; the operator table is appended to profile_dir/<report stem>-profiles.txt."""
     from bench.attention_speed import layer_and_inputs
     from pretrain.profiling import operator_table, top_operators
 
-    module, (x, q, k), ctx = layer_and_inputs(kind, hidden, heads, seq, 1, dev, None, dtype)
+    module, (x, q, k), ctx = layer_and_inputs(kind, hidden, heads, seq, batch, dev, None, dtype)
     cuda = dev.type == "cuda"
 
     def once() -> None:
@@ -293,7 +294,7 @@ def attention_rows(device: str, seq: int, profile_dir: Path | None = None) -> No
                 row["decode_error"] = f"{type(err).__name__}: {err}"
         if profile_dir is not None and kind in PROFILED_KINDS and seq == attention_seqs(device)[0]:
             try:
-                row["top_ops"] = profile_attention(base_kind, hidden, heads, seq, dev, dtype, profile_dir)
+                row["top_ops"] = profile_attention(base_kind, hidden, heads, seq, batch, dev, dtype, profile_dir)
             except Exception as err:  # noqa: BLE001 - the row keeps its numbers
                 row["profile_error"] = f"{type(err).__name__}: {err}"
         print(ROW + json.dumps(row), flush=True)
@@ -352,12 +353,18 @@ def run_isolated(name: str, args: argparse.Namespace, timeout: float) -> dict:
     env = environment_for_child()
     if interpreted(name, args.device):
         env["TRITON_INTERPRET"] = "1"
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        stdout, stderr, failure = out.stdout, out.stderr, f"exit {out.returncode}"
-    except subprocess.TimeoutExpired as expired:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        stdout, stderr, failure = text(expired.stdout), text(expired.stderr), f"timed out after {timeout:.0f} s"
+    # Its output goes to files under --out-dir as it is printed: a run killed from outside keeps the
+    # rows its running part had finished (and how far it got).
+    logs = Path(args.out_dir) / f"{report_stem(args.device)}-parts"
+    logs.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+    with open(logs / f"{stem}.out", "w") as out_file, open(logs / f"{stem}.err", "w") as err_file:
+        try:
+            out = subprocess.run(cmd, stdout=out_file, stderr=err_file, text=True, timeout=timeout, env=env)
+            failure = f"exit {out.returncode}"
+        except subprocess.TimeoutExpired:
+            failure = f"timed out after {timeout:.0f} s"
+    stdout, stderr = ((logs / f"{stem}.{kind}").read_text(errors="replace") for kind in ("out", "err"))
     lines = stdout.splitlines()
     tail = [line for line in (stderr + stdout).splitlines() if line.strip()][-40:]
     error = {"error": f"{failure}: {tail[-1] if tail else 'no output'}", "log_tail": tail}
@@ -495,11 +502,12 @@ def main() -> int:
             report[check] = result
         print(f"{check}: {json.dumps({k: v for k, v in result.items() if k != 'log_tail'})}", flush=True)
         save()
-    # In this order, so that a --deadline drops the last parts: the families, their switch rows
-    # (compile, grouped GEMM, another alignment), then the attention kinds length by length.
+    # In this order, so that a --deadline drops the last parts: the families, the attention kinds at
+    # the first length (2048, where the kernels' goals are set), the families' switch rows (compile,
+    # grouped GEMM, another alignment), then the other lengths.
     seqs = list(attention_seqs(args.device)) if args.attention else []
     base, switches = [n for n in names if " " not in n], [n for n in names if " " in n]
-    for item in [*base, *switches, *seqs]:
+    for item in [*base, *seqs[:1], *switches, *seqs[1:]]:
         if isinstance(item, str):
             report["throughput"][item] = part(item, args.row_timeout)
             print(item, json.dumps({k: v for k, v in report["throughput"][item].items() if k != "log_tail"}), flush=True)

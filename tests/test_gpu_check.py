@@ -117,9 +117,10 @@ def test_deadline_budget(monkeypatch):
     assert gpu_check.Deadline(0).budget(200) == 200  # no deadline
 
 
-def test_attention_rows_finished_before_a_timeout_are_kept(monkeypatch):
+def test_attention_rows_finished_before_a_timeout_are_kept(monkeypatch, tmp_path):
     """The attention process is stopped while timing its third kind: the first two keep their
-    numbers and ratios, the third carries the timeout, the others say they never ran."""
+    numbers and ratios, the third carries the timeout, the others say they never ran; what it printed
+    is in a file under --out-dir as it printed it (a run killed from outside keeps it)."""
     import argparse
 
     from bench import gpu_check
@@ -129,12 +130,16 @@ def test_attention_rows_finished_before_a_timeout_are_kept(monkeypatch):
                       for kind, ms in ((kinds[0], 2.0), (kinds[1], 3.0)))
 
     def stopped(*args, **kwargs):
-        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"], output=printed.encode(), stderr=b"compiling\n")
+        kwargs["stdout"].write(printed)
+        kwargs["stderr"].write("compiling\n")
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
 
     monkeypatch.setattr(gpu_check.subprocess, "run", stopped)
-    args = argparse.Namespace(steps=1, device="cpu", families="dense-1b", micro_batch=None, out_dir="/tmp",
+    args = argparse.Namespace(steps=1, device="cpu", families="dense-1b", micro_batch=None, out_dir=str(tmp_path),
                               profile=False)
     rows = gpu_check.run_isolated(gpu_check.ATTENTION_ROW + "64", args, timeout=5)
+    [kept] = (tmp_path / f"{gpu_check.report_stem('cpu')}-parts").glob("attention_64.out")
+    assert kept.read_text() == printed
     assert rows[f"{kinds[0]} @ 64"]["train_x_softmax"] == 1.0 and rows[f"{kinds[1]} @ 64"]["train_ms"] == 3.0
     assert rows[f"{kinds[2]} @ 64"]["error"].startswith("timed out after 5 s")
     assert all(rows[f"{k} @ 64"]["error"].startswith("not run") for k in kinds[3:])
