@@ -164,9 +164,8 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
     if "://" in source.shards:
         # Named after the URL: streaming reuses an index it finds in the folder, so another URL (a
         # resume after data.shards moved, runs sharing data.cache) must not find this one's. Other
-        # URLs' folders stay (a run sharing data.cache may be reading them); the one from before
-        # folders were named so goes.
-        # ("@", not "-": local compressed shards clear their stale "{split}-*" copies.)
+        # URLs' folders stay (a run sharing data.cache may read them), out of reach of the cleanup of
+        # local compressed copies ("{split}-*"); the unnamed folder of earlier versions goes.
         url = f"{source.shards.rstrip('/')}/{split}"
         shutil.rmtree(root / name / split, ignore_errors=True)
         return {"remote": url, "local": str(root / name / f"{split}@{hashlib.sha256(url.encode()).hexdigest()[:12]}")}
