@@ -415,15 +415,16 @@ def test_a_start_releases_only_what_exited_processes_left(tmp_path, monkeypatch)
         holder.kill()
         holder.wait()
     assert shared_memory.release_stale(cache) == [8]
-    # This process's own registration is locked while it lives.
+    # This process's own registration is locked while it lives (and gone once it unregisters).
     shared_memory.register(10)
+    entry, held = shared_memory._registered.pop(), shared_memory._held.pop()  # this test's alone
     try:
-        entry = shared_memory._owners_dir() / f"000010.{os.getpid()}"
+        assert entry == shared_memory._owners_dir() / f"000010.{os.getpid()}"
         assert json.loads(entry.read_text())["locked"] and shared_memory._alive(entry, {"locked": True}, os.getpid())
     finally:
-        shared_memory._unregister()
-        shared_memory._registered.clear(), shared_memory._held.clear()
-    assert not entry.exists()
+        held.close()
+        entry.unlink()
+    assert not shared_memory._alive(entry, {"locked": True}, os.getpid())
 
 
 def test_a_resume_starts_a_new_epoch_where_the_train_data_changed(tmp_path):
