@@ -135,7 +135,7 @@ class SamplePacker:
 def split_keys(part: P.Part, settings: dict) -> Callable[[str], str]:
     """What a document of ``part`` has its split hashed from, by its origin ("path" or "path:N"): the
     origin itself, or with split_key relative its file's path relative to its corpus source."""
-    if _setting(settings, "split_key") != "relative":
+    if plan_setting(settings, "split_key") != "relative":
         return lambda origin: origin
     names = {str(Path(p.path)): source_relative(p.path, settings["sources"]) for p in part.pieces}
 
@@ -191,14 +191,14 @@ def _batches(docs, split_of: Callable[[str], str]) -> Iterator[tuple[list[str], 
 
 # --- planning -------------------------------------------------------------------
 
-def _setting(settings: dict, key: str):
+def plan_setting(settings: dict, key: str):
     """A plan setting; a plan made before split_key existed hashed the paths as given."""
     return settings.get(key, "path" if key == "split_key" else None)
 
 
 def _settings_diff(old: dict, new: dict) -> str:
-    return ", ".join(f"{k}: {_setting(old, k)!r} there, {_setting(new, k)!r} now" for k in PLAN_SETTINGS
-                     if _setting(old, k) != _setting(new, k))
+    return ", ".join(f"{k}: {plan_setting(old, k)!r} there, {plan_setting(new, k)!r} now" for k in PLAN_SETTINGS
+                     if plan_setting(old, k) != plan_setting(new, k))
 
 
 def _clear(out_dir: Path) -> None:
@@ -612,7 +612,7 @@ def merge_parts(out_dir) -> dict:
         "sample_len": sample_len,
         "val_fraction": s["val_fraction"],
         "seed": s["seed"],
-        "split_key": _setting(s, "split_key"),
+        "split_key": plan_setting(s, "split_key"),
         "compression": s["compression"],
         "shard_size_limit": s["shard_size_limit"],
         "parts": len(parts),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from data_prep import dedup
 from data_prep import parts as P
-from data_prep.build_shards import SPLIT_KEYS, check_compression, plan_build
+from data_prep.build_shards import SPLIT_KEYS, check_compression, plan_build, plan_setting
 from data_prep.tokenizer import tokenizer_record
 from launch.sbatch import (ACTIVE_STATES, PREP_OWNED_OPTIONS, SubmitError, SubmitUnknown, check_job_name, check_repo,
                            check_slurm_path, parse_time, sbatch_lines, submit)
@@ -133,7 +133,7 @@ def finished_differently(args: argparse.Namespace, out: Path) -> str:
         return os.path.abspath(os.path.join(where, os.path.expanduser(path)))
 
     if planned:
-        planned.setdefault("split_key", "path")  # plans made before the setting hashed the paths as given
+        planned["split_key"] = plan_setting(planned, "split_key")
     if "tokenizer" in planned:
         planned["tokenizer"] = located(planned["tokenizer"])
     if "sources" in planned:

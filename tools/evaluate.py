@@ -76,18 +76,22 @@ def evaluate_rows(model, rows: torch.Tensor, batch_size: int, eos_id: int | None
             "tokens": int(rows[:, 1:].numel()), "batch_losses": losses}
 
 
-def check_shards_tokenizer(location: Path, meta: dict, option: str = "--shards") -> None:
-    """Shards tokenized by another tokenizer than the checkpoint's give a meaningless loss: refused
-    where both record theirs (the manifest beside the split, or above it); `option` names them."""
-    want = meta.get("tokenizer_sha256")
+def shards_tokenizer(location: Path) -> str | None:
+    """The tokenizer sha256 a shards (or split) directory's manifest records, beside it or above it."""
     for manifest in (location / "manifest.json", location.parent / "manifest.json"):
         if manifest.is_file():
-            got = json.loads(manifest.read_text()).get("tokenizer_sha256")
-            if want and got and got != want:
-                raise ToolError(f"{option} {location}: tokenized with another tokenizer (sha256 {got[:12]}) than the "
-                                f"checkpoint was trained with (sha256 {want[:12]}); give shards built with the run's "
-                                "tokenizer")
-            return
+            return json.loads(manifest.read_text()).get("tokenizer_sha256")
+    return None
+
+
+def check_shards_tokenizer(location: Path, meta: dict, option: str = "--shards") -> None:
+    """Shards tokenized by another tokenizer than the checkpoint's give a meaningless loss: refused
+    where both record theirs; `option` names them."""
+    want, got = meta.get("tokenizer_sha256"), shards_tokenizer(location)
+    if want and got and got != want:
+        raise ToolError(f"{option} {location}: tokenized with another tokenizer (sha256 {got[:12]}) than the "
+                        f"checkpoint was trained with (sha256 {want[:12]}); give shards built with the run's "
+                        "tokenizer")
 
 
 @reports_errors(ValueError)

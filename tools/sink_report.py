@@ -23,13 +23,8 @@ from pretrain.config import Config
 from pretrain.consolidate import load_model, run_config
 from pretrain.data import load_val_batches, run_bos, run_document_eos, starting_with
 from tools.cli import ToolError, argument_parser, reports_errors, run
-from tools.evaluate import check_shards_tokenizer
+from tools.evaluate import check_shards_tokenizer, shards_tokenizer
 from tools.export import run_path_places
-
-
-def shards_tokenizer(shards: Path) -> str | None:
-    manifest = shards / "manifest.json"
-    return json.loads(manifest.read_text()).get("tokenizer_sha256") if manifest.is_file() else None
 
 
 def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str | None
