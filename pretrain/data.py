@@ -85,14 +85,16 @@ def sample_bos(cfg: Config) -> int | None:
 
 def sources_record(cfg: Config) -> list[dict]:
     """What the train loader reads, for the checkpoint marker: each source's name, shards and
-    weight, and a fingerprint of its local train split's index (None for remote shards)."""
+    weight, and a fingerprint of its train split's index (None where it has none)."""
     record = []
     for source in cfg.data.sources:
-        index = Path(source.shards) / "train" / "index.json"
-        fingerprint = hashlib.sha256(index.read_bytes()).hexdigest()[:16] if "://" not in source.shards \
-            and index.is_file() else None
+        if "://" in source.shards:
+            text = remote_index(split_url(source, "train"))
+        else:
+            index = Path(source.shards) / "train" / "index.json"
+            text = index.read_bytes() if index.is_file() else None
         record.append({"name": source.name, "shards": source.shards, "weight": source.weight,
-                       "train_index": fingerprint})
+                       "train_index": hashlib.sha256(text).hexdigest()[:16] if text is not None else None})
     return record
 
 
@@ -102,10 +104,13 @@ def resumed_position(saved: dict, marker: dict, cfg: Config) -> tuple[dict, str 
     position points into another epoch order, so the loader starts the next epoch of the new data."""
     before, now = marker.get("data_sources"), sources_record(cfg)
 
-    def key(record: list[dict]) -> list[tuple]:  # local shards by their index: moved ones are the same
-        return [(s["name"], s["weight"], s["train_index"] or s["shards"]) for s in record]
+    def same(a: dict, b: dict) -> bool:  # shards by their index (moved ones are the same), else by place
+        if (a["name"], a["weight"]) != (b["name"], b["weight"]):
+            return False
+        # Checkpoints of earlier versions recorded no index for remote shards.
+        return a["train_index"] == b["train_index"] if a["train_index"] and b["train_index"] else a["shards"] == b["shards"]
 
-    if before is None or key(before) == key(now):
+    if before is None or (len(before) == len(now) and all(map(same, before, now))):
         return saved, None
     changes = [f"{s['name'] or 'data.shards'}: {s['shards']} weight {s['weight']}" for s in now]
     return ({**saved, "epoch": saved["epoch"] + 1, "sample_in_epoch": 0},
@@ -162,13 +167,19 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
     uncompressed shards in place."""
     name, root = source.name or "shards", cache_root(cfg)
     if "://" in source.shards:
-        # Named after the URL: streaming reuses an index it finds in the folder, so another URL (a
-        # resume after data.shards moved, runs sharing data.cache) must not find this one's. Other
-        # URLs' folders stay (a run sharing data.cache may read them), out of reach of the cleanup of
-        # local compressed copies ("{split}-*"); the unnamed folder of earlier versions goes.
-        url = f"{source.shards.rstrip('/')}/{split}"
-        shutil.rmtree(root / name / split, ignore_errors=True)
-        return {"remote": url, "local": str(root / name / f"{split}@{hashlib.sha256(url.encode()).hexdigest()[:12]}")}
+        # Named after the URL and its index: streaming reuses an index it finds in the folder, so
+        # another URL (a resume after data.shards moved, runs sharing data.cache) or the same URL
+        # rebuilt must not find this one's. Other URLs' folders stay (a run sharing data.cache may
+        # read them), out of reach of the cleanup of local compressed copies ("{split}-*"); this
+        # URL's earlier versions go, and so does the unnamed folder of earlier releases.
+        url = split_url(source, split)
+        index = remote_index(url)
+        place = f"{split}@{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+        copy = root / name / f"{place}-{hashlib.sha256(index or b'').hexdigest()[:12]}"
+        for stale in [root / name / split, *copy.parent.glob(f"{place}*")]:
+            if stale != copy:
+                shutil.rmtree(stale, ignore_errors=True)
+        return {"remote": url, "local": str(copy)}
     directory = Path(source.shards) / split
     fingerprint = compressed_split(directory)
     if not fingerprint:
@@ -179,6 +190,25 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
         if stale != copy:
             shutil.rmtree(stale, ignore_errors=True)
     return {"remote": str(directory), "local": str(copy)}
+
+
+def split_url(source: DataSource, split: str) -> str:
+    return f"{source.shards.rstrip('/')}/{split}"
+
+
+@functools.lru_cache(maxsize=None)
+def remote_index(url: str) -> bytes | None:
+    """A remote split's index.json (url: the split's), None where it has none. Downloaded once per
+    process (a small file), so that what a run records of its data (sources_record) is the version
+    its loaders read."""
+    from streaming.base.storage import CloudDownloader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            CloudDownloader.direct_download(f"{url}/index.json", os.path.join(tmp, "index.json"))
+        except FileNotFoundError:
+            return None
+        return Path(tmp, "index.json").read_bytes()
 
 
 def compressed_split(directory: Path) -> str | None:
@@ -239,26 +269,14 @@ def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
 
 def has_samples(location: dict) -> bool:
     """Whether a split (from _split_location) has an index listing shards: shards built with
-    --val-fraction 0 have no val split (older builds: an empty index). A remote split's index is read
-    from the cache, else downloaded once (a small file) to a temporary place."""
-    index = Path(location["local"]) / "index.json"
+    --val-fraction 0 have no val split (older builds: an empty index)."""
     remote = location["remote"]
-    if not index.is_file() and remote is not None and "://" not in remote:
-        index = Path(remote) / "index.json"  # local shards read through the cache
-    if index.is_file():
-        text = index.read_text()
-    elif remote is None or "://" not in remote:
-        return False
+    if remote is not None and "://" in remote:
+        text = remote_index(remote)
     else:
-        from streaming.base.storage import CloudDownloader
-
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                CloudDownloader.direct_download(f"{remote}/index.json", os.path.join(tmp, "index.json"))
-            except FileNotFoundError:
-                return False
-            text = Path(tmp, "index.json").read_text()
-    return bool(json.loads(text)["shards"])
+        index = Path(remote or location["local"]) / "index.json"  # local shards, read in place or through the cache
+        text = index.read_bytes() if index.is_file() else None
+    return text is not None and bool(json.loads(text)["shards"])
 
 
 def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tensor]]:

@@ -2,6 +2,7 @@
 peers identical ones."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,7 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
     from streaming.base.storage import LocalDownloader, download
 
     from pretrain.config import load_config
-    from pretrain.data import _split_location, load_val_sets
+    from pretrain.data import _split_location, load_val_sets, remote_index, resumed_position, sources_record
     from tests.dist_utils import single_process_group
 
     class DiskURLDownloader(LocalDownloader):
@@ -169,13 +170,29 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
         assert all(Path(copy, "index.json").is_file() for copy in remote_copies)
     assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
     assert not torch.equal(got_other[0], got[0]) and all(torch.equal(g, w) for g, w in zip(got_other, want_other))
+    # The same URL rebuilt (another index; a new process downloads it): its new shards, not the
+    # cached copy of the old ones, which goes; and a resume notices the change.
+    record = sources_record(remote)
+    shutil.rmtree(full / "shards")
+    write_synthetic_shards(full, train=16, val=8, seed=700)
+    remote_index.cache_clear()
+    with single_process_group():
+        rebuilt = load_val_sets(remote)[""]
+        want_rebuilt = load_val_sets(load_config(None, [f"data.shards={full}/shards", *base]))[""]
+    assert not torch.equal(rebuilt[0], got[0]) and all(torch.equal(g, w) for g, w in zip(rebuilt, want_rebuilt))
+    current = Path(_split_location(remote, remote.data.sources[0], "val")["local"])
+    assert current != Path(remote_copies[0]) and not Path(remote_copies[0]).exists()
+    assert Path(remote_copies[1], "index.json").is_file()  # another URL's copy stays
+    saved = {"epoch": 0, "sample_in_epoch": 8}
+    assert resumed_position(saved, {"data_sources": record}, remote)[1] is not None
+    legacy = [{**record[0], "train_index": None}]  # recorded before remote indexes were: same place, same data
+    assert resumed_position(saved, {"data_sources": legacy}, remote) == (saved, None)
 
 
 def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch):
     """Read in place, streaming would write each decompressed shard next to its .zstd file (a
     read-only dataset fails; nodes sharing the folder race on one temporary name). They go to the
     cache, in the node's own folder, under a name that changes when the shards are rebuilt."""
-    import shutil
 
     from pretrain.config import load_config
     from pretrain.data import build_loader, load_val_sets, read_samples
