@@ -34,6 +34,21 @@ def parse_switch(value, key: str) -> str:
     return SWITCH[text]
 
 
+def parse_indices(value, key: str) -> str:
+    """A set of indices as written ("all", "3,1", " 1, 3", a YAML list [1, 3], one number) -> its one
+    spelling: "all" or the sorted indices "1,3" (so that a resume compares sets, not spellings)."""
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return "all"
+    parts = value if isinstance(value, (list, tuple)) else str(value).strip().strip("[]").split(",")
+    try:
+        indices = sorted({whole_number(part, key) for part in parts if str(part).strip()})
+    except ConfigError:
+        indices = None
+    if not indices or indices[0] < 0:
+        raise ConfigError(f"{key}={value!r}: give 'all' or indices >= 0, as 1,3 or [1, 3]")
+    return ",".join(map(str, indices))
+
+
 @dataclass(init=False, eq=False)
 class ModelConfig:
     vocab_size: int = 4096  # tokenizer vocabulary; the embedding is padded to `vocab_pad_to`

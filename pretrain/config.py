@@ -15,7 +15,7 @@ import yaml
 
 from data_prep.tokenizer import tokenizer_record
 from models import registry
-from models.config import ConfigError, ModelConfig, _flat, apply_values, normalise, parse_switch
+from models.config import ConfigError, ModelConfig, _flat, apply_values, normalise, parse_indices, parse_switch
 from pretrain.schedule import validate_schedule
 
 
@@ -179,7 +179,7 @@ class ProfileConfig:
     """torch.profiler traces of steps [start_step, start_step + steps) into RUN_DIR/profile (pretrain.profiling)."""
     start_step: int = 0  # 0 = off
     steps: int = 3
-    ranks: str = "0"  # comma-separated global ranks, or "all"
+    ranks: str = field(default="0", metadata={"parse": parse_indices})  # global ranks (0,8 or [0, 8]), or "all"
     memory: bool = False  # record allocations too (memory timeline in the trace)
 
 
@@ -382,16 +382,9 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def parse_ranks(text: str) -> set[int] | None:
-    """"all" -> None (every rank); "0,8" -> {0, 8}."""
-    if text.strip() == "all":
-        return None
-    try:
-        ranks = {int(part) for part in text.split(",") if part.strip()}
-    except ValueError:
-        raise ValueError(f"profile.ranks={text!r}: give comma-separated ranks (e.g. 0,8) or 'all'") from None
-    if not ranks or min(ranks) < 0:
-        raise ValueError(f"profile.ranks={text!r}: give comma-separated ranks >= 0 (e.g. 0,8) or 'all'")
-    return ranks
+    """profile.ranks: "all" -> None (every rank); "0,8" or [0, 8] -> {0, 8}."""
+    text = parse_indices(text, "profile.ranks")
+    return None if text == "all" else {int(part) for part in text.split(",")}
 
 
 def _validate_profile(prof: ProfileConfig, steps: int, world_size: int) -> None:
@@ -402,10 +395,7 @@ def _validate_profile(prof: ProfileConfig, steps: int, world_size: int) -> None:
                           "(profile.start_step=0 turns profiling off)")
     if prof.start_step > steps:
         raise ConfigError(f"profile.start_step={prof.start_step} is after the last step (train.steps={steps})")
-    try:
-        ranks = parse_ranks(prof.ranks)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    ranks = parse_ranks(prof.ranks)
     if ranks is not None and max(ranks) >= world_size:
         raise ConfigError(f"profile.ranks={prof.ranks!r} names rank {max(ranks)}, but the world has "
                           f"{world_size} ranks (0-{world_size - 1})")

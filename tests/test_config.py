@@ -119,7 +119,9 @@ def test_bad_overrides(override, message):
     (["profile.start_step=300", "train.steps=200"], 1, "after the last step"),
     (["profile.start_step=5", "profile.steps=0"], 1, "must be >= 1"),
     (["profile.start_step=5", "profile.ranks=0,8"], 8, "names rank 8, but the world has 8 ranks"),
-    (["profile.start_step=5", "profile.ranks=first"], 1, "comma-separated ranks"),
+    (["profile.start_step=5", "profile.ranks=first"], 1, r"profile.ranks='first': give 'all' or indices >= 0"),
+    (["profile.start_step=5", "profile.ranks=[1, -1]"], 2, "indices >= 0"),
+    (["profile.start_step=5", "profile.ranks=[0, 2]"], 2, "names rank 2, but the world has 2 ranks"),
     (["train.stop_at_step=500", "train.steps=300"], 1, "stop_at_step=500 is past train.steps=300"),
 ])
 def test_validation_errors(override, world, message):
@@ -264,3 +266,19 @@ def test_sections_no_layer_reads_are_named_when_set():
     assert unread("tiny_dense.yaml", "model.lisa.rank=4", "model.relu_attention.block_size=64") == \
         ["relu_attention", "lisa"]
     assert unread("tiny_hybrid.yaml", "model.lisa.rank=4") == []
+
+
+def test_lisa_sizes_compare_as_built():
+    """model.lisa.rank 0 (head_dim / 8) and align_group 0 (all heads) are the sizes they resolve to:
+    a run saved with one spelling resumes with the other; another size is another model."""
+    from pretrain.checkpoint import CheckpointError, check_compatible
+
+    cfg = load_config(REPO / "configs" / "tiny_hybrid.yaml", ["model.lisa.rank=0", "model.lisa.align_group=0"])
+    rank, heads = cfg.model.lisa.resolved_rank(cfg.model.head_dim), cfg.model.num_heads
+    saved = {"model": cfg.model.to_dict()}
+    spelt = load_config(REPO / "configs" / "tiny_hybrid.yaml", [f"model.lisa.rank={rank}",
+                                                                f"model.lisa.align_group={heads}"])
+    check_compatible(saved, spelt.model.to_dict(), None, "ckpt")
+    other = load_config(REPO / "configs" / "tiny_hybrid.yaml", [f"model.lisa.rank={rank + 2}", "model.lisa.align_group=0"])
+    with pytest.raises(CheckpointError, match=f"lisa.rank: checkpoint {rank} vs config {rank + 2}"):
+        check_compatible(saved, other.model.to_dict(), None, "ckpt")

@@ -169,6 +169,16 @@ def test_a_checkpoint_matches_by_the_sections_its_layers_read():
         check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "score": "z"}}, None, "ckpt")
     with pytest.raises(CheckpointError, match="moe.vse_mode: checkpoint 'overlap' vs config 'disjoint'"):
         check_compatible({"model": uoe}, {**uoe, "moe": {**moe, "vse_mode": "disjoint"}}, None, "ckpt")
+    # One set of routed layers however it is written (as a resume reads the saved config back).
+    for spelling in ("3, 1", "1,3,3", [3, 1], " 1,3 "):
+        check_compatible({"model": {**uoe, "moe": {**moe, "moe_layers": "1,3"}}},
+                         {**uoe, "moe": {**moe, "moe_layers": spelling}}, None, "ckpt")
+    with pytest.raises(CheckpointError, match="moe.moe_layers: checkpoint '1,3' vs config '1,2'"):
+        check_compatible({"model": {**uoe, "moe": {**moe, "moe_layers": "1,3"}}},
+                         {**uoe, "moe": {**moe, "moe_layers": [2, 1]}}, None, "ckpt")
+    assert load_config(CONFIGS / "125m_uoe.yaml", ["model.moe.moe_layers=[3, 1]"]).model.moe.moe_layers == "1,3"
+    with pytest.raises(ConfigError, match=r"model.moe.moe_layers='1,x': give 'all' or indices >= 0"):
+        load_config(CONFIGS / "125m_uoe.yaml", ["model.moe.moe_layers=1,x"])
     # A router MoE refuses UoE keys no layer could take, rather than ignoring them.
     with pytest.raises(ConfigError, match="model.moe.score='hh'"):
         validate(load_config(CONFIGS / "125m_moe.yaml", ["model.moe.score=hh", "parallel.expert=1"]), 1)

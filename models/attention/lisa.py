@@ -681,9 +681,11 @@ def validate(cfg: ModelConfig, kinds: list[str], sizes: registry.ParallelSizes) 
 
 
 def lisa_signature(cfg: ModelConfig) -> dict:
-    """model.lisa's keys that fix the layers, and the ReLU normaliser where a LISA layer applies it."""
+    """model.lisa's keys that fix the layers, as built (rank and align_group 0 spell their
+    resolved sizes), and the ReLU normaliser where a LISA layer applies it."""
     skip = registry.training_only_keys()
     out = {f"lisa.{key}": value for key, value in vars(cfg.lisa).items() if f"lisa.{key}" not in skip}
+    out["lisa.rank"], out["lisa.align_group"] = cfg.lisa.resolved_rank(cfg.head_dim), cfg.lisa.resolved_group(cfg.num_heads)
     if reuses_relu_scores(cfg):
         out["relu_attention.normalizer"] = cfg.relu_attention.normalizer
     return out

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-from models.config import ConfigError, ModelConfig, parse_switch
+from models.config import ConfigError, ModelConfig, parse_indices, parse_switch
 from models.moe.dispatch import capacity_mask, expert_counts
 from models.registry import ParallelSizes, register_section
 
@@ -98,13 +98,14 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0  # router MoE: coef x mean(logsumexp(router logits)^2); 0 = off
     bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 = off
     capacity_factor: float = 0.0  # training only: 0 = dropless (evaluation and inference always are)
-    moe_layers: str = "all"  # "all" or comma-separated layer indices
+    moe_layers: str = field(default="all", metadata={"parse": parse_indices})  # "all" or layer indices
     # Run each rank's experts as two grouped GEMMs (torch._grouped_mm): auto | true | false
     # (auto: in bf16 on Hopper GPUs, where the sizes allow; see grouped_gemm_mode).
     grouped_gemm: str = field(default="auto", metadata={"parse": parse_switch})
 
     def __post_init__(self):  # set in code (MoEConfig(grouped_gemm=True)) as from a file
         self.grouped_gemm = parse_switch(self.grouped_gemm, "model.moe.grouped_gemm")
+        self.moe_layers = parse_indices(self.moe_layers, "model.moe.moe_layers")
 
     def resolved_routing_neurons(self) -> int:
         """UoE routing neurons per expert (N_s)."""
@@ -118,9 +119,9 @@ class MoEConfig:
 
     def listed_layers(self) -> set[int] | None:
         """The layers listed in moe_layers; None for "all"."""
-        if str(self.moe_layers).strip() == "all":
+        if self.moe_layers == "all":
             return None
-        return {int(i) for i in str(self.moe_layers).split(",") if i.strip()}
+        return {int(i) for i in self.moe_layers.split(",")}
 
 
 register_section("moe", MoEConfig, training_only=("aux_loss_coef", "router_z_loss_coef", "bias_update_rate",
@@ -176,12 +177,8 @@ def validate_routed(cfg: ModelConfig, sizes: ParallelSizes, split_widths: dict[s
             raise ConfigError(problem)
     if moe.capacity_factor < 0 or moe.bias_update_rate < 0:
         raise ConfigError("model.moe.capacity_factor and bias_update_rate must be >= 0 (0 = off)")
-    try:
-        layers = moe.listed_layers()
-    except ValueError:
-        raise ConfigError(f"model.moe.moe_layers={moe.moe_layers!r}: give 'all' or comma-separated layer "
-                          "indices, e.g. 1,3") from None
-    if layers is not None and (not layers or not all(0 <= i < cfg.num_layers for i in layers)):
+    layers = moe.listed_layers()
+    if layers is not None and not all(0 <= i < cfg.num_layers for i in layers):
         raise ConfigError(f"model.moe.moe_layers={moe.moe_layers!r}: name layers between 0 and "
                           f"model.num_layers - 1 = {cfg.num_layers - 1}, or 'all'")
 
