@@ -22,6 +22,18 @@ export PYTHONPATH=$PWD
 
 bash tests/setup_env.sh
 
+# The config and overrides first: a mistake is named before the tokenizer and shards are built.
+CHECK='import sys
+from pretrain.config import ConfigError, load_config, validate
+try:
+    cfg = load_config(sys.argv[2], sys.argv[3:])
+    validate(cfg, int(sys.argv[1]))
+except ConfigError as err:
+    sys.exit(f"error: {err}")
+print(cfg.run.dir, cfg.train.steps)'
+SETTINGS=$($PY -c "$CHECK" "$NPROC" "$CONFIG" "$@")
+read -r RUN_DIR STEPS <<< "$SETTINGS"
+
 if [[ ! -f $DATA/tokenizer/tokenizer.model ]]; then
     $PY -m data_prep.train_tokenizer --out "$DATA/tokenizer" --vocab-size 4096
 fi
@@ -30,10 +42,6 @@ if [[ ! -f $DATA/shards/manifest.json ]]; then
         --val-fraction 0.02
 fi
 
-RUN_DIR=$($PY -c "from pretrain.config import load_config; import sys; print(load_config(sys.argv[1], sys.argv[2:]).run.dir)" \
-    "$CONFIG" "$@")
-STEPS=$($PY -c "from pretrain.config import load_config; import sys; print(load_config(sys.argv[1], sys.argv[2:]).train.steps)" \
-    "$CONFIG" "$@")
 STOP=$((STEPS / 2))
 rm -rf "$RUN_DIR"
 COMMON=(data.shards="$DATA/shards" data.tokenizer="$DATA/tokenizer")

@@ -157,6 +157,15 @@ def test_reading_a_config_prints_nothing():
     assert out.stdout == "300\n"
 
 
+def test_the_demo_names_a_mistaken_override_before_building_its_data(tmp_path):
+    """launch/demo.sh reads its config and overrides before it trains a tokenizer and builds shards
+    (minutes on a fresh DEMO_DATA): a typo is named at once, as an error, with nothing built."""
+    out = subprocess.run(["bash", "launch/demo.sh", "configs/demo.yaml", "train.lrr=1"], cwd=REPO, text=True,
+                         env={**os.environ, "DEMO_DATA": str(tmp_path / "demo")}, capture_output=True)
+    assert out.returncode != 0 and "error: unknown config key 'train.lrr'" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "demo").exists()
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
 def test_the_console_shows_each_warning_once_and_a_signal_to_the_launcher_saves(tmp_path, stop):
     """launch.local: the console shows each warning once and other ranks write their own log; a
