@@ -110,17 +110,16 @@ class UnionOfExperts(RoutedLayer):
 
     def square_sums(self, a: torch.Tensor) -> torch.Tensor:
         """[T, local neurons] -> fp32 [T, num_experts]: the sum of squares over each expert's
-        neurons on this rank (zero for experts with none here). Whole experts take fp32 norms of
-        a, which keep nothing for backward beyond a itself (fp32 squares would keep 4 bytes per
-        routing neuron and token)."""
+        neurons on this rank (zero for experts with none here). Both ways keep nothing for backward
+        beyond a itself (index_add of fp32 squares would keep them: 4 bytes per routing neuron and
+        token, twice)."""
         T = a.shape[0]
         if self.whole_experts:
             per_expert = a.view(T, self.local_experts, self.routing_neurons)
             sums = torch.linalg.vector_norm(per_expert, dim=-1, dtype=torch.float32).square()
             after = self.num_experts - self.first_expert - self.local_experts
             return F.pad(sums, (self.first_expert, after)) if self.first_expert or after else sums
-        sq = torch.zeros(T, self.num_experts, dtype=torch.float32, device=a.device)
-        return sq.index_add(1, self.neuron_expert, a.float().pow(2))
+        return SquareSums.apply(a, self.neuron_expert, self.num_experts)
 
     def scale_neurons(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """h [T, local neurons] times each neuron's expert's entry of scale [T, num_experts]."""
@@ -128,6 +127,22 @@ class UnionOfExperts(RoutedLayer):
             mine = scale[:, self.first_expert:self.first_expert + self.local_experts, None]
             return (h.view(h.shape[0], self.local_experts, self.routing_neurons) * mine).view(h.shape)
         return h * scale.index_select(1, self.neuron_expert)  # see dispatch_combine's gathers
+
+
+class SquareSums(torch.autograd.Function):
+    """fp32 sums of squares of a [T, neurons] over each expert's neurons (neuron_expert [neurons]:
+    each neuron's expert) -> [T, num_experts], keeping only a for backward."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, neuron_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+        ctx.save_for_backward(a, neuron_expert)
+        sums = torch.zeros(a.shape[0], num_experts, dtype=torch.float32, device=a.device)
+        return sums.index_add_(1, neuron_expert, a.float().square())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, neuron_expert = ctx.saved_tensors
+        return (2 * a.float() * grad.index_select(1, neuron_expert)).to(a.dtype), None, None
 
 
 def holds_whole_experts(routing_neurons: int, per_expert: int, tensor: int) -> bool:
@@ -186,15 +201,15 @@ def validate(cfg: ModelConfig, sizes: ParallelSizes) -> None:
 def activations(cfg: ModelConfig, layout: ActivationLayout) -> float:
     """Elements per token kept for backward: the SwiGLU's per active neuron (models.layers.swiglu_kept)
     and the dispatch's copies; per routing neuron, besides its SwiGLU's, in overlap mode the weighted
-    product, and what scores the experts: the silu activations (score=silu) where a tensor-parallel
-    rank holds whole experts, else the fp32 squares and the routing weights spread over the neurons
-    (in overlap mode)."""
+    product, what scores the experts (the silu activations, with score=silu), and where a
+    tensor-parallel rank holds parts of experts, in overlap mode the routing weights spread over
+    the neurons."""
     moe, tensor = cfg.moe, layout.tensor
     per_expert = moe.resolved_routing_neurons()
     routing_neurons = moe.num_experts * per_expert
     whole_experts = not per_expert or holds_whole_experts(routing_neurons, per_expert, tensor)  # 0: invalid
     overlap = moe.vse_mode == "overlap"
-    scoring = (moe.score == "silu") if whole_experts else 2 + overlap
+    scoring = (moe.score == "silu") + (0 if whole_experts else overlap)
     swiglu_elements = swiglu_kept(layout.fused_swiglu)
     per_routing_neuron = swiglu_elements + overlap + scoring
     routed = swiglu_elements * moe.top_k * moe.rest_neurons() + per_routing_neuron * routing_neurons
