@@ -3,6 +3,7 @@
     python -m launch.plan CONFIG [key=value ...] --nodes N --gpus-per-node G --gpu-mem-gb M \
         [--gpu h100|h200|a100|cpu] [--mfu 0.4] [--json]
     python -m launch.plan CONFIG --single-gpu --gpu-mem-gb 141 --gpu h200   # the header's single-GPU layout
+    python -m launch.plan RUN/config.yaml --post post.method=dpo ...          # post-training (posttrain.train)
 
 Formulas (per GPU; P = parameters held by this GPU after tensor/expert sharding, D = data-parallel
 size, De = expert-data-parallel size D / EP):
@@ -21,9 +22,9 @@ size, De = expert-data-parallel size D / EP):
                  4f/t (gate/up output, activation, product; f = active MLP width; 3f/t on a GPU,
                  where the SwiGLU runs fused: no activation), routed MLPs 2kh more for the
                  dispatch's copies (k = top_k) and UoE the SwiGLU's 4/t (3/t) per routing neuron,
-                 one more in overlap mode and one more scored by silu (6 and 8, 5 and 7 on a GPU, in
-                 overlap mode, where a rank holds parts of experts; models/moe/uoe.py:
-                 activations); full activation
+                 one more in overlap mode, one more scored by silu, and in overlap mode one more
+                 where a rank holds parts of experts (the routing weights spread over their
+                 neurons; models/moe/uoe.py: activations); full activation
                  checkpointing keeps h per layer plus one layer's full set, selective drops the
                  scores term (the attention core is recomputed); plus the fp32 logits, 2 x V/t per token;
                  with grouped-GEMM experts (model.moe.grouped_gemm on --gpu) one layer's local
@@ -33,6 +34,10 @@ size, De = expert-data-parallel size D / EP):
                  of min(5e8, P))
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
 of the forward pass and are freed as the backward pass produces gradients.
+Post-training (--post): each example runs post_rows rows of post.max_len tokens (a DPO pair two,
+SGA's raw prompt one more), and DPO / SGA add their frozen reference's weights (bytes as weights,
+split over tensor / expert ranks, not by ZeRO) to the peak and its forward over the pairs to the
+step's FLOPs.
 FLOPs per token: 6 x active matmul parameters + each layer's attention-score FLOPs (12 x hidden x seq,
 Megatron's formula, unless its kind counts its own: a LISA layer's low-rank scores and alignment);
 step time = FLOPs per step / (GPUs x peak x MFU).
@@ -45,6 +50,7 @@ import json
 import sys
 from dataclasses import dataclass
 
+from launch.entry_points import entry_point
 from launch.layouts import one_gpu_hint, single_gpu_overrides
 from models.config import ModelConfig
 from models.counting import expert_params, flops_per_token, param_counts
@@ -95,8 +101,29 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, seq: int) -> float:
 
 
 def peak_bytes(memory: dict[str, float]) -> float:
-    return (memory["weights"] + memory["optimizer"]
+    return (memory["weights"] + memory["optimizer"] + memory.get("reference", 0.0)
             + max(memory["activations"], memory["gradients"] + memory["buffers"]))
+
+
+def post_rows(cfg: Config) -> int:
+    """Rows a post-training micro-batch example runs with gradients (posttrain.model): SFT one, DPO a
+    pair, SGA a pair and, with post.mse_weight, the raw prompt for the value head; pretraining one."""
+    post = getattr(cfg, "post", None)
+    if post is None or post.method == "sft":
+        return 1
+    return 2 + (post.method == "sga" and post.mse_weight > 0)
+
+
+def planned_seq(cfg: Config) -> int:
+    """Tokens per row: model.max_seq_len, or post-training's post.max_len where set."""
+    post = getattr(cfg, "post", None)
+    return (post.max_len if post is not None and post.max_len else cfg.model.max_seq_len)
+
+
+def holds_reference(cfg: Config) -> bool:
+    """DPO and SGA hold a frozen reference model beside the policy (posttrain.model)."""
+    post = getattr(cfg, "post", None)
+    return post is not None and post.method != "sft"
 
 
 def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
@@ -125,17 +152,21 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
         buffers = 2 * min(5e8, local) * elem
     else:  # fp32: the flattened all-reduce bucket; bf16: freed before the step's fp32 gradient copy
         buffers = 0.0 if layout.bf16 else min(5e8, local) * elem
-    activations = activation_bytes(m, layout, m.max_seq_len)
+    rows = Layout(**{**layout.__dict__, "micro_batch": layout.micro_batch * post_rows(cfg)})
+    activations = activation_bytes(m, rows, planned_seq(cfg))
     if layout.grouped_experts and expert_local:
         # The grouped GEMMs read a layer's local experts stacked, for the call (forward and backward).
         activations += expert_local * elem / sum(mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
-    return {
+    memory = {
         "weights": sharded(elem, 3),
         "gradients": (sharded(elem, 2) if z < 2 else 0.0) + (sharded(4, 1) if z >= 1 or layout.bf16 else 0.0),
         "optimizer": sharded(opt_bytes, 1),
         "activations": activations,
         "buffers": buffers,
     }
+    if holds_reference(cfg):  # split like the policy over tensor / expert ranks, never by ZeRO
+        memory["reference"] = elem * local
+    return memory
 
 
 def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: str = "h100",
@@ -165,16 +196,19 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
         if peak_bytes(memory_breakdown(cfg, trial)) > usable:
             break
         largest = micro
-    tokens_per_step = t.micro_batch * t.grad_accum * layout.data * cfg.model.max_seq_len
+    tokens_per_step = t.micro_batch * post_rows(cfg) * t.grad_accum * layout.data * planned_seq(cfg)
     fpt = flops_per_token(cfg.model)
+    # a frozen reference runs the pairs forward only: a third of a training pass over them
+    reference = 2 / post_rows(cfg) / 3 if holds_reference(cfg) else 0.0
     peak = 1.0 if gpu == "cpu" else peak_tflops(gpu, bf16)  # an fp32 plan runs at the fp32 peak
-    step_time = fpt * tokens_per_step / (world * peak * 1e12 * mfu)
+    step_time = fpt * (1 + reference) * tokens_per_step / (world * peak * 1e12 * mfu)
     counts = param_counts(cfg.model)
     result = {
         "layout": layout.__dict__, "params_total": counts["total"], "params_active": counts["active"],
         "flops_per_token": fpt, "memory_gb": {k: v / GIB for k, v in memory.items()},
         "memory_total_gb": total / GIB, "gpu_mem_gb": gpu_mem_gb, "usable_gb": usable / GIB, "fits": fits,
-        "largest_micro_batch": largest, "tokens_per_step": tokens_per_step,
+        "largest_micro_batch": largest, "rows_per_example": post_rows(cfg), "seq": planned_seq(cfg),
+        "tokens_per_step": tokens_per_step,
         "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time, "assumed_mfu": mfu, "gpu": gpu,
     }
     if not fits:
@@ -194,8 +228,9 @@ def format_plan(r: dict) -> str:
         f"parameters: {r['params_total'] / 1e9:.3f}B total, {r['params_active'] / 1e9:.3f}B active; "
         f"{r['flops_per_token'] / 1e9:.2f} GFLOP per token",
         f"layout: {lay['world']} GPUs = tensor {lay['tensor']} x data {lay['data']} (expert {lay['expert']}), "
-        f"ZeRO-{lay['zero_stage']}, micro-batch {lay['micro_batch']}, "
-        f"activation checkpointing {lay['checkpointing']}",
+        f"ZeRO-{lay['zero_stage']}, micro-batch {lay['micro_batch']}"
+        + (f" ({lay['micro_batch'] * r['rows_per_example']} rows)" if r["rows_per_example"] > 1 else "")
+        + f" x {r['seq']} tokens, activation checkpointing {lay['checkpointing']}",
         f"{'memory per GPU':<16}{'GB':>10}",
     ]
     for key, value in r["memory_gb"].items():
@@ -221,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", choices=GPUS, default="h100")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--post", action="store_true",
+                        help="a post-training config (posttrain.train): rows per example, post.max_len, the frozen "
+                             "reference of DPO / SGA")
     parser.add_argument("--single-gpu", action="store_true",
                         help="one GPU, with the config header's single-GPU layout before the overrides")
     args = parser.parse_intermixed_args(argv)
@@ -238,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.single_gpu:
             overrides = single_gpu_overrides(args.config) + overrides
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, config_class=entry_point(args.post).config_class)
         result = plan(cfg, args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.gpu, args.mfu)
     except ConfigError as err:
         hint = "" if args.single_gpu else one_gpu_hint(err, args.config, args.nodes * args.gpus_per_node)

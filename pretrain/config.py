@@ -289,7 +289,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     cfg = config_class()
     if "post" not in {f.name for f in dataclasses.fields(config_class)} and ("post" in values or "post" in tree):
         raise ConfigError("the post section sets post-training, which runs with python -m posttrain.train "
-                          "(launch.local / launch.submit with --post)")
+                          "(launch.local / launch.submit / launch.plan with --post)")
     for layer in (values, tree):  # the overrides' plug-ins win, as their other keys do
         model = layer.get("model")
         if isinstance(model, dict) and "plugins" in model:

@@ -288,3 +288,41 @@ def test_zero_shards_over_data_parallel_ranks_and_experts_over_theirs():
     seq = cfg.model.max_seq_len
     assert activation_bytes(cfg.model, layout(1, "selective", bf16=False), seq) < \
         activation_bytes(cfg.model, layout(1, bf16=False), seq)
+
+
+def test_a_post_training_plan_counts_its_rows_and_reference(capsys):
+    """--post: SFT at post.max_len = model.max_seq_len plans as pretraining; a DPO pair runs two rows
+    and holds a frozen reference (the weights' bytes, split by tensor parallelism, not by ZeRO-3),
+    SGA with its value loss a third row, and post.max_len sets the row length."""
+    from launch.entry_points import entry_point
+    from launch.plan import planned_seq, post_rows
+
+    post_class = entry_point(True).config_class
+
+    def planned(method: str, *extra: str, nodes: int = 1) -> dict:
+        cfg = load_config("configs/tiny_dense.yaml", [f"post.method={method}", *extra], config_class=post_class)
+        return plan(cfg, nodes, 1, 80, "cpu")
+
+    pretrain = plan(load_config("configs/tiny_dense.yaml"), 1, 1, 80, "cpu")
+    sft, dpo = planned("sft"), planned("dpo")
+    assert sft["memory_gb"] == pretrain["memory_gb"] and "reference" not in sft["memory_gb"]
+    assert dpo["memory_gb"]["activations"] == pytest.approx(2 * sft["memory_gb"]["activations"])
+    assert dpo["memory_gb"]["reference"] == pytest.approx(dpo["memory_gb"]["weights"])
+    assert dpo["memory_total_gb"] > sft["memory_total_gb"] + dpo["memory_gb"]["reference"]
+    # Per token, a step also runs the reference forward over the pairs: a third of a training pass.
+    assert dpo["tokens_per_s"] == pytest.approx(sft["tokens_per_s"] * 3 / 4)
+    sga = planned("sga", "post.mse_weight=0.5")
+    assert sga["memory_gb"]["activations"] == pytest.approx(3 * sft["memory_gb"]["activations"])
+    zero3 = planned("dpo", "parallel.zero_stage=3", nodes=2)
+    assert zero3["memory_gb"]["reference"] == pytest.approx(2 * zero3["memory_gb"]["weights"])
+    half = load_config("configs/tiny_dense.yaml", ["post.max_len=64"], config_class=post_class)
+    assert planned_seq(half) == 64 and post_rows(half) == 1
+    shorter = plan(load_config("configs/tiny_dense.yaml", ["model.max_seq_len=64"]), 1, 1, 80, "cpu")
+    assert planned("sft", "post.max_len=64")["memory_gb"] == shorter["memory_gb"]
+    assert plan_main(["configs/tiny_dense.yaml", "--post", "post.method=dpo", "--gpu", "cpu", "--nodes", "1",
+                      "--gpus-per-node", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 8 (16 rows) x 128 tokens" in out and "reference" in out
+    assert plan_main(["configs/tiny_dense.yaml", "post.method=dpo", "--gpu", "cpu", "--nodes", "1",
+                      "--gpus-per-node", "1"]) == 2
+    assert "launch.plan with --post" in capsys.readouterr().err

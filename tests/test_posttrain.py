@@ -235,6 +235,12 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
     assert metrics["reward_accuracy"].item() == pytest.approx((margin > 0).float().mean().item())
     torch.testing.assert_close(metrics["reward_chosen"], beta * (pi[:3] - ref[:3]).mean().detach())
     torch.testing.assert_close(metrics["reward_rejected"], beta * (pi[3:] - ref[3:]).mean().detach())
+    # At the start the policy is its reference: every margin is 0, and a tie is no win (as TRL counts).
+    from posttrain.losses import dpo_loss
+
+    same = torch.tensor([-4.0, -2.5])
+    loss, metrics = dpo_loss(same, same - 1, same, same - 1, beta)
+    assert metrics["reward_accuracy"].item() == 0.0 and loss.item() == pytest.approx(math.log(2))
 
 
 def test_sga_value_head_loss_and_conditioning_text():
