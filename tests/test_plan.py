@@ -19,6 +19,7 @@ from pretrain.config import load_config, validate
 from tests.dist_utils import REPO, child_env, spawn
 from tests.parallel_checks import meta_param_counts
 
+SINGLE_GPU_SHARE = 0.7  # a size config's single-GPU layout stays under this share of 80 GB (README)
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml"))
 # Size configs (all but the CPU ones) state their parameters and two layouts in their header:
 #   # 8x80GB nodes: N parallel.tensor=... train.micro_batch=...   (the values the file sets)
@@ -165,6 +166,15 @@ def layout_problems(path: Path) -> list[str]:
     alone = plan(one, 1, 1, 80, "h100")
     if not alone["fits"]:
         problems.append(f"{path.name}: the single-GPU layout does not fit in 80 GB: {alone['reason']}")
+    if alone["memory_total_gb"] > SINGLE_GPU_SHARE * 80:
+        problems.append(f"{path.name}: the single-GPU layout takes {alone['memory_total_gb']:.1f} GB, over "
+                        f"{SINGLE_GPU_SHARE:.0%} of 80 GB")
+    if one.train.activation_checkpointing != "none":
+        two = plan(load_config(path, [*layouts.single_gpu, "train.micro_batch=2", "train.activation_checkpointing=none"]),
+                   1, 1, 80, "h100")
+        if two["memory_total_gb"] <= SINGLE_GPU_SHARE * 80:
+            problems.append(f"{path.name}: the single-GPU layout checkpoints activations, but 2 sequences fit "
+                            f"without ({two['memory_total_gb']:.1f} GB)")
     if alone["tokens_per_step"] != multi["tokens_per_step"]:
         problems.append(f"{path.name}: one GPU takes {alone['tokens_per_step']} tokens per step, "
                         f"{layouts.nodes} x 8 GPUs {multi['tokens_per_step']}: set train.grad_accum to match")
@@ -200,6 +210,9 @@ def test_header_check_catches_layouts_that_do_not_fit(tmp_path):
     fewer_tokens = single.replace("grad_accum=16", "grad_accum=1")
     assert "tokens per step" in problems(text.replace(single, fewer_tokens))
     assert "header needs" in problems(text.replace("# single-gpu", "# one-gpu"))
+    recomputes = single.replace("train.activation_checkpointing=none", "train.activation_checkpointing=full")
+    assert "checkpoints activations, but 2 sequences fit without" in problems(text.replace(single, recomputes))
+    assert "over 70% of 80 GB" in problems(text.replace(single, micro(single, 4).replace("grad_accum=16", "grad_accum=8")))
     assert "states 2500.0M parameters" in problems(text.replace("2701.6M parameters", "2500.0M parameters"))
     assert "states 18.00 GFLOP/token, counts 17.73" in problems(text.replace("17.73 GFLOP/token", "18.00 GFLOP/token"))
 
