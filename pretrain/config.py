@@ -381,6 +381,32 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_profile(cfg.profile, t.steps, world_size)
 
 
+# Keys read only while another key switches their feature on: (section, keys, switch, reads them).
+SWITCHED_KEYS = (
+    ("train", ("decay_shape", "decay_fraction"), "train.schedule=wsd", lambda c: c.train.schedule == "wsd"),
+    ("train", ("spike_sigmas", "spike_window"), "train.skip_spikes=true", lambda c: c.train.skip_spikes),
+    ("eval", ("downstream_tasks", "downstream_limit"), "eval.downstream_interval > 0",
+     lambda c: c.eval.downstream_interval > 0),
+    ("profile", ("steps", "ranks", "memory"), "profile.start_step > 0", lambda c: c.profile.start_step > 0),
+)
+
+
+def inert_settings(cfg: Config) -> list[str]:
+    """Keys set away from their defaults whose feature is off, so that they change nothing: one
+    line each, for the run to print."""
+    defaults, lines = type(cfg)(), []
+    for section, keys, switch, reads in SWITCHED_KEYS:
+        if reads(cfg):
+            continue
+        changed = [f"{section}.{key}={getattr(getattr(cfg, section), key)!r}" for key in keys
+                   if getattr(getattr(cfg, section), key) != getattr(getattr(defaults, section), key)]
+        if changed:
+            one = len(changed) == 1
+            lines.append(f"note: {', '.join(changed)} {'is' if one else 'are'} read with {switch} only: "
+                         f"{'it changes' if one else 'they change'} nothing here")
+    return lines
+
+
 def parse_ranks(text: str) -> set[int] | None:
     """profile.ranks: "all" -> None (every rank); "0,8" or [0, 8] -> {0, 8}."""
     text = parse_indices(text, "profile.ranks")

@@ -40,12 +40,13 @@ def validate_schedule(t: TrainConfig) -> None:
         raise ConfigError(f"train.schedule={t.schedule!r}: choose one of {SCHEDULES}")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if t.schedule != "wsd":
-        return
+    # checked with any schedule: a misspelt value would stay unseen until the schedule changed
     if t.decay_shape not in DECAY_SHAPES:
         raise ConfigError(f"train.decay_shape={t.decay_shape!r}: choose one of {DECAY_SHAPES}")
     if not 0 < t.decay_fraction <= 1:
         raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
+    if t.schedule != "wsd":
+        return
     if t.warmup_steps + decay_steps(t) > t.steps:
         raise ConfigError(
             f"train.warmup_steps={t.warmup_steps} plus the {decay_steps(t)} decay steps (train.decay_fraction="

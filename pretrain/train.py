@@ -28,6 +28,7 @@ from pretrain.config import (  # noqa: E402
     Config,
     ConfigError,
     DataConfig,
+    inert_settings,
     load_config,
     save_config,
     switched_on,
@@ -227,6 +228,8 @@ def run(cfg: Config, task: Task | None = None) -> int:
                  f"world {env.world_size} = tensor {cfg.parallel.tensor} x data "
                  f"{env.world_size // cfg.parallel.tensor} (expert {cfg.parallel.expert}), "
                  f"ZeRO-{cfg.parallel.zero_stage}, {describe_optimizer(engine, cfg.train.skip_spikes)}")
+    for line in inert_settings(cfg):
+        logger.print(line)
     for name in registry.unread_sections(cfg.model):
         logger.print(f"note: model.{name}.* is set, but no layer of this model reads it (model.attention="
                      f"{cfg.model.attention}, model.mlp={cfg.model.mlp}): it changes nothing")

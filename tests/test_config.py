@@ -282,3 +282,26 @@ def test_lisa_sizes_compare_as_built():
     other = load_config(REPO / "configs" / "tiny_hybrid.yaml", [f"model.lisa.rank={rank + 2}", "model.lisa.align_group=0"])
     with pytest.raises(CheckpointError, match=f"lisa.rank: checkpoint {rank} vs config {rank + 2}"):
         check_compatible(saved, other.model.to_dict(), None, "ckpt")
+
+
+def test_keys_whose_feature_is_off_are_noted_and_their_values_checked():
+    """A key read only under a switch (the WSD shape under schedule=wsd, the spike window under
+    skip_spikes, task files under downstream_interval, profile keys under start_step) is named when
+    it is set and its switch is off; its value is checked either way."""
+    from pretrain.config import inert_settings
+
+    off = load_config(None, ["train.decay_shape=sqrt", "train.decay_fraction=0.3", "train.spike_window=64",
+                             "eval.downstream_tasks=[tasks/none.jsonl]", "profile.ranks=all"])
+    notes = inert_settings(off)
+    assert notes == [
+        "note: train.decay_shape='sqrt', train.decay_fraction=0.3 are read with train.schedule=wsd only: they change "
+        "nothing here",
+        "note: train.spike_window=64 is read with train.skip_spikes=true only: it changes nothing here",
+        "note: eval.downstream_tasks=['tasks/none.jsonl'] is read with eval.downstream_interval > 0 only: it changes "
+        "nothing here",
+        "note: profile.ranks='all' is read with profile.start_step > 0 only: it changes nothing here"]
+    on = load_config(None, ["train.schedule=wsd", "train.decay_shape=sqrt", "train.skip_spikes=true",
+                            "train.spike_window=64", "profile.start_step=3", "profile.ranks=all"])
+    assert inert_settings(on) == [] and inert_settings(load_config(None)) == []
+    with pytest.raises(ConfigError, match="train.decay_shape='sqrtt': choose one of"):
+        validate(load_config(None, ["train.decay_shape=sqrtt"]), 1)
