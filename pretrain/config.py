@@ -67,7 +67,8 @@ def parse_mix(value, key: str = "data.mix") -> list[DataSource]:
         sources.append(DataSource(name, shards, weight))
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
-        raise ConfigError(f"{key} names {names} repeat; give the sources distinct names ({key}[i].name)")
+        raise ConfigError(f"{key} names {names} repeat (a source's name defaults to its folder's name); give each "
+                          f"entry a distinct name: {key}='[{{shards: A, name: web}}, {{shards: B, name: books}}]'")
     return sources
 
 
@@ -226,9 +227,13 @@ class Config:
 
 def parse_overrides(overrides: list[str]) -> dict:
     tree: dict = {}
-    for item in overrides:
+    for before, item in zip([None, *overrides], overrides):
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
+            split = before is not None and "=" in before and before.split("=", 1)[1].strip()[:1] in ("[", "{")
+            key = before.split("=", 1)[0] if split else ""
+            hint = (f"; the shell split the value of {key} at its spaces: quote the whole override, as "
+                    f"'{key}=[a, b]'" if split else "")
+            raise ConfigError(f"override {item!r} must look like section.key=value{hint}")
         dotted, raw = item.split("=", 1)
         node = tree
         *parents, leaf = dotted.strip().split(".")

@@ -46,6 +46,12 @@ def test_yaml_and_dotted_overrides(tmp_path):
     (["train.lr=fast"], "train.lr='fast': expected float"),
     (["model.tie_embeddings=maybe"], "expected true or false"),
     (["train"], "must look like section.key=value"),
+    (["model.attention=[softmax,", "relu]"], r"override 'relu\]' must look like section.key=value; the shell split the "
+                                             r"value of model.attention at its spaces: quote the whole override, as "
+                                             r"'model.attention=\[a, b\]'"),
+    (["data.mix=[{shards: a/shards}, {shards: b/shards}]"], r"data.mix names \['shards', 'shards'\] repeat \(a "
+                                                            r"source's name defaults to its folder's name\); give each "
+                                                            r"entry a distinct name: data.mix='\[\{shards: A, name: web\}"),
     (["train.warmup_steps=0.05"], "train.warmup_steps='0.05': expected a whole number"),  # not truncated to 0
     (["train.eval_interval=true"], "expected a whole number"),
     (["train.lr=true"], "expected float"),
