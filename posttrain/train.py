@@ -39,7 +39,7 @@ from posttrain.examples import Examples  # noqa: E402
 from posttrain.value_head import VALUE_HEAD_SHAPE  # noqa: E402
 from pretrain import checkpoint_format  # noqa: E402
 from pretrain.consolidate import run_config  # noqa: E402
-from pretrain.init_from import check_source, state_file  # noqa: E402
+from pretrain.init_from import check_source, source_fingerprint, state_file  # noqa: E402
 from pretrain.train import Task, main  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
@@ -84,6 +84,23 @@ class PostTrainer(Trainer):
 POST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PostConfig)}  # "left at its default"
 
 
+def check_reference(path: Path, fingerprint: str | None, method: str, run_dir: str) -> None:
+    """A resumed DPO / SGA run measures its policy against the reference it started from: that
+    checkpoint must still be there, holding the same weights (fingerprint: as the run recorded it;
+    runs of earlier versions recorded none)."""
+    if method == "sft":
+        return
+    fix = (f"restore it there, or start a new run.dir (the run in {run_dir} measured every loss against it); a "
+           "base run that trains on removes its older checkpoints (train.keep_last): give train.init_from a "
+           "checkpoint that stays, such as a copy or a tools.consolidate file")
+    if not path.exists() or (path.is_dir() and not (path / checkpoint_format.COMPLETE).is_file()):
+        raise ConfigError(f"the {method} run in {run_dir} compares its policy with the reference it started from, "
+                          f"{path}, which is gone; {fix}")
+    if fingerprint and source_fingerprint(path) != fingerprint:
+        raise ConfigError(f"the {method} run in {run_dir} compares its policy with the reference it started from, "
+                          f"{path}, which holds other weights since (written again after the run started); {fix}")
+
+
 class PostTrainTask(Task):
     def __init__(self):
         self.train_data: Examples | None = None
@@ -119,16 +136,21 @@ class PostTrainTask(Task):
         if resumed.get("method") and resumed["method"] != cfg.post.method:  # before its data is read as this method's
             raise ConfigError(f"post.method={cfg.post.method}: the run in {cfg.run.dir} is a {resumed['method']} "
                               f"run; set post.method={resumed['method']} to resume it, or start a new run.dir")
-        start = Path(resumed["reference"]) if resumed.get("reference") else \
-            check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
+        if resumed.get("reference"):
+            start = Path(resumed["reference"])
+            check_reference(start, resumed.get("reference_fingerprint"), resumed["method"], cfg.run.dir)
+        else:
+            start = check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
         self.reference = start
-        if start.is_dir():
+        if resumed:  # the run recorded what it took from its start (an SFT run's start may be gone since)
+            started, start_bos = resumed, None
+        elif start.is_dir():
             start_run = run_config(start)
-            started = resumed or checkpoint_format.read_meta(start).get("posttrain", {})
+            started = checkpoint_format.read_meta(start).get("posttrain", {})
             start_bos = start_run is not None and start_run.data.start_with_bos
         else:  # weights written by tools.consolidate: the chat format and BOS of their run
             weights = state_file(start)
-            started, start_bos = resumed or weights.get("posttrain", {}), weights.get("start_with_bos")
+            started, start_bos = weights.get("posttrain", {}), weights.get("start_with_bos")
         objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
         # (add_bos among them: the start checkpoint's tokenizer is this one, checked above)
         self.start_notes = inherit_chat_format(cfg.post, started.get("chat"))
@@ -222,6 +244,11 @@ class PostTrainTask(Task):
             model.set_reference(reference.to(device()).cast_parameters(torch.bfloat16 if use_bf16(cfg) else torch.float32))
         return model
 
+    def share_sources(self) -> None:
+        from pretrain.distributed import rank_zero_value
+
+        self.reference = Path(rank_zero_value(str(self.reference)))
+
     def load_init(self, model, path: Path) -> None:
         from pretrain.init_from import load_weights
 
@@ -254,7 +281,8 @@ class PostTrainTask(Task):
 
         post = cfg.post
         info = {"method": post.method, "chat": ChatFormat.from_config(post).__dict__, "init_from": cfg.train.init_from,
-                "reference": str(self.reference), "data_sha256": self.train_data.fingerprint(),
+                "reference": str(self.reference), "reference_fingerprint": source_fingerprint(self.reference),
+                "data_sha256": self.train_data.fingerprint(),
                 "data_seed": cfg.train.seed,
                 "examples": self.train_data.examples, "too_long": self.train_data.too_long,
                 "bad_records": self.train_data.report.to_dict()}

@@ -107,6 +107,16 @@ def dp_mean(value: torch.Tensor) -> float | list[float]:
     return (value.double() / dist.get_world_size(group)).tolist()
 
 
+def rank_zero_value(value: str) -> str:
+    """Rank 0's value of a string each rank found on its own, on every rank (a run directory's
+    newest checkpoint moves when that run saves between the ranks' starts)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def destroy_distributed() -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -16,13 +16,20 @@ Memory: each rank holds the full fp32 weights once while loading (12 GB for a 3B
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 from megatron.core import parallel_state as ps
 
 from pretrain.checkpoint import check_compatible
-from pretrain.checkpoint_format import CheckpointError, global_expert_keys, read_meta, resolve_checkpoint
+from pretrain.checkpoint_format import (
+    COMPLETE,
+    CheckpointError,
+    global_expert_keys,
+    read_meta,
+    resolve_checkpoint,
+)
 from pretrain.consolidate import as_float32, describe_layout, merge_tensor_parallel, tensor_parallel_shards
 
 
@@ -56,6 +63,18 @@ def check_source(path: str, model: dict, tokenizer_sha256: str | None) -> Path:
         raise CheckpointError(f"train.init_from={path}: {err}") from None
     check_compatible(meta, model, tokenizer_sha256, tag, INIT_FIX, MAY_DIFFER)
     return tag
+
+
+def source_fingerprint(path: Path) -> str:
+    """What tells a source's weights from others written at the same path later: a checkpoint's
+    COMPLETE marker (its step, time and layout), a weights file's size and modification time."""
+    path = Path(path)
+    if path.is_dir():
+        text = (path / COMPLETE).read_bytes()
+    else:
+        stat = path.stat()
+        text = f"{stat.st_size}-{stat.st_mtime_ns}".encode()
+    return hashlib.sha256(text).hexdigest()[:16]
 
 
 def _full_shape(param: torch.Tensor, tp: int) -> torch.Size:

@@ -35,7 +35,13 @@ from pretrain.config import (  # noqa: E402
     validate,
     validate_data,
 )
-from pretrain.distributed import destroy_distributed, device, init_distributed, read_env  # noqa: E402
+from pretrain.distributed import (  # noqa: E402
+    destroy_distributed,
+    device,
+    init_distributed,
+    rank_zero_value,
+    read_env,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,6 +86,10 @@ class Task:
         from pretrain.data import load_val_sets
 
         return load_val_sets(cfg)
+
+    def share_sources(self) -> None:
+        """After the process groups exist: the checkpoints this task resolved on each rank on its own
+        (besides train.init_from), as rank 0 resolved them."""
 
     def meta(self, cfg: Config) -> dict:
         """Entries of the checkpoint marker besides the model's, the tokenizer's and the layout's."""
@@ -186,6 +196,11 @@ def run(cfg: Config, task: Task | None = None) -> int:
 
         universal = convert(resume_path) if env.rank == 0 else wait_converted(resume_path)
     init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
+    # A run directory as train.init_from means its newest checkpoint, which a run still saving
+    # moves: every rank starts from the one rank 0 found.
+    if init_path is not None:
+        init_path = Path(rank_zero_value(str(init_path)))
+    task.share_sources()
     run_dir = Path(cfg.run.dir)
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

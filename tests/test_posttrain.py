@@ -717,6 +717,41 @@ def validations(run_dir) -> dict[int, dict]:
     return {step: v for step, v in out.items() if v}
 
 
+def test_a_resume_refuses_a_reference_that_is_gone_or_rewritten(tmp_path, files, tok_dir):
+    """A DPO run measures every loss against the reference it started from: resumed after that
+    checkpoint was removed or written again, it is refused, naming the reference; an SFT run, which
+    has none, resumes without its start."""
+    import os
+    import shutil
+
+    from posttrain.config import PostTrainConfig
+    from posttrain.train import PostTrainTask
+    from pretrain.config import load_config
+    from pretrain.init_from import source_fingerprint
+
+    start = tmp_path / "start.pt"
+    shutil.copy(files / "init.pt", start)
+    tag = tmp_path / "run" / "checkpoints" / "step_00000002"
+    tag.mkdir(parents=True)
+
+    def resume(method: str) -> None:
+        (tag / "COMPLETE").write_text(json.dumps({"step": 2, "posttrain": {
+            "method": method, "reference": str(start), "reference_fingerprint": fingerprint}}))
+        values = {**MODEL, "data.tokenizer": tok_dir, "train.init_from": start, "run.dir": tmp_path / "run",
+                  "post.method": method, "post.data": files / ("sft.jsonl" if method == "sft" else "pref.jsonl")}
+        PostTrainTask().check(load_config(None, [f"{k}={v}" for k, v in values.items()], PostTrainConfig), 1)
+
+    fingerprint = source_fingerprint(start)
+    resume("dpo")  # the reference as it was
+    os.utime(start, ns=(1, 1))  # written again since (same size, another time)
+    with pytest.raises(ConfigError, match=f"reference it started from, {start}, which holds other weights since"):
+        resume("dpo")
+    start.unlink()
+    with pytest.raises(ConfigError, match=f"{start}, which is gone; restore it there, or start a new run.dir"):
+        resume("dpo")
+    resume("sft")
+
+
 @pytest.mark.slow
 def test_dpo_tensor_parallel_and_zero2_match_one_process_and_resume(tmp_path, files, tok_dir):
     single = post_train(1, files, tok_dir, tmp_path / "single", "dpo")

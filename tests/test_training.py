@@ -635,3 +635,36 @@ def test_a_one_source_mixture_reports_its_source_by_name():
                                ({"": [1.0, 3.0]}, {"loss": 2.0})):
             trainer.val_sets = val_sets
             assert trainer.evaluate() == pytest.approx(want), val_sets
+
+
+# pretrain.train where rank 1 resolves train.init_from to a newer checkpoint than rank 0, as when the
+# source run saves between the ranks' starts; each rank prints the weights it loads.
+SPLIT_START_TRAIN = """
+import os, sys
+import pretrain.init_from as init_from
+from pretrain.train import Task, main
+
+resolve = init_from.check_source
+
+def per_rank(source, *args, **kwargs):
+    return resolve(source if os.environ["RANK"] == "0" else os.environ["NEWER"], *args, **kwargs)
+
+init_from.check_source = per_rank
+
+class Printing(Task):
+    def load_init(self, model, path):
+        print(f"rank {os.environ['RANK']} loads {path}", flush=True)
+        super().load_init(model, path)
+
+sys.exit(main(sys.argv[1:], Printing()))
+"""
+
+
+def test_every_rank_starts_from_the_checkpoint_rank_0_found(data, reference_run, tmp_path):
+    script = tmp_path / "split_start.py"
+    script.write_text(SPLIT_START_TRAIN)
+    older, newer = (reference_run / "checkpoints" / f"step_{step:08d}" for step in (4, 6))
+    overrides = tiny_overrides(data, tmp_path / "run", **{"train.steps": 3, "train.stop_at_step": 1,
+                                                           "train.init_from": str(older)})
+    out = torchrun(2, [str(script), *overrides], NEWER=str(newer))
+    assert f"rank 0 loads {older}" in out.stdout and f"rank 1 loads {older}" in out.stdout, out.stdout
