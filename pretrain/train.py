@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from models import registry  # noqa: E402
-from pretrain import checkpoint, checkpoint_format  # noqa: E402
+from pretrain import checkpoint, checkpoint_format, run_lock  # noqa: E402
 from pretrain.config import (  # noqa: E402
     Config,
     ConfigError,
@@ -202,6 +202,9 @@ def run(cfg: Config, task: Task | None = None) -> int:
         init_path = Path(rank_zero_value(str(init_path)))
     task.share_sources()
     run_dir = Path(cfg.run.dir)
+    in_use = rank_zero_value((run_lock.hold(run_dir) or "") if env.rank == 0 else "")
+    if in_use:
+        raise ConfigError(in_use)
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None, task: Task | None = None, config_class: 
         return 2
     finally:
         destroy_distributed()
+        run_lock.release()
     return code
 
 

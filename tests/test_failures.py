@@ -324,3 +324,31 @@ def test_a_tool_stopped_by_sigterm_leaves_no_partial_output(tmp_path):
                           capture_output=True, text=True, timeout=300,
                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     assert proc.returncode == 0 and (out / "half").read_text() == "written", proc.stderr[-2000:]
+
+
+def test_a_second_run_into_a_busy_run_dir_is_refused(tmp_path):
+    """Two jobs into one run.dir would write over each other's checkpoints and losses: while one
+    holds it, another is refused, naming the holder, before it writes anything there; the lock
+    goes with the holding process, however it ends."""
+    from pretrain import run_lock
+
+    data = write_synthetic_shards(tmp_path / "data")
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from pretrain import run_lock; run_lock.hold(Path(sys.argv[1])); print('held', "
+                               "flush=True); time.sleep(600)", str(run)], cwd=REPO, env=child_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        out = train(1, tiny_overrides(data, run, **{"train.steps": 3}), check=False)
+        assert out.returncode != 0, out.stderr[-2000:]
+        assert f"run.dir={run} is in use by another run (host " in out.stderr
+        assert f"pid {holder.pid}" in out.stderr and not (run / "config.yaml").exists()
+        assert run_lock.hold(run) is not None
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert run_lock.hold(run) is None  # a killed holder leaves no lock behind
+    run_lock.release()
+    train(1, tiny_overrides(data, run, **{"train.steps": 3}))
+    assert (run / "config.yaml").exists()
