@@ -165,9 +165,11 @@ def zero_family(stage: int) -> str:
 
 
 def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, routed: bool, path: Path,
-                 zero_stage: int | None = None) -> bool:
+                 zero_stage: int | None = None, bf16: bool | None = None) -> bool:
     """Before anything is built: True when the checkpoint was saved at another data- or
-    tensor-parallel size and resumes through a universal checkpoint (pretrain.universal); False
+    tensor-parallel size, or in another precision (bf16: this run's; bf16 runs write their ZeRO
+    files under other names, which DeepSpeed does not look for in fp32, nor the other way), and
+    resumes through a universal checkpoint (pretrain.universal); False
     when the layout is the saved one. Refused with the reason and the fix: another ZeRO stage
     family (0, 1-2, 3: their files differ, and DeepSpeed loads none into another), a changed
     layout for a model with routed experts (DeepSpeed's universal checkpoints do not take them;
@@ -187,14 +189,19 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
             f"files load at {stages} only (ZeRO-1 and 2 share theirs); resume it at the saved stage, or start a "
             f"new run.dir from its weights with train.init_from={path} (optimizer, schedule and data order start "
             "over)")
-    if saved_world is None or (saved_world == world_size and saved_tp in (None, tensor)):
+    saved_bf16 = meta.get("bf16", any(Path(path).glob("bf16_zero_pp_rank_*")))  # older markers: by the files
+    precision_changed = bf16 is not None and saved_world is not None and bf16 != saved_bf16 \
+        and meta.get("optimizer_state") is not False  # weights only load in either
+    if not precision_changed and (saved_world is None or (saved_world == world_size and saved_tp in (None, tensor))):
         return False
     if meta.get("optimizer_state") is False and saved_tp in (None, tensor):
         return False  # weights only (tools.import_hf): they load at any data-parallel size, moments fresh
-    saved = f"world {saved_world}" + (f" = tensor {saved_tp} x data {saved_world // saved_tp}" if saved_tp else "")
-    asked = f"world {world_size} = tensor {tensor} x data {world_size // tensor}"
-    keep = (f"resume it with the saved number of processes and parallel.tensor, or start a new run.dir from "
-            f"its weights with train.init_from={path} (optimizer, schedule and data order start over)")
+    precision = (lambda in_bf16: " in bf16" if in_bf16 else " in fp32") if precision_changed else (lambda _: "")
+    saved = f"world {saved_world}" + (f" = tensor {saved_tp} x data {saved_world // saved_tp}" if saved_tp else "") \
+        + precision(saved_bf16)
+    asked = f"world {world_size} = tensor {tensor} x data {world_size // tensor}" + precision(bf16)
+    keep = (f"resume it with the saved number of processes, parallel.tensor and train.precision, or start a new "
+            f"run.dir from its weights with train.init_from={path} (optimizer, schedule and data order start over)")
     if saved_tp is None or meta.get("global_batch") is None:
         raise CheckpointError(f"checkpoint {path} was saved at {saved} and records no layout for a conversion; "
                               f"this run asks for {asked}: {keep}")

@@ -135,6 +135,7 @@ def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dic
     resume_path = checkpoint_format.resolve_resume(cfg.train.resume, cfg.run.dir)
     if resume_path is not None:
         from pretrain.consolidate import ConsolidateError, describe_layout
+        from pretrain.engine import use_bf16
 
         meta = checkpoint_format.read_meta(resume_path)
         try:  # every file there, before anything is built (a partial copy keeps its COMPLETE marker)
@@ -145,7 +146,7 @@ def prepare(cfg: Config, world_size: int, task: Task | None = None) -> tuple[dic
         checkpoint.check_compatible(meta, cfg.to_dict()["model"], manifest.get("tokenizer_sha256"), resume_path)
         routed = registry.mlp_kind(cfg.model.mlp).routed
         universal = checkpoint_format.check_layout(meta, world_size, cfg.parallel.tensor, global_batch(cfg, world_size),
-                                                   routed, resume_path, cfg.parallel.zero_stage)
+                                                   routed, resume_path, cfg.parallel.zero_stage, use_bf16(cfg))
         return manifest, resume_path, None, universal
     if cfg.train.init_from:
         from pretrain.init_from import check_source
@@ -182,7 +183,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     """Train per `cfg` (pretraining unless `task` says otherwise); returns the process exit code."""
     from models.counting import flops_per_token, param_counts
     from pretrain.callbacks import build_callbacks
-    from pretrain.engine import DECAY_GROUPS, build_engine, describe_optimizer
+    from pretrain.engine import DECAY_GROUPS, build_engine, describe_optimizer, use_bf16
     from pretrain.telemetry import Logger
 
     task = task or Task()
@@ -235,6 +236,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
             "eos_id": manifest.get("eos_id"), "bos_id": manifest.get("bos_id"),
             "start_with_bos": cfg.data.start_with_bos,  # for readers of a checkpoint without its config.yaml
+            "bf16": use_bf16(cfg),  # train.precision resolved (auto: bf16 on a GPU)
             "flops_per_token": flops_per_token(cfg.model), "params": counts,
             "global_batch": global_batch(cfg, env.world_size), "decay_groups": decay_groups,
             "schedule": dataclasses.asdict(cfg.train), **task.meta(cfg)}

@@ -345,6 +345,15 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
     assert check_layout(weights_only, 2, 2, 8, False, tag, zero_stage=0) is False
     with pytest.raises(CheckpointError, match="this run asks for parallel.zero_stage=3"):
         check_layout(weights_only, 2, 2, 8, False, tag, zero_stage=3)
+    # Another precision at the saved layout: bf16 runs name their ZeRO files otherwise, so the
+    # resume goes through a universal checkpoint (the tag is an fp32 save; older markers: by the files).
+    assert check_layout(saved, 2, 2, 8, False, tag, bf16=True) is True
+    assert check_layout({**saved, "bf16": True}, 2, 2, 8, False, tag, bf16=True) is False
+    assert check_layout(saved, 2, 2, 8, False, tag, bf16=False) is False
+    assert check_layout(weights_only, 2, 2, 8, False, tag, bf16=True) is False
+    with pytest.raises(CheckpointError, match=r"saved at world 2 = tensor 2 x data 1 in fp32, this run asks for world "
+                                              r"2 = tensor 2 x data 1 in bf16: a model with routed experts"):
+        check_layout(saved, 2, 2, 8, True, tag, bf16=True)
     meta = read_meta(tag)
     del meta["model"]["num_kv_heads"]
     model = load_config(None, tiny_overrides(data, run)).to_dict()["model"]
@@ -668,3 +677,16 @@ def test_every_rank_starts_from_the_checkpoint_rank_0_found(data, reference_run,
                                                            "train.init_from": str(older)})
     out = torchrun(2, [str(script), *overrides], NEWER=str(newer))
     assert f"rank 0 loads {older}" in out.stdout and f"rank 1 loads {older}" in out.stdout, out.stdout
+
+
+def test_a_run_resumes_in_another_precision(data, tmp_path):
+    """A bf16 run resumed in fp32 (after an instability, or bf16 on the GPU and fp32 elsewhere):
+    its ZeRO files go by other names, so the resume goes through a universal checkpoint and the
+    run trains on from the saved step."""
+    run = tmp_path / "run"
+    common = {"train.steps": 6, "train.save_interval": 4}
+    train(1, tiny_overrides(data, run, **common, **{"train.precision": "bf16", "train.stop_at_step": 4}))
+    assert any((run / "checkpoints" / "step_00000004").glob("bf16_zero_pp_rank_*"))
+    out = train(1, tiny_overrides(data, run, **common, **{"train.precision": "fp32"}))
+    assert "at step 4 on another layout, through" in out.stdout, out.stdout[-3000:]
+    assert sorted(losses(run))[-1] == 6
