@@ -104,6 +104,16 @@ class Task:
         state, why = resumed_position(saved, marker, cfg)
         if why:
             logger.print(why)
+        # The saved order goes on (a seed changed mid-epoch would revisit samples or skip them).
+        kept = [f"data.{key}={getattr(cfg.data, key)} (the run's is {saved[key]})"
+                for key in ("shuffle_seed", "num_canonical_nodes") if key in saved and saved[key] != getattr(cfg.data, key)]
+        if kept:
+            logger.print(f"note: {', '.join(kept)}: the resumed run goes on in the sample order of its checkpoint; "
+                         "a new order needs a new run.dir")
+        if marker.get("start_with_bos") not in (None, cfg.data.start_with_bos):
+            logger.print(f"note: data.start_with_bos={cfg.data.start_with_bos} where the checkpoint trained with "
+                         f"{marker['start_with_bos']}: from here on its samples "
+                         f"{'begin with BOS' if cfg.data.start_with_bos else 'no longer begin with BOS'}")
         return state
 
     def trainer(self, cfg: Config, engine, batches, val_sets: dict, logger, meta: dict, callbacks: list):
@@ -268,6 +278,9 @@ def run(cfg: Config, task: Task | None = None) -> int:
         start_step = marker["step"]
         logger.print(f"resumed from {resume_path} at step {start_step}"
                      + (f" on another layout, through {universal}" if universal else ""))
+        if cfg.train.init_from and "posttrain" not in marker:  # post-training names its start in every run
+            logger.print(f"note: train.init_from={cfg.train.init_from} is not read: it sets a new run's weights, "
+                         "and this run resumes its own checkpoint (train.resume=none starts it over from init_from)")
         if not universal and marker.get("optimizer_state", True) and not checkpoint.restores_optimizer(marker):
             logger.print(f"note: the checkpoint was saved at expert-parallel size {marker.get('expert_parallel', 1)}, "
                          f"this run is at {cfg.parallel.expert}: AdamW's moments start afresh (the weights, the "

@@ -465,3 +465,16 @@ def test_a_resume_starts_a_new_epoch_where_the_train_data_changed(tmp_path):
         changed[0][field] = before
         state, reason = resumed_position(saved, {"data_sources": changed}, cfg)
         assert state == {"epoch": 3, "sample_in_epoch": 0} and "the train data changed" in reason, field
+    # What the resume keeps of its own is noted where the config says otherwise.
+    from pretrain.train import Task
+
+    class Lines(list):
+        print = list.append
+
+    lines = Lines()
+    state = {**saved, "shuffle_seed": 1234, "num_canonical_nodes": 2}
+    assert Task().resumed_data(cfg, state, {"data_sources": record, "start_with_bos": True}, lines) == state
+    assert lines == ["note: data.num_canonical_nodes=1 (the run's is 2): the resumed run goes on in the sample "
+                     "order of its checkpoint; a new order needs a new run.dir",
+                     "note: data.start_with_bos=False where the checkpoint trained with True: from here on its "
+                     "samples no longer begin with BOS"]

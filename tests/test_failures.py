@@ -105,8 +105,13 @@ def test_a_resume_follows_the_config_and_a_skipped_update_keeps_the_schedule(tmp
     script.write_text(NAN_GRADIENT_TRAIN)
     common = {"train.schedule": "wsd", "train.decay_fraction": 0.5, "train.warmup_steps": 1, "train.eval_batches": 0}
     train(1, tiny_overrides(data, run, **common, **{"train.steps": 6, "train.stop_at_step": 5}))
-    resumed = {**common, "train.steps": 10, "train.weight_decay": 0.5, "train.beta2": 0.99, "train.grad_accum": 2}
+    resumed = {**common, "train.steps": 10, "train.weight_decay": 0.5, "train.beta2": 0.99, "train.grad_accum": 2,
+               "data.shuffle_seed": 999, "train.init_from": tmp_path / "elsewhere"}
     out = torchrun(1, [str(script), *tiny_overrides(data, run, **resumed)])
+    # Keys a resume does not take are named: the sample order is the checkpoint's, init_from a new run's.
+    assert ("note: data.shuffle_seed=999 (the run's is 1234): the resumed run goes on in the sample order of its "
+            "checkpoint") in out.stdout
+    assert f"note: train.init_from={tmp_path / 'elsewhere'} is not read" in out.stdout
     assert ("note: step 6 trains at lr 0.00246, where the checkpoint's schedule (train.steps=6, wsd) was at "
             "0.0003") in out.stdout
     # train.micro_batch=4 on one process: twice the samples per step from here
