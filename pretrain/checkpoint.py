@@ -31,6 +31,7 @@ from pretrain.checkpoint_format import (
     record_save_job,
     tag_for,
 )
+from pretrain.universal import FOREIGN
 
 
 def torch_save_atomic(obj, path: Path) -> None:
@@ -116,6 +117,9 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
         if name != keep:
             remove_checkpoint(ckpt_dir / name)
             shutil.rmtree(ckpt_dir / "universal" / name, ignore_errors=True)  # its cached conversion
+    # Conversions of another run's checkpoint this run resumed: it has one of its own now.
+    for converted in (ckpt_dir / "universal").glob(f"*{FOREIGN}*"):
+        shutil.rmtree(converted, ignore_errors=True)
     # Partial checkpoints older than the newest complete one are leftovers of crashed saves.
     for d in ckpt_dir.iterdir():
         if TAG_PATTERN.match(d.name) and not (d / COMPLETE).exists() and d.name < keep:

@@ -205,7 +205,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     if universal:  # another layout: the checkpoint in DeepSpeed's layout-free form, converted once
         from pretrain.universal import convert, wait_converted
 
-        universal = convert(resume_path) if env.rank == 0 else wait_converted(resume_path)
+        universal = convert(resume_path, cfg.run.dir) if env.rank == 0 else wait_converted(resume_path, cfg.run.dir)
     init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
     # A run directory as train.init_from means its newest checkpoint, which a run still saving
     # moves: every rank starts from the one rank 0 found.

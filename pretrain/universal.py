@@ -13,6 +13,7 @@ fails on None tensors; models.gpt leaves megatron-core's empty extra state out o
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import subprocess
@@ -22,8 +23,11 @@ from pathlib import Path
 
 from torch import nn
 
+from pretrain.checkpoint_format import checkpoint_dir, own_tag
+
 UNIVERSAL_DIR = "universal"
 DONE = "CONVERTED"
+FOREIGN = "@"  # in the name of a conversion of another run's checkpoint
 
 
 def checkpoint_info(model: nn.Module) -> dict:
@@ -44,13 +48,21 @@ def checkpoint_info(model: nn.Module) -> dict:
             TP_REPLICATED_PARAMETER_PATTERNS: replicated}
 
 
-def universal_path(tag_dir: Path) -> Path:
-    return Path(tag_dir).parent / UNIVERSAL_DIR / Path(tag_dir).name
+def universal_path(tag_dir: Path, run_dir: str | Path) -> Path:
+    """Where the run in `run_dir` keeps the universal form of `tag_dir`: beside its own checkpoints
+    as checkpoints/universal/<tag>; another run's checkpoint's (which may be read-only, or another
+    user's) in this run's checkpoints/universal/<tag>@<hash of its path>, removed once this run has a
+    checkpoint of its own (pretrain.checkpoint)."""
+    tag_dir = Path(tag_dir)
+    if own_tag(run_dir, tag_dir):
+        return tag_dir.parent / UNIVERSAL_DIR / tag_dir.name
+    where = hashlib.sha256(str(tag_dir.resolve()).encode()).hexdigest()[:8]
+    return checkpoint_dir(run_dir) / UNIVERSAL_DIR / f"{tag_dir.name}{FOREIGN}{where}"
 
 
-def convert(tag_dir: Path, log=print) -> Path:
+def convert(tag_dir: Path, run_dir: str | Path, log=print) -> Path:
     """The universal form of ``tag_dir`` (converted now unless already cached); call on one rank."""
-    out = universal_path(tag_dir)
+    out = universal_path(tag_dir, run_dir)
     if (out / DONE).is_file():
         return out
     shutil.rmtree(out, ignore_errors=True)
@@ -67,10 +79,10 @@ def convert(tag_dir: Path, log=print) -> Path:
     return out
 
 
-def wait_converted(tag_dir: Path, poll_s: float = 2.0) -> Path:
+def wait_converted(tag_dir: Path, run_dir: str | Path, poll_s: float = 2.0) -> Path:
     """On the other ranks: wait for rank 0's conversion (no collective, whose timeout a large model's
     conversion could exceed; if rank 0 fails, the launcher stops this rank)."""
-    out = universal_path(tag_dir)
+    out = universal_path(tag_dir, run_dir)
     while not (out / DONE).is_file():
         time.sleep(poll_s)
     return out

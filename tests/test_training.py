@@ -293,6 +293,13 @@ def test_resume_on_another_layout_continues_the_loss_curve(data, reference_run, 
             assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (name, step)
         assert _tree_digest(tag) == before  # the original is never changed
         assert (run / "checkpoints" / "universal" / "step_00000004" / "CONVERTED").is_file()
+        if name == "dp2_to_dp1":  # another run's checkpoint: converted into this run, not beside it
+            other = tmp_path / "other"
+            out = train(1, tiny_overrides(data, other, **{"train.steps": STEPS, **resumed, "train.resume": str(tag)}))
+            assert f"to a universal checkpoint in {other / 'checkpoints' / 'universal' / 'step_00000004@'}" in out.stdout
+            assert losses(other) == got and _tree_digest(tag) == before
+            # removed once this run has a checkpoint of its own
+            assert not list((other / "checkpoints" / "universal").glob("*@*"))
         if name.startswith("zero3"):  # each parameter group kept its own weight decay (the norms none)
             import torch
 
@@ -400,9 +407,11 @@ def test_a_save_keeps_the_last_complete_checkpoints_and_clears_older_partial_one
     tag(3, complete=False)  # a crashed save
     tag(6, complete=False)  # one being written after this save (not older: kept)
     (tmp_path / "universal" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "universal" / "step_00000004").mkdir()
+    (tmp_path / "universal" / "step_00000009@0123abcd").mkdir()  # another run's checkpoint this one resumed
     _prune(tmp_path, keep_last=2, keep="step_00000005")
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000005", "step_00000006"]
-    assert not (tmp_path / "universal" / "step_00000001").exists()
+    assert [p.name for p in (tmp_path / "universal").iterdir()] == ["step_00000004"]
     tag(7)
     _prune(tmp_path, keep_last=1, keep="step_00000007")  # the partial 6 is older now
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000007"]
