@@ -82,6 +82,12 @@ def resolve_resume(resume: str, run_dir: str) -> Path | None:
     if resume == "auto":
         return latest_complete(checkpoint_dir(run_dir))
     path = Path(resume)
+    newest = latest_complete(checkpoint_dir(path)) if checkpoint_dir(path).is_dir() else None
+    if newest is not None:  # a run directory, where a tag goes
+        raise CheckpointError(
+            f"train.resume={resume} is a run directory; give one of its checkpoints, e.g. train.resume={newest} "
+            f"(its newest), or resume that run itself with run.dir={resume} train.resume=auto"
+        )
     if not (path / COMPLETE).is_file():
         raise CheckpointError(
             f"train.resume={resume}: not a complete checkpoint (no {COMPLETE} marker); "

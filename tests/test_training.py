@@ -334,6 +334,12 @@ def test_checkpoint_from_another_model_is_rejected(data, reference_run, tmp_path
         with pytest.raises(CheckpointError, match="routed experts resumes only at the saved world size and "
                                                   "tensor-parallel size"):
             check_layout(saved, world, tensor, 8, True, tag)
+    # A run directory where a checkpoint goes: its newest named, and the run's own resume.
+    from pretrain.checkpoint_format import resolve_resume
+
+    with pytest.raises(CheckpointError, match=rf"train.resume={reference_run} is a run directory; give one of its "
+                                              rf"checkpoints, e.g. train.resume={reference_run}/checkpoints/step_"):
+        resolve_resume(str(reference_run), str(run))
     with pytest.raises(CheckpointError, match="records no layout"):
         check_layout({"world_size": 2}, 1, 1, 8, False, tag)  # a marker from before layouts were recorded
     # ZeRO-1 and 2 share their files; 0 and 3 have files of their own, which load at their stage only.
