@@ -27,6 +27,7 @@ from pretrain.checkpoint_format import (
     TAG_PATTERN,
     CheckpointError,
     atomic_write,
+    latest_complete,
     read_meta,
     record_save_job,
     tag_for,
@@ -78,10 +79,12 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     client_state = {"step": step}
     if not engine.has_moe_layers:  # DeepSpeed's MoE save writes this key itself (and takes no conversion)
         client_state[UNIVERSAL_CHECKPOINT_INFO] = checkpoint_info(engine.module)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False, client_state=client_state)
     path = ckpt_dir / tag
-    buffer = _torch_bytes({"rng": rng_state(), **rank_state})
-    atomic_write(path / f"rank_{rank:05d}.pt", buffer)
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False, client_state=client_state)
+        atomic_write(path / f"rank_{rank:05d}.pt", _torch_bytes({"rng": rng_state(), **rank_state}))
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        raise CheckpointError(save_failure(ckpt_dir, tag, err)) from err
     dist.barrier()
     if rank == 0:
         shutil.rmtree(ckpt_dir / "universal" / tag, ignore_errors=True)  # a conversion of an older save of this tag
@@ -94,6 +97,23 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
         _prune(ckpt_dir, keep_last, keep=tag)
     dist.barrier()
     return path
+
+
+def save_failure(ckpt_dir: Path, tag: str, err: Exception) -> str:
+    """What a failed save tells the user: the error, the room left, and which checkpoint is intact."""
+    free = shutil.disk_usage(ckpt_dir).free / 2**30
+    latest = latest_complete(ckpt_dir)
+    last = f"; the last one took {_size_gb(latest):.1f} GB" if latest is not None else ""
+    return (f"saving checkpoint {ckpt_dir / tag} failed ({type(err).__name__}: {str(err).strip()[:300]}); "
+            f"{free:.1f} GB are free on its file system{last}. "
+            + (f"The newest complete checkpoint, {latest}, is intact (the unfinished {tag} is never resumed): "
+               if latest is not None else f"No complete checkpoint exists yet (the unfinished {tag} is never "
+                                          "resumed): ")
+            + "free space there, or lower train.keep_last, and run the job again")
+
+
+def _size_gb(tag_dir: Path) -> float:
+    return sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file()) / 2**30
 
 
 def _torch_bytes(obj) -> bytes:

@@ -357,3 +357,25 @@ def test_a_second_run_into_a_busy_run_dir_is_refused(tmp_path):
     run_lock.release()
     train(1, tiny_overrides(data, run, **{"train.steps": 3}))
     assert (run / "config.yaml").exists()
+
+
+def test_a_save_that_runs_out_of_room_names_the_intact_checkpoint(tmp_path):
+    """A save that cannot write (a full disk; here a file-size limit) stops the run with an error that
+    names the save, the room left and the newest complete checkpoint, which stays the one a resume
+    takes."""
+    from pretrain.checkpoint_format import latest_complete
+
+    data, run = write_synthetic_shards(tmp_path / "data"), tmp_path / "run"
+    overrides = tiny_overrides(data, run, **{"train.steps": 6, "train.save_interval": 3, "train.eval_batches": 0})
+    train(1, [*overrides, "train.stop_at_step=3"])
+    biggest = max(f.stat().st_size for f in (run / "checkpoints" / "step_00000003").iterdir())
+    limit = f"ulimit -f {biggest // 1024 - 1}"  # in KiB: under the largest checkpoint file
+    out = subprocess.run(["bash", "-c", f'{limit} && exec "$0" -m pretrain.train "$@"', sys.executable, *overrides],
+                         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    error = next(line for line in out.stderr.splitlines() if line.startswith("error: "))
+    assert f"error: saving checkpoint {run / 'checkpoints' / 'step_00000006'} failed (" in error
+    assert "GB are free on its file system; the last one took" in error
+    assert (f"The newest complete checkpoint, {run / 'checkpoints' / 'step_00000003'}, is intact (the unfinished "
+            "step_00000006 is never resumed)") in error
+    assert latest_complete(run / "checkpoints") == run / "checkpoints" / "step_00000003"
