@@ -359,9 +359,10 @@ def _dispatch_edges(rank: int) -> None:
 def _bias_update(rank: int) -> None:
     cfg = make_cfg("uoe", bias_update_rate=0.25)
     layer = build("uoe", cfg)
-    layer.pending_counts.copy_(torch.tensor([4.0, 0.0, 2.0, 2.0]) * (rank + 1))
-    layer.after_optimizer_step()  # DP sum: [12, 0, 6, 6], mean 6
-    torch.testing.assert_close(layer.router_bias, torch.tensor([-0.25, 0.25, 0.0, 0.0]))
+    # Each rank's counts alone would move the bias otherwise ([-, +, 0, 0] and [+, -, +, +]).
+    layer.pending_counts.copy_(torch.tensor([[4.0, 0.0, 2.0, 2.0], [0.0, 6.0, 1.0, 1.0]][rank]))
+    layer.after_optimizer_step()  # DP sum: [4, 6, 3, 3], mean 4
+    torch.testing.assert_close(layer.router_bias, torch.tensor([0.0, -0.25, 0.25, 0.25]))
     assert float(layer.pending_counts.abs().sum()) == 0
 
 
@@ -414,6 +415,13 @@ def _engine_wiring(rank: int) -> None:
     engine.backward(loss)
     engine.step()
     assert torch.isfinite(loss)
+    # Every rank stepped on its own tokens: the same weights after the step mean the gradients were
+    # reduced, the experts' over their expert-data-parallel group, the rest over the data-parallel one.
+    for name, param in engine.module.named_parameters():
+        group = ps.get_expert_data_parallel_group() if is_moe_param(param) else ps.get_data_parallel_group()
+        copies = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, param.detach().contiguous(), group=group)
+        assert all(torch.equal(c, copies[0]) for c in copies), name
 
 
 # ----------------------------------------------------------------------------- tests
@@ -464,11 +472,13 @@ def test_layers_ep2_reference_ep1_equivalence_and_edge_cases():
 
 
 def _four_proc_suite(rank: int) -> None:
-    """EP=2 x DP=4 (EDP=2), then the same ranks re-initialised as TP=2 x EP=2 (DP=2, EDP=1)."""
+    """EP=2 x DP=4 (EDP=2; a real engine step too), then the same ranks re-initialised as TP=2 x EP=2
+    (DP=2, EDP=1)."""
     from deepspeed.utils import groups
 
     _parallel_suite(rank)
     _deepspeed_groups(rank)
+    _engine_wiring(rank)  # expert-data-parallel groups of 2: the experts' gradients reduced over them
     ps.destroy_model_parallel()
     groups._EXPERT_PARALLEL_GROUP.clear()
     groups._EXPERT_DATA_PARALLEL_GROUP.clear()
