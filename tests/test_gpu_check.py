@@ -237,3 +237,25 @@ def test_lisa_decode_speed_part_runs_alone_on_earlier_layouts(tmp_path):
             assert model[key]["median_s"] > 0 and model[key]["x_source"] > 0, (name, key, model[key])
         shared = row["attention"].count("lisa")
         assert (model["cache_bytes_per_position"] < source["cache_bytes_per_position"]) == (shared > 0), name
+
+
+def test_the_correctness_check_tells_device_losses_apart(monkeypatch):
+    """On a CPU the dry run compares the CPU's losses with themselves; the comparison itself: device
+    losses off by more than 1e-3 relative are a mismatch, within it a match, an error is reported."""
+    from bench import gpu_check
+
+    cpu = [6.2958, 5.8394, 5.6201]
+    off = {"dense-1b": 1.01, "hybrid-1b": 1.0002}
+
+    def tiny_losses(cfg_path, overrides, device):
+        name = next(n for n, (path, _) in gpu_check.FAMILIES.items() if path == cfg_path)
+        if device == "cpu":
+            return cpu
+        if name.startswith("uoe"):
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return [loss * off[name] for loss in cpu]
+
+    monkeypatch.setattr(gpu_check, "tiny_losses", tiny_losses)
+    result = gpu_check.correctness("cuda", ["dense-1b", "hybrid-1b", "uoe-1b"])
+    assert result["dense-1b"]["match"] is False and result["hybrid-1b"]["match"] is True
+    assert result["uoe-1b"] == {"error": "RuntimeError: CUDA error: an illegal memory access"}

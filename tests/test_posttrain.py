@@ -709,6 +709,11 @@ def losses(run_dir):
     return [json.loads(line)["loss"] for line in (run_dir / "losses.jsonl").read_text().splitlines()]
 
 
+def grad_norms(run_dir) -> list[float]:
+    return [r["train/grad_norm"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "train/grad_norm" in r]
+
+
 def validations(run_dir) -> dict[int, dict]:
     """step -> the val/ values logged at that step."""
     out: dict[int, dict] = {}
@@ -812,6 +817,12 @@ def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok
     post_train(1, files, tok_dir, tmp_path / "accum", "sft", "post.packing=true", "train.micro_batch=1",
                "train.grad_accum=2")
     assert losses(tmp_path / "accum") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
+    # ... and over two data-parallel ranks: the step's response tokens counted across them, in the
+    # loss, its gradients and the validation.
+    post_train(2, files, tok_dir, tmp_path / "dp2", "sft", "post.packing=true", "train.micro_batch=1")
+    assert losses(tmp_path / "dp2") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
+    assert grad_norms(tmp_path / "dp2") == pytest.approx(grad_norms(tmp_path / "whole"), rel=1e-4)
+    assert validations(tmp_path / "dp2")[4] == pytest.approx(val, rel=1e-5)
 
 
 def test_sft_of_an_expert_model_logs_the_cross_entropy_weighted_as_the_loss(tmp_path, files, tok_dir):

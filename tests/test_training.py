@@ -56,13 +56,22 @@ def data_parallel_run(data, tmp_path_factory):
     return run
 
 
+def grad_norms(run_dir) -> dict[int, float]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["train/grad_norm"] for r in records if "train/grad_norm" in r}
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_data_parallel_zero_matches_single_process(data_parallel_run, reference, stage):
+def test_data_parallel_zero_matches_single_process(data_parallel_run, reference_run, reference, stage):
     got = losses(data_parallel_run(stage))
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
     for step in reference:
         assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (stage, step)
     assert got[STEPS] < got[1]  # it learns
+    # The gradients too (AdamW would hide a uniform scale of them, such as a sum over ranks for a mean).
+    want = grad_norms(reference_run)
+    assert sorted(want) == list(range(1, STEPS + 1))
+    assert grad_norms(data_parallel_run(stage)) == pytest.approx(want, rel=1e-4), stage
 
 
 def test_fused_optimizer_matches_the_default(data, reference, tmp_path):
