@@ -205,6 +205,10 @@ def run(cfg: Config, task: Task | None = None) -> int:
     if universal:  # another layout: the checkpoint in DeepSpeed's layout-free form, converted once
         from pretrain.universal import convert, wait_converted
 
+        # The conversion writes into run.dir: not while another run holds it (its launcher stops the
+        # ranks waiting for the conversion).
+        if env.rank == 0 and (in_use := run_lock.hold(Path(cfg.run.dir))):
+            raise ConfigError(in_use)
         universal = convert(resume_path, cfg.run.dir) if env.rank == 0 else wait_converted(resume_path, cfg.run.dir)
     init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
     # A run directory as train.init_from means its newest checkpoint, which a run still saving
