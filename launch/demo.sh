@@ -30,9 +30,9 @@ try:
     validate(cfg, int(sys.argv[1]))
 except ConfigError as err:
     sys.exit(f"error: {err}")
-print(cfg.run.dir, cfg.train.steps)'
+print(cfg.train.steps, cfg.run.dir, sep="\n")'
 SETTINGS=$($PY -c "$CHECK" "$NPROC" "$CONFIG" "$@")
-read -r RUN_DIR STEPS <<< "$SETTINGS"
+{ read -r STEPS; read -r RUN_DIR; } <<< "$SETTINGS"  # the run directory whole, spaces and all
 
 if [[ ! -f $DATA/tokenizer/tokenizer.model ]]; then
     $PY -m data_prep.train_tokenizer --out "$DATA/tokenizer" --vocab-size 4096

@@ -138,9 +138,11 @@ class PostTrainTask(Task):
                               f"run; set post.method={resumed['method']} to resume it, or start a new run.dir")
         if resumed.get("reference"):
             start = Path(resumed["reference"])
-            check_reference(start, resumed.get("reference_fingerprint"), resumed["method"], cfg.run.dir)
+            self.reference_fingerprint = resumed.get("reference_fingerprint")
+            check_reference(start, self.reference_fingerprint, resumed["method"], cfg.run.dir)
         else:
             start = check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
+            self.reference_fingerprint = source_fingerprint(start) if cfg.post.method != "sft" else None
         self.reference = start
         if resumed:  # the run recorded what it took from its start (an SFT run's start may be gone since)
             started, start_bos = resumed, None
@@ -281,7 +283,7 @@ class PostTrainTask(Task):
 
         post = cfg.post
         info = {"method": post.method, "chat": ChatFormat.from_config(post).__dict__, "init_from": cfg.train.init_from,
-                "reference": str(self.reference), "reference_fingerprint": source_fingerprint(self.reference),
+                "reference": str(self.reference), "reference_fingerprint": self.reference_fingerprint,
                 "data_sha256": self.train_data.fingerprint(),
                 "data_seed": cfg.train.seed,
                 "examples": self.train_data.examples, "too_long": self.train_data.too_long,

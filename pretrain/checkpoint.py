@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import os
 import random
@@ -83,7 +84,9 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False, client_state=client_state)
         atomic_write(path / f"rank_{rank:05d}.pt", _torch_bytes({"rng": rng_state(), **rank_state}))
-    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+    except (OSError, RuntimeError) as err:
+        if not storage_error(err):  # a peer lost in the save's collectives, out of memory: as they are
+            raise
         raise CheckpointError(save_failure(ckpt_dir, tag, err)) from err
     dist.barrier()
     if rank == 0:
@@ -99,6 +102,17 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
     return path
 
 
+# torch.save's writer reports a write the file system refused as a RuntimeError with these words
+TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
+
+
+def storage_error(err: Exception) -> bool:
+    """Whether a save failed because the file system refused a write."""
+    if isinstance(err, OSError):
+        return True
+    return type(err) is RuntimeError and any(words in str(err) for words in TORCH_WRITE_FAILURES)
+
+
 def save_failure(ckpt_dir: Path, tag: str, err: Exception) -> str:
     """What a failed save tells the user: the error, the room left, and which checkpoint is intact."""
     free = shutil.disk_usage(ckpt_dir).free / 2**30
@@ -109,7 +123,14 @@ def save_failure(ckpt_dir: Path, tag: str, err: Exception) -> str:
             + (f"The newest complete checkpoint, {latest}, is intact (the unfinished {tag} is never resumed): "
                if latest is not None else f"No complete checkpoint exists yet (the unfinished {tag} is never "
                                           "resumed): ")
-            + "free space there, or lower train.keep_last, and run the job again")
+            + ("free space there, or lower train.keep_last, and run the job again" if full(err) else
+               "make the checkpoint directory writable, and run the job again"))
+
+
+def full(err: Exception) -> bool:
+    """Whether a refused write means no room: a full disk, a quota, a file-size limit (torch.save's
+    own errors name no cause, and are mostly that)."""
+    return not isinstance(err, OSError) or err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _size_gb(tag_dir: Path) -> float:

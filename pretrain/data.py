@@ -169,16 +169,19 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
     if "://" in source.shards:
         # Named after the URL and its index: streaming reuses an index it finds in the folder, so
         # another URL (a resume after data.shards moved, runs sharing data.cache) or the same URL
-        # rebuilt must not find this one's. Other URLs' folders stay (a run sharing data.cache may
-        # read them), out of reach of the cleanup of local compressed copies ("{split}-*"); this
-        # URL's earlier versions go, and so does the unnamed folder of earlier releases.
+        # rebuilt must not find this one's. Other folders stay, out of reach of the cleanup of local
+        # compressed copies ("{split}-*"): another run sharing data.cache may read them (removed
+        # under it, its missing shards would come from the rebuilt set); the unnamed folder of
+        # earlier releases goes.
         url = split_url(source, split)
         index = remote_index(url)
         place = f"{split}@{hashlib.sha256(url.encode()).hexdigest()[:12]}"
         copy = root / name / f"{place}-{hashlib.sha256(index or b'').hexdigest()[:12]}"
-        for stale in [root / name / split, *copy.parent.glob(f"{place}*")]:
-            if stale != copy:
-                shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(root / name / split, ignore_errors=True)
+        earlier = sorted(str(p) for p in copy.parent.glob(f"{place}-*") if p != copy)
+        if earlier and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"note: {url} was rebuilt since data.cache took copies of it ({', '.join(earlier)}): this run reads "
+                  "the new one; remove the old copies when no run reads them", flush=True)
         return {"remote": url, "local": str(copy)}
     directory = Path(source.shards) / split
     fingerprint = compressed_split(directory)

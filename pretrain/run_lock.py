@@ -4,7 +4,9 @@ The first rank holds an exclusive lock on RUN_DIR/.lock for the run's life, and 
 holds it. The kernel releases it when the process ends, however it ends (a crash, a kill, a node
 lost), so a requeued job never waits for a stale lock; a second job started into the same
 directory (a resubmitted sbatch script, a run started by hand on another node) is refused before
-it writes anything, where it would otherwise write over the first one's checkpoints and losses.
+it writes its config, checkpoints or losses, which would replace the first one's. A lock that a
+lost node's file-system client still holds (NFSv3 keeps such locks until the node comes back) is
+passed over where its holder is an earlier run of this Slurm job, or a job Slurm no longer runs.
 A file system that does not lock files (some parallel file systems without their flock option)
 leaves this check out.
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import IO
@@ -42,6 +46,9 @@ def hold(run_dir: Path) -> str | None:
         lock.seek(0)
         holder = lock.read().strip() or "holder unknown"
         lock.close()
+        job = re.search(r"Slurm job (\S+?),", holder)
+        if job and (job[1] == os.environ.get("SLURM_JOB_ID") or slurm_job_ended(job[1])):
+            return None  # a lost node's stale lock: that job runs no more
         return (f"run.dir={run_dir} is in use by another run ({holder}), which would write over this one's "
                 "checkpoints and losses; wait for it to end or stop it, or give this run another run.dir")
     except OSError:  # no locks on this file system
@@ -53,6 +60,19 @@ def hold(run_dir: Path) -> str | None:
     lock.flush()
     _held = lock
     return None
+
+
+def slurm_job_ended(job: str) -> bool:
+    """Whether Slurm no longer runs `job` (squeue lists it not, or no more); False where squeue
+    cannot tell."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if out.returncode != 0:
+        return "Invalid job id" in out.stderr
+    return out.stdout.strip() in ("", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                                  "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
 def release() -> None:

@@ -129,7 +129,7 @@ def test_each_data_parallel_rank_validates_on_its_own_samples_each_once(tmp_path
     assert "holds 12 samples, 1 batches of train.micro_batch=4 x 2 data-parallel ranks" in capsys.readouterr().out
 
 
-def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch):
+def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch, capsys):
     """Remote shards (any URL streaming downloads from) are checked for a val split by their index,
     as local ones are; here the "remote" is a directory under a URL scheme of the test's own."""
     from streaming.base.storage import LocalDownloader, download
@@ -181,7 +181,9 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
         want_rebuilt = load_val_sets(load_config(None, [f"data.shards={full}/shards", *base]))[""]
     assert not torch.equal(rebuilt[0], got[0]) and all(torch.equal(g, w) for g, w in zip(rebuilt, want_rebuilt))
     current = Path(_split_location(remote, remote.data.sources[0], "val")["local"])
-    assert current != Path(remote_copies[0]) and not Path(remote_copies[0]).exists()
+    assert current != Path(remote_copies[0]) and Path(remote_copies[0], "index.json").is_file()
+    assert f"was rebuilt since data.cache took copies of it ({remote_copies[0]}): this run reads the new one" \
+        in capsys.readouterr().out
     assert Path(remote_copies[1], "index.json").is_file()  # another URL's copy stays
     saved = {"epoch": 0, "sample_in_epoch": 8}
     assert resumed_position(saved, {"data_sources": record}, remote)[1] is not None

@@ -3,6 +3,7 @@ checkpoint (stale streaming shared memory included), a non-finite loss stops the
 activation checkpointing changes nothing numerically."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -379,3 +380,50 @@ def test_a_save_that_runs_out_of_room_names_the_intact_checkpoint(tmp_path):
     assert (f"The newest complete checkpoint, {run / 'checkpoints' / 'step_00000003'}, is intact (the unfinished "
             "step_00000006 is never resumed)") in error
     assert latest_complete(run / "checkpoints") == run / "checkpoints" / "step_00000003"
+
+
+def test_only_a_refused_write_is_reported_as_a_storage_problem(tmp_path):
+    """A save's errors: a full disk or a quota advise freeing space, another refused write (no
+    permission) a writable directory; a peer lost in the save's collectives is not a storage error."""
+    import errno
+
+    from pretrain.checkpoint import save_failure, storage_error
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    torch_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 924416 vs 924304")
+    assert storage_error(full) and storage_error(denied) and storage_error(torch_write)
+    assert not storage_error(torch.distributed.DistBackendError("Connection closed by peer"))
+    assert not storage_error(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not storage_error(RuntimeError("Expected all tensors to be on the same device"))
+    assert "free space there, or lower train.keep_last" in save_failure(tmp_path, "step_00000006", full)
+    assert "free space there" in save_failure(tmp_path, "step_00000006", torch_write)
+    assert "make the checkpoint directory writable" in save_failure(tmp_path, "step_00000006", denied)
+
+
+def test_a_lock_whose_slurm_job_runs_no_more_is_passed_over(tmp_path, monkeypatch):
+    """A lock a lost node's file-system client keeps (NFSv3) must not stop the requeue of its own job,
+    nor a new job once Slurm says the holder's job ended; a holder whose job runs refuses."""
+    from pretrain import run_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from pretrain import run_lock; run_lock.hold(Path(sys.argv[1])); print('held', "
+                               "flush=True); time.sleep(600)", str(tmp_path)], cwd=REPO,
+                              env=child_env(SLURM_JOB_ID="77"), stdout=subprocess.PIPE, text=True)
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.parent.mkdir()
+    monkeypatch.setenv("PATH", f"{squeue.parent}:{os.environ['PATH']}")
+    try:
+        assert holder.stdout.readline() == "held\n"
+        monkeypatch.setenv("SLURM_JOB_ID", "77")  # a requeue of the holder's job
+        assert run_lock.hold(tmp_path) is None
+        monkeypatch.setenv("SLURM_JOB_ID", "78")
+        squeue.write_text("#!/bin/sh\necho RUNNING\n")
+        squeue.chmod(0o755)
+        assert "is in use by another run (host " in run_lock.hold(tmp_path)
+        squeue.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
+        assert run_lock.hold(tmp_path) is None  # job 77 ended long ago
+    finally:
+        holder.kill()
+        holder.wait()
+        run_lock.release()

@@ -734,27 +734,37 @@ def test_a_resume_refuses_a_reference_that_is_gone_or_rewritten(tmp_path, files,
     from pretrain.config import load_config
     from pretrain.init_from import source_fingerprint
 
-    start = tmp_path / "start.pt"
+    start, backup = tmp_path / "start.pt", tmp_path / "backup.pt"
     shutil.copy(files / "init.pt", start)
+    shutil.copy(start, backup)
     tag = tmp_path / "run" / "checkpoints" / "step_00000002"
     tag.mkdir(parents=True)
 
-    def resume(method: str) -> None:
+    def resume(method: str) -> dict:
         (tag / "COMPLETE").write_text(json.dumps({"step": 2, "posttrain": {
             "method": method, "reference": str(start), "reference_fingerprint": fingerprint}}))
         values = {**MODEL, "data.tokenizer": tok_dir, "train.init_from": start, "run.dir": tmp_path / "run",
                   "post.method": method, "post.data": files / ("sft.jsonl" if method == "sft" else "pref.jsonl")}
-        PostTrainTask().check(load_config(None, [f"{k}={v}" for k, v in values.items()], PostTrainConfig), 1)
+        cfg = load_config(None, [f"{k}={v}" for k, v in values.items()], PostTrainConfig)
+        task = PostTrainTask()
+        task.check(cfg, 1)
+        return task.meta(cfg)["posttrain"]  # what the resumed run records again
 
     fingerprint = source_fingerprint(start)
-    resume("dpo")  # the reference as it was
-    os.utime(start, ns=(1, 1))  # written again since (same size, another time)
+    assert resume("dpo")["reference_fingerprint"] == fingerprint  # the reference as it was
+    state = torch.load(start, weights_only=False)
+    state["state_dict"] = {k: v + 1 if v.is_floating_point() else v for k, v in state["state_dict"].items()}
+    torch.save(state, start)  # other weights written there since
     with pytest.raises(ConfigError, match=f"reference it started from, {start}, which holds other weights since"):
         resume("dpo")
     start.unlink()
     with pytest.raises(ConfigError, match=f"{start}, which is gone; restore it there, or start a new run.dir"):
         resume("dpo")
-    resume("sft")
+    shutil.copy(backup, start)  # restored: another modification time, the same weights
+    os.utime(start, ns=(1, 1))
+    resume("dpo")
+    start.unlink()
+    assert resume("sft")["reference"] == str(start)
 
 
 @pytest.mark.slow
