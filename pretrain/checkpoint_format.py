@@ -195,8 +195,10 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
             f"files load at {stages} only (ZeRO-1 and 2 share theirs); resume it at the saved stage, or start a "
             f"new run.dir from its weights with train.init_from={path} (optimizer, schedule and data order start "
             "over)")
-    saved_bf16 = meta.get("bf16", any(Path(path).glob("bf16_zero_pp_rank_*")))  # older markers: by the files
-    precision_changed = bf16 is not None and saved_world is not None and bf16 != saved_bf16 \
+    saved_bf16 = meta.get("bf16")
+    if saved_bf16 is None and saved_family in ("1-2", "3"):  # older markers: by the ZeRO files' names
+        saved_bf16 = any(Path(path).glob("bf16_zero_pp_rank_*"))  # (ZeRO-0 keeps its state in one file)
+    precision_changed = None not in (bf16, saved_bf16, saved_world) and bf16 != saved_bf16 \
         and meta.get("optimizer_state") is not False  # weights only load in either
     if not precision_changed and (saved_world is None or (saved_world == world_size and saved_tp in (None, tensor))):
         return False
