@@ -8,7 +8,9 @@
 
 Layouts read (DeepSpeed files in RUN_DIR/checkpoints/step_XXXXXXXX/):
 
-* ZeRO 0/1/2: `mp_rank_{TP:02d}_model_states.pt` holds the whole 'module' of tensor-parallel rank TP.
+* ZeRO 0/1/2: `mp_rank_{TP:02d}_model_states.pt` holds the whole 'module' of tensor-parallel rank TP;
+  a bf16 run's fp32 masters at ZeRO 1-2 come from `bf16_zero_pp_rank_{DP}_mp_rank_{TP:02d}_optim_states.pt`
+  (fp32_masters).
 * ZeRO-3: parameters are partitioned over the data-parallel group; the fp32 master weights are
   rebuilt from `zero_pp_rank_{DP}_mp_rank_{TP:02d}_{model,optim}_states.pt` with DeepSpeed's
   zero_to_fp32 helpers, one tensor-parallel rank at a time.
@@ -141,14 +143,55 @@ def _zero3_state(tag_dir: Path, mp_rank: int) -> dict[str, torch.Tensor]:
             return {k: v.contiguous() if hasattr(v, "contiguous") else v for k, v in state.items()}
 
 
+def fp32_masters(tag_dir: Path, mp_rank: int, data: int) -> dict[str, torch.Tensor] | None:
+    """The fp32 master weights of one tensor-parallel rank of a bf16 run at ZeRO 1-2, flat, joined
+    from its data-parallel optimizer partitions (DeepSpeed's param_slice_mappings give each
+    parameter's fragment in each partition, in rank order); None where the files hold none."""
+    files = [tag_dir / f"bf16_zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt" for d in range(data)]
+    if not all(f.is_file() for f in files):
+        return None
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for f in files:  # one at a time, mapped: only the fp32 partitions are read, not the Adam moments
+        state = torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+        if "param_slice_mappings" not in state:
+            return None
+        for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+            for name, fragment in mapping.items():
+                pieces.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel).clone())
+    return {name: torch.cat(parts) for name, parts in pieces.items()}
+
+
+def with_masters(module: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], where: Path
+                 ) -> dict[str, torch.Tensor]:
+    """The module's bf16 weights replaced by their fp32 masters (keys sharing a tensor, as tied
+    embeddings do, by the same one), each checked to round to the weight it replaces."""
+    by_storage = {module[name].untyped_storage().data_ptr(): name for name in masters if name in module}
+    state = dict(module)
+    for key, value in module.items():
+        name = key if key in masters else by_storage.get(value.untyped_storage().data_ptr()) \
+            if torch.is_tensor(value) else None
+        if name is None:
+            continue
+        master = masters[name]
+        if master.numel() != value.numel() or not torch.equal(master.to(value.dtype), value.flatten()):
+            raise ConsolidateError(f"{where}: the fp32 master of {key} does not round to its saved weight; the "
+                                   "optimizer partitions and the model file are of different saves")
+        state[key] = master.view(value.shape)
+    return state
+
+
 def rank_state(tag_dir: Path, mp_rank: int, layout: dict) -> dict[str, torch.Tensor]:
     """One tensor-parallel rank's state dict as saved (ZeRO-3 partitions joined, experts under global ids):
-    a bf16 run's bf16 weights at ZeRO 0-2 (its fp32 masters live in the optimizer partitions), the
-    fp32 partitions at ZeRO-3."""
+    the fp32 weights, of a bf16 run too (its fp32 masters: ZeRO-3's partitions; at ZeRO 1-2 those
+    of its optimizer partitions), except where a bf16 run saved no fp32 masters beside its weights
+    (ZeRO-0, whose optimizer keeps them in the model file, and routed experts): the bf16 weights."""
     if layout["zero3"]:
         state = _zero3_state(tag_dir, mp_rank)
     else:
         state = dict(_load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"])
+        masters = None if layout["experts"] else fp32_masters(tag_dir, mp_rank, layout["data"])
+        if masters is not None:
+            state = with_masters(state, masters, tag_dir)
     if layout["experts"]:
         state = {k: v for k, v in state.items() if not EXPERT_KEY.match(k)}
         for f in sorted(tag_dir.glob(f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt")):

@@ -717,3 +717,31 @@ def test_a_run_resumes_in_another_precision(data, tmp_path):
     out = train(1, tiny_overrides(data, run, **common, **{"train.precision": "fp32"}))
     assert "at step 4 on another layout, through" in out.stdout, out.stdout[-3000:]
     assert sorted(losses(run))[-1] == 6
+
+
+def test_readers_of_a_bf16_run_get_its_fp32_master_weights(data, tmp_path):
+    """A bf16 run at ZeRO-1 over two data-parallel ranks: the consolidated weights (what export,
+    init_from and the other readers take) are its fp32 masters, joined from both optimizer partitions,
+    as DeepSpeed's own universal conversion reads them, not the bf16 copies the model holds."""
+    import torch
+
+    from pretrain.consolidate import full_state_dict
+    from pretrain.universal import convert
+
+    run = tmp_path / "run"
+    train(2, tiny_overrides(data, run, **{"train.steps": 4, "train.save_interval": 4, "train.micro_batch": 2,
+                                          "train.precision": "bf16"}))
+    tag = run / "checkpoints" / "step_00000004"
+    state, _, _ = full_state_dict(tag)
+    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    universal = convert(tag, run) / "zero"
+    compared = 0
+    for folder in universal.iterdir():
+        if (folder / "fp32.pt").is_file():
+            master = torch.load(folder / "fp32.pt", weights_only=False)
+            master = master["param"] if isinstance(master, dict) else master
+            assert torch.equal(state[folder.name].flatten(), master.flatten()), folder.name
+            assert module[folder.name].dtype == torch.bfloat16
+            compared += 1
+    assert compared == len([k for k in state if not k.endswith("_extra_state")]) > 10
+    assert any(not torch.equal(state[k], module[k].float()) for k in state)  # finer than the bf16 copies
