@@ -24,7 +24,7 @@ from pathlib import Path
 from data_prep import parts
 from launch import slurm_job
 from launch.sbatch import ACTIVE_STATES
-from pretrain import checkpoint_format
+from pretrain import checkpoint_format, run_lock
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -120,6 +120,7 @@ def status(run_dir: Path) -> dict:
     info["latest_checkpoint_step"] = checkpoint_format.latest_complete_step(run_dir)
     info["stopped_on_signal"] = checkpoint_format.read_stop_marker(run_dir)
     info["log"] = str(log) if log.is_file() else None
+    info["running_in_it"] = run_lock.holder(run_dir)  # a job of another submission too
     info["train_steps"] = slurm_job.configured_steps(run_dir)
     info["unfinished"] = unfinished(info, hist["end_fields"] if job else {})
     return info
@@ -167,6 +168,8 @@ def format_status(info: dict) -> str:
             lines.append(f"last end:    {info['last_job_end'].strip()}")
     else:
         lines.append("job:         none submitted from this run dir (no slurm_job_ids.txt)")
+    if info.get("running_in_it"):
+        lines.append(f"running:     {info['running_in_it']}")
     loss = fmt(info["loss"], ".4f")
     tps = fmt(info["tokens_per_s"], ",.0f")
     lines.append(f"progress:    step {fmt(info['step'])}, loss {loss}, {tps} tokens/s")

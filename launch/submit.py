@@ -32,6 +32,7 @@ from launch.entry_points import entry_point
 from launch.layouts import one_gpu_hint
 from launch.sbatch import (ACTIVE_STATES, NOT_STARTED, SIGNAL_FILE_ENV, SubmitError, SubmitUnknown, check_job_name,
                            check_repo, check_slurm_path, parse_time, sbatch_lines, submit)
+from pretrain import run_lock
 from pretrain.checkpoint_format import LAST_SAVE_JOB, CheckpointError
 from pretrain.config import Config, ConfigError, load_config
 
@@ -198,7 +199,11 @@ def render(cfg: Config, args: argparse.Namespace, procs: int, first_resume: str 
 
 
 def active_job(run_dir: Path) -> str | None:
-    """A job id of this run dir that Slurm still has queued or running."""
+    """A job id of this run dir that Slurm still has queued or running: its newest submission's, or
+    the one training in it (a job submitted again by hand records itself, and is then refused)."""
+    running = run_lock.slurm_job_of(run_lock.holder(run_dir))
+    if running:
+        return running
     ids = slurm_job.job_ids(run_dir)
     if not ids or shutil.which("squeue") is None:
         return None

@@ -41,13 +41,20 @@ def hold(run_dir: Path) -> str | None:
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / LOCK, "a+")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for attempt in range(5):  # holder() looks for an instant
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.2)
     except BlockingIOError:
         lock.seek(0)
         holder = lock.read().strip() or "holder unknown"
         lock.close()
-        job = re.search(r"Slurm job (\S+?),", holder)
-        if job and (job[1] == os.environ.get("SLURM_JOB_ID") or slurm_job_ended(job[1])):
+        job = slurm_job_of(holder)
+        if job and (job == os.environ.get("SLURM_JOB_ID") or slurm_job_ended(job)):
             return None  # a lost node's stale lock: that job runs no more
         return (f"run.dir={run_dir} is in use by another run ({holder}), which would write over this one's "
                 "checkpoints and losses; wait for it to end or stop it, or give this run another run.dir")
@@ -62,6 +69,12 @@ def hold(run_dir: Path) -> str | None:
     return None
 
 
+def slurm_job_of(holder: str | None) -> str | None:
+    """The Slurm job id a lock's holder line names (owner()), if any."""
+    found = re.search(r"Slurm job (\S+?),", holder or "")
+    return found[1] if found else None
+
+
 def slurm_job_ended(job: str) -> bool:
     """Whether Slurm no longer runs `job` (squeue lists it not, or no more); False where squeue
     cannot tell."""
@@ -73,6 +86,24 @@ def slurm_job_ended(job: str) -> bool:
         return "Invalid job id" in out.stderr
     return out.stdout.strip() in ("", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                                   "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def holder(run_dir: Path) -> str | None:
+    """Who runs in `run_dir` now (host, pid, Slurm job), as its lock names them; None when no
+    process holds the lock (or the file system has none)."""
+    try:
+        lock = open(Path(run_dir) / LOCK)
+    except OSError:
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock.read().strip() or "holder unknown"
+        except OSError:
+            return None
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return None
 
 
 def release() -> None:

@@ -440,6 +440,37 @@ def test_status_of_a_job_slurm_forgot_is_its_batch_script_s_record(tmp_path, mon
     assert "last end:    2026-12-07T06:05:00Z job=77 restarts=0 end rc=1 signal=none action=failed" in out
 
 
+def test_status_and_submit_see_the_job_that_trains_in_the_run_dir(tmp_path, monkeypatch, capsys):
+    """A job submitted again by hand records itself as the newest and is refused by the run's lock:
+    launch.status names the job that holds the run directory, and launch.submit counts it as active
+    (looking at the lock never takes it from a run that starts)."""
+    import subprocess
+    import sys
+
+    from launch import status, submit
+    from pretrain import run_lock
+    from tests.dist_utils import REPO, child_env
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "slurm_job_ids.txt").write_text("91\n92\n")  # 92: the refused duplicate
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from pretrain import run_lock; run_lock.hold(Path(sys.argv[1])); print('held', "
+                               "flush=True); time.sleep(600)", str(run)], cwd=REPO,
+                              env=child_env(SLURM_JOB_ID="91"), stdout=subprocess.PIPE, text=True)
+    monkeypatch.setattr(status, "_run", lambda cmd: None)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert status.main([str(run)]) == 0
+        assert "running:     host " in capsys.readouterr().out
+        assert run_lock.slurm_job_of(status.status(run)["running_in_it"]) == "91"
+        assert submit.active_job(run) == "91"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_lock.holder(run) is None and status.status(run)["running_in_it"] is None
+
+
 @pytest.mark.parametrize("end, why", [
     ("rc=0 signal=USR1 action=stopped", "the time limit stopped it after 3 requeues (launch.submit --max-requeues)"),
     ("rc=0 signal=TERM action=stopped", "it stopped on SIGTERM (preemption or cancel)"),
