@@ -406,13 +406,13 @@ def test_a_lock_whose_slurm_job_runs_no_more_is_passed_over(tmp_path, monkeypatc
     nor a new job once Slurm says the holder's job ended; a holder whose job runs refuses."""
     from pretrain import run_lock
 
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.parent.mkdir()
+    monkeypatch.setenv("PATH", f"{squeue.parent}:{os.environ['PATH']}")
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                                "from pretrain import run_lock; run_lock.hold(Path(sys.argv[1])); print('held', "
                                "flush=True); time.sleep(600)", str(tmp_path)], cwd=REPO,
                               env=child_env(SLURM_JOB_ID="77"), stdout=subprocess.PIPE, text=True)
-    squeue = tmp_path / "bin" / "squeue"
-    squeue.parent.mkdir()
-    monkeypatch.setenv("PATH", f"{squeue.parent}:{os.environ['PATH']}")
     try:
         assert holder.stdout.readline() == "held\n"
         monkeypatch.setenv("SLURM_JOB_ID", "77")  # a requeue of the holder's job
