@@ -49,6 +49,11 @@ def parse_indices(value, key: str) -> str:
     return ",".join(map(str, indices))
 
 
+def index_set(text: str) -> set[int] | None:
+    """A parse_indices value as a set: None for "all"."""
+    return None if text == "all" else {int(i) for i in text.split(",")}
+
+
 @dataclass(init=False, eq=False)
 class ModelConfig:
     vocab_size: int = 4096  # tokenizer vocabulary; the embedding is padded to `vocab_pad_to`

@@ -117,7 +117,7 @@ def save_failure(ckpt_dir: Path, tag: str, err: Exception) -> str:
     """What a failed save tells the user: the error, the room left, and which checkpoint is intact."""
     free = shutil.disk_usage(ckpt_dir).free / 2**30
     latest = latest_complete(ckpt_dir)
-    last = f"; the last one took {_size_gb(latest):.1f} GB" if latest is not None else ""
+    last = f"; the last one took {size_gb(latest):.1f} GB" if latest is not None else ""
     return (f"saving checkpoint {ckpt_dir / tag} failed ({type(err).__name__}: {str(err).strip()[:300]}); "
             f"{free:.1f} GB are free on its file system{last}. "
             + (f"The newest complete checkpoint, {latest}, is intact (the unfinished {tag} is never resumed): "
@@ -133,7 +133,8 @@ def full(err: Exception) -> bool:
     return not isinstance(err, OSError) or err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _size_gb(tag_dir: Path) -> float:
+def size_gb(tag_dir: Path) -> float:
+    """A checkpoint's size on disk."""
     return sum(f.stat().st_size for f in tag_dir.rglob("*") if f.is_file()) / 2**30
 
 

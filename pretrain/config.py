@@ -15,7 +15,16 @@ import yaml
 
 from data_prep.tokenizer import tokenizer_record
 from models import registry
-from models.config import ConfigError, ModelConfig, _flat, apply_values, normalise, parse_indices, parse_switch
+from models.config import (
+    ConfigError,
+    ModelConfig,
+    _flat,
+    apply_values,
+    index_set,
+    normalise,
+    parse_indices,
+    parse_switch,
+)
 from pretrain.schedule import validate_schedule
 
 
@@ -414,8 +423,7 @@ def inert_settings(cfg: Config) -> list[str]:
 
 def parse_ranks(text: str) -> set[int] | None:
     """profile.ranks: "all" -> None (every rank); "0,8" or [0, 8] -> {0, 8}."""
-    text = parse_indices(text, "profile.ranks")
-    return None if text == "all" else {int(part) for part in text.split(",")}
+    return index_set(parse_indices(text, "profile.ranks"))
 
 
 def _validate_profile(prof: ProfileConfig, steps: int, world_size: int) -> None:

@@ -40,16 +40,11 @@ def hold(run_dir: Path) -> str | None:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / LOCK, "a+")
-    try:
-        for attempt in range(5):  # holder() looks for an instant
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if attempt == 4:
-                    raise
-                time.sleep(0.2)
-    except BlockingIOError:
+    taken = _take(lock)
+    if taken is None:  # no locks on this file system
+        lock.close()
+        return None
+    if not taken:
         lock.seek(0)
         holder = lock.read().strip() or "holder unknown"
         lock.close()
@@ -58,15 +53,26 @@ def hold(run_dir: Path) -> str | None:
             return None  # a lost node's stale lock: that job runs no more
         return (f"run.dir={run_dir} is in use by another run ({holder}), which would write over this one's "
                 "checkpoints and losses; wait for it to end or stop it, or give this run another run.dir")
-    except OSError:  # no locks on this file system
-        lock.close()
-        return None
     lock.seek(0)
     lock.truncate()
     lock.write(owner() + "\n")
     lock.flush()
     _held = lock
     return None
+
+
+def _take(lock: IO, attempts: int = 5) -> bool | None:
+    """Whether the exclusive lock was taken (None: the file system has no locks). A second or so of
+    tries: holder() takes the lock for an instant to look."""
+    for attempt in range(attempts):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.2 if attempt < attempts - 1 else 0)
+        except OSError:
+            return None
+    return False
 
 
 def slurm_job_of(holder: str | None) -> str | None:

@@ -202,12 +202,12 @@ def run(cfg: Config, task: Task | None = None) -> int:
     # for the first step boundary, where the run saves and stops, instead of killing the process.
     signals.install()
     manifest, resume_path, init_path, universal = prepare(cfg, env.world_size, task)
+    # Rank 0 holds run.dir before anything is written there (a universal conversion, the config).
+    in_use = (run_lock.hold(Path(cfg.run.dir)) or "") if env.rank == 0 else ""
     if universal:  # another layout: the checkpoint in DeepSpeed's layout-free form, converted once
         from pretrain.universal import convert, wait_converted
 
-        # The conversion writes into run.dir: not while another run holds it (its launcher stops the
-        # ranks waiting for the conversion).
-        if env.rank == 0 and (in_use := run_lock.hold(Path(cfg.run.dir))):
+        if in_use:  # its launcher stops the ranks that wait for the conversion
             raise ConfigError(in_use)
         universal = convert(resume_path, cfg.run.dir) if env.rank == 0 else wait_converted(resume_path, cfg.run.dir)
     init_distributed(cfg.parallel.tensor, cfg.parallel.expert)
@@ -217,7 +217,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
         init_path = Path(rank_zero_value(str(init_path)))
     task.share_sources()
     run_dir = Path(cfg.run.dir)
-    in_use = rank_zero_value((run_lock.hold(run_dir) or "") if env.rank == 0 else "")
+    in_use = rank_zero_value(in_use)
     if in_use:
         raise ConfigError(in_use)
     if env.rank == 0:

@@ -239,7 +239,7 @@ class Trainer:
                                rank_state, self.cfg.train.keep_last)
         seconds = time.perf_counter() - started
         if dist.get_rank() == 0:  # the files of all ranks, on the shared run directory
-            size_gb = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
+            size_gb = checkpoint.size_gb(path)
             self.logger.scalars(step, {"save_s": seconds, "size_gb": size_gb}, prefix="checkpoint/")
             self.logger.print(f"saved checkpoint step {step} ({size_gb:.2f} GB) in {seconds:.1f} s to {path}")
         self._emit("on_save", step, path)

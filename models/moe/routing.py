@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-from models.config import ConfigError, ModelConfig, parse_indices, parse_switch
+from models.config import ConfigError, ModelConfig, index_set, parse_indices, parse_switch
 from models.moe.dispatch import capacity_mask, expert_counts
 from models.registry import ParallelSizes, register_section
 
@@ -119,9 +119,7 @@ class MoEConfig:
 
     def listed_layers(self) -> set[int] | None:
         """The layers listed in moe_layers; None for "all"."""
-        if self.moe_layers == "all":
-            return None
-        return {int(i) for i in self.moe_layers.split(",")}
+        return index_set(self.moe_layers)
 
 
 register_section("moe", MoEConfig, training_only=("aux_loss_coef", "router_z_loss_coef", "bias_update_rate",
