@@ -248,7 +248,7 @@ class PostTrainTask(Task):
             model.set_reference(reference.to(device()).cast_parameters(torch.bfloat16 if use_bf16(cfg) else torch.float32))
         return model
 
-    def share_sources(self) -> None:
+    def share_sources(self, cfg: PostTrainConfig) -> None:  # its examples come from post.data, not shards
         from pretrain.distributed import rank_zero_value
 
         self.reference = Path(rank_zero_value(str(self.reference)))

@@ -182,6 +182,12 @@ def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
         if earlier and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"note: {url} was rebuilt since data.cache took copies of it ({', '.join(earlier)}): this run reads "
                   "the new one; remove the old copies when no run reads them", flush=True)
+        if index is not None and not (copy / "index.json").is_file():
+            # streaming reads an index it finds there instead of downloading one: the run's version.
+            copy.mkdir(parents=True, exist_ok=True)
+            part = copy / f"index.json.{node_name()}-{os.getpid()}"
+            part.write_bytes(index)
+            os.replace(part, copy / "index.json")
         return {"remote": url, "local": str(copy)}
     directory = Path(source.shards) / split
     fingerprint = compressed_split(directory)
@@ -199,19 +205,35 @@ def split_url(source: DataSource, split: str) -> str:
     return f"{source.shards.rstrip('/')}/{split}"
 
 
-@functools.lru_cache(maxsize=None)
+REMOTE_INDEXES: dict[str, bytes | None] = {}  # split URL -> its index.json, as this run reads it
+
+
 def remote_index(url: str) -> bytes | None:
     """A remote split's index.json (url: the split's), None where it has none. Downloaded once per
     process (a small file), so that what a run records of its data (sources_record) is the version
-    its loaders read."""
+    its loaders read; in a distributed run, rank 0's copy (share_remote_indexes)."""
     from streaming.base.storage import CloudDownloader
 
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            CloudDownloader.direct_download(f"{url}/index.json", os.path.join(tmp, "index.json"))
-        except FileNotFoundError:
-            return None
-        return Path(tmp, "index.json").read_bytes()
+    if url not in REMOTE_INDEXES:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                CloudDownloader.direct_download(f"{url}/index.json", os.path.join(tmp, "index.json"))
+                REMOTE_INDEXES[url] = Path(tmp, "index.json").read_bytes()
+            except FileNotFoundError:
+                REMOTE_INDEXES[url] = None
+    return REMOTE_INDEXES[url]
+
+
+def share_remote_indexes(cfg: Config) -> None:
+    """Every rank takes rank 0's copy of each remote split's index (collective: all ranks call it).
+    Each rank downloading its own, a set rebuilt while a job starts would give ranks different
+    versions: other samples per rank, and checkpoints whose data record depends on the rank."""
+    urls = [split_url(s, split) for s in cfg.data.sources if "://" in s.shards for split in ("train", "val")]
+    if not urls or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    box = [{url: remote_index(url) for url in urls} if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    REMOTE_INDEXES.update(box[0])
 
 
 def compressed_split(directory: Path) -> str | None:

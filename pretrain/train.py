@@ -87,9 +87,12 @@ class Task:
 
         return load_val_sets(cfg)
 
-    def share_sources(self) -> None:
-        """After the process groups exist: the checkpoints this task resolved on each rank on its own
-        (besides train.init_from), as rank 0 resolved them."""
+    def share_sources(self, cfg: Config) -> None:
+        """After the process groups exist: what this task resolved on each rank on its own (besides
+        train.init_from), as rank 0 resolved it: here the remote shard indexes."""
+        from pretrain.data import share_remote_indexes
+
+        share_remote_indexes(cfg)
 
     def meta(self, cfg: Config) -> dict:
         """Entries of the checkpoint marker besides the model's, the tokenizer's and the layout's."""
@@ -215,7 +218,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     # moves: every rank starts from the one rank 0 found.
     if init_path is not None:
         init_path = Path(rank_zero_value(str(init_path)))
-    task.share_sources()
+    task.share_sources(cfg)
     run_dir = Path(cfg.run.dir)
     in_use = rank_zero_value(in_use)
     if in_use:

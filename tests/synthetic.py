@@ -68,3 +68,19 @@ def tiny_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
         **extra,
     }
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def use_disk_urls() -> None:
+    """Let streaming read disk://PATH as a remote: a local directory behind a URL of the tests' own,
+    so that remote shards are tested without a network (in every process that reads them)."""
+    from streaming.base.storage import LocalDownloader, download
+
+    class DiskURLDownloader(LocalDownloader):
+        @staticmethod
+        def _client_identifier() -> str:
+            return "disk"
+
+        def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
+            super()._download_file_impl(remote.removeprefix("disk://"), local, timeout)
+
+    download.DOWNLOADER_MAPPINGS["disk"] = DiskURLDownloader

@@ -2,6 +2,7 @@
 peers identical ones."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from tests.dist_utils import spawn
 from tests.parallel_checks import loader_batches
-from tests.synthetic import write_synthetic_shards
+from tests.synthetic import use_disk_urls, write_synthetic_shards
 
 
 def test_dp_ranks_disjoint_tp_peers_identical(tmp_path):
@@ -132,21 +133,14 @@ def test_each_data_parallel_rank_validates_on_its_own_samples_each_once(tmp_path
 def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, monkeypatch, capsys):
     """Remote shards (any URL streaming downloads from) are checked for a val split by their index,
     as local ones are; here the "remote" is a directory under a URL scheme of the test's own."""
-    from streaming.base.storage import LocalDownloader, download
+    from streaming.base.storage import download
 
     from pretrain.config import load_config
-    from pretrain.data import _split_location, load_val_sets, remote_index, resumed_position, sources_record
+    from pretrain.data import REMOTE_INDEXES, _split_location, load_val_sets, resumed_position, sources_record
     from tests.dist_utils import single_process_group
 
-    class DiskURLDownloader(LocalDownloader):
-        @staticmethod
-        def _client_identifier() -> str:
-            return "disk"
-
-        def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
-            super()._download_file_impl(remote.removeprefix("disk://"), local, timeout)
-
-    monkeypatch.setitem(download.DOWNLOADER_MAPPINGS, "disk", DiskURLDownloader)
+    monkeypatch.setattr(download, "DOWNLOADER_MAPPINGS", dict(download.DOWNLOADER_MAPPINGS))
+    use_disk_urls()
     without = write_synthetic_shards(tmp_path / "without", train=16, val=0)
     (without / "shards" / "val" / "index.json").unlink(missing_ok=True)  # as --val-fraction 0 builds now
     full = write_synthetic_shards(tmp_path / "full", train=16, val=8)
@@ -175,7 +169,7 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
     record = sources_record(remote)
     shutil.rmtree(full / "shards")
     write_synthetic_shards(full, train=16, val=8, seed=700)
-    remote_index.cache_clear()
+    REMOTE_INDEXES.clear()
     with single_process_group():
         rebuilt = load_val_sets(remote)[""]
         want_rebuilt = load_val_sets(load_config(None, [f"data.shards={full}/shards", *base]))[""]
@@ -189,6 +183,34 @@ def test_a_remote_source_without_val_split_trains_without_validation(tmp_path, m
     assert resumed_position(saved, {"data_sources": record}, remote)[1] is not None
     legacy = [{**record[0], "train_index": None}]  # recorded before remote indexes were: same place, same data
     assert resumed_position(saved, {"data_sources": legacy}, remote) == (saved, None)
+
+
+def _remote_index_of(rank: int, shards: str, stale: bytes, cache: str) -> None:
+    import torch.distributed as dist
+
+    from pretrain.config import load_config
+    from pretrain.data import REMOTE_INDEXES, _split_location, share_remote_indexes, sources_record
+
+    use_disk_urls()
+    os.environ["SLURMD_NODENAME"] = f"node{rank}"  # a node each, each with its own cache folder
+    cfg = load_config(None, [f"data.shards={shards}", f"data.cache={cache}"])
+    if rank == 1:  # read before the set was rebuilt at the same URL
+        REMOTE_INDEXES[f"{shards}/train"] = stale
+    share_remote_indexes(cfg)
+    local = Path(_split_location(cfg, cfg.data.sources[0], "train")["local"])
+    seen = [None, None]
+    dist.all_gather_object(seen, ((local / "index.json").read_bytes(), sources_record(cfg)))
+    assert seen[0] == seen[1], f"rank {rank}: the ranks read different versions of the train index"
+
+
+def test_every_rank_reads_rank_zeros_version_of_a_remote_index(tmp_path):
+    """A remote set rebuilt while a job starts: ranks that each downloaded the index would read
+    different samples (streaming reads the index it finds in the cache) and record different data."""
+    current = write_synthetic_shards(tmp_path / "current", train=16)
+    stale = write_synthetic_shards(tmp_path / "stale", train=24, seed=500) / "shards" / "train" / "index.json"
+    spawn(_remote_index_of, 2, f"disk://{current}/shards", stale.read_bytes(), str(tmp_path / "cache"))
+    copies = sorted((tmp_path / "cache").glob("node*/shards/train@*/index.json"))
+    assert len(copies) == 2 and all(c.read_bytes() == (current / "shards/train/index.json").read_bytes() for c in copies)
 
 
 def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch):
