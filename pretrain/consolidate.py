@@ -121,7 +121,10 @@ def describe_layout(tag_dir: Path, meta: dict, with_optimizer: bool = False) -> 
             f"{'ZeRO-3' if zero3 else 'ZeRO 0-2'}) is missing {len(missing)} file(s): {', '.join(missing[:8])}"
             f"{' ...' if len(missing) > 8 else ''}; copy the whole checkpoint directory or use another step"
         )
-    return {"tensor": tensor, "data": data, "zero3": bool(zero3), "experts": bool(expected)}
+    # Experts each expert-parallel rank holds (0: unknown, markers before the size was recorded).
+    local = ModelConfig.from_dict(meta["model"]).moe.num_experts // int(meta["expert_parallel"]) \
+        if expected and "expert_parallel" in meta else 0
+    return {"tensor": tensor, "data": data, "zero3": bool(zero3), "experts": bool(expected), "local_experts": local}
 
 
 def _load(path: Path) -> dict:
@@ -143,20 +146,35 @@ def _zero3_state(tag_dir: Path, mp_rank: int) -> dict[str, torch.Tensor]:
             return {k: v.contiguous() if hasattr(v, "contiguous") else v for k, v in state.items()}
 
 
-def fp32_masters(tag_dir: Path, mp_rank: int, data: int) -> dict[str, torch.Tensor] | None:
+def fp32_masters(tag_dir: Path, mp_rank: int, data: int, local_experts: int = 0) -> dict[str, torch.Tensor] | None:
     """The fp32 master weights of one tensor-parallel rank of a bf16 run at ZeRO 1-2, flat, joined
     from its data-parallel optimizer partitions (DeepSpeed's param_slice_mappings give each
-    parameter's fragment in each partition, in rank order); None where the files hold none."""
+    parameter's fragment in each partition, in rank order); None where the files hold none.
+
+    Routed experts (local_experts per expert-parallel rank; 0: their masters are not read) are in
+    groups of their own, partitioned over the expert-data-parallel ranks and named by local id:
+    data-parallel rank d holds expert-parallel rank d % E's experts, whose partitions follow in
+    the order of d (the layout megatron-core and DeepSpeed's groups share; with_masters checks that
+    every master rounds to its saved weight)."""
     files = [tag_dir / f"bf16_zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt" for d in range(data)]
     if not all(f.is_file() for f in files):
         return None
     pieces: dict[str, list[torch.Tensor]] = {}
-    for f in files:  # one at a time, mapped: only the fp32 partitions are read, not the Adam moments
+    for d, f in enumerate(files):  # one at a time, mapped: only the fp32 partitions are read, not the Adam moments
         state = torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
         if "param_slice_mappings" not in state:
             return None
-        for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+        groups = state["base_optimizer_state"]["param_groups"]
+        for flat, mapping, group, count in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"],
+                                               groups, state["partition_count"]):
+            if group.get("moe"):
+                if not local_experts:
+                    continue
+                first = (d % (data // count)) * local_experts  # expert-parallel size: data / expert-data-parallel
             for name, fragment in mapping.items():
+                if group.get("moe"):
+                    match = EXPERT_KEY.match(name)
+                    name = f"{match.group(1)}{first + int(match.group(2))}{match.group(3)}"
                 pieces.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel).clone())
     return {name: torch.cat(parts) for name, parts in pieces.items()}
 
@@ -183,19 +201,19 @@ def with_masters(module: dict[str, torch.Tensor], masters: dict[str, torch.Tenso
 def rank_state(tag_dir: Path, mp_rank: int, layout: dict) -> dict[str, torch.Tensor]:
     """One tensor-parallel rank's state dict as saved (ZeRO-3 partitions joined, experts under global ids):
     the fp32 weights, of a bf16 run too (its fp32 masters: ZeRO-3's partitions; at ZeRO 1-2 those
-    of its optimizer partitions), except where a bf16 run saved no fp32 masters beside its weights
-    (ZeRO-0, whose optimizer keeps them in the model file, and routed experts): the bf16 weights."""
-    if layout["zero3"]:
-        state = _zero3_state(tag_dir, mp_rank)
-    else:
-        state = dict(_load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"])
-        masters = None if layout["experts"] else fp32_masters(tag_dir, mp_rank, layout["data"])
-        if masters is not None:
-            state = with_masters(state, masters, tag_dir)
+    of its optimizer partitions, routed experts' too where the marker records the expert-parallel
+    size), except where a bf16 run saved no fp32 masters beside its weights (ZeRO-0, whose optimizer
+    keeps them in the model file): the bf16 weights."""
+    state = _zero3_state(tag_dir, mp_rank) if layout["zero3"] else \
+        dict(_load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"])
     if layout["experts"]:
         state = {k: v for k, v in state.items() if not EXPERT_KEY.match(k)}
         for f in sorted(tag_dir.glob(f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt")):
             state.update(_load(f))  # keys carry the global expert id
+    if not layout["zero3"]:
+        masters = fp32_masters(tag_dir, mp_rank, layout["data"], layout.get("local_experts", 0))
+        if masters is not None:
+            state = with_masters(state, masters, tag_dir)
     return state
 
 

@@ -135,3 +135,27 @@ def test_convert_experts_never_replaces_a_file_unasked(tmp_path, capsys):
         assert main(older) == 2  # CHECKPOINT OUT, as earlier versions took them
         assert f"--out {out} exists" in capsys.readouterr().err
     assert out.read_bytes() == b"an earlier conversion"
+
+
+def test_readers_of_a_bf16_expert_model_get_its_experts_fp32_masters(shards, tmp_path):
+    """At expert-parallel size 2 over two ranks, each rank's optimizer partition holds the fp32
+    masters of its own experts under local ids (0, 1): read back under global ids (0-3), every
+    master rounds to the bf16 weight of its expert file (experts swapped would not)."""
+    import torch
+
+    from pretrain.checkpoint_format import EXPERT_KEY
+    from pretrain.consolidate import full_state_dict
+
+    run = tmp_path / "run"
+    train(2, tiny_overrides(shards, run, **{"parallel.expert": 2, "parallel.zero_stage": 2, "train.precision": "bf16",
+                                            "train.steps": 4, "train.save_interval": 4}) + UOE)
+    tag = run / "checkpoints" / "step_00000004"
+    state, _, meta = full_state_dict(tag)
+    saved = {}
+    for f in tag.glob("layer_*_expert_*_mp_rank_00_model_states.pt"):
+        saved.update(torch.load(f, weights_only=False))
+    experts = {k: v for k, v in state.items() if EXPERT_KEY.match(k)}
+    assert meta["layout"]["local_experts"] == 2 and sorted(experts) == sorted(saved) and len(saved) == 16
+    assert all(saved[k].dtype == torch.bfloat16 and v.dtype == torch.float32 for k, v in experts.items())
+    assert all(torch.equal(v.to(torch.bfloat16), saved[k]) for k, v in experts.items())
+    assert any(not torch.equal(v, saved[k].float()) for k, v in experts.items())  # finer than the bf16 copies
