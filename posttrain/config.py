@@ -85,13 +85,14 @@ def validate_post(cfg: PostTrainConfig) -> None:
     if p.value_head_layers < 0 or p.value_head_width < 1 or not 0 <= p.value_head_dropout < 1:
         raise ConfigError("post.value_head_layers must be >= 0, post.value_head_width >= 1 and "
                           "post.value_head_dropout in [0, 1)")
-    try:
-        probe = p.score_item.format(name="NAME", value=0.123)
-    except (KeyError, IndexError, ValueError) as err:
-        probe = f"error: {err}"
-    if "NAME" not in probe or "0.123" not in probe:
+    try:  # the text must tell objectives and values apart (format specs such as {value:.2f} are fine)
+        probes = {p.score_item.format(name=name, value=value) for name in ("a", "b") for value in (0.25, 0.75)}
+    except (KeyError, IndexError, ValueError, TypeError):
+        probes = set()
+    if len(probes) < 4:
         raise ConfigError(f"post.score_item={p.score_item!r} must hold {{name}} and {{value}} (and nothing else in "
-                          "braces), e.g. post.score_item='<{name}_score:{value}>'")
+                          "braces; a format spec such as {value:.2f} may follow value), e.g. "
+                          "post.score_item='<{name}_score:{value}>'")
     if p.score_decimals < 0:
         raise ConfigError(f"post.score_decimals={p.score_decimals} must be >= 0")
     if p.method == "sga" and p.mse_weight == 0:

@@ -68,12 +68,14 @@ class Examples:
         self.examples = len(self.units)
 
     def score_levels(self, most: int = 11) -> dict[str, list[float]]:
-        """SGA: each objective's distinct target values, where they are a scale of at most `most` levels
-        (HelpSteer2's five, UltraFeedback's five); predictions snap to them at inference."""
+        """SGA: each objective's distinct target values, where they lie on a scale of at most `most`
+        steps of 1/n (HelpSteer2's and UltraFeedback's ratings / 4); predictions snap to them at
+        inference. A continuous objective (HH-RLHF's) is no scale, however few values a small set has."""
         levels = {}
         for i, name in enumerate(self.objectives or []):
-            values = sorted({float(unit.scores[i]) for unit in self.units})
-            if len(values) <= most:
+            values = sorted({round(float(unit.scores[i]), 6) for unit in self.units})  # float32 -> as written
+            on_grid = lambda n: all(abs(v * n - round(v * n)) < 1e-4 for v in values)  # noqa: E731
+            if len(values) <= most and any(on_grid(n) for n in range(1, most)):
                 levels[name] = values
         return levels
 

@@ -399,7 +399,23 @@ def test_batches_resume_at_the_next_micro_batch():
     assert not torch.equal(first[0], first[3])  # a new order each epoch
 
 
+def test_predictions_snap_only_to_a_scale():
+    """Ratings / 4 are a scale; a continuous objective (HH-RLHF's sigmoid of rewards) is none, even
+    where a small set holds few distinct values."""
+    from types import SimpleNamespace
+
+    from posttrain.examples import Examples
+
+    def levels(*columns):
+        units = [SimpleNamespace(scores=np.array(row, dtype=np.float32)) for row in zip(*columns)]
+        return Examples.score_levels(SimpleNamespace(objectives=["a", "b"], units=units))
+
+    assert levels([0.25, 1.0, 0.5, 0.25], [0.0, 1.0, 1.0, 0.0]) == {"a": [0.25, 0.5, 1.0], "b": [0.0, 1.0]}
+    assert levels([0.09, 0.13, 0.65, 0.9], [0.2, 0.4, 0.6, 0.8]) == {"b": [0.2, 0.4, 0.6, 0.8]}
+
+
 def test_config_errors_name_the_key(files):
+    from posttrain.chat import ScoreFormat
     from posttrain.config import PostTrainConfig, validate_post
     from pretrain.config import load_config
 
@@ -413,6 +429,12 @@ def test_config_errors_name_the_key(files):
     assert "post.packing" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.packing=true")
     assert "post.method" in check(f"train.init_from={files / 'init.pt'}", "post.method=ppo")
     assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{score}>")
+    assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{name}_score>")
+    # The authors' HH-RLHF text, two decimals always: a format spec is taken.
+    spec = load_config(None, [f"post.data={files / 'pref.jsonl'}", f"train.init_from={files / 'init.pt'}",
+                              "post.score_item=<{name}_score:{value:.2f}>"], PostTrainConfig)
+    validate_post(spec)
+    assert ScoreFormat.from_config(spec.post).text({"harmless": 0.5}).endswith("<harmless_score:0.50>")
     assert "post.add_bos=true" in check(f"train.init_from={files / 'init.pt'}", "data.start_with_bos=true")
     assert "normalizer=seqlen" in check(f"train.init_from={files / 'init.pt'}", "model.attention=sr",
                                         "model.relu_attention.normalizer=seqlen")
