@@ -60,10 +60,13 @@ class State:
 
 def weight_scores(weight: torch.Tensor, rms_unsafe: torch.Tensor, rms_safe: torch.Tensor, method: str,
                   pool: float, pruned: torch.Tensor) -> torch.Tensor:
-    """[out, in] ranking scores, -inf outside the pool and on pruned weights."""
-    magnitude = weight.detach().abs().float()
-    unsafe = magnitude * rms_unsafe[None, :]
-    safe = magnitude * rms_safe[None, :]
+    """[out, in] ranking scores (float64), -inf outside the pool and on pruned weights.
+
+    `ratio` is nearly one value per input column (|W_ij| cancels): within a column the larger
+    |W_ij| ranks first through the EPS in the denominator, an order float32 would leave to rounding."""
+    magnitude = weight.detach().abs().double()
+    unsafe = magnitude * rms_unsafe.double()[None, :]
+    safe = magnitude * rms_safe.double()[None, :]
     if method == "ratio":
         score = unsafe / (safe + EPS)
     elif method == "zscore":

@@ -98,8 +98,13 @@ def test_scores_and_selection_follow_the_rules():
     unsafe, safe = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([2.0, 1.0, 1.0])
     none = torch.zeros_like(weight, dtype=torch.bool)
     ratio = weight_scores(weight, unsafe, safe, "ratio", pool=1.0, pruned=none)
-    expected = (weight.abs() * unsafe) / (weight.abs() * safe + 1e-8)
+    expected = (weight.abs() * unsafe).double() / (weight.abs() * safe + 1e-8).double()
     torch.testing.assert_close(ratio, expected)
+    # One input column's weights share its rms ratio: the larger |W| ranks first, never by rounding.
+    column = torch.tensor([[0.3], [0.7], [0.5], [0.9], [0.1]]) * torch.ones(5, 64)
+    rms_u, rms_s = torch.rand(64, generator=torch.Generator().manual_seed(0)) + 0.1, torch.full((64,), 0.37)
+    ranked = weight_scores(column, rms_u, rms_s, "ratio", 1.0, torch.zeros(5, 64, dtype=torch.bool))
+    assert all(ranked[:, j].argsort(descending=True).tolist() == [3, 1, 2, 0, 4] for j in range(64))
     pooled = weight_scores(weight, unsafe, safe, "ratio", pool=0.5, pruned=none)  # top 3 of 6 by |W| x rms_unsafe
     assert torch.isfinite(pooled).sum() == 3 and torch.isfinite(pooled[1, 1]) and torch.isfinite(pooled[0, 1])
     pruned = none.clone()
