@@ -4,8 +4,9 @@ steps is skipped: no parameter or optimizer-state update (nor of routed layers' 
 GPT.after_optimizer_step), while the batch is consumed and the learning-rate schedule moves on as
 for any step.
 
-A non-finite gradient norm is always skipped. After MAX_CONSECUTIVE_SKIPS skips in a row the level
-has moved for good and the window starts over. The loss is the data-parallel mean and the gradient
+A non-finite gradient norm is always skipped (a non-finite loss with it: the run goes on, up to
+MAX_NONFINITE_IN_ROW in a row). After MAX_CONSECUTIVE_SKIPS skips in a row the level has moved for
+good and the window starts over. The loss is the data-parallel mean and the gradient
 norm the global one, so every rank decides the same. The decision is taken inside DeepSpeed's optimizer step, after it has computed the global
 gradient norm and before it calls the torch optimizer, which is a SkipStepAdamW: it returns without
 touching parameters or moments when the guard says so. The window is part of each rank's checkpoint
@@ -24,6 +25,9 @@ MIN_STEPS = 20  # accepted steps in the window before anything is judged a spike
 # After this many skips in a row the loss has moved for good (a new data mix, a resume on other data):
 # the window starts over instead of skipping every step from now on.
 MAX_CONSECUTIVE_SKIPS = 10
+# Non-finite losses in a row (each update skipped) that stop the run: one bad batch is skipped, a
+# model that gives nothing finite any more is broken.
+MAX_NONFINITE_IN_ROW = 10
 
 
 class SpikeGuard:
@@ -33,6 +37,7 @@ class SpikeGuard:
         self.grad_norms: deque[float] = deque(maxlen=window)
         self.skipped_steps: list[int] = []
         self.consecutive = 0  # skips in a row
+        self.nonfinite = 0  # non-finite losses in a row
         self.restarted = False  # the step in progress restarted the window
         self._loss: float | None = None
         self._grad_norm = 0.0
@@ -70,6 +75,7 @@ class SpikeGuard:
     def end_step(self, step: int) -> str:
         """After the optimizer step: the reason the step was skipped ('' when it was applied)."""
         skipped, reason = self.decision if self.decision is not None else (False, "")
+        self.nonfinite = self.nonfinite + 1 if self._loss is not None and not math.isfinite(self._loss) else 0
         if skipped:
             self.skipped_steps.append(step)
             self.consecutive += 1
@@ -83,13 +89,15 @@ class SpikeGuard:
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "skipped_steps": list(self.skipped_steps), "consecutive": self.consecutive}
+                "skipped_steps": list(self.skipped_steps), "consecutive": self.consecutive,
+                "nonfinite": self.nonfinite}
 
     def load_state_dict(self, state: dict) -> None:
         self.losses = deque(state["losses"], maxlen=self.window)
         self.grad_norms = deque(state["grad_norms"], maxlen=self.window)
         self.skipped_steps = list(state["skipped_steps"])
         self.consecutive = state.get("consecutive", 0)
+        self.nonfinite = state.get("nonfinite", 0)
 
 
 class SkipStepAdamW(torch.optim.AdamW):

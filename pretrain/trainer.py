@@ -184,6 +184,26 @@ class Trainer:
         self.model.after_optimizer_step(applied=applied and not skipped)
         return total / self.cfg.train.grad_accum
 
+    def _check_non_finite(self, step: int, loss: float, skipped: bool) -> None:
+        """A non-finite loss stops the run, unless train.skip_spikes is on and its update was skipped (by
+        the guard or DeepSpeed's overflow check: the weights are as before it; a bad batch, which a
+        resume would replay at the same step) fewer than MAX_NONFINITE_IN_ROW times in a row."""
+        from pretrain.spikes import MAX_NONFINITE_IN_ROW
+
+        where = f"Resume from the last checkpoint in {checkpoint_format.checkpoint_dir(self.cfg.run.dir)}"
+        if self.spikes is None:
+            raise NonFiniteLossError(
+                f"loss became {loss} at step {step}; nothing was saved for this step. {where} with a lower "
+                "train.lr or stronger train.grad_clip; a bad batch (a resume meets it again at the same step: the "
+                "sample order is exact) is skipped with train.skip_spikes=true")
+        if not skipped or self.spikes.nonfinite >= MAX_NONFINITE_IN_ROW:
+            raise NonFiniteLossError(
+                f"loss became {loss} at step {step}, {self.spikes.nonfinite} step(s) in a row (their updates "
+                f"skipped); nothing was saved for this step. {where} with a lower train.lr or stronger "
+                "train.grad_clip")
+        self.logger.print(f"step {step}: loss {loss}, update skipped: the run goes on with the weights as they were "
+                          f"({self.spikes.nonfinite} such step(s) in a row; {MAX_NONFINITE_IN_ROW} stop it)")
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
         """{"loss": over all validation batches, "<source>/loss": per data.mix source}; None without
@@ -337,20 +357,17 @@ class Trainer:
                                   f"({self.steps_not_applied} so far in this process)")
             self._emit("on_optimizer_step", step)
             result = StepResult(step, dp_mean(loss))  # one collective and one host sync per step
+            spike = ""
             if self.spikes is not None:
                 if self.spikes.restarted:
                     self.logger.print(f"step {step}: {self.spikes.consecutive} updates in a row were spikes; "
                                       "applied, and the spike window starts over")
-                skipped = self.spikes.end_step(step)
-                if skipped:
-                    self.logger.print(f"step {step}: update skipped as a spike ({skipped}); "
+                spike = self.spikes.end_step(step)
+                if spike:
+                    self.logger.print(f"step {step}: update skipped as a spike ({spike}); "
                                       f"{len(self.spikes.skipped_steps)} skipped so far")
             if not math.isfinite(result.loss):
-                raise NonFiniteLossError(
-                    f"loss became {result.loss} at step {step}; nothing was saved for this step. "
-                    f"Resume from the last checkpoint in {checkpoint_format.checkpoint_dir(self.cfg.run.dir)} "
-                    "with a lower train.lr or stronger train.grad_clip"
-                )
+                self._check_non_finite(step, result.loss, skipped=bool(spike) or not self.last_step_applied)
             self.losses.append((step, result.loss))
             if step % t.log_interval == 0 or step == t.steps:
                 self._log(result, lr, throughput)

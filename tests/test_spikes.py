@@ -198,3 +198,44 @@ def test_bf16_refuses_a_non_finite_gradient_by_its_norm_without_the_overflow_sca
         assert step(poison=False).all()
         assert not step(poison=True).any() and invalid_global_norm(engine.optimizer)  # refused by its norm
         assert step(poison=False).all()
+
+
+# pretrain.train whose loss is NaN at the steps POISON_STEPS names (a batch that breaks the forward).
+POISONED_TRAIN = """
+import os, sys
+from pretrain.train import Task, main
+from pretrain.trainer import Callback
+
+class StepNow(Callback):
+    def on_step_begin(self, trainer, step):
+        self.step = step
+
+class PoisonSteps(Task):
+    def trainer(self, cfg, engine, batches, val_sets, logger, meta, callbacks):
+        counter = StepNow()
+        trainer = super().trainer(cfg, engine, batches, val_sets, logger, meta, [*callbacks, counter])
+        forward, poisoned = trainer.forward, {int(s) for s in os.environ["POISON_STEPS"].split(",")}
+        trainer.forward = lambda batch: forward(batch) * (float("nan") if counter.step in poisoned else 1.0)
+        return trainer
+
+sys.exit(main(sys.argv[1:], PoisonSteps()))
+"""
+
+
+def test_a_bad_batch_is_skipped_and_the_run_goes_on(tmp_path):
+    """With train.skip_spikes, a step whose loss is NaN changes nothing and the run trains on (without
+    it, the run stops: test_non_finite_loss_stops_without_saving)."""
+    from pretrain.consolidate import full_state_dict
+
+    data = write_synthetic_shards(tmp_path / "data")
+    run, script = tmp_path / "run", tmp_path / "poisoned_train.py"
+    script.write_text(POISONED_TRAIN)
+    overrides = tiny_overrides(data, run, **{"train.steps": 5, "train.skip_spikes": "true", "train.save_interval": 1,
+                                             "train.keep_last": 5, "train.eval_interval": 5})
+    out = torchrun(1, [str(script), *overrides], POISON_STEPS="3")
+    assert "step 3: loss nan, update skipped: the run goes on" in out.stdout, out.stdout[-2000:]
+    loss = {r["step"]: r["loss"] for r in map(json.loads, (run / "losses.jsonl").read_text().splitlines())}
+    assert sorted(loss) == [1, 2, 3, 4, 5] and loss[3] != loss[3] and all(loss[s] == loss[s] for s in (1, 2, 4, 5))
+    before, after = (full_state_dict(run / "checkpoints" / f"step_{s:08d}")[0] for s in (2, 3))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
