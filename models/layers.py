@@ -93,15 +93,23 @@ def _triton_function(module: str, name: str):
         return None
 
 
+def rope_angles(head_dim: int, start: int, end: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [end - start, head_dim / 2] (float32) of positions start..end-1."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    angles = torch.outer(torch.arange(start, end, dtype=torch.int64).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
 class Rotary(nn.Module):
-    """Rotary position embedding (half-split layout, as in Llama)."""
+    """Rotary position embedding (half-split layout, as in Llama). The angles are float32 products, as
+    transformers and Meta's Llama code compute them: a model imported from them or exported to them
+    gives the same logits at every position (float64 angles drift from theirs with the position)."""
 
     def __init__(self, head_dim: int, max_seq_len: int, base: float):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        cos, sin = rope_angles(head_dim, 0, max_seq_len, base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """x: [batch, heads, seq, head_dim] at positions offset..offset+seq-1. Eagerly on a GPU one

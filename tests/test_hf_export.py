@@ -985,3 +985,22 @@ def test_remote_code_routing_and_head_alignment_follow_their_formulas():
     align.ROW_BLOCK = 8  # three blocks of query rows
     with torch.no_grad():
         torch.testing.assert_close(align(s), want.reshape(1, 4, 20, 20).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_angles_are_transformers_llama_s_at_every_position():
+    """Imported Llamas were trained, and exported ones run, with transformers' float32 angles:
+    float64 ones drift from them with the position (1.5e-3 in the logits at 4k positions)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from models.hf.modeling_uoe_pretrain import rope_tables
+    from models.layers import Rotary
+
+    seq, head_dim, base = 8192, 64, 500000.0
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, rope_theta=base, max_position_embeddings=seq)
+    x = torch.zeros(1, seq, head_dim)
+    cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(seq)[None])
+    ours = Rotary(head_dim, seq, base)
+    assert torch.equal(ours.cos, cos[0, :, : head_dim // 2]) and torch.equal(ours.sin, sin[0, :, : head_dim // 2])
+    bundled = rope_tables(head_dim, 4096, seq, base, "cpu")  # the exported modeling file, from a cache offset
+    assert torch.equal(bundled[0], ours.cos[4096:]) and torch.equal(bundled[1], ours.sin[4096:])

@@ -78,10 +78,11 @@ class UoEPretrainConfig(PretrainedConfig):
 
 
 def rope_tables(dim: int, start: int, end: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [end - start, dim / 2] for positions start..end-1, in float64 like the training code."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    angles = torch.outer(torch.arange(start, end, dtype=torch.float64), inv_freq)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    """cos/sin [end - start, dim / 2] for positions start..end-1: float32 angles, like the training code
+    (and transformers' Llama)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    angles = torch.outer(torch.arange(start, end, dtype=torch.int64).float(), inv_freq)
+    return angles.cos().to(device), angles.sin().to(device)
 
 
 def apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
