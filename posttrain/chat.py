@@ -101,23 +101,32 @@ def with_scores(messages: list[dict], scores: dict[str, float], fmt: ScoreFormat
     return out
 
 
-def chat_template(fmt: ChatFormat) -> str:
+def chat_template(fmt: ChatFormat, dummy_prefix: bool = False) -> str:
     """A Hugging Face chat template (Jinja) rendering the text ChatEncoder encodes: BOS where the
     format adds it, the system and user turns with their prefixes and turn end, an assistant turn's
     content followed by EOS, and as the generation prompt the assistant prefix as prompts end with
     it. ChatEncoder encodes turn by turn; a tokenizer encoding the rendered text at once may join
-    pieces across a turn's boundary differently."""
+    pieces across a turn's boundary differently.
+
+    `dummy_prefix` (a tokenizer that adds one, Llama-2's): ChatEncoder's every piece begins with
+    the space SentencePiece adds, which running text has only at its start and after a special
+    token (BOS, EOS), where the Hugging Face tokenizer adds it too: elsewhere the template writes it."""
     head = fmt.assistant_prefix.rstrip(" ") if fmt.prefix_spaces_in_response else fmt.assistant_prefix
     text = json.dumps  # a JSON string is a Jinja string literal
-    turn = "{{ %s + message['content'] + %s }}"
+    space = text(" " if dummy_prefix else "")
+    # ns.sep: what goes before the next piece ('' at the start and after EOS, else `space`)
+    turn = "{{ ns.sep + %s + message['content'] + %s }}{%%- set ns.sep = %s %%}"
+    reply = "{{ ns.sep + %s + %s + message['content'] + eos_token }}{%%- set ns.sep = '' %%}"
+    body_sep = "''" if fmt.prefix_spaces_in_response else space  # the response: a piece of its own
     return ("{{ bos_token }}" if fmt.add_bos else "") + (
+        "{%- set ns = namespace(sep='') %}"
         "{%- for message in messages %}"
-        "{%- if message['role'] == 'assistant' %}" + turn % (text(fmt.assistant_prefix), "eos_token")
-        + "{%- elif message['role'] == 'system' %}" + turn % (text(fmt.system_prefix), text(fmt.turn_end))
-        + "{%- elif message['role'] == 'user' %}" + turn % (text(fmt.user_prefix), text(fmt.turn_end))
+        "{%- if message['role'] == 'assistant' %}" + reply % (text(fmt.assistant_prefix), body_sep)
+        + "{%- elif message['role'] == 'system' %}" + turn % (text(fmt.system_prefix), text(fmt.turn_end), space)
+        + "{%- elif message['role'] == 'user' %}" + turn % (text(fmt.user_prefix), text(fmt.turn_end), space)
         + "{%- else %}{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}"
         "{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{ " + text(head) + " }}{%- endif %}")
+        "{%- if add_generation_prompt %}{{ ns.sep + " + text(head) + " }}{%- endif %}")
 
 
 class ChatEncoder:

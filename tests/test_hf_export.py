@@ -252,6 +252,20 @@ def test_imported_tokenizers_export_exactly_or_not_at_all(tmp_path):
     for text in (SAMPLE, "Hello world", " two  spaces"):
         assert loaded(text)["input_ids"] == sp.encode(text), text
     assert special_ids(tmp_path / "llama2_tok")["pad"] is None  # no pad piece: not -1
+    # A chat model of it: SentencePiece gave every piece ChatEncoder encodes a space of its own, which
+    # the chat template writes where running text has none (not at the start, not after BOS / EOS).
+    import dataclasses
+
+    from posttrain.chat import ChatEncoder, ChatFormat, chat_template
+    from tools.export import chat_template_mismatch
+
+    for fmt in (ChatFormat(add_bos=True), ChatFormat(prefix_spaces_in_response=False)):
+        save_tokenizer(tmp_path / "llama2_tok", tmp_path / "llama2_chat", add_bos=fmt.add_bos,
+                       chat=dataclasses.asdict(fmt))
+        chat = AutoTokenizer.from_pretrained(tmp_path / "llama2_chat")
+        assert chat.chat_template and chat_template_mismatch(chat, ChatEncoder(sp, fmt)) == "", fmt
+        chat.chat_template = chat_template(fmt)  # as if it had no dummy prefix: other ids, and told so
+        assert "where the model trained on" in chat_template_mismatch(chat, ChatEncoder(sp, fmt))
     # tools.generate prints the continuation with the space a dummy prefix strips from text decoded alone
     from tools.generate import continuation_text
 

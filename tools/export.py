@@ -320,6 +320,23 @@ def hf_tokenizer(tokenizer_dir: Path, sp, meta: dict, add_bos: bool = False):
     )
 
 
+CHAT_PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 plus 3?"},
+              {"role": "assistant", "content": "It is 6."}, {"role": "user", "content": "  And 4 plus 4?"}]
+
+
+def chat_template_mismatch(tokenizer, encoder) -> str:
+    """'' where the tokenizer's chat template gives the ids the model trained on (ChatEncoder's) for
+    CHAT_PROBE, as a prompt and with a reply; else what differs."""
+    reply = [*CHAT_PROBE, {"role": "assistant", "content": "8."}]
+    for messages, generation, want in ((CHAT_PROBE, True, encoder.prompt(CHAT_PROBE)),
+                                       (reply, False, encoder.conversation(reply)[0].tolist())):
+        got = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
+        got = list(got["input_ids"] if hasattr(got, "keys") else got)
+        if got != want:
+            return f"a {'prompt' if generation else 'conversation'} gives {got} where the model trained on {want}"
+    return ""
+
+
 def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, padding_side: str = "right",
                    chat: dict | None = None) -> None:
     """hf_tokenizer's files in ``out``, loading with AutoTokenizer as PreTrainedTokenizerFast straight
@@ -332,7 +349,7 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, paddin
     from transformers import AutoTokenizer
 
     from data_prep.tokenizer import load_tokenizer
-    from posttrain.chat import ChatFormat, chat_template
+    from posttrain.chat import ChatEncoder, ChatFormat, chat_template
 
     sp, meta = load_tokenizer(tokenizer_dir)
     hf_tokenizer(tokenizer_dir, sp, meta, add_bos).save_pretrained(out)
@@ -342,9 +359,17 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, paddin
     config["model_input_names"] = ["input_ids", "attention_mask"]  # no token_type_ids: generate() refuses them
     config["padding_side"] = padding_side
     if chat is not None:
-        config["chat_template"] = chat_template(ChatFormat.recorded(chat))
+        config["chat_template"] = chat_template(ChatFormat.recorded(chat), bool(meta.get("add_dummy_prefix")))
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     loaded = AutoTokenizer.from_pretrained(out)
+    if chat is not None:
+        wrong = chat_template_mismatch(loaded, ChatEncoder(sp, ChatFormat.recorded(chat)))
+        if wrong:  # a template giving other ids than the model trained on is worse than none
+            del config["chat_template"]
+            config_file.write_text(json.dumps(config, indent=2) + "\n")
+            loaded = AutoTokenizer.from_pretrained(out)
+            print(f"note: the tokenizer gets no chat_template: rendered and tokenized at once, {wrong}; build "
+                  "prompts with posttrain.chat.ChatEncoder and the format in export_info.json", flush=True)
     for text in TOKENIZER_PROBES:
         want, got = sp.encode(text), loaded(text, add_special_tokens=False)["input_ids"]
         if want != got:
