@@ -220,6 +220,8 @@ def test_exported_tokenizer_encodes_like_sentencepiece(data, tmp_path, monkeypat
     for tok in (fast, slow):
         assert tok(SAMPLE)["input_ids"] == want, type(tok).__name__
         assert tok(" leading space")["input_ids"] == sp.encode(" leading space")
+        # the text of a special token, as the shards hold it: its pieces, not the token (lm-eval scores such text)
+        assert tok("a </s> b <unk>")["input_ids"] == sp.encode("a </s> b <unk>"), type(tok).__name__
         assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (1, 2, 3, 0)
     assert fast.decode(want) == SAMPLE
     assert "token_type_ids" not in fast(SAMPLE)  # generate(**tok(text)) takes every key

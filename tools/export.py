@@ -358,6 +358,9 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, paddin
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config["model_input_names"] = ["input_ids", "attention_mask"]  # no token_type_ids: generate() refuses them
     config["padding_side"] = padding_side
+    # The shards hold "</s>" in text as its pieces, not as EOS: so does a tokenizer that splits special
+    # tokens. A chat template writes BOS / EOS as text, which must stay special there.
+    config["split_special_tokens"] = chat is None
     if chat is not None:
         config["chat_template"] = chat_template(ChatFormat.recorded(chat), bool(meta.get("add_dummy_prefix")))
     config_file.write_text(json.dumps(config, indent=2) + "\n")
@@ -370,6 +373,14 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, paddin
             loaded = AutoTokenizer.from_pretrained(out)
             print(f"note: the tokenizer gets no chat_template: rendered and tokenized at once, {wrong}; build "
                   "prompts with posttrain.chat.ChatEncoder and the format in export_info.json", flush=True)
+    specials = " x".join(sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i))
+    if chat is None and loaded(f"a {specials} b", add_special_tokens=False)["input_ids"] != sp.encode(f"a {specials} b"):
+        # A Unigram vocabulary holding those strings as pieces matches them whatever the flag says.
+        config["split_special_tokens"] = False
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        loaded = AutoTokenizer.from_pretrained(out)
+        print(f"note: this tokenizer encodes the text of its special tokens ({specials.replace(' x', ', ')}) as "
+              "those tokens, where the training data held their pieces", flush=True)
     for text in TOKENIZER_PROBES:
         want, got = sp.encode(text), loaded(text, add_special_tokens=False)["input_ids"]
         if want != got:
