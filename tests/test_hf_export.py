@@ -689,6 +689,10 @@ def test_export_formats_and_unsupported_imports(tmp_path, capsys):
           "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 96,  # newer transformers
           "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}},
          "unsupported Llama settings: rope_parameters={'rope_type': 'llama3'"),
+        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 96, "sliding_window": 4096,
+          "max_position_embeddings": 32768},  # Mistral 7B v0.1: a window, not every earlier position
+         "sliding_window=4096 below max_position_embeddings=32768"),
     ):
         model_dir = tmp_path / f"hf_{time.monotonic_ns()}"
         model_dir.mkdir()
@@ -697,6 +701,12 @@ def test_export_formats_and_unsupported_imports(tmp_path, capsys):
         assert import_main(["--model", str(model_dir), "--out", str(out)]) == 2
         assert needle in capsys.readouterr().err
         assert not out.exists()
+    # Llama architectures in other words: plain RoPE named as a scaling type, Mistral without a window
+    from tools.import_hf import check_supported
+
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "hidden_size": 64}
+    check_supported({**llama, "rope_scaling": {"rope_type": "default"}})
+    check_supported({**llama, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None})
 
 
 @pytest.fixture(scope="module")

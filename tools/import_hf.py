@@ -53,21 +53,31 @@ def read_hf_config(model_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+# Architectures that are Llama's, weights named alike (Mistral: where its sliding window covers every position).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
 def check_supported(hf: dict) -> None:
     arch = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" or arch != ["LlamaForCausalLM"]:
+    if arch != [ARCHITECTURES.get(hf.get("model_type"))]:
         raise UnsupportedModel(f"unsupported architecture {arch or hf.get('model_type')!r} (model_type="
-                           f"{hf.get('model_type')!r}): only LlamaForCausalLM can be imported")
+                               f"{hf.get('model_type')!r}): only {' and '.join(ARCHITECTURES.values())} (a "
+                               "Llama architecture) can be imported")
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     problems = []
+    window = hf.get("sliding_window")
+    if hf["model_type"] == "mistral" and window is not None and window < hf.get("max_position_embeddings", 2048):
+        problems.append(f"sliding_window={window} below max_position_embeddings="
+                        f"{hf.get('max_position_embeddings', 2048)} (the framework attends to every earlier position)")
     if heads % kv:
         problems.append(f"num_key_value_heads={kv} does not divide num_attention_heads={heads}")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (need silu)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         problems.append("attention_bias / mlp_bias (the framework's projections have no bias)")
-    if hf.get("rope_scaling"):
+    scaling = hf.get("rope_scaling") or {}
+    if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
         problems.append(f"rope_scaling={hf['rope_scaling']!r} (only plain RoPE)")
     rope = hf.get("rope_parameters") or {}  # newer configs: the RoPE type and theta together
     if rope.get("rope_type", "default") != "default":
