@@ -62,8 +62,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_last: int) -> Path:
-    """Collective: every rank calls it at the same step."""
+def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_last: int, keep_every: int = 0) -> Path:
+    """Collective: every rank calls it at the same step. Afterwards the last `keep_last` complete
+    checkpoints stay, and those of steps that are multiples of `keep_every` (0: none)."""
     tag = tag_for(step)
     rank = dist.get_rank()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ def save(engine, ckpt_dir: Path, step: int, meta: dict, rank_state: dict, keep_l
         atomic_write(path / COMPLETE, json.dumps(marker, indent=1).encode())
         atomic_write(ckpt_dir / LATEST, tag.encode())
         record_save_job(ckpt_dir.parent)
-        _prune(ckpt_dir, keep_last, keep=tag)
+        _prune(ckpt_dir, keep_last, keep=tag, keep_every=keep_every)
     dist.barrier()
     return path
 
@@ -153,10 +154,10 @@ def remove_checkpoint(tag_dir: Path, ignore_errors: bool = True) -> None:
     shutil.rmtree(tag_dir, ignore_errors=ignore_errors)
 
 
-def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
+def _prune(ckpt_dir: Path, keep_last: int, keep: str, keep_every: int = 0) -> None:
     complete = sorted(d.name for d in ckpt_dir.iterdir() if TAG_PATTERN.match(d.name) and (d / COMPLETE).exists())
     for name in complete[:-keep_last]:
-        if name != keep:
+        if name != keep and not (keep_every and int(TAG_PATTERN.match(name).group(1)) % keep_every == 0):
             remove_checkpoint(ckpt_dir / name)
             shutil.rmtree(ckpt_dir / "universal" / name, ignore_errors=True)  # its cached conversion
     # Conversions of another run's checkpoint this run resumed: it has one of its own now.

@@ -175,6 +175,7 @@ class TrainConfig:
     log_interval: int = 10
     save_interval: int = 100
     keep_last: int = 3
+    keep_every: int = 0  # checkpoints of steps that are multiples of it stay beyond keep_last (0: none)
     resume: str = field(default="auto", metadata={  # auto | none | <checkpoint tag directory>
         "parse": parse_resume,
         "empty": "give auto (the newest checkpoint), none (start afresh) or a checkpoint directory"})
@@ -369,6 +370,9 @@ def validate(cfg: Config, world_size: int) -> None:
                       ("grad_clip", "no clipping"), ("weight_decay", "none")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0 = {zero})")
+    if t.keep_every < 0 or t.keep_every % t.save_interval:
+        raise ConfigError(f"train.keep_every={t.keep_every} must be 0 (keep the last train.keep_last alone) or a "
+                          f"multiple of train.save_interval={t.save_interval}, the steps that are saved")
     if t.stop_at_step > t.steps:
         raise ConfigError(f"train.stop_at_step={t.stop_at_step} is past train.steps={t.steps}, where the run ends "
                           "first: lower it, or raise train.steps")

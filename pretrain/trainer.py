@@ -256,7 +256,7 @@ class Trainer:
         if self.validation_due == step:
             rank_state["validation_due"] = step
         path = checkpoint.save(self.engine, checkpoint_format.checkpoint_dir(self.cfg.run.dir), step, self.meta,
-                               rank_state, self.cfg.train.keep_last)
+                               rank_state, self.cfg.train.keep_last, self.cfg.train.keep_every)
         seconds = time.perf_counter() - started
         if dist.get_rank() == 0:  # the files of all ranks, on the shared run directory
             size_gb = checkpoint.size_gb(path)

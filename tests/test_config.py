@@ -129,6 +129,8 @@ def test_bad_overrides(override, message):
     (["profile.start_step=5", "profile.ranks=[1, -1]"], 2, "indices >= 0"),
     (["profile.start_step=5", "profile.ranks=[0, 2]"], 2, "names rank 2, but the world has 2 ranks"),
     (["train.stop_at_step=500", "train.steps=300"], 1, "stop_at_step=500 is past train.steps=300"),
+    (["train.save_interval=100", "train.keep_every=250"], 1, "keep_every=250 must be 0 .* or a multiple of "
+                                                             r"train.save_interval=100"),
 ])
 def test_validation_errors(override, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -433,6 +433,11 @@ def test_a_save_keeps_the_last_complete_checkpoints_and_clears_older_partial_one
     tag(7)
     _prune(tmp_path, keep_last=1, keep="step_00000007")  # the partial 6 is older now
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000007"]
+    # train.keep_every: the multiples of it stay beyond keep_last, as the permanent record of a run
+    for step in (8, 9, 10, 11, 12):
+        tag(step)
+    _prune(tmp_path, keep_last=2, keep="step_00000012", keep_every=4)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000008", "step_00000011", "step_00000012"]
 
 
 def test_a_checkpoint_missing_one_expert_file_is_told_by_its_name(tmp_path):
