@@ -1,12 +1,12 @@
 """The callbacks a run trains with: routing telemetry when the model has routed layers,
-attention-sink metrics, downstream accuracy and profiling when asked for."""
+attention-sink metrics, downstream accuracy and profiling when asked for, and run.callbacks."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from models.moe.routing import sparse_layers
-from pretrain.config import Config
+from pretrain.config import Config, ConfigError, resolve_callback
 from pretrain.trainer import Callback
 
 
@@ -31,4 +31,10 @@ def build_callbacks(cfg: Config, model: nn.Module) -> list[Callback]:
 
         p = cfg.profile
         callbacks.append(ProfilerCallback(cfg.run.dir, p.start_step, p.steps, p.ranks, p.memory))
+    for spec in cfg.run.callbacks:  # the user's, after the built-in ones (their metrics are set by then)
+        callback = resolve_callback(spec)(cfg)
+        if not isinstance(callback, Callback):
+            raise ConfigError(f"run.callbacks entry {spec!r} gave a {type(callback).__name__}, not a "
+                              "pretrain.trainer.Callback: subclass it and override the hooks you need")
+        callbacks.append(callback)
     return callbacks

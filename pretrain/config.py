@@ -5,6 +5,7 @@ group, model or data loader is built."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -217,6 +218,28 @@ class EvalConfig:
 class RunConfig:
     name: str = "demo"
     dir: str = "runs/demo"
+    # Callbacks of your own, "package.module:name": a Callback subclass or a function, called with the
+    # run's Config, that returns a Callback (pretrain.trainer.Callback: logging to a tracker, ...).
+    callbacks: list[str] = field(default_factory=list)
+
+
+def resolve_callback(spec: str):
+    """The object a run.callbacks entry names; ConfigError naming the entry where it is not there."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"run.callbacks entry {spec!r}: give package.module:name, e.g. my_pkg.tracking:WandbLogger")
+    try:
+        target = importlib.import_module(module)
+    except ImportError as err:
+        raise ConfigError(f"run.callbacks entry {spec!r}: cannot import {module} ({err}); is its package "
+                          "installed, or on PYTHONPATH?") from err
+    for part in name.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"run.callbacks entry {spec!r}: {module} has no {name}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"run.callbacks entry {spec!r}: {name} is not a class or function")
+    return target
 
 
 @dataclass
@@ -327,6 +350,8 @@ def validate(cfg: Config, world_size: int) -> None:
     for key, value in _flat(cfg.to_dict()).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} must be a finite number")
+    for spec in cfg.run.callbacks:
+        resolve_callback(spec)
     if p.tensor < 1 or p.expert < 1:
         raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
     if world_size % p.tensor:

@@ -129,6 +129,9 @@ def test_bad_overrides(override, message):
     (["profile.start_step=5", "profile.ranks=[1, -1]"], 2, "indices >= 0"),
     (["profile.start_step=5", "profile.ranks=[0, 2]"], 2, "names rank 2, but the world has 2 ranks"),
     (["train.stop_at_step=500", "train.steps=300"], 1, "stop_at_step=500 is past train.steps=300"),
+    (["run.callbacks=[tests.user_callbacks]"], 1, "give package.module:name"),
+    (["run.callbacks=[tests.no_such_module:X]"], 1, "cannot import tests.no_such_module"),
+    (["run.callbacks=[tests.user_callbacks:Missing]"], 1, "tests.user_callbacks has no Missing"),
     (["train.save_interval=100", "train.keep_every=250"], 1, "keep_every=250 must be 0 .* or a multiple of "
                                                              r"train.save_interval=100"),
 ])
@@ -313,3 +316,13 @@ def test_keys_whose_feature_is_off_are_noted_and_their_values_checked():
     assert inert_settings(on) == [] and inert_settings(load_config(None)) == []
     with pytest.raises(ConfigError, match="train.decay_shape='sqrtt': choose one of"):
         validate(load_config(None, ["train.decay_shape=sqrtt"]), 1)
+
+
+def test_a_callback_entry_must_give_a_callback():
+    import torch
+
+    from pretrain.callbacks import build_callbacks
+
+    cfg = load_config(None, ["run.callbacks=[tests.user_callbacks:not_a_callback]"])
+    with pytest.raises(ConfigError, match="gave a object, not a pretrain.trainer.Callback: subclass it"):
+        build_callbacks(cfg, torch.nn.Linear(2, 2))

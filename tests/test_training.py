@@ -31,7 +31,8 @@ def reference_run(data, tmp_path_factory):
     """Single process, micro-batch 8 (the global batch of the DP=2 runs below): the run directory,
     with checkpoints of steps 4 and 6."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    train(1, tiny_overrides(data, run, **{"train.steps": STEPS, "train.micro_batch": 8}))
+    train(1, tiny_overrides(data, run, **{"train.steps": STEPS, "train.micro_batch": 8,
+                                          "run.callbacks": "[tests.user_callbacks:HookRecorder]"}))
     return run
 
 
@@ -127,6 +128,17 @@ def resumed_run(tmp_path_factory):
     first = train(2, tiny_overrides(data, resumed, **common, **profile, **{"train.stop_at_step": 4}))
     second = train(2, tiny_overrides(data, resumed, **common, **profile))
     return straight, resumed, first, second
+
+
+def test_a_callback_of_the_user_s_own_sees_every_step_and_validation(reference_run, reference):
+    """run.callbacks: a Callback named by package.module:name, built with the run's config (the
+    reference run trains with tests.user_callbacks:HookRecorder)."""
+    seen = [json.loads(line) for line in (reference_run / "user_callback.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r["loss"] for r in seen if "loss" in r}
+    assert steps == reference and all("grad_norm" in r["logged"] for r in seen if "loss" in r)
+    metrics = [json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines()]
+    want = {m["step"]: m["val/loss"] for m in metrics if "val/loss" in m}
+    assert {r["step"]: r["val"]["loss"] for r in seen if "val" in r} == want and len(want) >= 2
 
 
 def test_resume_reproduces_uninterrupted_losses(resumed_run):
