@@ -29,9 +29,35 @@ def device_peak_tflops(bf16: bool = True) -> float | None:
 
 
 def peak_memory_gb() -> float:
+    """On a GPU the peak allocated since the last reset_peak_memory(); on a CPU the process's peak
+    resident size (it cannot be reset)."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+# Per-rank values whose largest one, and its rank, each log step reports (a rank short of memory, an
+# expert-parallel rank holding more, a node whose data loading lags)
+RANK_EXTREMES = ("peak_memory_gb", "data_wait_frac")
+
+
+def rank_extremes(values: dict[str, float], device) -> dict[str, float]:
+    """Collective: for each of RANK_EXTREMES in `values`, "<name>_max" over all ranks and
+    "<name>_max_rank", the first rank holding it."""
+    import torch.distributed as dist
+
+    names = [name for name in RANK_EXTREMES if name in values]
+    mine = torch.tensor([values[name] for name in names], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    highest, rank = torch.stack(every).max(dim=0)
+    return {**{f"{name}_max": float(v) for name, v in zip(names, highest)},
+            **{f"{name}_max_rank": int(r) for name, r in zip(names, rank)}}
 
 
 class Throughput:
@@ -166,6 +192,10 @@ def progress_line(step: int, total: int, values: dict[str, float], extra: tuple[
         parts.append(f"MFU {100 * values['mfu']:.1f}%")
     if "data_wait_frac" in values:
         parts.append(f"data {100 * values['data_wait_frac']:.0f}%")
+    if "data_wait_frac_max_rank" in values:
+        parts[-1] += f" (max {100 * values['data_wait_frac_max']:.0f}% on rank {values['data_wait_frac_max_rank']})"
     parts.append(f"mem {values['peak_memory_gb']:.2f} GB")
+    if "peak_memory_gb_max_rank" in values:
+        parts[-1] += f" (max {values['peak_memory_gb_max']:.2f} GB on rank {values['peak_memory_gb_max_rank']})"
     parts += [f"{name} {values[name]:.4g}" for name in extra]
     return " | ".join(parts)

@@ -22,7 +22,7 @@ from pretrain.data import Batches, all_batches, run_document_eos, split_batch
 from pretrain.distributed import dp_mean
 from pretrain.engine import invalid_global_norm, use_bf16
 from pretrain.spikes import SpikeGuard
-from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line
+from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line, rank_extremes, reset_peak_memory
 
 
 class NonFiniteLossError(RuntimeError):
@@ -291,6 +291,9 @@ class Trainer:
 
     def _log(self, result: StepResult, lr: float, throughput: Throughput) -> None:
         result.metrics = {"loss": result.loss, "lr": lr, **throughput.measure(), "peak_memory_gb": peak_memory_gb()}
+        reset_peak_memory()  # each log step reports the peak of its own interval
+        if dist.get_world_size() > 1:
+            result.metrics.update(rank_extremes(result.metrics, self.device))
         norm = self.engine.get_global_grad_norm()  # None where DeepSpeed does not compute it (ZeRO-0 in fp32)
         if norm is not None:  # a non-finite norm (the step was not applied) may come as -1
             result.metrics["grad_norm"] = float(norm) if float(norm) >= 0 else float("nan")

@@ -48,6 +48,10 @@ def test_progress_line_says_when_there_is_no_gradient_norm():
     values = {"loss": 2.0, "lr": 1e-3, "tokens_per_s": 10.0, "tflops_per_device": 0.1, "peak_memory_gb": 1.0}
     assert "gnorm n/a" in progress_line(3, 10, values)
     assert "gnorm 0.500" in progress_line(3, 10, {**values, "grad_norm": 0.5})
+    extremes = {"peak_memory_gb_max": 7.25, "peak_memory_gb_max_rank": 3, "data_wait_frac_max": 0.4,
+                "data_wait_frac_max_rank": 1, "data_wait_frac": 0.05}
+    line = progress_line(3, 10, {**values, **extremes})
+    assert "data 5% (max 40% on rank 1)" in line and "(max 7.25 GB on rank 3)" in line
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path):

@@ -57,9 +57,12 @@ def data_parallel_run(data, tmp_path_factory):
     return run
 
 
+def records_of(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def grad_norms(run_dir) -> dict[int, float]:
-    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r["train/grad_norm"] for r in records if "train/grad_norm" in r}
+    return {r["step"]: r["train/grad_norm"] for r in records_of(run_dir) if "train/grad_norm" in r}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -73,6 +76,12 @@ def test_data_parallel_zero_matches_single_process(data_parallel_run, reference_
     want = grad_norms(reference_run)
     assert sorted(want) == list(range(1, STEPS + 1))
     assert grad_norms(data_parallel_run(stage)) == pytest.approx(want, rel=1e-4), stage
+    # Each log step names the rank with the most memory and the one waiting longest for data.
+    logged = [r for r in records_of(data_parallel_run(stage)) if "train/loss" in r]
+    assert logged and all(r["train/peak_memory_gb_max"] >= r["train/peak_memory_gb"] and
+                          r["train/peak_memory_gb_max_rank"] in (0, 1) and r["train/data_wait_frac_max_rank"] in (0, 1)
+                          for r in logged)
+    assert not any("train/peak_memory_gb_max" in r for r in records_of(reference_run))  # one rank: nothing to compare
 
 
 def test_fused_optimizer_matches_the_default(data, reference, tmp_path):
