@@ -108,6 +108,9 @@ def validate_post(cfg: PostTrainConfig) -> None:
         raise ConfigError("model.relu_attention.normalizer=seqlen divides by the padded row length, so an example's "
                           "loss would depend on the others in its micro-batch: a model trained with it cannot be "
                           "post-trained here (prefix and content can)")
+    if cfg.eval.val_sets:
+        raise ConfigError("eval.val_sets holds pretraining shard sets; post-training validates on post.val_data: "
+                          "leave eval.val_sets out")
     if cfg.data.document_mask:
         raise ConfigError("data.document_mask=true is for pretraining shards; post-training masks each example "
                           "itself (post.packing): set data.document_mask=false")

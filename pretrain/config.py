@@ -82,6 +82,15 @@ def parse_mix(value, key: str = "data.mix") -> list[DataSource]:
     return sources
 
 
+def parse_val_sets(value, key: str = "eval.val_sets") -> list[DataSource]:
+    """eval.val_sets: [{shards, name}, ...], held-out shard sets (no weight: nothing is drawn from them)."""
+    for i, entry in enumerate(value or []):
+        if isinstance(entry, dict) and "weight" in entry:
+            raise ConfigError(f"{key}[{i}]: a validation set has no weight (training reads none of it); give shards "
+                              "and name")
+    return parse_mix(value, key)
+
+
 def parse_checkpointing(value, key: str) -> str:
     from models.gpt import checkpoint_mode
 
@@ -212,6 +221,10 @@ class EvalConfig:
     downstream_tasks: list[str] = field(default_factory=list, metadata={"parse": parse_paths})  # JSONL files
     downstream_interval: int = 0  # every this many steps, and at the last step; 0 = off
     downstream_limit: int = 0  # examples per task (the first ones); 0 = all
+    # Held-out shard sets validated beside the training sources ([{shards: DIR_OR_URL, name: N}]): their
+    # val split, or all of a set built with --val-fraction 0 (its train split); val/N/loss each, kept
+    # out of val/loss.
+    val_sets: list[DataSource] = field(default_factory=list, metadata={"parse": parse_val_sets})
 
 
 @dataclass
@@ -352,6 +365,10 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be a finite number")
     for spec in cfg.run.callbacks:
         resolve_callback(spec)
+    taken = {source.name for source in cfg.data.sources}
+    if clash := sorted(taken & {s.name for s in cfg.eval.val_sets}):
+        raise ConfigError(f"eval.val_sets names {clash} as data.mix does (they name the val/ scalars): give the "
+                          "validation sets other names")
     if p.tensor < 1 or p.expert < 1:
         raise ConfigError("parallel.tensor and parallel.expert must be >= 1")
     if world_size % p.tensor:
@@ -544,11 +561,10 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
         raise ConfigError(f"{EMPTY_TOKENIZER} the downstream tasks are encoded with")
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
     manifests, tokenizer, train_samples = [], None, 0
-    for source in cfg.data.sources:
-        if "://" in source.shards:
-            continue
-        key = (f"data.mix entry {source.name!r} (shards={source.shards})" if source.name
-               else f"data.shards={source.shards}")
+
+    def checked_manifest(source: DataSource, key: str) -> dict:
+        """A local shard set's manifest, matched against the model and the tokenizer."""
+        nonlocal tokenizer
         manifest_path = Path(source.shards) / "manifest.json"
         if not manifest_path.is_file():
             raise ConfigError(f"{key}: no manifest.json there; {missing_manifest_fix(Path(source.shards))}")
@@ -589,9 +605,24 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
                               "not record (or the tokenizer has none): rebuild the shards with python -m "
                               "data_prep.build_shards and a tokenizer with BOS, or set "
                               "data.start_with_bos=false")
+        return manifest
+
+    for source in cfg.data.sources:
+        if "://" in source.shards:
+            continue
+        key = (f"data.mix entry {source.name!r} (shards={source.shards})" if source.name
+               else f"data.shards={source.shards}")
+        manifest = checked_manifest(source, key)
         manifests.append(manifest)
         train_samples += sum(shard["samples"] for shard in split_shards(Path(source.shards), "train", key, manifest))
         split_shards(Path(source.shards), "val", key, manifest)
+    for source in cfg.eval.val_sets:
+        if "://" not in source.shards:
+            key = f"eval.val_sets entry {source.name!r} (shards={source.shards})"
+            manifest = checked_manifest(source, key)
+            if not (split_shards(Path(source.shards), "val", key, manifest)
+                    or split_shards(Path(source.shards), "train", key, manifest)):
+                raise ConfigError(f"{key}: holds no samples")
     if world_size and len(manifests) == len(cfg.data.sources):
         # Streaming gives each data-parallel rank ceil(samples / ranks) of an epoch; the loader drops
         # a last partial micro-batch, so fewer than one micro-batch each would give no batch at all.

@@ -228,7 +228,8 @@ def share_remote_indexes(cfg: Config) -> None:
     """Every rank takes rank 0's copy of each remote split's index (collective: all ranks call it).
     Each rank downloading its own, a set rebuilt while a job starts would give ranks different
     versions: other samples per rank, and checkpoints whose data record depends on the rank."""
-    urls = [split_url(s, split) for s in cfg.data.sources if "://" in s.shards for split in ("train", "val")]
+    urls = [split_url(s, split) for s in [*cfg.data.sources, *cfg.eval.val_sets] if "://" in s.shards
+            for split in ("train", "val")]
     if not urls or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     box = [{url: remote_index(url) for url in urls} if dist.get_rank() == 0 else None]
@@ -305,18 +306,22 @@ def has_samples(location: dict) -> bool:
 
 
 def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tensor]]:
-    """Fixed validation sets, one per source with a val split (the same samples at every
-    evaluation, split by data-parallel rank): {source name: batches}; "" names data.shards.
+    """Fixed validation sets, one per source with a val split and one per eval.val_sets entry (the
+    same samples at every evaluation, split by data-parallel rank): {name: batches}; "" names data.shards.
     apart (tools): read through a temporary local folder, beside any run on this node."""
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = cfg.train.micro_batch
     collate = collate_fn(cfg)
     sets = {}
-    for source in cfg.data.sources:
+    for source in [*cfg.data.sources, *cfg.eval.val_sets]:
         location = _split_location(cfg, source, "val")
+        held_out = source in cfg.eval.val_sets
+        if held_out and not has_samples(location):  # all of a held-out set built with --val-fraction 0
+            location = _split_location(cfg, source, "train")
         if not has_samples(location):  # no val split (shards built with --val-fraction 0)
-            if len(cfg.data.sources) > 1 and (not dist.is_initialized() or dist.get_rank() == 0):
-                print(f"validation: data.mix entry {source.name!r} has no val split (built with --val-fraction 0); "
+            if (len(cfg.data.sources) > 1 or held_out) and (not dist.is_initialized() or dist.get_rank() == 0):
+                print(f"validation: eval.val_sets entry {source.name!r} holds no samples" if held_out else
+                      f"validation: data.mix entry {source.name!r} has no val split (built with --val-fraction 0); "
                       "val/loss covers the other entries", flush=True)
             continue
         folder = tempfile.TemporaryDirectory(prefix="pretrain-val-") if apart else contextlib.nullcontext()

@@ -206,14 +206,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
-        """{"loss": over all validation batches, "<source>/loss": per data.mix source}; None without
-        validation data or when a signal interrupted it."""
+        """{"loss": over the training sources' validation batches, "<set>/loss": per data.mix source and
+        eval.val_sets entry}; None without validation data or when a signal interrupted it. The
+        held-out sets of eval.val_sets count in "loss" only where no training source has a val split."""
         if not self.val_batches:
             return None
         self.engine.eval()
         sums = torch.zeros(len(self.val_sets), device=self.device)
         counts = torch.zeros(len(self.val_sets), device=self.device)  # tokens, where batches weigh by them
-        metric_sums: dict[str, torch.Tensor] = {}  # val_metrics, over all sets
+        held_out = {s.name for s in self.cfg.eval.val_sets}
+        overall = torch.tensor([name not in held_out for name in self.val_sets], device=self.device)
+        if not overall.any():
+            overall[:] = True
+        metric_sums: dict[str, torch.Tensor] = {}  # val_metrics, over the sets "loss" covers
         weighted = False
         for i, batches in enumerate(self.val_sets.values()):
             for batch in batches:
@@ -226,7 +231,7 @@ class Trainer:
                 weighted = tokens is not None
                 weight = 1.0 if tokens is None else tokens.float().to(self.device)
                 sums[i] += self.forward(batch).float() * weight
-                for name, value in self.val_metrics().items():
+                for name, value in self.val_metrics().items() if overall[i] else ():
                     metric_sums[name] = metric_sums.get(name, 0.0) + value.float() * weight
                 counts[i] += weight
         self.engine.train()
@@ -235,10 +240,13 @@ class Trainer:
         if weighted:  # the ranks' mean sums over their mean counts: the mean over all ranks' tokens
             totals = torch.tensor(dp_mean(torch.cat([sums, counts, metrics])), dtype=torch.float64)
             sums, counts, metrics = totals[:n], totals[n:2 * n], totals[2 * n:]
-            means = [float(sums.sum() / counts.sum()), *(sums / counts).tolist(), *(metrics / counts.sum()).tolist()]
+            covered = counts[overall.cpu()].sum()
+            means = [float(sums[overall.cpu()].sum() / covered), *(sums / counts).tolist(),
+                     *(metrics / covered).tolist()]
         else:  # every rank has as many batches: the mean of the ranks' means
-            means = dp_mean(torch.cat([sums.sum(0, keepdim=True) / counts.sum(), sums / counts,
-                                       metrics / counts.sum()]))
+            covered = counts[overall].sum()
+            means = dp_mean(torch.cat([sums[overall].sum(0, keepdim=True) / covered, sums / counts,
+                                       metrics / covered]))
         result = {"loss": means[0]}
         if any(self.val_sets):  # data.mix sources by name, one alone too ("": data.shards)
             result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:n + 1])})

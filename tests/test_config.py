@@ -130,6 +130,9 @@ def test_bad_overrides(override, message):
     (["profile.start_step=5", "profile.ranks=[0, 2]"], 2, "names rank 2, but the world has 2 ranks"),
     (["train.stop_at_step=500", "train.steps=300"], 1, "stop_at_step=500 is past train.steps=300"),
     (["run.callbacks=[tests.user_callbacks]"], 1, "give package.module:name"),
+    (["eval.val_sets=[{shards: data/c4, weight: 2}]"], 1, r"eval.val_sets\[0\]: a validation set has no weight"),
+    (["data.mix=[{shards: data/web}, {shards: data/code}]", "eval.val_sets=[{shards: data/c4, name: code}]"], 1,
+     r"eval.val_sets names \['code'\] as data.mix does"),
     (["run.callbacks=[tests.no_such_module:X]"], 1, "cannot import tests.no_such_module"),
     (["run.callbacks=[tests.user_callbacks:Missing]"], 1, "tests.user_callbacks has no Missing"),
     (["train.save_interval=100", "train.keep_every=250"], 1, "keep_every=250 must be 0 .* or a multiple of "
@@ -192,6 +195,10 @@ def test_mixture_sources_are_checked_one_by_one(tmp_path):
         validate_data(load_config(None, base + [mix]))
     manifest = validate_data(load_config(None, base + [f"data.mix=[{{shards: {good}/shards}}]"]))
     assert manifest["seq_len"] == 32
+    # eval.val_sets are checked as the training sources are
+    held = f"eval.val_sets=[{{shards: {longer}/shards, name: c4}}]"
+    with pytest.raises(ConfigError, match=r"eval.val_sets entry 'c4' .* hold sequences of 64"):
+        validate_data(load_config(None, base + [f"data.shards={good}/shards", held]))
     # What a directory without manifest.json is, and what to do about it
     (tmp_path / "unfinished").mkdir()
     (tmp_path / "unfinished" / "plan.json").write_text("{}")

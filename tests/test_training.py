@@ -612,8 +612,12 @@ def test_mixture_resumes_exactly_and_validates_each_source(tmp_path):
     web = write_synthetic_shards(tmp_path / "web", seed=0)
     code = write_synthetic_shards(tmp_path / "code", seed=1000)
     mix = f"[{{shards: {web / 'shards'}, weight: 3, name: web}}, {{shards: {code / 'shards'}, name: code}}]"
+    # A held-out set validated beside them (all of it: built with --val-fraction 0), not trained on
+    held = write_synthetic_shards(tmp_path / "held", train=8, val=0, seed=2000)
+    (held / "shards" / "val" / "index.json").unlink(missing_ok=True)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = {"data.mix": mix, "train.steps": 8, "train.eval_interval": 8}
+    common = {"data.mix": mix, "train.steps": 8, "train.eval_interval": 8,
+              "eval.val_sets": f"[{{shards: {held / 'shards'}, name: held}}]"}
     train(2, tiny_overrides(web, straight, **common))
     train(2, tiny_overrides(web, resumed, **common, **{"train.stop_at_step": 4}))
     out = train(2, tiny_overrides(web, resumed, **common))
@@ -621,11 +625,12 @@ def test_mixture_resumes_exactly_and_validates_each_source(tmp_path):
     assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]  # bitwise on CPU
     [val] = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()
              if "val/loss" in line]
-    assert val["step"] == 8 and {"val/web/loss", "val/code/loss"} <= set(val)
-    # Equal numbers of batches per source: the overall loss is the mean of the two.
+    assert val["step"] == 8 and {"val/web/loss", "val/code/loss", "val/held/loss"} <= set(val)
+    # Equal numbers of batches per source: the overall loss is the mean of the two training sources'.
     assert val["val/loss"] == pytest.approx((val["val/web/loss"] + val["val/code/loss"]) / 2, rel=1e-6)
-    assert f"val loss {val['val/loss']:.4f} (web {val['val/web/loss']:.4f}, code {val['val/code/loss']:.4f})" \
-        in out.stdout
+    assert abs(val["val/held/loss"] - val["val/loss"]) > 1e-3
+    assert f"val loss {val['val/loss']:.4f} (web {val['val/web/loss']:.4f}, code {val['val/code/loss']:.4f}, " \
+           f"held {val['val/held/loss']:.4f})" in out.stdout
 
 
 def test_a_checkpoint_is_removed_marker_first(tmp_path, monkeypatch):

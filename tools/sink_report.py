@@ -49,6 +49,7 @@ def sample_tokens(ckpt: Path, cfg, meta: dict, batch: int, seq: int, shards: str
             if "://" not in source.shards:
                 check_shards_tokenizer(Path(source.shards), meta, "--shards" if shards else "the run's data.shards")
         full.train.micro_batch, full.train.eval_batches = batch, 1
+        full.eval.val_sets = []  # the probe is the first training source's first batch
         where = Path(full.data.shards)
         try:
             batches, problem = load_val_batches(full, apart=True), "no samples in their val/ split"
