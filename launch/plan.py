@@ -9,8 +9,10 @@ Formulas (per GPU; P = parameters held by this GPU after tensor/expert sharding,
 size, De = expert-data-parallel size D / EP):
   weights        P x 2 bytes (bf16) or 4 (fp32); ZeRO-3 divides by D (De for experts)
   gradients      the .grad tensors (bytes as weights; ZeRO-2/3 free them into buckets) plus, with
-                 ZeRO >= 1, the fp32 gradient partition of the optimizer (4 bytes/param / D), and
-                 at ZeRO-0 in bf16 the fp32 copy of every gradient its optimizer steps on (4 bytes)
+                 ZeRO >= 1, the fp32 gradient partition of the optimizer (4 bytes/param / D), but
+                 at ZeRO-1 in bf16 the fp32 sum of every gradient (4 bytes/param: DeepSpeed's
+                 BF16_Optimizer accumulates and reduces in fp32), and at ZeRO-0 in bf16 the fp32
+                 copy of every gradient its optimizer steps on (4 bytes)
   optimizer      fp32 master + Adam m, v = 12 bytes/param (DeepSpeed keeps the master partition
                  even in fp32); ZeRO-1/2/3 divide by D; ZeRO-0 in fp32 steps torch's AdamW on the
                  weights themselves: m, v = 8 bytes/param
@@ -159,7 +161,8 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
         activations += expert_local * elem / sum(mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
     memory = {
         "weights": sharded(elem, 3),
-        "gradients": (sharded(elem, 2) if z < 2 else 0.0) + (sharded(4, 1) if z >= 1 or layout.bf16 else 0.0),
+        "gradients": (sharded(elem, 2) if z < 2 else 0.0)
+        + (sharded(4, 2) if z == 1 and layout.bf16 else sharded(4, 1) if z >= 1 or layout.bf16 else 0.0),
         "optimizer": sharded(opt_bytes, 1),
         "activations": activations,
         "buffers": buffers,

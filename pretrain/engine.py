@@ -45,7 +45,7 @@ def deepspeed_config(cfg: Config) -> dict:
              "torch_adam": True}
     if use_fused_optimizer(cfg):
         adamw["fused"] = True  # DeepSpeed hands it to torch.optim.AdamW (fused multi-tensor kernels)
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
@@ -60,6 +60,13 @@ def deepspeed_config(cfg: Config) -> dict:
         },
         "optimizer": {"type": "AdamW", "params": adamw},
     }
+    if use_bf16(cfg) and cfg.parallel.zero_stage in (1, 2, 3):
+        # Gradients summed over micro-batches and reduced over ranks in fp32, as Megatron-LM, torchtitan
+        # and OLMo-core do: in bf16 a sum of 8 micro-batches loses about 0.5% of each gradient, and small
+        # ones vanish (1 + 0.003 = 1). ZeRO-0 cannot (DeepSpeed's bf16 wrapper accumulates in bf16).
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
+    return config
 
 
 # 2: parameters marked `no_weight_decay` are not decayed; 1 (checkpoints saved before) decayed every

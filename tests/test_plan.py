@@ -277,7 +277,8 @@ def test_full_checkpointing_keeps_the_largest_layer_wherever_it_is():
 def test_zero_shards_over_data_parallel_ranks_and_experts_over_theirs():
     """ZeRO-1 shards the optimizer states over the data-parallel ranks, ZeRO-2 the gradients too,
     ZeRO-3 the weights too; routed experts (4-way expert parallel over 8 ranks) over the 2 ranks
-    holding each expert. bf16: 2-byte weights, 4-byte fp32 gradients, 12-byte master + moments.
+    holding each expert. bf16: 2-byte weights, 4-byte fp32 gradients (at ZeRO-1 the whole fp32 sum
+    DeepSpeed's BF16_Optimizer accumulates in), 12-byte master + moments.
     Selective checkpointing keeps less than none where attention is not flash (fp32: its seq^2
     weights)."""
     from launch.plan import Layout, activation_bytes, memory_breakdown
@@ -292,7 +293,7 @@ def test_zero_shards_over_data_parallel_ranks_and_experts_over_theirs():
         return Layout(world=8, tensor=1, expert=4, data=8, zero_stage=zero_stage, micro_batch=2, bf16=bf16,
                       checkpointing=checkpointing)
 
-    want = {0: (2 * local, 2 * local + 4 * local, 12 * local), 1: (2 * local, 2 * local + 4 * shard, 12 * shard),
+    want = {0: (2 * local, 2 * local + 4 * local, 12 * local), 1: (2 * local, 2 * local + 4 * local, 12 * shard),
             2: (2 * local, 4 * shard, 12 * shard), 3: (2 * shard, 4 * shard, 12 * shard)}
     for stage, (weights, gradients, optimizer) in want.items():
         got = memory_breakdown(cfg, layout(stage))

@@ -162,32 +162,41 @@ def test_a_skipped_step_of_an_expert_model_changes_no_weight_and_no_router_bias(
     assert not changed, changed
 
 
-def test_bf16_refuses_a_non_finite_gradient_by_its_norm_without_the_overflow_scan(tmp_path):
-    """bf16 under ZeRO-1 with clipping: DeepSpeed's per-tensor overflow scan is off, and a step whose
-    gradients hold a NaN is refused by the global gradient norm (parameters unchanged); the next
-    clean step applies. Without clipping there is no norm, and the scan stays on."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_accumulates_in_fp32_and_refuses_a_non_finite_gradient_by_its_norm(tmp_path, stage):
+    """bf16 under ZeRO 1-2: gradients are summed and reduced in fp32 (at ZeRO-1 by DeepSpeed's
+    BF16_Optimizer, at ZeRO-2 by its ZeRO optimizer, whose per-tensor overflow scan is off with
+    clipping), and a step whose gradients hold a NaN is refused by the global gradient norm
+    (parameters unchanged); the next clean step applies. Without clipping the scan stays on."""
     from models.gpt import GPT
     from pretrain.config import load_config
     from pretrain.engine import build_engine, deepspeed_config, invalid_global_norm
     from tests.dist_utils import single_process_group
 
     overrides = tiny_overrides(tmp_path, tmp_path / "run",
-                               **{"train.precision": "bf16", "parallel.zero_stage": 1})
+                               **{"train.precision": "bf16", "parallel.zero_stage": stage})
     cfg = load_config(None, overrides)
     assert deepspeed_config(cfg)["bf16"]["check_grad_overflow"] is False
+    assert deepspeed_config(cfg)["communication_data_type"] == "fp32"
     unclipped = load_config(None, overrides + ["train.grad_clip=0"])
     assert deepspeed_config(unclipped)["bf16"]["check_grad_overflow"]
     with single_process_group():
         torch.manual_seed(0)
         engine = build_engine(cfg, GPT(cfg.model))
-        assert engine.optimizer.check_grad_overflow is False
+        if stage == 1:
+            assert type(engine.optimizer).__name__ == "BF16_Optimizer" and engine.optimizer.grad_acc_dtype == torch.float32
+            masters = engine.optimizer.fp32_groups_flat_partition
+        else:
+            assert engine.optimizer.check_grad_overflow is False
+            assert engine.optimizer.gradient_accumulation_dtype == torch.float32
+            masters = engine.optimizer.single_partition_of_fp32_groups
+        assert engine.communication_data_type == torch.float32
         tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
         weight = engine.module.blocks[0].mlp.w_in.weight
 
         def step(poison: bool) -> torch.Tensor:
             """Which fp32 master weights (ZeRO's partitions, one per parameter group) the step changed."""
             hook = weight.register_hook(lambda g: g * float("nan")) if poison else None
-            masters = engine.optimizer.single_partition_of_fp32_groups
             before = [m.detach().clone() for m in masters]
             engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
             engine.step()
@@ -197,6 +206,7 @@ def test_bf16_refuses_a_non_finite_gradient_by_its_norm_without_the_overflow_sca
 
         assert step(poison=False).all()
         assert not step(poison=True).any() and invalid_global_norm(engine.optimizer)  # refused by its norm
+        assert not engine.was_step_applied() or engine.basic_optimizer.skipped  # ZeRO-1: DeepSpeed's; 2: ours
         assert step(poison=False).all()
 
 
