@@ -9,7 +9,8 @@
 #   bash launch/demo.sh [CONFIG] [dotted overrides...]
 #
 # Env: DEMO_DATA (default data/demo) keeps the tokenizer and shards between runs;
-# the run directory (run.dir of the config) is started afresh each time.
+# the run directory (run.dir of the config) is started afresh each time, if this script wrote it
+# (a run directory it did not write is refused, never removed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -33,6 +34,12 @@ except ConfigError as err:
 print(cfg.train.steps, cfg.run.dir, sep="\n")'
 SETTINGS=$($PY -c "$CHECK" "$NPROC" "$CONFIG" "$@")
 { read -r STEPS; read -r RUN_DIR; } <<< "$SETTINGS"  # the run directory whole, spaces and all
+# It starts its run directory afresh: only one it wrote itself (marked .demo_run) is removed.
+if [[ -e $RUN_DIR && ! -f $RUN_DIR/.demo_run ]] && [[ -n $(ls -A "$RUN_DIR" 2>/dev/null) || ! -d $RUN_DIR ]]; then
+    echo "error: run.dir=$RUN_DIR holds files this demo did not write, and the demo starts its run directory" \
+         "afresh: give another one (e.g. run.dir=runs/demo-2), or remove that one if it is an earlier demo's" >&2
+    exit 2
+fi
 
 if [[ ! -f $DATA/tokenizer/tokenizer.model ]]; then
     $PY -m data_prep.train_tokenizer --out "$DATA/tokenizer" --vocab-size 4096
@@ -44,6 +51,7 @@ fi
 
 STOP=$((STEPS / 2))
 rm -rf "$RUN_DIR"
+mkdir -p "$RUN_DIR" && touch "$RUN_DIR/.demo_run"
 COMMON=(data.shards="$DATA/shards" data.tokenizer="$DATA/tokenizer")
 
 echo "== training to step $STOP of $STEPS, then stopping with a checkpoint"

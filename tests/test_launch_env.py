@@ -164,6 +164,15 @@ def test_the_demo_names_a_mistaken_override_before_building_its_data(tmp_path):
                          env={**os.environ, "DEMO_DATA": str(tmp_path / "demo")}, capture_output=True)
     assert out.returncode != 0 and "error: unknown config key 'train.lrr'" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "demo").exists()
+    # It starts its run directory afresh, but never one it did not write: that is refused, kept whole
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "weights.pt").write_text("trained for a week")
+    out = subprocess.run(["bash", "launch/demo.sh", "configs/demo.yaml", f"run.dir={tmp_path / 'precious'}"],
+                         cwd=REPO, text=True, env={**os.environ, "DEMO_DATA": str(tmp_path / "demo")},
+                         capture_output=True)
+    assert out.returncode == 2 and "holds files this demo did not write" in out.stderr
+    assert (tmp_path / "precious" / "weights.pt").read_text() == "trained for a week"
+    assert not (tmp_path / "demo").exists()
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
