@@ -225,7 +225,10 @@ def run(cfg: Config, task: Task | None = None) -> int:
         raise ConfigError(in_use)
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        # As relaunching it resumes the run: a train.resume given for this start (a rollback to an
+        # older checkpoint, none) would set the newer checkpoints aside again at every relaunch.
+        save_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="auto")),
+                    run_dir / "config.yaml")
         checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
         if cfg.train.resume != "auto":  # none, or a checkpoint: no later tag may stay to be resumed or kept
             moved = checkpoint_format.set_aside_newer(run_dir, resume_path)

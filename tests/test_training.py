@@ -241,6 +241,10 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(data, reference_
     (aside,) = (ckpt / "abandoned").iterdir()
     assert [d.name for d in aside.iterdir()] == ["step_00000006"] and (aside / "step_00000006" / "COMPLETE").is_file()
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000005"]
+    # The run's config.yaml resumes it: relaunched as it is, it must not roll back again.
+    from pretrain.config import load_config
+
+    assert load_config(run / "config.yaml").train.resume == "auto"
     requeued = train(1, tiny_overrides(data, run, **common, **{"train.lr": 1e-3}))
     assert "step_00000005 at step 5" in requeued.stdout
     # Starting afresh in the run directory: its checkpoints would count against keep_last, and a
