@@ -119,6 +119,7 @@ def status(run_dir: Path) -> dict:
     info["latest_checkpoint"] = str(ckpt) if ckpt else None
     info["latest_checkpoint_step"] = checkpoint_format.latest_complete_step(run_dir)
     info["stopped_on_signal"] = checkpoint_format.read_stop_marker(run_dir)
+    info["failed"] = checkpoint_format.read_failure_marker(run_dir)
     info["log"] = str(log) if log.is_file() else None
     info["running_in_it"] = run_lock.holder(run_dir)  # a job of another submission too
     info["train_steps"] = slurm_job.configured_steps(run_dir)
@@ -177,6 +178,10 @@ def format_status(info: dict) -> str:
     if info.get("stopped_on_signal"):
         m = info["stopped_on_signal"]
         lines.append(f"last stop:   saved at step {m.get('step')} on {m.get('signal')}")
+    if info.get("failed"):
+        m = info["failed"]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("time", 0)))
+        lines.append(f"failed:      {when} on rank {m.get('rank')}: {m.get('error', '?').splitlines()[0][:300]}")
     if info.get("unfinished"):
         lines.append(f"unfinished:  {info['unfinished']}")
     lines.append(f"last log:    {fmt(info['seconds_since_last_log'])} s ago")

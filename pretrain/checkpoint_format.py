@@ -20,6 +20,7 @@ from pathlib import Path
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 STOP_MARKER = "STOPPED_ON_SIGNAL"
+FAILURE_MARKER = "FAILED"  # RUN_DIR/FAILED: the error that ended the latest start, from the first rank it hit
 # RUN_DIR/last_save_job: the Slurm job id of the newest save. Once a job has saved, its requeues and
 # resubmissions resume the run's newest checkpoint, whatever train.resume its first start took
 # (slurm/train.sbatch; launch.submit removes the file when it is given another train.resume).
@@ -307,3 +308,23 @@ def read_stop_marker(run_dir: str | os.PathLike) -> dict | None:
 
 def clear_stop_marker(run_dir: str | os.PathLike) -> None:
     (Path(run_dir) / STOP_MARKER).unlink(missing_ok=True)
+    (Path(run_dir) / FAILURE_MARKER).unlink(missing_ok=True)
+
+
+def write_failure_marker(run_dir: str | os.PathLike, rank: int, error: BaseException) -> None:
+    """Record the error that ends this start on `rank`, unless a rank recorded one first (the others'
+    are mostly its consequences: a peer gone from a collective)."""
+    record = {"rank": rank, "error": f"{type(error).__name__}: {str(error).strip()[:2000]}", "time": time.time()}
+    try:
+        with open(Path(run_dir) / FAILURE_MARKER, "x") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:  # recorded already, or the run directory is not there
+        pass
+
+
+def read_failure_marker(run_dir: str | os.PathLike) -> dict | None:
+    path = Path(run_dir) / FAILURE_MARKER
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -314,6 +314,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
 
 def main(argv: list[str] | None = None, task: Task | None = None, config_class: type = Config) -> int:
     args = parse_args(argv)
+    cfg = None
     try:
         cfg = load_config(args.config, args.overrides, config_class)
         rank_logs.settle(cfg.run.dir)
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None, task: Task | None = None, config_class: 
         rank_logs.to_console(f"error: {err}")
         rank_logs.discard_unsettled()
         return 2
+    except Exception as err:  # a failure mid-run: the run directory says what ended it (launch.status)
+        if cfg is not None and Path(cfg.run.dir, "config.yaml").is_file():
+            checkpoint_format.write_failure_marker(cfg.run.dir, read_env().rank, err)
+        raise
     finally:
         destroy_distributed()
         run_lock.release()

@@ -69,12 +69,17 @@ def test_non_finite_loss_stops_without_saving(tmp_path):
     assert out.returncode != 0
     assert "loss became nan at step 1" in out.stderr and "train.skip_spikes=true" in out.stderr
     assert not (run / "checkpoints" / "latest").exists()
+    from launch.status import format_status, status  # the run directory says what ended it
+
+    assert "failed:      " in (shown := format_status(status(run))) and \
+        "on rank 0: NonFiniteLossError: loss became nan at step 1" in shown, shown
     # Skipping non-finite steps goes on past a bad batch, not past a model that is broken for good.
     out = train(1, tiny_overrides(data, run, **{"model.init_std": "1e300", "train.skip_spikes": "true",
                                                 "train.steps": 20}), check=False)
     assert out.returncode != 0 and "loss became nan at step 10, 10 step(s) in a row" in out.stderr
     assert "step 9: loss nan, update skipped: the run goes on" in out.stdout
     assert not (run / "checkpoints" / "step_00000010").exists()
+    assert "loss became nan at step 10" in json.loads((run / "FAILED").read_text())["error"]  # this start's
 
 
 # pretrain.train whose second optimizer step in this process gets a NaN gradient (the loss stays finite).
