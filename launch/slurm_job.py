@@ -2,10 +2,12 @@
 with launch.submit and launch.status.
 
     python -m launch.slurm_job decide RUN_DIR --rc RC --received USR1|TERM| --restarts N --max-requeues M \
-        [--started 0|1]
+        [--started 0|1] [--job ID --max-retries R]
 
 prints the action for the batch script, and the signal the step stopped on (USR1, TERM, ...; none):
     requeue  the run saved on the time-limit signal (USR1) and may be requeued again
+    retry    the training step failed (a lost node, a crashed rank) after saving a newer checkpoint
+             than the job run started from: requeued to resume it, at most R times per job
     stopped  the run saved on a signal and ends here (preemption/TERM, or requeues used up)
     done     training finished (or stopped where train.stop_at_step asked)
     failed   anything else: the job exits with the training step's code
@@ -48,8 +50,23 @@ def job_ids(run_dir: Path) -> list[str]:
     return list(dict.fromkeys(path.read_text().split())) if path.is_file() else []
 
 
+def job_runs(run_dir: Path, job: str) -> tuple[int, str | None]:
+    """(retries so far, the checkpoint tag the latest run started with: its start line's saved=) of
+    `job`, from the batch script's history."""
+    import re
+
+    retries, saved = 0, None
+    path = Path(run_dir) / HISTORY
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        fields = dict(re.findall(r"(\w+)=(\S+)", line))
+        if fields.get("job") == job:
+            retries += fields.get("action") == "retry"
+            saved = fields.get("saved", saved) if " start " in f" {line} " else saved
+    return retries, saved
+
+
 def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: int,
-           started: bool = True) -> tuple[str, str]:
+           started: bool = True, job: str = "", max_retries: int = 0) -> tuple[str, str]:
     """(action, reason) after the training step of one job run returned `rc` (or, with a signal
     before it, was never started)."""
     if not started:  # nothing was trained, so nothing is lost: as after a save on that signal
@@ -78,7 +95,17 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
     if steps is not None and last == steps:
         # e.g. the signal arrived during the last step: the agents exit non-zero after forwarding it
         return "done", f"checkpoint of the last step {steps} is complete (step exit code {rc})"
-    return "failed", f"training step exited {rc} without a signal save; latest complete checkpoint: step {last}"
+    failed = f"training step exited {rc} without a signal save; latest complete checkpoint: step {last}"
+    if job and max_retries:
+        retries, saved = job_runs(run_dir, job)
+        before = int(saved.removeprefix("step_")) if saved and saved.startswith("step_") else 0
+        if (last or 0) <= before:  # no progress: a retry would fail the same way
+            return "failed", f"{failed}, as when this job run started: not retrying"
+        if retries >= max_retries:
+            return "failed", f"{failed}; the job was retried {retries} times after failures (max {max_retries})"
+        return "retry", f"{failed}, newer than step {before} this job run started from: retry {retries + 1} of at " \
+                        f"most {max_retries}"
+    return "failed", failed
 
 
 def marker_signal(marker: dict) -> str:
@@ -103,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--restarts", type=int, default=0, help="SLURM_RESTART_COUNT")
     d.add_argument("--max-requeues", type=int, default=0)
     d.add_argument("--started", type=int, default=1, help="0: a signal came before the training step started")
+    d.add_argument("--job", default="", help="SLURM_JOB_ID, whose runs the history records")
+    d.add_argument("--max-retries", type=int, default=0, help="requeues after failures with progress, per job")
     args = parser.parse_args(argv)
     action, reason = decide(args.run_dir, args.rc, args.received, args.restarts, args.max_requeues,
-                            bool(args.started))
+                            bool(args.started), args.job, args.max_retries)
     print(f"[slurm_job] {action}: {reason}", file=sys.stderr, flush=True)
     print(action, stop_signal(args.run_dir, args.received, bool(args.started)))
     return 0

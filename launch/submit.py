@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=int,
                    help="seconds torchrun waits for the workers after forwarding a signal (default: signal seconds - 30)")
     p.add_argument("--max-requeues", type=int, default=10, help="time-limit requeues before the job stops")
+    p.add_argument("--max-retries", type=int, default=2,
+                   help="requeues after a failed training step (a lost node, a crashed rank) that saved a newer "
+                        "checkpoint than its job run started from; 0: a failure ends the job")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="extra sbatch option rendered as an #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")
     p.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
@@ -90,8 +93,8 @@ def check_args(args: argparse.Namespace, time_s: int) -> int:
         raise SubmitError(f"--signal-seconds {args.signal_seconds} must be between 1 and the time limit ({time_s} s)")
     if args.shutdown_timeout is not None and args.shutdown_timeout < 1:
         raise SubmitError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 1")
-    if args.max_requeues < 0:
-        raise SubmitError("--max-requeues must be >= 0")
+    if args.max_requeues < 0 or args.max_retries < 0:
+        raise SubmitError("--max-requeues and --max-retries must be >= 0")
     if "\n" in args.task_wrapper:
         raise SubmitError("--task-wrapper must be one line")
     if args.job_name is not None:
@@ -182,6 +185,7 @@ def render(cfg: Config, args: argparse.Namespace, procs: int, first_resume: str 
         "REPO_Q": shlex.quote(str(REPO)),
         "PROCS_PER_NODE": str(procs),
         "MAX_REQUEUES": str(args.max_requeues),
+        "MAX_RETRIES": str(args.max_retries),
         "SHUTDOWN_TIMEOUT": str(shutdown),
         "ENV_EXPORTS": "\n".join(env_lines(args)),
         "TASK_WRAPPER": args.task_wrapper.strip(),

@@ -256,6 +256,40 @@ def test_a_job_that_reached_stop_at_step_is_done_whatever_its_exit_code(tmp_path
     assert decide(tmp_path / "short", 0, "TERM", 0, 3, started=False)[0] == "stopped"
 
 
+def test_a_failed_job_run_is_retried_while_it_makes_progress(tmp_path):
+    """A training step that failed (a lost node, a crashed rank) after saving a newer checkpoint than
+    its job run started from is requeued to resume it, at most --max-retries times per job; one that
+    saved nothing new would fail the same way again."""
+    from launch.slurm_job import HISTORY, decide
+
+    run = tmp_path / "run"
+    fake_run(run, steps=100, stop_at_step=0, saved_step=40)
+    history = run / HISTORY
+
+    def job_run(start_tag: str, end_action: str | None = None, job: str = "7") -> None:
+        with open(history, "a") as f:
+            f.write(f"2026-12-07T10:00:00Z job={job} restarts=0 start nodes=n[1-2] saved={start_tag}\n")
+            if end_action:
+                f.write(f"2026-12-07T11:00:00Z job={job} restarts=0 end rc=1 signal=none action={end_action}\n")
+
+    job_run("step_00000020")
+    action, reason = decide(run, 1, "", 0, 10, job="7", max_retries=2)
+    assert action == "retry" and "newer than step 20 this job run started from: retry 1 of at most 2" in reason
+    assert decide(run, 1, "", 0, 10, job="7", max_retries=0)[0] == "failed"  # retries off
+    history.write_text("")
+    job_run("step_00000040")  # started from the checkpoint it still has: no progress
+    assert decide(run, 1, "", 0, 10, job="7", max_retries=2) == \
+        ("failed", "training step exited 1 without a signal save; latest complete checkpoint: step 40, as when this "
+                   "job run started: not retrying")
+    history.write_text("")
+    job_run("none", "retry")
+    job_run("step_00000010", "retry")
+    job_run("step_00000010", "retry", job="6")  # another job's retries are its own
+    job_run("step_00000030")
+    assert "retried 2 times after failures (max 2)" in decide(run, 1, "", 0, 10, job="7", max_retries=2)[1]
+    assert decide(run, 1, "", 0, 10, job="7", max_retries=3)[0] == "retry"
+
+
 def test_the_history_records_the_signal_a_step_stopped_on(tmp_path, capsys):
     """slurm_history.log's signal: the batch shell's, else (a signal sent straight to the step, which
     the shell never sees) the trainer's stop marker's."""

@@ -276,8 +276,8 @@ def test_a_signal_while_srun_registers_the_step_stops_it_before_training(cluster
 
 
 def test_time_limit_requeue_preemption_and_crash_resume(cluster, data, config, reference, tmp_path, jobs):
-    """One run through every stop, four job runs in all: time limit -> requeue -> preemption ->
-    resubmit -> crash -> resubmit -> done; the losses equal the uninterrupted run's throughout."""
+    """One run through every stop: time limit -> requeue -> preemption -> resubmit -> crash -> retry
+    (requeue) -> done -> resubmit (nothing to train); the losses equal the uninterrupted run's throughout."""
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
 
@@ -334,31 +334,35 @@ def test_time_limit_requeue_preemption_and_crash_resume(cluster, data, config, r
 
     moment = wait_for(partial_or_late, "a checkpoint being written", run_dir, job, poll=0.01)
     os.kill(pid, signal.SIGKILL)
+    # The step failed after saving a newer checkpoint than it started from: the job retries (requeues)
+    # and resumes from the newest complete checkpoint, never a partial one.
     info = wait_finished(job, run_dir)
-    assert info["JobState"] == "FAILED", f"{info}\n{log_tail(run_dir)}"
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log_tail(run_dir)}"
     log = log_text(run_dir)
-    assert f"resumed from {ckpt}/step_{second_stop:08d}" in log and "decision: failed" in log
-    assert not (run_dir / "STOPPED_ON_SIGNAL").exists()
-    last_complete = complete_steps(run_dir)[-1]
+    assert f"resumed from {ckpt}/step_{second_stop:08d}" in log and "decision: retry" in log, log_tail(run_dir)
+    retried = re.search(r"latest complete checkpoint: step (\d+), newer than step (\d+) this job run started "
+                        r"from: retry 1 of at most 2", log)
+    assert retried and int(retried.group(2)) == second_stop, log_tail(run_dir)
+    last_complete = int(retried.group(1))
     assert second_stop < last_complete < STEPS
-    partial = [d.name for d in ckpt.glob("step_*") if not (d / "COMPLETE").exists()]
-    print(f"killed rank 1 {moment}: complete checkpoints {complete_steps(run_dir)}, partial {partial}")
+    assert f"resumed from {ckpt}/step_{last_complete:08d}" in log.split("decision: retry")[-1], log_tail(run_dir)
+    assert not (run_dir / "STOPPED_ON_SIGNAL").exists() and complete_steps(run_dir)[-1] == STEPS
+    assert not [d for d in ckpt.glob("step_*") if not (d / "COMPLETE").exists()]  # crash leftovers pruned
+    assert re.search(r"restarts=0 end rc=\d+ signal=none action=retry", (run_dir / "slurm_history.log").read_text())
+    print(f"killed rank 1 {moment}: retried from step {last_complete}")
+    got = metric_losses(run_dir)
+    assert {s for s, _ in got} == set(range(1, STEPS + 1))
+    for step, loss in got:  # every logged loss, including the steps redone after the crash
+        assert loss == want[step], (step, loss, want[step])
 
-    # 4. Resubmitted again, with plain sbatch: resumes from the newest complete checkpoint, never a
-    #    partial one, and the job records itself for launch.status.
+    # 4. Submitted again with plain sbatch once finished: nothing to train, and the job records itself
+    #    for launch.status.
     res = run_cli(["sbatch", "--parsable", str(run_dir / "train.sbatch")])
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip().split(";")[0]
     jobs.append(job)
     info = wait_finished(job, run_dir)
     assert info["JobState"] == "COMPLETED", f"{info}\n{log_tail(run_dir)}"
-    last_run = log_text(run_dir).split(f"job {job} restart 0")[-1]
-    assert f"resumed from {ckpt}/step_{last_complete:08d}" in last_run, log_tail(run_dir)
-    assert complete_steps(run_dir)[-1] == STEPS
-    assert not [d for d in ckpt.glob("step_*") if not (d / "COMPLETE").exists()]  # crash leftovers pruned
-    got = metric_losses(run_dir)
-    assert {s for s, _ in got} == set(range(1, STEPS + 1))
-    for step, loss in got:  # every logged loss, including the steps redone after the crash
-        assert loss == want[step], (step, loss, want[step])
+    assert "nothing to train" in log_text(run_dir).split(f"job {job} restart 0")[-1], log_tail(run_dir)
     status = status_json(run_dir)
     assert status["latest_checkpoint_step"] == STEPS and status["job_id"] == job and status["submissions"] == 3
