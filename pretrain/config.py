@@ -130,6 +130,9 @@ class DataConfig:
     # sample's last token dropping off, unless the sample already begins with it. Attention-sink
     # metrics read the weight on the first token, which is then always the same token.
     start_with_bos: bool = False
+    # Uniformly random tokens instead of shards (pretrain/synthetic_data.py): a smoke test of a
+    # config, its memory and speed, before data exists; data.shards, mix and tokenizer are not read.
+    synthetic: bool = False
 
     @property
     def sources(self) -> list[DataSource]:
@@ -448,6 +451,7 @@ SWITCHED_KEYS = (
     ("eval", ("downstream_tasks", "downstream_limit"), "eval.downstream_interval > 0",
      lambda c: c.eval.downstream_interval > 0),
     ("profile", ("steps", "ranks", "memory"), "profile.start_step > 0", lambda c: c.profile.start_step > 0),
+    ("data", ("shards", "mix", "cache", "num_workers"), "data.synthetic=false", lambda c: not c.data.synthetic),
 )
 
 
@@ -561,6 +565,9 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
         raise ConfigError(f"{EMPTY_TOKENIZER} the downstream tasks are encoded with")
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
     manifests, tokenizer, train_samples = [], None, 0
+    if cfg.data.synthetic and (cfg.data.document_mask or cfg.data.start_with_bos):
+        raise ConfigError("data.synthetic=true: random tokens hold no documents and no BOS; set "
+                          "data.document_mask=false and data.start_with_bos=false")
 
     def checked_manifest(source: DataSource, key: str) -> dict:
         """A local shard set's manifest, matched against the model and the tokenizer."""
@@ -607,7 +614,7 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
                               "data.start_with_bos=false")
         return manifest
 
-    for source in cfg.data.sources:
+    for source in [] if cfg.data.synthetic else cfg.data.sources:
         if "://" in source.shards:
             continue
         key = (f"data.mix entry {source.name!r} (shards={source.shards})" if source.name
@@ -623,7 +630,7 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
             if not (split_shards(Path(source.shards), "val", key, manifest)
                     or split_shards(Path(source.shards), "train", key, manifest)):
                 raise ConfigError(f"{key}: holds no samples")
-    if world_size and len(manifests) == len(cfg.data.sources):
+    if world_size and manifests and len(manifests) == len(cfg.data.sources):
         # Streaming gives each data-parallel rank ceil(samples / ranks) of an epoch; the loader drops
         # a last partial micro-batch, so fewer than one micro-batch each would give no batch at all.
         ranks = world_size // cfg.parallel.tensor
@@ -631,6 +638,8 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
             raise ConfigError(f"the train split holds {train_samples} samples, fewer than train.micro_batch="
                               f"{cfg.train.micro_batch} for each of the {ranks} data-parallel ranks: lower "
                               "train.micro_batch (or the ranks), or build more data")
+    if cfg.data.synthetic:
+        return {}
     if cfg.data.start_with_bos and not manifests:
         raise ConfigError("data.start_with_bos=true needs the BOS id from a local manifest.json, but every "
                           "data source is remote: set data.start_with_bos=false")

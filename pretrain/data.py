@@ -20,6 +20,8 @@ from megatron.core import parallel_state as ps
 
 from pretrain import shared_memory
 from pretrain.config import Config, ConfigError, DataSource
+from pretrain.synthetic_data import SyntheticLoader
+from pretrain.synthetic_data import val_batches as synthetic_val
 
 # streaming (which imports transformers) is imported where shards are read: processes that read
 # none (post-training on JSON Lines, tools.generate) start 2 s sooner.
@@ -86,6 +88,8 @@ def sample_bos(cfg: Config) -> int | None:
 def sources_record(cfg: Config) -> list[dict]:
     """What the train loader reads, for the checkpoint marker: each source's name, shards and
     weight, and a fingerprint of its train split's index (None where it has none)."""
+    if cfg.data.synthetic:
+        return [{"name": "", "shards": "synthetic", "weight": 1.0, "train_index": None}]
     record = []
     for source in cfg.data.sources:
         if "://" in source.shards:
@@ -262,11 +266,14 @@ def streaming_dataset(**kwargs):
     return dataset
 
 
-def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
-    """A fresh dataset and loader. Resume must load state into a fresh loader: a used one
+def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader | SyntheticLoader:
+    """A fresh dataset and loader (data.synthetic: random tokens). Resume must load state into a fresh loader: a used one
     ignores the state and restarts at sample 0."""
     from streaming import Stream, StreamingDataLoader
 
+    if cfg.data.synthetic:
+        return SyntheticLoader(cfg.data.shuffle_seed, cfg.model.vocab_size, cfg.model.max_seq_len + 1,
+                               cfg.train.micro_batch, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     release_shared_memory_once(cfg)
     sources = cfg.data.sources
     if cfg.data.mix:  # streaming draws weight / sum(weights) of every epoch from each source
@@ -313,7 +320,10 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
     micro = cfg.train.micro_batch
     collate = collate_fn(cfg)
     sets = {}
-    for source in [*cfg.data.sources, *cfg.eval.val_sets]:
+    if cfg.data.synthetic:
+        sets[""] = synthetic_val(cfg.data.shuffle_seed, cfg.model.vocab_size, cfg.model.max_seq_len + 1, micro, dp_rank,
+                                 cfg.train.eval_batches)
+    for source in [*([] if cfg.data.synthetic else cfg.data.sources), *cfg.eval.val_sets]:
         location = _split_location(cfg, source, "val")
         held_out = source in cfg.eval.val_sets
         if held_out and not has_samples(location):  # all of a held-out set built with --val-fraction 0

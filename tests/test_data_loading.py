@@ -502,3 +502,25 @@ def test_a_resume_starts_a_new_epoch_where_the_train_data_changed(tmp_path):
                      "order of its checkpoint; a new order needs a new run.dir",
                      "note: data.start_with_bos=False where the checkpoint trained with True: from here on its "
                      "samples no longer begin with BOS"]
+
+
+def test_synthetic_data_splits_over_ranks_and_resumes_at_any_data_parallel_size():
+    """data.synthetic: rank r of R reads the r-th micro-batch of every step's R, the samples of one
+    rank's run in order; a state saved at one size continues at another; validation is apart."""
+    from pretrain.synthetic_data import SyntheticLoader, val_batches
+
+    def loader(rank: int, ranks: int) -> SyntheticLoader:
+        return SyntheticLoader(seed=7, vocab_size=50, length=9, micro_batch=2, rank=rank, ranks=ranks)
+
+    alone = loader(0, 1)
+    one = torch.cat([next(alone) for _ in range(4)])  # 8 samples
+    two = [loader(0, 2), loader(1, 2)]
+    steps = [[next(r) for r in two] for _ in range(2)]
+    assert torch.equal(torch.cat([b for step in steps for b in step]), one)
+    assert one.shape == (8, 9) and int(one.max()) < 50 and len({tuple(s.tolist()) for s in one}) == 8
+    resumed = loader(0, 1)
+    resumed.load_state_dict(two[0].state_dict())  # 8 samples consumed at two ranks
+    assert two[0].state_dict()["sample_in_epoch"] == 8
+    assert torch.equal(next(resumed), torch.cat([next(alone)]))
+    val = val_batches(7, 50, 9, 2, rank=0, count=2)
+    assert len(val) == 2 and not any(torch.equal(v, b) for v in val for b in one.split(2))

@@ -780,3 +780,21 @@ def test_readers_of_a_bf16_run_get_its_fp32_master_weights(data, tmp_path):
             compared += 1
     assert compared == len([k for k in state if not k.endswith("_extra_state")]) > 10
     assert any(not torch.equal(state[k], module[k].float()) for k in state)  # finer than the bf16 copies
+
+
+def test_a_synthetic_data_run_reads_no_shards_and_resumes_exactly(tmp_path):
+    """data.synthetic: random tokens, no shards or tokenizer needed (a smoke test of a config); the
+    loss starts near ln(vocab_size), and a stopped run resumes to the uninterrupted run's losses."""
+    import math
+
+    straight, part = tmp_path / "straight", tmp_path / "part"
+    extra = {"data.synthetic": "true", "data.shards": tmp_path / "none", "data.tokenizer": tmp_path / "none",
+             "train.steps": 4, "train.save_interval": 2, "train.eval_interval": 4}
+    out = train(1, tiny_overrides(tmp_path, straight, **extra))
+    assert "read with data.synthetic=false only" in out.stdout
+    train(1, tiny_overrides(tmp_path, part, **extra, **{"train.stop_at_step": 2}))
+    resumed = train(1, tiny_overrides(tmp_path, part, **extra))
+    assert "resumed from" in resumed.stdout and losses(part) == losses(straight)
+    assert sorted(losses(straight)) == [1, 2, 3, 4] and abs(losses(straight)[1] - math.log(256)) < 0.3
+    [val] = [r for r in records_of(straight) if "val/loss" in r]
+    assert abs(val["val/loss"] - math.log(256)) < 0.3
