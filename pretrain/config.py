@@ -85,7 +85,8 @@ def parse_mix(value, key: str = "data.mix") -> list[DataSource]:
 def parse_val_sets(value, key: str = "eval.val_sets") -> list[DataSource]:
     """eval.val_sets: [{shards, name}, ...], held-out shard sets (no weight: nothing is drawn from them)."""
     for i, entry in enumerate(value or []):
-        if isinstance(entry, dict) and "weight" in entry:
+        # (a saved config writes the weight every DataSource has, 1.0)
+        if isinstance(entry, dict) and entry.get("weight", 1.0) != 1.0:
             raise ConfigError(f"{key}[{i}]: a validation set has no weight (training reads none of it); give shards "
                               "and name")
     return parse_mix(value, key)

@@ -165,11 +165,14 @@ def cache_root(cfg: Config) -> Path:
     return base / node_name()
 
 
-def _split_location(cfg: Config, source: DataSource, split: str) -> dict:
+def _split_location(cfg: Config, source: DataSource, split: str, held_out: bool = False) -> dict:
     """Where a StreamingDataset reads a source's split: remote shards into the local cache; local
     compressed shards into the cache too (decompressed there, see compressed_split), and local
-    uncompressed shards in place."""
+    uncompressed shards in place. `held_out`: an eval.val_sets entry, cached apart from the training
+    sources (a name may be the same: each removes the other copies in its folder)."""
     name, root = source.name or "shards", cache_root(cfg)
+    if held_out:
+        name = f"val_sets/{name}"
     if "://" in source.shards:
         # Named after the URL and its index: streaming reuses an index it finds in the folder, so
         # another URL (a resume after data.shards moved, runs sharing data.cache) or the same URL
@@ -323,11 +326,11 @@ def load_val_sets(cfg: Config, apart: bool = False) -> dict[str, list[torch.Tens
     if cfg.data.synthetic:
         sets[""] = synthetic_val(cfg.data.shuffle_seed, cfg.model.vocab_size, cfg.model.max_seq_len + 1, micro, dp_rank,
                                  cfg.train.eval_batches)
-    for source in [*([] if cfg.data.synthetic else cfg.data.sources), *cfg.eval.val_sets]:
-        location = _split_location(cfg, source, "val")
-        held_out = source in cfg.eval.val_sets
+    training = [] if cfg.data.synthetic else cfg.data.sources
+    for held_out, source in [*((False, s) for s in training), *((True, s) for s in cfg.eval.val_sets)]:
+        location = _split_location(cfg, source, "val", held_out)
         if held_out and not has_samples(location):  # all of a held-out set built with --val-fraction 0
-            location = _split_location(cfg, source, "train")
+            location = _split_location(cfg, source, "train", held_out)
         if not has_samples(location):  # no val split (shards built with --val-fraction 0)
             if (len(cfg.data.sources) > 1 or held_out) and (not dist.is_initialized() or dist.get_rank() == 0):
                 print(f"validation: eval.val_sets entry {source.name!r} holds no samples" if held_out else

@@ -24,11 +24,13 @@ def use_fused_optimizer(cfg: Config) -> bool:
 
 def vetoes_invalid_norms(cfg: Config) -> bool:
     """Whether a step with a non-finite gradient is refused by its global gradient norm instead of by
-    DeepSpeed's overflow scan: in bf16 (no loss scale to adjust) under ZeRO 1/2 with clipping, that
+    DeepSpeed's overflow scan: in bf16 (no loss scale to adjust) under ZeRO-2 with clipping, that
     norm is computed anyway and is non-finite whenever a gradient is, while the scan runs four small
     kernels per parameter tensor (a 1B UoE has 611 tensors; the H200 profile of its step had 10% in
-    elementwise multiplies). The step is then vetoed by SkipStepAdamW (invalid_global_norm)."""
-    return use_bf16(cfg) and cfg.train.grad_clip > 0 and cfg.parallel.zero_stage in (1, 2)
+    elementwise multiplies). The step is then vetoed by SkipStepAdamW (invalid_global_norm). At
+    ZeRO-1, bf16 runs DeepSpeed's BF16_Optimizer (fp32 gradient sums), which refuses such a step by
+    its norm itself."""
+    return use_bf16(cfg) and cfg.train.grad_clip > 0 and cfg.parallel.zero_stage == 2
 
 
 def invalid_global_norm(zero) -> bool:

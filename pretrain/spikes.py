@@ -72,6 +72,12 @@ class SpikeGuard:
             self._grad_norm = grad_norm
         return self.decision[0]
 
+    def refused(self, grad_norm: float) -> None:
+        """The step's update was refused before the guard was asked (DeepSpeed's BF16_Optimizer returns
+        at a non-finite norm): a skip like any other."""
+        if self.decision is None:
+            self.decision, self._grad_norm = (True, f"grad norm {grad_norm}"), grad_norm
+
     def end_step(self, step: int) -> str:
         """After the optimizer step: the reason the step was skipped ('' when it was applied)."""
         skipped, reason = self.decision if self.decision is not None else (False, "")

@@ -248,8 +248,8 @@ class Trainer:
             means = dp_mean(torch.cat([sums[overall].sum(0, keepdim=True) / covered, sums / counts,
                                        metrics / covered]))
         result = {"loss": means[0]}
-        if any(self.val_sets):  # data.mix sources by name, one alone too ("": data.shards)
-            result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:n + 1])})
+        # data.mix sources and eval.val_sets by name (data.shards, "", is what "loss" reports)
+        result.update({f"{name}/loss": mean for name, mean in zip(self.val_sets, means[1:n + 1]) if name})
         result.update(zip(names, means[n + 1:]))
         return result
 
@@ -373,6 +373,8 @@ class Trainer:
                 if self.spikes.restarted:
                     self.logger.print(f"step {step}: {self.spikes.consecutive} updates in a row were spikes; "
                                       "applied, and the spike window starts over")
+                if not self.last_step_applied:
+                    self.spikes.refused(float(self.engine.optimizer._global_grad_norm or float("nan")))
                 spike = self.spikes.end_step(step)
                 if spike:
                     self.logger.print(f"step {step}: update skipped as a spike ({spike}); "

@@ -218,7 +218,7 @@ def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch
     read-only dataset fails; nodes sharing the folder race on one temporary name). They go to the
     cache, in the node's own folder, under a name that changes when the shards are rebuilt."""
 
-    from pretrain.config import load_config
+    from pretrain.config import DataSource, load_config
     from pretrain.data import build_loader, load_val_sets, read_samples
     from tests.dist_utils import single_process_group
 
@@ -233,6 +233,12 @@ def test_local_compressed_shards_decompress_into_the_cache(tmp_path, monkeypatch
         val = torch.cat(load_val_sets(cfg)[""])
     assert torch.equal(read_samples(shards / "val", 8), val)
     assert first.shape == (16, 33) and len(list(shards.rglob("*.mds.zstd"))) == 2
+    # A held-out set of the same name (eval.val_sets) is cached apart: each removes other copies in its folder
+    from pretrain.data import _split_location
+
+    train_copy = Path(_split_location(cfg, cfg.data.sources[0], "train")["local"])
+    held_copy = Path(_split_location(cfg, DataSource("shards", str(shards)), "train", held_out=True)["local"])
+    assert train_copy.is_dir() and held_copy.parent != train_copy.parent
     assert not list(shards.rglob("*.mds")) and len(list((tmp_path / "cache").rglob("*.mds"))) == 2
     assert not (tmp_path / "cache" / "shards").exists() or not list((tmp_path / "cache" / "shards").iterdir())
     shutil.rmtree(shards)

@@ -630,6 +630,9 @@ def test_mixture_resumes_exactly_and_validates_each_source(tmp_path):
     [val] = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()
              if "val/loss" in line]
     assert val["step"] == 8 and {"val/web/loss", "val/code/loss", "val/held/loss"} <= set(val)
+    from pretrain.config import load_config
+
+    assert load_config(resumed / "config.yaml").eval.val_sets[0].name == "held"  # the saved config loads
     # Equal numbers of batches per source: the overall loss is the mean of the two training sources'.
     assert val["val/loss"] == pytest.approx((val["val/web/loss"] + val["val/code/loss"]) / 2, rel=1e-6)
     assert abs(val["val/held/loss"] - val["val/loss"]) > 1e-3
@@ -788,8 +791,10 @@ def test_a_synthetic_data_run_reads_no_shards_and_resumes_exactly(tmp_path):
     import math
 
     straight, part = tmp_path / "straight", tmp_path / "part"
-    extra = {"data.synthetic": "true", "data.shards": tmp_path / "none", "data.tokenizer": tmp_path / "none",
-             "train.steps": 4, "train.save_interval": 2, "train.eval_interval": 4}
+    held = write_synthetic_shards(tmp_path / "held", train=8, val=4)  # a held-out set validated beside them
+    extra = {"data.synthetic": "true", "data.shards": tmp_path / "none", "data.tokenizer": held / "tokenizer",
+             "train.steps": 4, "train.save_interval": 2, "train.eval_interval": 4,
+             "eval.val_sets": f"[{{shards: {held / 'shards'}}}]"}
     out = train(1, tiny_overrides(tmp_path, straight, **extra))
     assert "read with data.synthetic=false only" in out.stdout
     train(1, tiny_overrides(tmp_path, part, **extra, **{"train.stop_at_step": 2}))
@@ -797,4 +802,5 @@ def test_a_synthetic_data_run_reads_no_shards_and_resumes_exactly(tmp_path):
     assert "resumed from" in resumed.stdout and losses(part) == losses(straight)
     assert sorted(losses(straight)) == [1, 2, 3, 4] and abs(losses(straight)[1] - math.log(256)) < 0.3
     [val] = [r for r in records_of(straight) if "val/loss" in r]
-    assert abs(val["val/loss"] - math.log(256)) < 0.3
+    assert abs(val["val/loss"] - math.log(256)) < 0.3 and {"val/shards/loss", "val/loss"} <= set(val)
+    assert "val//loss" not in val and " ( " not in out.stdout  # the training data's is val/loss alone
