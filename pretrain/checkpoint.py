@@ -212,7 +212,8 @@ def restores_optimizer(meta: dict) -> bool:
     """Whether resuming this checkpoint (not through a universal one) restores its optimizer moments:
     ZeRO's partitions are laid out per expert-parallel size, and weights written without training
     (optimizer_state false: tools.import_hf) have none."""
-    return meta.get("expert_parallel", 1) == _expert_parallel_size() and meta.get("optimizer_state", True)
+    return (meta.get("expert_parallel", 1) == _expert_parallel_size() and meta.get("optimizer_state", True)
+            and meta.get("world_size", dist.get_world_size()) == dist.get_world_size())
 
 
 def load(engine, path: Path, universal: Path | None = None) -> dict:

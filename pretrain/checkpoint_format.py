@@ -177,10 +177,11 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
     tensor-parallel size, or in another precision (bf16: this run's; bf16 runs write their ZeRO
     files under other names, which DeepSpeed does not look for in fp32, nor the other way), and
     resumes through a universal checkpoint (pretrain.universal); False
-    when the layout is the saved one. Refused with the reason and the fix: another ZeRO stage
-    family (0, 1-2, 3: their files differ, and DeepSpeed loads none into another), a changed
-    layout for a model with routed experts (DeepSpeed's universal checkpoints do not take them;
-    another expert-parallel size at the same world size loads, with fresh moments), a changed
+    when the layout is the saved one, or for a model with routed experts at another world size
+    (loaded without a conversion, moments fresh). Refused with the reason and the fix: another ZeRO
+    stage family (0, 1-2, 3: their files differ, and DeepSpeed loads none into another), for a model
+    with routed experts another tensor-parallel size or precision, or ZeRO 0 / 3 (DeepSpeed's
+    universal checkpoints do not take experts), a changed
     global batch (the schedule and the sample order are counted in steps of it), and a checkpoint
     whose marker predates layout records."""
     saved_world, saved_tp = meta.get("world_size"), meta.get("tensor_parallel")
@@ -214,19 +215,23 @@ def check_layout(meta: dict, world_size: int, tensor: int, global_batch: int, ro
     if saved_tp is None or meta.get("global_batch") is None:
         raise CheckpointError(f"checkpoint {path} was saved at {saved} and records no layout for a conversion; "
                               f"this run asks for {asked}: {keep}")
+    if routed and (precision_changed or saved_tp != tensor or saved_family != "1-2"):
+        raise CheckpointError(f"checkpoint {path} was saved at {saved}, this run asks for {asked}: a model with "
+                              f"routed experts resumes at the saved tensor-parallel size and precision only, at "
+                              f"ZeRO 1-2 (the world and expert-parallel sizes may change); {keep}")
     if not any(Path(path).glob("*optim_states.pt")):
         raise CheckpointError(f"checkpoint {path} was saved at {saved} without ZeRO optimizer shards "
                               f"(parallel.zero_stage=0), which a conversion to {asked} needs: {keep}")
-    if routed:
-        raise CheckpointError(f"checkpoint {path} was saved at {saved}, this run asks for {asked}: a model with "
-                              f"routed experts resumes only at the saved world size and tensor-parallel size (the "
-                              f"expert-parallel size may change); {keep}")
     if meta["global_batch"] != global_batch:
         raise CheckpointError(
             f"checkpoint {path} was trained with a global batch of {meta['global_batch']} samples (at {saved}); "
             f"this run's is {global_batch} (train.micro_batch x train.grad_accum x data-parallel size at {asked}): "
             f"set them so that the product is {meta['global_batch']}, e.g. train.grad_accum, or {keep}")
-    return True
+    # Routed experts at another world size: DeepSpeed's universal checkpoints do not take them, but
+    # their weights load at any data- and expert-parallel size (pretrain.checkpoint.load: the module
+    # per tensor-parallel rank, each expert by its global id), with the schedule and the data
+    # position; AdamW's moments start afresh.
+    return not routed
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

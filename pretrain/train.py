@@ -292,9 +292,11 @@ def run(cfg: Config, task: Task | None = None) -> int:
             logger.print(f"note: train.init_from={cfg.train.init_from} is not read: it sets a new run's weights, "
                          "and this run resumes its own checkpoint (train.resume=none starts it over from init_from)")
         if not universal and marker.get("optimizer_state", True) and not checkpoint.restores_optimizer(marker):
-            logger.print(f"note: the checkpoint was saved at expert-parallel size {marker.get('expert_parallel', 1)}, "
-                         f"this run is at {cfg.parallel.expert}: AdamW's moments start afresh (the weights, the "
-                         "schedule and the data position are restored)")
+            logger.print(f"note: the checkpoint was saved at world {marker.get('world_size')}, expert-parallel size "
+                         f"{marker.get('expert_parallel', 1)}, this run is at world {env.world_size}, "
+                         f"{cfg.parallel.expert}: AdamW's moments start afresh (the weights, the schedule and the "
+                         "data position are restored"
+                         + ("; the fp32 master weights from the bf16 ones)" if use_bf16(cfg) else ")"))
         rise = schedule_rise(marker, cfg, start_step)
         if rise:
             logger.print(rise)

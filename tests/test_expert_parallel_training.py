@@ -71,12 +71,14 @@ def test_uoe_ep2_resume_and_ep_change(shards, ep2_run, tmp_path):
     for step in got:
         assert got[step] == pytest.approx(reference[step], abs=1e-5), (step, got, reference)
 
-    # Load the EP=2 checkpoint at EP=1 (ZeRO-1): the next batch gives the same loss, and the same
+    # Load the EP=2 checkpoint of 2 ranks at EP=1 on one process (ZeRO-1; the global batch kept by
+    # grad_accum: a job after losing a node): the next batch gives the same loss, and the same
     # global gradient norm, which checks DeepSpeed's expert-gradient scaling at both EP sizes.
     ep1 = tmp_path / "ep1"
-    out = train(2, tiny_overrides(shards, ep1, **{"parallel.expert": 1, "parallel.zero_stage": 1,
+    out = train(1, tiny_overrides(shards, ep1, **{"parallel.expert": 1, "parallel.zero_stage": 1, "train.grad_accum": 2,
                                                   "train.resume": step4, "train.stop_at_step": 5}) + UOE)
-    assert "saved at expert-parallel size 2, this run is at 1: AdamW's moments start afresh" in out.stdout
+    assert ("saved at world 2, expert-parallel size 2, this run is at world 1, 1: AdamW's moments start afresh"
+            in out.stdout)
     assert losses(ep1)[5] == pytest.approx(reference[5], abs=1e-5)
     norm_ep1 = train_metrics(ep1)[5]["train/grad_norm"]
     norm_ep2 = train_metrics(full)[5]["train/grad_norm"]
