@@ -374,7 +374,7 @@ class Trainer:
                     self.logger.print(f"step {step}: {self.spikes.consecutive} updates in a row were spikes; "
                                       "applied, and the spike window starts over")
                 if not self.last_step_applied:
-                    self.spikes.refused(float(self.engine.optimizer._global_grad_norm or float("nan")))
+                    self.spikes.refused(float(getattr(self.engine.optimizer, "_global_grad_norm", None) or float("nan")))
                 spike = self.spikes.end_step(step)
                 if spike:
                     self.logger.print(f"step {step}: update skipped as a spike ({spike}); "
