@@ -271,8 +271,7 @@ def streaming_dataset(**kwargs):
 
 def build_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader | SyntheticLoader:
     """A fresh dataset and loader (data.synthetic: random tokens). Resume must load state into a
-    fresh loader: a used one
-    ignores the state and restarts at sample 0."""
+    fresh loader: a used one ignores the state and restarts at sample 0."""
     from streaming import Stream, StreamingDataLoader
 
     if cfg.data.synthetic:
