@@ -98,8 +98,7 @@ def creating_datasets():
     import torch
     import torch.distributed as dist
 
-    leader = int(os.environ.get("LOCAL_RANK", 0)) == 0 and SHM_DIR.is_dir()
-    lock = _open_create_lock() if leader else None
+    lock = _open_create_lock() if _node_leader() else None
     try:
         if not (dist.is_available() and dist.is_initialized()):
             if lock is not None:
@@ -124,7 +123,7 @@ def creating_datasets():
             dist.all_reduce(every, op=dist.ReduceOp.MIN)  # also the barrier before the ranks scan
             if every.item():
                 break
-            if got:
+            if got and lock is not None:  # (ranks other than a node's leader hold no lock)
                 fcntl.flock(lock, fcntl.LOCK_UN)
             time.sleep(backoff.uniform(0.05, 0.2) * min(attempt + 1, 20))
         yield
@@ -132,6 +131,11 @@ def creating_datasets():
     finally:
         if lock is not None:
             lock.close()  # closing releases the lock
+
+
+def _node_leader() -> bool:
+    """Whether this process takes its node's lock: its first rank (where /dev/shm is)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and SHM_DIR.is_dir()
 
 
 def register(prefix: int) -> None:

@@ -310,6 +310,7 @@ def test_two_multi_node_jobs_sharing_nodes_take_the_locks_without_deadlock(tmp_p
     """Jobs A (nodes X, Y) and B (Y, X), simulated by threads, each node's first rank one thread:
     A holding X's lock and B holding Y's while waiting for the other deadlocked both jobs until
     their barrier timed out. A job takes all its nodes' locks or none."""
+    import fcntl
     import threading
     import time
 
@@ -339,13 +340,14 @@ def test_two_multi_node_jobs_sharing_nodes_take_the_locks_without_deadlock(tmp_p
             tensor.fill_(self.result)
             self.barrier.wait()  # every rank read the result before the next round
 
-    jobs = {"A": Job(), "B": Job()}
+    jobs = {"A": Job(), "B": Job(), "C": Job()}
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None: jobs[local.job].all_reduce(tensor, op))
     monkeypatch.setattr(dist, "barrier", lambda: jobs[local.job].barrier.wait())
+    monkeypatch.setattr(shared_memory, "_node_leader", lambda: local.leader)
     holders, overlaps, done = {"X": set(), "Y": set()}, [], []
 
-    def rank(job: str, node: str, delay: float):
-        local.job, local.node = job, node
+    def rank(job: str, node: str, delay: float, leader: bool = True):
+        local.job, local.node, local.leader = job, node, leader
         time.sleep(delay)
         with shared_memory.creating_datasets():
             holders[node].add(job)
@@ -362,6 +364,17 @@ def test_two_multi_node_jobs_sharing_nodes_take_the_locks_without_deadlock(tmp_p
     for t in threads:
         t.join(timeout=60)
     assert sorted(done) == [("A", "X"), ("A", "Y"), ("B", "X"), ("B", "Y")] and not overlaps
+    # Job C: two ranks of node X, the second holding no lock, while another job holds X's a while
+    held = open(tmp_path / "X.lock", "a+")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    threads = [threading.Thread(target=rank, args=a, daemon=True) for a in (("C", "X", 0), ("C", "X", 0, False))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    held.close()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(done)[-2:] == [("C", "X"), ("C", "X")]
 
 
 def test_a_run_starting_on_the_node_keeps_a_live_runs_loader_state(tmp_path, monkeypatch):

@@ -117,8 +117,9 @@ def test_planted_spikes_are_skipped_on_every_rank_and_resume_exactly(tmp_path):
             if "skipped as a spike" in line] == [s for s in skipped if s > 35]
 
 
-# pretrain.train whose optimizer also skips the step SKIP_AT_STEP, as for a spike.
-SKIPPING_TRAIN = """
+# pretrain.train whose optimizer also skips the step SKIP_AT_STEP, as for a spike, and whose loss is
+# NaN at the steps POISON_STEPS names (a batch that breaks the forward).
+INJECTING_TRAIN = """
 import os, sys
 from pretrain.train import Task, main
 from pretrain.trainer import Callback
@@ -127,16 +128,20 @@ class StepNow(Callback):
     def on_step_begin(self, trainer, step):
         self.step = step
 
-class SkipOneStep(Task):
+class Inject(Task):
     def trainer(self, cfg, engine, batches, val_sets, logger, meta, callbacks):
         counter = StepNow()
         trainer = super().trainer(cfg, engine, batches, val_sets, logger, meta, [*callbacks, counter])
-        guard, skip_at = engine.basic_optimizer.should_skip, int(os.environ["SKIP_AT_STEP"])
-        # Asked once per parameter group; the guard must see every call, as without this.
-        engine.basic_optimizer.should_skip = lambda: guard() | (counter.step == skip_at)
+        if "SKIP_AT_STEP" in os.environ:
+            guard, skip_at = engine.basic_optimizer.should_skip, int(os.environ["SKIP_AT_STEP"])
+            # Asked once per parameter group; the guard must see every call, as without this.
+            engine.basic_optimizer.should_skip = lambda: guard() | (counter.step == skip_at)
+        if "POISON_STEPS" in os.environ:
+            forward, poisoned = trainer.forward, {int(s) for s in os.environ["POISON_STEPS"].split(",")}
+            trainer.forward = lambda batch: forward(batch) * (float("nan") if counter.step in poisoned else 1.0)
         return trainer
 
-sys.exit(main(sys.argv[1:], SkipOneStep()))
+sys.exit(main(sys.argv[1:], Inject()))
 """
 
 
@@ -148,7 +153,7 @@ def test_a_skipped_step_of_an_expert_model_changes_no_weight_and_no_router_bias(
 
     data = write_synthetic_shards(tmp_path / "data")
     run, script = tmp_path / "uoe", tmp_path / "skipping_train.py"
-    script.write_text(SKIPPING_TRAIN)
+    script.write_text(INJECTING_TRAIN)
     overrides = tiny_overrides(data, run, **{
         "train.steps": 2, "train.warmup_steps": 1, "train.skip_spikes": "true", "train.save_interval": 1,
         "model.mlp": "uoe", "model.moe.expert_hidden_size": 32, "model.moe.shared_hidden_size": 16,
@@ -210,26 +215,6 @@ def test_bf16_accumulates_in_fp32_and_refuses_a_non_finite_gradient_by_its_norm(
         assert step(poison=False).all()
 
 
-# pretrain.train whose loss is NaN at the steps POISON_STEPS names (a batch that breaks the forward).
-POISONED_TRAIN = """
-import os, sys
-from pretrain.train import Task, main
-from pretrain.trainer import Callback
-
-class StepNow(Callback):
-    def on_step_begin(self, trainer, step):
-        self.step = step
-
-class PoisonSteps(Task):
-    def trainer(self, cfg, engine, batches, val_sets, logger, meta, callbacks):
-        counter = StepNow()
-        trainer = super().trainer(cfg, engine, batches, val_sets, logger, meta, [*callbacks, counter])
-        forward, poisoned = trainer.forward, {int(s) for s in os.environ["POISON_STEPS"].split(",")}
-        trainer.forward = lambda batch: forward(batch) * (float("nan") if counter.step in poisoned else 1.0)
-        return trainer
-
-sys.exit(main(sys.argv[1:], PoisonSteps()))
-"""
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -241,7 +226,7 @@ def test_a_bad_batch_is_skipped_and_the_run_goes_on(tmp_path, precision):
 
     data = write_synthetic_shards(tmp_path / "data")
     run, script = tmp_path / "run", tmp_path / "poisoned_train.py"
-    script.write_text(POISONED_TRAIN)
+    script.write_text(INJECTING_TRAIN)
     overrides = tiny_overrides(data, run, **{"train.steps": 5, "train.skip_spikes": "true", "train.save_interval": 1,
                                              "train.keep_last": 5, "train.eval_interval": 5,
                                              "train.precision": precision, "parallel.zero_stage": 1})
