@@ -700,14 +700,19 @@ def test_a_one_source_mixture_reports_its_source_by_name():
     from pretrain.trainer import Trainer
     from tests.dist_utils import single_process_group
 
+    from pretrain.config import load_config
+
     trainer = object.__new__(Trainer)
-    trainer.device, trainer.cfg = "cpu", None
+    trainer.device, trainer.cfg = "cpu", load_config(None, ["eval.val_sets=[{shards: data/c4, name: c4}]"])
     trainer.engine = types.SimpleNamespace(eval=lambda: None, train=lambda: None)
     trainer.forward = lambda batch: torch.tensor(float(batch))
     trainer.loss_tokens = lambda batch: None
     with single_process_group():
         for val_sets, want in (({"web": [1.0, 3.0]}, {"loss": 2.0, "web/loss": 2.0}),
-                               ({"": [1.0, 3.0]}, {"loss": 2.0})):
+                               ({"": [1.0, 3.0]}, {"loss": 2.0}),
+                               # a held-out set (eval.val_sets) is reported by name, out of "loss"
+                               ({"": [1.0, 3.0], "c4": [5.0, 7.0]}, {"loss": 2.0, "c4/loss": 6.0}),
+                               ({"c4": [5.0, 7.0]}, {"loss": 6.0, "c4/loss": 6.0})):  # no other: "loss" is its
             trainer.val_sets = val_sets
             assert trainer.evaluate() == pytest.approx(want), val_sets
 
