@@ -50,18 +50,22 @@ def job_ids(run_dir: Path) -> list[str]:
     return list(dict.fromkeys(path.read_text().split())) if path.is_file() else []
 
 
+def job_history(run_dir: Path, job: str) -> list[tuple[str, dict]]:
+    """The batch script's history lines of `job` (HISTORY), each with its key=value fields."""
+    import re
+
+    path = Path(run_dir) / HISTORY
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [(line, fields) for line in lines if (fields := dict(re.findall(r"(\w+)=(\S+)", line))).get("job") == job]
+
+
 def job_runs(run_dir: Path, job: str) -> tuple[int, str | None]:
     """(retries so far, the checkpoint tag the latest run started with: its start line's saved=) of
     `job`, from the batch script's history."""
-    import re
-
     retries, saved = 0, None
-    path = Path(run_dir) / HISTORY
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        fields = dict(re.findall(r"(\w+)=(\S+)", line))
-        if fields.get("job") == job:
-            retries += fields.get("action") == "retry"
-            saved = fields.get("saved", saved) if " start " in f" {line} " else saved
+    for line, fields in job_history(run_dir, job):
+        retries += fields.get("action") == "retry"
+        saved = fields.get("saved", saved) if " start " in f" {line} " else saved
     return retries, saved
 
 

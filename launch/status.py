@@ -60,20 +60,15 @@ def slurm_state(job: str) -> dict:
 
 def history(run_dir: Path, job: str) -> dict:
     """Starts and the last recorded restart count / end of `job` from the batch script's history."""
-    path = run_dir / slurm_job.HISTORY
     starts, restarts, last_end, end_fields = 0, None, None, {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            fields = dict(re.findall(r"(\w+)=(\S+)", line))
-            if fields.get("job") != job:
-                continue
-            restarts = int(fields.get("restarts", 0))
-            if " start " in f" {line} ":
-                starts += 1
-            elif " end " in f" {line} ":
-                last_end, end_fields = line, fields
-            elif line.endswith(" requeue failed") and end_fields:  # the batch script's scontrol requeue
-                end_fields = {**end_fields, "action": "requeue failed"}
+    for line, fields in slurm_job.job_history(run_dir, job):
+        restarts = int(fields.get("restarts", 0))
+        if " start " in f" {line} ":
+            starts += 1
+        elif " end " in f" {line} ":
+            last_end, end_fields = line, fields
+        elif line.endswith(" requeue failed") and end_fields:  # the batch script's scontrol requeue
+            end_fields = {**end_fields, "action": "requeue failed"}
     return {"starts": starts, "restarts": restarts, "last_end": last_end, "end_fields": end_fields}
 
 

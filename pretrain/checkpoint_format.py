@@ -262,15 +262,15 @@ def _expert_ids(keys) -> dict[str, set[int]]:
     return ids
 
 
-def global_expert_keys(keys, ep_rank: int) -> dict[str, str]:
-    """A module's parameter names (local expert ids) -> the checkpoint's (global expert ids): a
-    layer's local experts are those its keys name, and rank r holds ids [r * local, (r + 1) * local)."""
+def global_expert_keys(keys, ep_rank: int, local_experts: int = 0) -> dict[str, str]:
+    """A module's parameter names (local expert ids) -> the checkpoint's (global expert ids): rank r
+    holds ids [r * local, (r + 1) * local), `local_experts` per rank, else as many as a layer's keys name."""
     local = _expert_ids(keys)
     out = {}
     for key in keys:
         match = EXPERT_KEY.match(key)
-        out[key] = (f"{match.group(1)}{ep_rank * len(local[match.group(1)]) + int(match.group(2))}{match.group(3)}"
-                    if match else key)
+        count = local_experts or (len(local[match.group(1)]) if match else 0)
+        out[key] = f"{match.group(1)}{ep_rank * count + int(match.group(2))}{match.group(3)}" if match else key
     return out
 
 
@@ -301,17 +301,20 @@ def write_stop_marker(run_dir: str | os.PathLike, step: int, signal_name: str) -
     return path
 
 
-def read_stop_marker(run_dir: str | os.PathLike) -> dict | None:
-    path = Path(run_dir) / STOP_MARKER
-    if not path.is_file():
-        return None
+def _read_marker(path: Path) -> dict | None:
+    """A JSON marker file, None where it is missing or unreadable (being replaced)."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text()) if path.is_file() else None
     except (OSError, json.JSONDecodeError):
         return None
 
 
-def clear_stop_marker(run_dir: str | os.PathLike) -> None:
+def read_stop_marker(run_dir: str | os.PathLike) -> dict | None:
+    return _read_marker(Path(run_dir) / STOP_MARKER)
+
+
+def clear_run_markers(run_dir: str | os.PathLike) -> None:
+    """Remove what the previous start recorded of how it ended (a signal stop, a failure)."""
     (Path(run_dir) / STOP_MARKER).unlink(missing_ok=True)
     (Path(run_dir) / FAILURE_MARKER).unlink(missing_ok=True)
 
@@ -328,8 +331,4 @@ def write_failure_marker(run_dir: str | os.PathLike, rank: int, error: BaseExcep
 
 
 def read_failure_marker(run_dir: str | os.PathLike) -> dict | None:
-    path = Path(run_dir) / FAILURE_MARKER
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, json.JSONDecodeError):
-        return None
+    return _read_marker(Path(run_dir) / FAILURE_MARKER)

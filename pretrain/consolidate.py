@@ -48,6 +48,7 @@ from pretrain.checkpoint_format import (
     MP_MODEL,
     ZERO3_MODEL,
     CheckpointError,
+    global_expert_keys,
     read_meta,
     resolve_checkpoint,
 )
@@ -167,15 +168,14 @@ def fp32_masters(tag_dir: Path, mp_rank: int, data: int, local_experts: int = 0)
         groups = state["base_optimizer_state"]["param_groups"]
         for flat, mapping, group, count in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"],
                                                groups, state["partition_count"]):
+            names = {name: name for name in mapping}
             if group.get("moe"):
                 if not local_experts:
                     continue
-                first = (d % (data // count)) * local_experts  # expert-parallel size: data / expert-data-parallel
+                # expert-parallel rank d % E, E = data / expert-data-parallel size
+                names = global_expert_keys(mapping, d % (data // count), local_experts)
             for name, fragment in mapping.items():
-                if group.get("moe"):
-                    match = EXPERT_KEY.match(name)
-                    name = f"{match.group(1)}{first + int(match.group(2))}{match.group(3)}"
-                pieces.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel).clone())
+                pieces.setdefault(names[name], []).append(flat.narrow(0, fragment.start, fragment.numel).clone())
     return {name: torch.cat(parts) for name, parts in pieces.items()}
 
 

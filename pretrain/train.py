@@ -229,7 +229,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
         # older checkpoint, none) would set the newer checkpoints aside again at every relaunch.
         save_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="auto")),
                     run_dir / "config.yaml")
-        checkpoint_format.clear_stop_marker(run_dir)  # a marker describes the latest process run only
+        checkpoint_format.clear_run_markers(run_dir)  # markers describe the latest process run only
         if cfg.train.resume != "auto":  # none, or a checkpoint: no later tag may stay to be resumed or kept
             moved = checkpoint_format.set_aside_newer(run_dir, resume_path)
             if moved:

@@ -21,7 +21,7 @@ from pretrain.config import Config
 from pretrain.data import Batches, all_batches, run_document_eos, split_batch
 from pretrain.distributed import dp_mean
 from pretrain.engine import invalid_global_norm, use_bf16
-from pretrain.spikes import SpikeGuard
+from pretrain.spikes import MAX_NONFINITE_IN_ROW, SpikeGuard
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line, rank_extremes, reset_peak_memory
 
 
@@ -188,8 +188,6 @@ class Trainer:
         """A non-finite loss stops the run, unless train.skip_spikes is on and its update was skipped (by
         the guard or DeepSpeed's overflow check: the weights are as before it; a bad batch, which a
         resume would replay at the same step) fewer than MAX_NONFINITE_IN_ROW times in a row."""
-        from pretrain.spikes import MAX_NONFINITE_IN_ROW
-
         where = f"Resume from the last checkpoint in {checkpoint_format.checkpoint_dir(self.cfg.run.dir)}"
         if self.spikes is None:
             raise NonFiniteLossError(

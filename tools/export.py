@@ -361,26 +361,30 @@ def save_tokenizer(tokenizer_dir: Path, out: Path, add_bos: bool = False, paddin
     # The shards hold "</s>" in text as its pieces, not as EOS: so does a tokenizer that splits special
     # tokens. A chat template writes BOS / EOS as text, which must stay special there.
     config["split_special_tokens"] = chat is None
-    if chat is not None:
-        config["chat_template"] = chat_template(ChatFormat.recorded(chat), bool(meta.get("add_dummy_prefix")))
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
-    loaded = AutoTokenizer.from_pretrained(out)
-    if chat is not None:
-        wrong = chat_template_mismatch(loaded, ChatEncoder(sp, ChatFormat.recorded(chat)))
+    fmt = ChatFormat.recorded(chat) if chat is not None else None
+    if fmt is not None:
+        config["chat_template"] = chat_template(fmt, bool(meta.get("add_dummy_prefix")))
+
+    def written():
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        return AutoTokenizer.from_pretrained(out)
+
+    loaded = written()
+    if fmt is not None:
+        wrong = chat_template_mismatch(loaded, ChatEncoder(sp, fmt))
         if wrong:  # a template giving other ids than the model trained on is worse than none
             del config["chat_template"]
-            config_file.write_text(json.dumps(config, indent=2) + "\n")
-            loaded = AutoTokenizer.from_pretrained(out)
+            loaded = written()
             print(f"note: the tokenizer gets no chat_template: rendered and tokenized at once, {wrong}; build "
                   "prompts with posttrain.chat.ChatEncoder and the format in export_info.json", flush=True)
-    specials = " x".join(sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i))
-    if chat is None and loaded(f"a {specials} b", add_special_tokens=False)["input_ids"] != sp.encode(f"a {specials} b"):
-        # A Unigram vocabulary holding those strings as pieces matches them whatever the flag says.
-        config["split_special_tokens"] = False
-        config_file.write_text(json.dumps(config, indent=2) + "\n")
-        loaded = AutoTokenizer.from_pretrained(out)
-        print(f"note: this tokenizer encodes the text of its special tokens ({specials.replace(' x', ', ')}) as "
-              "those tokens, where the training data held their pieces", flush=True)
+    else:
+        specials = " x".join(sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i))
+        if loaded(f"a {specials} b", add_special_tokens=False)["input_ids"] != sp.encode(f"a {specials} b"):
+            # A Unigram vocabulary holding those strings as pieces matches them whatever the flag says.
+            config["split_special_tokens"] = False
+            loaded = written()
+            print(f"note: this tokenizer encodes the text of its special tokens ({specials.replace(' x', ', ')}) as "
+                  "those tokens, where the training data held their pieces", flush=True)
     for text in TOKENIZER_PROBES:
         want, got = sp.encode(text), loaded(text, add_special_tokens=False)["input_ids"]
         if want != got:
