@@ -190,6 +190,9 @@ class TrainConfig:
     save_interval: int = 100
     keep_last: int = 3
     keep_every: int = 0  # checkpoints of steps that are multiples of it stay beyond keep_last (0: none)
+    # Save also when this many minutes passed since the last save (0: off), for jobs killed without
+    # warning; these checkpoints count against keep_last like any other (pretrain.save_timer).
+    save_interval_minutes: float = 0.0
     resume: str = field(default="auto", metadata={  # auto | none | <checkpoint tag directory>
         "parse": parse_resume,
         "empty": "give auto (the newest checkpoint), none (start afresh) or a checkpoint directory"})
@@ -413,7 +416,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0 "
                           "(0 = no warmup: the schedule starts at once)")
     for key, zero in (("stop_at_step", "run to train.steps"), ("eval_batches", "no validation"),
-                      ("grad_clip", "no clipping"), ("weight_decay", "none")):
+                      ("grad_clip", "no clipping"), ("weight_decay", "none"),
+                      ("save_interval_minutes", "by steps only")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0 = {zero})")
     if t.keep_every < 0 or t.keep_every % t.save_interval:

@@ -21,6 +21,7 @@ from pretrain.config import Config
 from pretrain.data import Batches, all_batches, run_document_eos, split_batch
 from pretrain.distributed import dp_mean
 from pretrain.engine import invalid_global_norm, use_bf16
+from pretrain.save_timer import SaveTimer
 from pretrain.spikes import MAX_NONFINITE_IN_ROW, SpikeGuard
 from pretrain.telemetry import Logger, Throughput, peak_memory_gb, progress_line, rank_extremes, reset_peak_memory
 
@@ -85,6 +86,7 @@ class Trainer:
         # The step whose validation a signal interrupted: saved with its checkpoint, so the resumed
         # run validates those weights before it trains on.
         self.validation_due: int | None = None
+        self.save_timer = SaveTimer(cfg.train.save_interval_minutes)
         if cfg.train.skip_spikes:
             self.spikes = SpikeGuard(cfg.train.spike_window, cfg.train.spike_sigmas)
             zero = engine.optimizer  # DeepSpeed's ZeRO wrapper: it has the global norm before the torch step
@@ -263,6 +265,7 @@ class Trainer:
             rank_state["validation_due"] = step
         path = checkpoint.save(self.engine, checkpoint_format.checkpoint_dir(self.cfg.run.dir), step, self.meta,
                                rank_state, self.cfg.train.keep_last, self.cfg.train.keep_every)
+        self.save_timer.saved()
         seconds = time.perf_counter() - started
         if dist.get_rank() == 0:  # the files of all ranks, on the shared run directory
             size_gb = checkpoint.size_gb(path)
@@ -390,7 +393,12 @@ class Trainer:
             if signum and step < t.steps and step != t.stop_at_step:  # at stop_at_step: the plain stop below
                 self._stop_on_signal(step, signum)
                 return step
-            if step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step:
+            save_now = step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step
+            if not save_now and self.save_timer.due(self.device):  # the same on every rank, so is save_now
+                self.logger.print(f"step {step}: {t.save_interval_minutes:g} min since the last save "
+                                  "(train.save_interval_minutes)")
+                save_now = True
+            if save_now:
                 with throughput.paused():
                     self.save(step)
             if step == t.stop_at_step:

@@ -137,6 +137,7 @@ def test_bad_overrides(override, message):
     (["run.callbacks=[tests.user_callbacks:Missing]"], 1, "tests.user_callbacks has no Missing"),
     (["train.save_interval=100", "train.keep_every=250"], 1, "keep_every=250 must be 0 .* or a multiple of "
                                                              r"train.save_interval=100"),
+    (["train.save_interval_minutes=-30"], 1, r"save_interval_minutes=-30.0 must be >= 0 \(0 = by steps only\)"),
 ])
 def test_validation_errors(override, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -466,6 +466,21 @@ def test_a_save_keeps_the_last_complete_checkpoints_and_clears_older_partial_one
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000008", "step_00000011", "step_00000012"]
 
 
+def test_a_save_by_time_is_due_once_the_minutes_passed_since_the_last_save():
+    from pretrain.save_timer import SaveTimer
+
+    now = [100.0]
+    timer = SaveTimer(2, clock=lambda: now[0])
+    now[0] = 219.0
+    assert not timer.due()
+    now[0] = 220.0
+    assert timer.due() and timer.due()  # until a save resets it
+    timer.saved()
+    now[0] = 339.0
+    assert not timer.due()
+    assert not SaveTimer(0, clock=lambda: now[0] + 1e9).due()  # 0: off
+
+
 def test_a_checkpoint_missing_one_expert_file_is_told_by_its_name(tmp_path):
     """Every expert file a routed model's checkpoint needs: DeepSpeed numbers them by routed layer
     (model.moe.moe_layers 1,3 -> layer_0, layer_1), global expert and tensor-parallel rank."""
@@ -791,18 +806,21 @@ def test_readers_of_a_bf16_run_get_its_fp32_master_weights(data, tmp_path):
     assert any(not torch.equal(state[k], module[k].float()) for k in state)  # finer than the bf16 copies
 
 
-def test_a_synthetic_data_run_reads_no_shards_and_resumes_exactly(tmp_path):
+def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(tmp_path):
     """data.synthetic: random tokens, no shards or tokenizer needed (a smoke test of a config); the
-    loss starts near ln(vocab_size), and a stopped run resumes to the uninterrupted run's losses."""
+    loss starts near ln(vocab_size), and a stopped run resumes to the uninterrupted run's losses.
+    train.save_interval_minutes saves between the train.save_interval steps."""
     import math
 
     straight, part = tmp_path / "straight", tmp_path / "part"
     held = write_synthetic_shards(tmp_path / "held", train=8, val=4)  # a held-out set validated beside them
     extra = {"data.synthetic": "true", "data.shards": tmp_path / "none", "data.tokenizer": held / "tokenizer",
-             "train.steps": 4, "train.save_interval": 2, "train.eval_interval": 4,
+             "train.steps": 4, "train.save_interval": 4, "train.save_interval_minutes": "1e-9", "train.eval_interval": 4,
              "eval.val_sets": f"[{{shards: {held / 'shards'}}}]"}
     out = train(1, tiny_overrides(tmp_path, straight, **extra))
     assert "read with data.synthetic=false only" in out.stdout
+    assert [r["step"] for r in records_of(straight) if "checkpoint/save_s" in r] == [1, 2, 3, 4]  # by time, 4 by steps
+    assert out.stdout.count("min since the last save (train.save_interval_minutes)") == 3
     saved_run_copy(straight, part, 2)  # as if stopped after the save of step 2
     resumed = train(1, tiny_overrides(tmp_path, part, **extra))
     assert "resumed from" in resumed.stdout and losses(part) == {s: losses(straight)[s] for s in (3, 4)}
