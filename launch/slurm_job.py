@@ -5,7 +5,8 @@ with launch.submit and launch.status.
         [--started 0|1] [--job ID --max-retries R]
 
 prints the action for the batch script, and the signal the step stopped on (USR1, TERM, ...; none):
-    requeue  the run saved on the time-limit signal (USR1) and may be requeued again
+    requeue  the run saved on the time-limit signal (USR1, or ALRM: train.stop_after_minutes) and may be
+             requeued again
     retry    the training step failed (a lost node, a crashed rank) after saving a newer checkpoint
              than the job run started from: requeued to resume it, at most R times per job
     stopped  the run saved on a signal and ends here (preemption/TERM, or requeues used up)
@@ -87,11 +88,12 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
         # known from the marker.
         reason = received or marker_signal(marker)
         where = f"saved at step {marker.get('step')} on SIG{reason}"
-        if reason != "USR1":
+        if reason not in TIME_LIMIT_SIGNALS:
             return "stopped", f"{where} (preemption or cancel): not requeueing"
         if restarts >= max_requeues:
             return "stopped", f"{where} but the job was requeued {restarts} times (max {max_requeues})"
-        return "requeue", f"{where} (time limit): requeue {restarts + 1} of at most {max_requeues}"
+        limit = "time limit" if reason == "USR1" else "train.stop_after_minutes"
+        return "requeue", f"{where} ({limit}): requeue {restarts + 1} of at most {max_requeues}"
     steps = configured_steps(run_dir)
     last = latest_complete_step(run_dir)
     if rc == 0:
@@ -110,6 +112,10 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
         return "retry", f"{failed}, newer than step {before} this job run started from: retry {retries + 1} of at " \
                         f"most {max_retries}"
     return "failed", failed
+
+
+# Slurm's warning before the time limit, and the trainer's own (train.stop_after_minutes): requeued
+TIME_LIMIT_SIGNALS = ("USR1", "ALRM")
 
 
 def marker_signal(marker: dict) -> str:

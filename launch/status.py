@@ -133,7 +133,7 @@ def unfinished(info: dict, ended: dict) -> str | None:
     if str(info.get("state")).split()[0].rstrip(":") in ACTIVE_STATES:
         return None
     signal, action = ended.get("signal", "none"), ended.get("action")
-    if action == "stopped" and signal == "USR1":
+    if action == "stopped" and signal in slurm_job.TIME_LIMIT_SIGNALS:
         why = f"the time limit stopped it after {info.get('restarts')} requeues (launch.submit --max-requeues)"
     elif action == "stopped":
         why = f"it stopped on SIG{signal} (preemption or cancel)"

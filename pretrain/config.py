@@ -200,6 +200,9 @@ class TrainConfig:
     # (pretrain.init_from); optimizer, schedule and data start fresh.
     init_from: str = ""
     stop_at_step: int = 0  # save and exit at this step (0 = run to train.steps); the schedule still spans train.steps
+    # Save and stop once this many minutes passed since the start (0: off), as on Slurm's time-limit
+    # signal (stop marker, exit code 85; a Slurm job requeues): for schedulers that end jobs unwarned.
+    stop_after_minutes: float = 0.0
 
 
 @dataclass
@@ -417,7 +420,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           "(0 = no warmup: the schedule starts at once)")
     for key, zero in (("stop_at_step", "run to train.steps"), ("eval_batches", "no validation"),
                       ("grad_clip", "no clipping"), ("weight_decay", "none"),
-                      ("save_interval_minutes", "by steps only")):
+                      ("save_interval_minutes", "by steps only"), ("stop_after_minutes", "no time limit")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0 = {zero})")
     if t.keep_every < 0 or t.keep_every % t.save_interval:

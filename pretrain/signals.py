@@ -1,5 +1,5 @@
 """SIGUSR1 (Slurm time limit), SIGTERM (preemption, scancel), SIGINT (Ctrl-C, which launch.local's
-agent forwards too) and SIGHUP (a closed terminal) set a flag; the loops poll it and all ranks agree
+agent forwards too), SIGHUP (a closed terminal) and SIGALRM (train.stop_after_minutes) set a flag; the loops poll it and all ranks agree
 through an all-reduce, so they stop at the same step boundary, after a save. SIGQUIT and SIGKILL stop
 at once.
 
@@ -47,6 +47,14 @@ def install(signals=STOP_SIGNALS) -> None:
         _tracker_started.append(True)
     for sig in signals:
         signal.signal(sig, _handler)
+
+
+def stop_after(seconds: float) -> None:
+    """SIGALRM after `seconds` (train.stop_after_minutes), recorded as the stop signals are: the run
+    saves and stops at the step boundary after it, as on a time-limit signal the scheduler never
+    sent. Forked processes (data workers) do not inherit the timer."""
+    signal.signal(signal.SIGALRM, _handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
 
 
 def any_rank_received(device="cpu") -> int:

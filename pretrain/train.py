@@ -204,6 +204,8 @@ def run(cfg: Config, task: Task | None = None) -> int:
     # First: a time-limit signal during startup (a universal conversion can take minutes) is then kept
     # for the first step boundary, where the run saves and stops, instead of killing the process.
     signals.install()
+    if cfg.train.stop_after_minutes:  # counted from here: the start, a conversion and the resume included
+        signals.stop_after(cfg.train.stop_after_minutes * 60)
     manifest, resume_path, init_path, universal = prepare(cfg, env.world_size, task)
     # Rank 0 holds run.dir before anything is written there (a universal conversion, the config).
     in_use = (run_lock.hold(Path(cfg.run.dir)) or "") if env.rank == 0 else ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -336,7 +337,9 @@ class Trainer:
             checkpoint_format.write_stop_marker(self.cfg.run.dir, step, signals.signal_name(signum))
         dist.barrier()
         self.stopped_by_signal = signum
-        self.logger.print(f"stopping at step {step} on {signals.signal_name(signum)}; resume with train.resume=auto")
+        why = (f"train.stop_after_minutes={self.cfg.train.stop_after_minutes:g} passed" if signum == signal.SIGALRM
+               else signals.signal_name(signum))
+        self.logger.print(f"stopping at step {step} on {why}; resume with train.resume=auto")
 
     def _train(self, start_step: int) -> int:
         t = self.cfg.train

@@ -307,6 +307,8 @@ def test_the_history_records_the_signal_a_step_stopped_on(tmp_path, capsys):
     assert decision("--rc", "143") == "stopped TERM"
     assert decision("--rc", "138", "--received", "USR1") == "requeue USR1"
     assert decision("--rc", "0", "--received", "USR1", "--started", "0") == "requeue USR1"
+    write_stop_marker(tmp_path, 4, "SIGALRM")  # train.stop_after_minutes: a time limit of the run's own
+    assert decision("--rc", "138") == "requeue ALRM"
 
 
 def test_a_stop_signal_while_the_trainer_imports_waits_for_the_first_step(tmp_path):

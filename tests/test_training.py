@@ -809,7 +809,8 @@ def test_readers_of_a_bf16_run_get_its_fp32_master_weights(data, tmp_path):
 def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(tmp_path):
     """data.synthetic: random tokens, no shards or tokenizer needed (a smoke test of a config); the
     loss starts near ln(vocab_size), and a stopped run resumes to the uninterrupted run's losses.
-    train.save_interval_minutes saves between the train.save_interval steps."""
+    train.save_interval_minutes saves between the train.save_interval steps; train.stop_after_minutes
+    saves and stops as a time-limit signal does."""
     import math
 
     straight, part = tmp_path / "straight", tmp_path / "part"
@@ -822,6 +823,11 @@ def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(
     assert [r["step"] for r in records_of(straight) if "checkpoint/save_s" in r] == [1, 2, 3, 4]  # by time, 4 by steps
     assert out.stdout.count("min since the last save (train.save_interval_minutes)") == 3
     saved_run_copy(straight, part, 2)  # as if stopped after the save of step 2
+    # train.stop_after_minutes: saved and stopped at the first step boundary after the time passed
+    stopped = train(1, tiny_overrides(tmp_path, part, **extra, **{"train.stop_after_minutes": "1e-9"}), check=False)
+    assert "exitcode  : 85" in stopped.stderr  # the trainer's: saved on a signal (torchrun's own is 1)
+    assert "stopping at step 3 on train.stop_after_minutes=1e-09 passed" in stopped.stdout
+    assert json.loads((part / "STOPPED_ON_SIGNAL").read_text())["signal"] == "SIGALRM"
     resumed = train(1, tiny_overrides(tmp_path, part, **extra))
     assert "resumed from" in resumed.stdout and losses(part) == {s: losses(straight)[s] for s in (3, 4)}
     assert sorted(losses(straight)) == [1, 2, 3, 4] and abs(losses(straight)[1] - math.log(256)) < 0.3
