@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     entry = entry_point(args.post)
     overrides = args.overrides
+    if args.config and "=" in args.config and not os.path.exists(args.config):  # overrides alone: the defaults
+        args.config, overrides = None, [args.config, *overrides]
     try:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: give at least 1 process")

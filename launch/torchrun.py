@@ -16,6 +16,10 @@ was trained, which the batch script tells apart from a failed step. So does a fi
 PRETRAIN_SIGNAL_FILE, found when the agent starts: the batch script writes the signal's name there
 before forwarding it, since a signal forwarded while srun is still registering the step reaches
 no process of it.
+
+Workers that all exit with pretrain.signals.EXIT_CODE_SAVED_ON_SIGNAL (85: they saved and stopped on
+a signal sent to them, or on train.stop_after_minutes) make the agent exit 85 too, not torchrun's 1
+for a failed worker: launch.local then says "saved, run again" by its exit code, as one process does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 from pathlib import Path
 
 from launch.sbatch import NOT_STARTED, SIGNAL_FILE_ENV  # noqa: F401 - NOT_STARTED: for importers too
+from pretrain.signals import EXIT_CODE_SAVED_ON_SIGNAL
 
 _before_workers: list[int] = []
 
@@ -78,6 +83,7 @@ if __name__ == "__main__":  # first of all, before the imports of torch (seconds
         sys.exit(NOT_STARTED)
 
 from torch.distributed.elastic.multiprocessing import api as _mp_api  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import main as _torchrun_main  # noqa: E402
 
 _first: list[int] = []
@@ -138,3 +144,11 @@ if __name__ == "__main__":
         print(f"torchrun agent: stopped on signal {stop.sigval.name}; the workers had it and up to "
               "--shutdown-timeout to save", file=sys.stderr)
         sys.exit(128 + int(stop.sigval))
+    except ChildFailedError as failed:
+        # Workers that saved and stopped (a signal sent to them, train.stop_after_minutes) are not a
+        # failure: the agent exits with their code, as a single process would, not with 1.
+        if not all(f.exitcode == EXIT_CODE_SAVED_ON_SIGNAL for f in failed.failures.values()):
+            raise
+        print(f"torchrun agent: the workers saved a checkpoint and stopped (exit code {EXIT_CODE_SAVED_ON_SIGNAL}); "
+              "the same command resumes", file=sys.stderr)
+        sys.exit(EXIT_CODE_SAVED_ON_SIGNAL)

@@ -812,6 +812,10 @@ def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(
     train.save_interval_minutes saves between the train.save_interval steps; train.stop_after_minutes
     saves and stops as a time-limit signal does."""
     import math
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO, child_env, free_port
 
     straight, part = tmp_path / "straight", tmp_path / "part"
     held = write_synthetic_shards(tmp_path / "held", train=8, val=4)  # a held-out set validated beside them
@@ -823,9 +827,12 @@ def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(
     assert [r["step"] for r in records_of(straight) if "checkpoint/save_s" in r] == [1, 2, 3, 4]  # by time, 4 by steps
     assert out.stdout.count("min since the last save (train.save_interval_minutes)") == 3
     saved_run_copy(straight, part, 2)  # as if stopped after the save of step 2
-    # train.stop_after_minutes: saved and stopped at the first step boundary after the time passed
-    stopped = train(1, tiny_overrides(tmp_path, part, **extra, **{"train.stop_after_minutes": "1e-9"}), check=False)
-    assert "exitcode  : 85" in stopped.stderr  # the trainer's: saved on a signal (torchrun's own is 1)
+    # train.stop_after_minutes: saved and stopped at the first step boundary after the time passed;
+    # launch.local exits with the trainer's code for that, 85
+    local = [sys.executable, "-m", "launch.local", "--port", str(free_port()),
+             *tiny_overrides(tmp_path, part, **extra, **{"train.stop_after_minutes": "1e-9"})]
+    stopped = subprocess.run(local, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert stopped.returncode == 85, stopped.stdout[-2000:] + stopped.stderr[-3000:]
     assert "stopping at step 3 on train.stop_after_minutes=1e-09 passed" in stopped.stdout
     assert json.loads((part / "STOPPED_ON_SIGNAL").read_text())["signal"] == "SIGALRM"
     resumed = train(1, tiny_overrides(tmp_path, part, **extra))
