@@ -135,6 +135,7 @@ class ChatEncoder:
     def __init__(self, sp, fmt: ChatFormat):
         self.sp, self.fmt = sp, fmt
         self.eos = sp.eos_id()
+        self.bos = sp.bos_id() if fmt.add_bos else None  # what every example begins with, if anything
         self.prefixes = {"system": fmt.system_prefix, "user": fmt.user_prefix, "assistant": fmt.assistant_prefix}
         # What a prompt ends with: the assistant prefix, without the spaces its response takes.
         prefix = fmt.assistant_prefix
@@ -146,7 +147,7 @@ class ChatEncoder:
 
     def conversation(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         """(ids, trained): every assistant turn's content and its EOS are trained, nothing else."""
-        ids: list[int] = [self.sp.bos_id()] if self.fmt.add_bos else []
+        ids: list[int] = [self.bos] if self.bos is not None else []
         trained: list[bool] = [False] * len(ids)
         for message in messages:
             role, content = message["role"], message["content"]

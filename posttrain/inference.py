@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from models.generation import generate
+from models.generation import context_window, generate
 from posttrain.chat import ChatEncoder, ChatFormat, ScoreFormat, with_scores
 from posttrain.value_head import ValueHead, last_token_states
 from pretrain.checkpoint_format import CheckpointError
@@ -47,7 +47,7 @@ class SGAModel:
     @torch.no_grad()
     def predict(self, messages: list[dict]) -> dict[str, float]:
         # The prompt's last max_seq_len tokens, as generation keeps them (the value head reads the last one).
-        ids = torch.tensor([self.encoder.prompt(messages)[-self.model.cfg.max_seq_len:]])
+        ids = torch.tensor([context_window(self.encoder.prompt(messages), self.model.cfg.max_seq_len, self.encoder.bos)])
         hidden = last_token_states(self.model.hidden_states(ids), torch.tensor([ids.shape[1] - 1]))
         return dict(zip(self.objectives, self.value_head(hidden)[0].tolist()))
 
@@ -71,5 +71,6 @@ class SGAModel:
                  top_p: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None) -> list[int]:
         """Stage 2: the response's ids (up to EOS) to the prompt conditioned on `scores`."""
         prompt = self.conditioned_prompt(messages, scores)
-        new = generate(self.model, prompt, max_new_tokens, temperature, top_p, greedy, self.encoder.eos, generator)
+        new = generate(self.model, prompt, max_new_tokens, temperature, top_p, greedy, self.encoder.eos, generator,
+                       bos=self.encoder.bos)
         return new[:-1] if new and new[-1] == self.encoder.eos else new

@@ -137,9 +137,10 @@ def run_bos(cfg: Config | None, meta: dict) -> int | None:
 
 
 def run_document_eos(cfg: Config | None, meta: dict) -> int | None:
-    """The EOS id a run's attention stops at between documents (data.document_mask; the id from its
-    checkpoint meta or data manifest), else None."""
-    return meta.get("eos_id") if cfg is not None and cfg.data.document_mask else None
+    """The EOS id a run's attention stops at between documents (data.document_mask from its config,
+    else as its checkpoint meta records it; the id from the meta or data manifest), else None."""
+    masked = cfg.data.document_mask if cfg is not None else meta.get("document_mask", False)
+    return meta.get("eos_id") if masked else None
 
 
 def collate_fn(cfg: Config):

@@ -42,6 +42,8 @@ class Example:
 
 def parse_example(rec: dict) -> Example:
     """One record in any of the shapes above; ValueError names what is wrong."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"the line is not a JSON object but a {type(rec).__name__}")
     context = next((rec[k] for k in CONTEXT_KEYS if isinstance(rec.get(k), str)), None)
     if context is None:
         raise ValueError(f"no context ({' / '.join(CONTEXT_KEYS)})")
@@ -58,7 +60,7 @@ def parse_example(rec: dict) -> Example:
         gold = labels.index(gold)
     elif isinstance(gold, str) and gold.strip().isdigit():
         gold = int(gold)
-    if not isinstance(gold, int) or not 0 <= gold < len(choices):
+    if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
         raise ValueError(f"gold answer {gold!r} is not an index into the {len(choices)} choices")
     return Example(context, tuple(choices), gold)
 
@@ -112,10 +114,12 @@ def requests(examples: list[Example], sp, max_len: int,
     out = []
     first = [] if bos is None else [bos]
     for ex in examples:
-        context = sp.encode(ex.context)
+        # As lm-eval: the context's trailing whitespace ("Answer: ", a newline) goes to the choice, and
+        # the choice's tokens are those of the whole text after the context's own, so a tokenizer's
+        # dummy prefix or a merge across the boundary cannot add a token of its own.
+        kept = ex.context.rstrip()
+        context = sp.encode(kept)
         for choice in ex.choices:
-            # As lm-eval: the choice's tokens are those of context + choice after the context's own, so a
-            # tokenizer's dummy prefix or a merge across the boundary cannot add a token of its own.
             cont = sp.encode(ex.context + " " + choice)[len(context):] or sp.encode(" " + choice)
             cont = cont[-max_len:]
             before = first + context or [sp.eos_id()]  # the first choice token needs something before it

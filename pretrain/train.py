@@ -257,7 +257,8 @@ def run(cfg: Config, task: Task | None = None) -> int:
     counts = param_counts(cfg.model)
     meta = {"model": cfg.to_dict()["model"], "tokenizer_sha256": manifest.get("tokenizer_sha256"),
             "eos_id": manifest.get("eos_id"), "bos_id": manifest.get("bos_id"),
-            "start_with_bos": cfg.data.start_with_bos,  # for readers of a checkpoint without its config.yaml
+            # for readers of a checkpoint without its config.yaml
+            "start_with_bos": cfg.data.start_with_bos, "document_mask": cfg.data.document_mask,
             "bf16": use_bf16(cfg),  # train.precision resolved (auto: bf16 on a GPU)
             "flops_per_token": flops_per_token(cfg.model), "params": counts,
             "global_batch": global_batch(cfg, env.world_size), "decay_groups": decay_groups,

@@ -1073,8 +1073,10 @@ class ScriptedLogits(torch.nn.Module):
         self.cfg.vocab_size = len(script[0])
         self.script, self.step = torch.tensor(script), 0
         self.weight = torch.nn.Parameter(torch.zeros(1))  # the device generate() reads
+        self.inputs: list[list[int]] = []  # what each forward ran
 
     def hidden_states(self, tokens, ctx=None):
+        self.inputs.append(tokens[0].tolist())
         if ctx and ctx.get("kv_cache") is not None:
             ctx["kv_cache"].length += tokens.shape[1]
         return torch.zeros(1, tokens.shape[1], 1)
@@ -1107,6 +1109,13 @@ def test_generate_samples_at_the_temperature_and_stops_at_eos():
                  for _ in range(4000)]
         freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
         torch.testing.assert_close(freq, torch.softmax(logits / temperature, -1), atol=0.025, rtol=0)
+    # A tiny temperature draws the most likely token (logits / T would overflow to inf - inf = NaN)
+    assert generate(ScriptedLogits([logits.tolist()]), [1], 1, temperature=1e-40) == [0]
+    # Past max_seq_len the context slides; a prompt beginning with the run's BOS keeps it first.
+    model = ScriptedLogits(script)
+    model.cfg.max_seq_len = 4
+    assert generate(model, [1, 3, 4], 4, greedy=True, bos=1) == [5, 2, 7, 7]
+    assert model.inputs[2:] == [[1, 4, 5, 2], [1, 5, 2, 7]]  # the cache ran [1, 3, 4], then [5]
 
 
 def test_lisa_adds_its_low_rank_scores_at_one_over_sqrt_rank(single_process):

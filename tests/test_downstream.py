@@ -23,6 +23,8 @@ def test_task_shapes_and_bad_records():
     assert parse_example({"goal": "g", "sol1": "s", "sol2": "t", "label": 0}) == Example("g", ("s", "t"), 0)
     assert parse_example({"context": "c", "choices": ["1", "2"], "gold": 1}).gold == 1
     for bad, why in (({"choices": ["a", "b"], "gold": 0}, "no context"),
+                     ({"context": "c", "choices": ["a", "b"], "label": True}, "not an index"),
+                     (["c", ["a", "b"], 0], "not a JSON object"),
                      ({"context": "c", "choices": ["a"], "gold": 0}, "at least two"),
                      ({"context": "c", "choices": ["a", "b"], "gold": 2}, "not an index")):
         with pytest.raises(ValueError, match=why):
@@ -34,8 +36,9 @@ def test_task_shapes_and_bad_records():
 
 def write_task(path, n: int, seed: int = 0) -> list[Example]:
     rng = random.Random(seed)
-    examples = [Example(make_text(rng, 2), tuple(make_text(rng, 1).strip() for _ in range(3)), rng.randrange(3))
-                for _ in range(n)]
+    # contexts ending in whitespace too ("Answer: ", a newline), which lm-eval moves into the choice
+    examples = [Example(make_text(rng, 2).rstrip() + ("", " ", "\n")[i % 3],
+                        tuple(make_text(rng, 1).strip() for _ in range(3)), rng.randrange(3)) for i in range(n)]
     lines = [json.dumps({"context": e.context, "choices": list(e.choices), "gold": e.gold}) for e in examples]
     path.write_text("\n".join(lines[:2] + ["{broken"] + lines[2:]) + "\n")
     return examples
@@ -60,9 +63,10 @@ def test_scores_equal_a_plain_reference_scorer(tmp_path, tok_dir):
         want = []
         with torch.no_grad():
             for ex in examples:
-                for choice in ex.choices:
-                    ctx = sp.encode(ex.context)
-                    cont = sp.encode(ex.context + " " + choice)[len(ctx):]
+                for choice in ex.choices:  # lm-eval's _encode_pair, with its target delimiter " "
+                    kept = ex.context.rstrip()
+                    ctx = sp.encode(kept)
+                    cont = sp.encode(kept + ex.context[len(kept):] + " " + choice)[len(ctx):]
                     tokens = torch.tensor(ctx + cont)
                     # over the real vocabulary: the padding columns are not tokens a model can emit
                     logp = model.logits(tokens[None, :-1])[0, :, :sp.vocab_size()].float().log_softmax(-1)

@@ -295,6 +295,12 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys, tmp_p
         assert result["step"] == STEPS and result["tokens"] == batches * 4 * 32
         assert result["loss"] == pytest.approx(val_loss_logged(runs[layout], STEPS), abs=1e-4), layout
         assert 0 < result["loss"] < 7 and result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    # More batches than the split holds (16 samples): its full batches only, as the trainer validates
+    assert evaluate_main(["--checkpoint", str(runs["tp2_zero2"]), "--shards", str(root / "shards"), "--batches",
+                          "9", "--batch-size", "3", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out.strip().splitlines()[-1])["tokens"] == 15 * 32
+    assert "holds 16 samples, fewer than --batches x --batch-size: 15 of them are read, in batches of 3" in out.err
     # Shards of another tokenizer (same vocabulary size): refused before the model is read.
     other = tmp_path / "other_shards"
     shutil.copytree(root / "shards" / "val", other / "val")
@@ -308,15 +314,19 @@ def test_evaluate_matches_trainer_validation(runs, dist_env, data, capsys, tmp_p
 
 
 def test_a_checkpoint_away_from_its_run_begins_with_bos_as_its_marker_records(runs, tmp_path):
-    """The readers take data.start_with_bos from the run's config.yaml, else from the checkpoint's
-    marker (written since it records it), so a copied checkpoint still prompts with BOS."""
+    """The readers take data.start_with_bos and data.document_mask from the run's config.yaml, else
+    from the checkpoint's marker (written since it records them), so a copied checkpoint still
+    prompts with BOS and is measured within documents."""
     from pretrain.checkpoint_format import read_meta, resolve_checkpoint
-    from pretrain.data import run_bos
+    from pretrain.data import run_bos, run_document_eos
 
     meta = read_meta(resolve_checkpoint(runs["tp2_zero2"]))
     assert meta["start_with_bos"] is False and run_bos(None, meta) is None
     assert run_bos(None, {**meta, "start_with_bos": True}) == meta["bos_id"]
     assert run_bos(None, {k: v for k, v in meta.items() if k != "start_with_bos"}) is None  # older markers
+    # data.document_mask too: tools.evaluate's loss on a copied checkpoint is the run's
+    assert meta["document_mask"] is False and run_document_eos(None, meta) is None
+    assert run_document_eos(None, {**meta, "document_mask": True, "eos_id": 7}) == 7
 
 
 def test_a_relative_tokenizer_path_is_found_from_the_directories_above_the_run(tmp_path, monkeypatch):

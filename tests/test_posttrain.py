@@ -1064,7 +1064,7 @@ def test_sga_generation_ends_before_eos():
         return [10.0 if i == best else 0.0 for i in range(8)]
 
     def sga(script):
-        encoder = SimpleNamespace(eos=2, prompt=lambda messages: [5, 6])
+        encoder = SimpleNamespace(eos=2, bos=None, prompt=lambda messages: [5, 6])
         return SGAModel(ScriptedLogits(script), None, encoder, ScoreFormat(), ["a"], {})
 
     messages = [{"role": "user", "content": "hi"}]

@@ -356,7 +356,7 @@ def check_calibration_shards(manifest: dict, shards: Path, cfg, meta: dict) -> N
                         f"data_prep.build_shards --seq-len {cfg.max_seq_len}")
 
 
-READER_KEYS = ("tokenizer_sha256", "eos_id", "bos_id", "start_with_bos", "special_ids")
+READER_KEYS = ("tokenizer_sha256", "eos_id", "bos_id", "start_with_bos", "document_mask", "special_ids")
 
 
 def write_converted(model, model_cfg, run_cfg: Config, source_meta: dict, out: Path, layers: list[int]) -> Path:

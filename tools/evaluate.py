@@ -8,10 +8,11 @@ downstream tasks, in one process.
 
 --shards is a shard directory holding the split (DIR/val/index.json) or a split directory itself
 (DIR/index.json). Samples are read in order, batch b holding samples [b*B, (b+1)*B) (each once: a
-smaller split gives fewer batches, which the output notes), so `--batches N --batch-size B` covers the same N*B samples the trainer's
+smaller split gives fewer full batches, as the trainer's validation, which the output notes), so `--batches N --batch-size B` covers the same N*B samples the trainer's
 validation covers with train.eval_batches * data-parallel size = N and micro_batch = B; the loss is
 the trainer's (mean next-token cross-entropy over the padded vocabulary, no auxiliary losses; within
-documents when the run trained with data.document_mask). Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
+documents when the run trained with data.document_mask, which its config.yaml says, or the checkpoint
+away from it). Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
 
 --tasks scores JSON Lines multiple-choice tasks (HellaSwag, ARC, PIQA shapes or {"context", "choices",
 "gold"}; pretrain.downstream) as the trainer does with eval.downstream_tasks: acc (summed
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batches < 1 or args.batch_size < 1:
         raise ToolError("--batches and --batch-size must be >= 1")
+    if args.limit < 0:
+        raise ToolError(f"--limit {args.limit}: give the number of examples per task to score, or 0 for all")
     if args.tokenizer and not args.tasks:
         raise ToolError(f"--tokenizer {args.tokenizer} encodes --tasks, which are not given (shards are already "
                         "tokenized): add --tasks or leave --tokenizer out")
@@ -131,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         eos = run_document_eos(run, meta)
         rows = read_samples(location, args.batches * args.batch_size, wrap=False)  # a sample twice weighs double
         if len(rows) < args.batches * args.batch_size:
-            print(f"note: {location} holds {len(rows)} samples, fewer than --batches x --batch-size: each read once",
-                  file=sys.stderr)
+            # full batches only, as the trainer's validation (one short batch where there is no full one)
+            full = max(len(rows) // args.batch_size, 1) * args.batch_size
+            print(f"note: {location} holds {len(rows)} samples, fewer than --batches x --batch-size: "
+                  f"{min(full, len(rows))} of them are read, in batches of {args.batch_size}", file=sys.stderr)
+            rows = rows[:full]
         rows = rows if bos is None else starting_with(rows, bos)
         result.update(evaluate_rows(model, rows, args.batch_size, eos), shards=str(location),
                       document_mask=eos is not None, start_with_bos=bos is not None)

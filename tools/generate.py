@@ -11,12 +11,14 @@ data.start_with_bos. --prompt-ids "5,6,7" gives token ids directly (runs without
 is then yours to give). Sampling only draws real tokens (ids < model.vocab_size; the padding rows
 of the embedding are never sampled) and stops at EOS (the tokenizer's, else the one an imported
 model's config names) or after --max-new-tokens. The context is cut to the last model.max_seq_len
-tokens (RoPE tables end there). Prints the continuation; --json prints ids too.
+tokens (RoPE tables end there; a prompt longer than that is noted, and BOS stays first where the
+run's samples began with it). Prints the continuation; --json prints ids too.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -64,21 +66,24 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolError("this run has no SentencePiece tokenizer (data.tokenizer); pass --tokenizer DIR "
                             "or give --prompt-ids")
         prompt_ids = sp.encode(args.prompt)
-        bos = run_bos(run_config(tag_dir), meta)  # as the run's samples begin
-        if bos is not None and prompt_ids[:1] != [bos]:
-            prompt_ids = [bos] + prompt_ids
     else:
         prompt_ids = given_ids
+    bos = run_bos(run_config(tag_dir), meta)  # as the run's samples begin
+    if bos is not None and args.prompt is not None and prompt_ids[:1] != [bos]:
+        prompt_ids = [bos] + prompt_ids
     model, cfg, _ = load_model(tag_dir)
     model.to(device)
     bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ToolError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
+    if len(prompt_ids) > cfg.max_seq_len:
+        print(f"note: the prompt has {len(prompt_ids)} tokens, more than the model's {cfg.max_seq_len} positions "
+              "(model.max_seq_len): only its last ones condition the continuation", file=sys.stderr)
     # Without a tokenizer: an imported model's own EOS, else the one the run's shards recorded
     recorded = meta.get("special_ids", {}).get("eos", meta.get("eos_id"))
     eos = sp.eos_id() if sp is not None else recorded if recorded is not None else SPECIAL_IDS["eos_id"]
     new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, args.greedy, eos,
-                   torch.Generator().manual_seed(args.seed))
+                   torch.Generator().manual_seed(args.seed), bos=bos)
     text = continuation_text(sp, prompt_ids, new) if sp is not None else None
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": new, "text": text}))
