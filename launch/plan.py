@@ -36,8 +36,8 @@ size, De = expert-data-parallel size D / EP):
                  of min(5e8, P))
 Peak = weights + optimizer + max(activations, gradients + buffers): activations peak at the end
 of the forward pass and are freed as the backward pass produces gradients.
-Post-training (--post): each example runs post_rows rows of post.max_len tokens (a DPO pair two,
-SGA's raw prompt one more), and DPO / SGA add their frozen reference's weights (bytes as weights,
+Post-training (--post): each example runs the config's rows_per_example() rows of post.max_len
+tokens (a DPO pair two, SGA's raw prompt one more), and DPO / SGA add their frozen reference's weights (bytes as weights,
 split over tensor / expert ranks, not by ZeRO) to the peak and its forward over the pairs to the
 step's FLOPs.
 FLOPs per token: 6 x active matmul parameters + each layer's attention-score FLOPs (12 x hidden x seq,
@@ -107,27 +107,6 @@ def peak_bytes(memory: dict[str, float]) -> float:
             + max(memory["activations"], memory["gradients"] + memory["buffers"]))
 
 
-def post_rows(cfg: Config) -> int:
-    """Rows a post-training micro-batch example runs with gradients (posttrain.model): SFT one, DPO a
-    pair, SGA a pair and, with post.mse_weight, the raw prompt for the value head; pretraining one."""
-    post = getattr(cfg, "post", None)
-    if post is None or post.method == "sft":
-        return 1
-    return 2 + (post.method == "sga" and post.mse_weight > 0)
-
-
-def planned_seq(cfg: Config) -> int:
-    """Tokens per row: model.max_seq_len, or post-training's post.max_len where set."""
-    post = getattr(cfg, "post", None)
-    return (post.max_len if post is not None and post.max_len else cfg.model.max_seq_len)
-
-
-def holds_reference(cfg: Config) -> bool:
-    """DPO and SGA hold a frozen reference model beside the policy (posttrain.model)."""
-    post = getattr(cfg, "post", None)
-    return post is not None and post.method != "sft"
-
-
 def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
     m = cfg.model
     counts = param_counts(m)
@@ -154,8 +133,8 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
         buffers = 2 * min(5e8, local) * elem
     else:  # fp32: the flattened all-reduce bucket; bf16: freed before the step's fp32 gradient copy
         buffers = 0.0 if layout.bf16 else min(5e8, local) * elem
-    rows = Layout(**{**layout.__dict__, "micro_batch": layout.micro_batch * post_rows(cfg)})
-    activations = activation_bytes(m, rows, planned_seq(cfg))
+    rows = Layout(**{**layout.__dict__, "micro_batch": layout.micro_batch * cfg.rows_per_example()})
+    activations = activation_bytes(m, rows, cfg.tokens_per_row())
     if layout.grouped_experts and expert_local:
         # The grouped GEMMs read a layer's local experts stacked, for the call (forward and backward).
         activations += expert_local * elem / sum(mlp_kind(m.mlp_kind(i)).routed for i in range(m.num_layers))
@@ -167,7 +146,7 @@ def memory_breakdown(cfg: Config, layout: Layout) -> dict[str, float]:
         "activations": activations,
         "buffers": buffers,
     }
-    if holds_reference(cfg):  # split like the policy over tensor / expert ranks, never by ZeRO
+    if cfg.holds_reference_model():  # split like the policy over tensor / expert ranks, never by ZeRO
         memory["reference"] = elem * local
     return memory
 
@@ -199,10 +178,10 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
         if peak_bytes(memory_breakdown(cfg, trial)) > usable:
             break
         largest = micro
-    tokens_per_step = t.micro_batch * post_rows(cfg) * t.grad_accum * layout.data * planned_seq(cfg)
+    tokens_per_step = t.micro_batch * cfg.rows_per_example() * t.grad_accum * layout.data * cfg.tokens_per_row()
     fpt = flops_per_token(cfg.model)
     # a frozen reference runs the pairs forward only: a third of a training pass over them
-    reference = 2 / post_rows(cfg) / 3 if holds_reference(cfg) else 0.0
+    reference = 2 / cfg.rows_per_example() / 3 if cfg.holds_reference_model() else 0.0
     peak = 1.0 if gpu == "cpu" else peak_tflops(gpu, bf16)  # an fp32 plan runs at the fp32 peak
     step_time = fpt * (1 + reference) * tokens_per_step / (world * peak * 1e12 * mfu)
     counts = param_counts(cfg.model)
@@ -210,7 +189,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int, gpu_mem_gb: float, gpu: st
         "layout": layout.__dict__, "params_total": counts["total"], "params_active": counts["active"],
         "flops_per_token": fpt, "memory_gb": {k: v / GIB for k, v in memory.items()},
         "memory_total_gb": total / GIB, "gpu_mem_gb": gpu_mem_gb, "usable_gb": usable / GIB, "fits": fits,
-        "largest_micro_batch": largest, "rows_per_example": post_rows(cfg), "seq": planned_seq(cfg),
+        "largest_micro_batch": largest, "rows_per_example": cfg.rows_per_example(), "seq": cfg.tokens_per_row(),
         "tokens_per_step": tokens_per_step,
         "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time, "assumed_mfu": mfu, "gpu": gpu,
     }

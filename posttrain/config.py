@@ -52,6 +52,20 @@ class PostConfig:
 class PostTrainConfig(Config):
     post: PostConfig = field(default_factory=PostConfig)
 
+    def rows_per_example(self) -> int:
+        """SFT one, DPO a pair, SGA a pair and, with post.mse_weight, the raw prompt for the value head
+        (posttrain.model)."""
+        if self.post.method == "sft":
+            return 1
+        return 2 + (self.post.method == "sga" and self.post.mse_weight > 0)
+
+    def tokens_per_row(self) -> int:
+        return self.post.max_len or self.model.max_seq_len
+
+    def holds_reference_model(self) -> bool:
+        """DPO and SGA hold a frozen reference model beside the policy (posttrain.model)."""
+        return self.post.method != "sft"
+
 
 def validate_post(cfg: PostTrainConfig) -> None:
     """The `post` keys, and the pretraining keys post-training reads differently."""

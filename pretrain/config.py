@@ -275,6 +275,18 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    # What one micro-batch example runs, for launch.plan's memory and FLOPs; post-training's differ.
+    def rows_per_example(self) -> int:
+        """Rows of tokens an example runs with gradients."""
+        return 1
+
+    def tokens_per_row(self) -> int:
+        return self.model.max_seq_len
+
+    def holds_reference_model(self) -> bool:
+        """Whether a frozen copy of the model is held beside it."""
+        return False
+
     def to_dict(self) -> dict:
         sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {name: value.to_dict() if name == "model" else dataclasses.asdict(value)

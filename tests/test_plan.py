@@ -309,7 +309,6 @@ def test_a_post_training_plan_counts_its_rows_and_reference(capsys):
     and holds a frozen reference (the weights' bytes, split by tensor parallelism, not by ZeRO-3),
     SGA with its value loss a third row, and post.max_len sets the row length."""
     from launch.entry_points import entry_point
-    from launch.plan import planned_seq, post_rows
 
     post_class = entry_point(True).config_class
 
@@ -330,7 +329,7 @@ def test_a_post_training_plan_counts_its_rows_and_reference(capsys):
     zero3 = planned("dpo", "parallel.zero_stage=3", nodes=2)
     assert zero3["memory_gb"]["reference"] == pytest.approx(2 * zero3["memory_gb"]["weights"])
     half = load_config("configs/tiny_dense.yaml", ["post.max_len=64"], config_class=post_class)
-    assert planned_seq(half) == 64 and post_rows(half) == 1
+    assert half.tokens_per_row() == 64 and half.rows_per_example() == 1
     shorter = plan(load_config("configs/tiny_dense.yaml", ["model.max_seq_len=64"]), 1, 1, 80, "cpu")
     assert planned("sft", "post.max_len=64")["memory_gb"] == shorter["memory_gb"]
     assert plan_main(["configs/tiny_dense.yaml", "--post", "post.method=dpo", "--gpu", "cpu", "--nodes", "1",
