@@ -66,8 +66,9 @@ def generate(model, prompt: list[int], max_new_tokens: int, temperature: float =
         if greedy or temperature <= 0:
             token = int(logits.argmax())
         else:
-            # less the maximum first: a tiny temperature then gives 0 and -inf, not inf - inf (NaN)
-            probs = filter_top_p(torch.softmax((logits - logits.max()) / temperature, dim=-1), top_p)
+            # less the maximum first, in float64: a tiny temperature gives 0 and -inf, never inf - inf or 0 / 0
+            scaled = (logits.double() - logits.max().double()) / temperature
+            probs = filter_top_p(torch.softmax(scaled, dim=-1), top_p)
             token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         tokens.append(token)
         new.append(token)

@@ -205,6 +205,9 @@ class TrainConfig:
     stop_after_minutes: float = 0.0
 
 
+MAX_TIMER_MINUTES = 1e7  # about 19 years; setitimer overflows near 1.5e8 minutes
+
+
 @dataclass
 class ProfileConfig:
     """torch.profiler traces of steps [start_step, start_step + steps) into RUN_DIR/profile (pretrain.profiling)."""
@@ -438,6 +441,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.keep_every < 0 or t.keep_every % t.save_interval:
         raise ConfigError(f"train.keep_every={t.keep_every} must be 0 (keep the last train.keep_last alone) or a "
                           f"multiple of train.save_interval={t.save_interval}, the steps that are saved")
+    if t.stop_after_minutes > MAX_TIMER_MINUTES:
+        raise ConfigError(f"train.stop_after_minutes={t.stop_after_minutes:g} is more than a timer holds "
+                          f"({MAX_TIMER_MINUTES:g} minutes): give a run's time, or 0 for no limit")
     if t.stop_at_step > t.steps:
         raise ConfigError(f"train.stop_at_step={t.stop_at_step} is past train.steps={t.steps}, where the run ends "
                           "first: lower it, or raise train.steps")

@@ -393,7 +393,10 @@ class Trainer:
                     self._validate(step)
                 self._emit("on_step_end", result)
             signum = signals.any_rank_received(self.device)
-            if signum and step < t.steps and step != t.stop_at_step:  # at stop_at_step: the plain stop below
+            last = step == t.steps or step == t.stop_at_step
+            # At the last step the plain stop below, unless the signal cut its validation short: then
+            # as any signal stop, so that the rerun (a requeue) validates and trains nothing.
+            if signum and (not last or self.validation_due == step):
                 self._stop_on_signal(step, signum)
                 return step
             save_now = step % t.save_interval == 0 or step == t.steps or step == t.stop_at_step

@@ -138,6 +138,8 @@ def test_bad_overrides(override, message):
     (["train.save_interval=100", "train.keep_every=250"], 1, "keep_every=250 must be 0 .* or a multiple of "
                                                              r"train.save_interval=100"),
     (["train.save_interval_minutes=-30"], 1, r"save_interval_minutes=-30.0 must be >= 0 \(0 = by steps only\)"),
+    (["train.stop_after_minutes=-1"], 1, r"stop_after_minutes=-1.0 must be >= 0 \(0 = no time limit\)"),
+    (["train.stop_after_minutes=1e9"], 1, r"stop_after_minutes=1e\+09 is more than a timer holds"),
 ])
 def test_validation_errors(override, world, message):
     with pytest.raises(ConfigError, match=message):

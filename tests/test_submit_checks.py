@@ -473,6 +473,8 @@ def test_status_and_submit_see_the_job_that_trains_in_the_run_dir(tmp_path, monk
 
 @pytest.mark.parametrize("end, why", [
     ("rc=0 signal=USR1 action=stopped", "the time limit stopped it after 3 requeues (launch.submit --max-requeues)"),
+    ("rc=0 signal=ALRM action=stopped",
+     "train.stop_after_minutes stopped it after 3 requeues (launch.submit --max-requeues)"),
     ("rc=0 signal=TERM action=stopped", "it stopped on SIGTERM (preemption or cancel)"),
     ("rc=1 signal=none action=failed", "its last job run failed (exit code 1; see the log)"),
     ("rc=0 signal=USR1 action=requeue\n2026-12-07T06:05:01Z job=77 restarts=3 requeue failed",

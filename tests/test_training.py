@@ -481,6 +481,21 @@ def test_a_save_by_time_is_due_once_the_minutes_passed_since_the_last_save():
     assert not SaveTimer(0, clock=lambda: now[0] + 1e9).due()  # 0: off
 
 
+def _save_due_on_either_rank(rank: int) -> None:
+    from pretrain.save_timer import SaveTimer
+
+    now = [0.0]
+    timer = SaveTimer(1, clock=lambda: now[0])
+    now[0] = 60.0 if rank == 0 else 59.0  # clocks a second apart: due on rank 0 only
+    assert timer.due()  # on both: every rank saves at the same step
+
+
+def test_ranks_agree_on_a_save_by_time():
+    from tests.dist_utils import spawn
+
+    spawn(_save_due_on_either_rank, 2)
+
+
 def test_a_checkpoint_missing_one_expert_file_is_told_by_its_name(tmp_path):
     """Every expert file a routed model's checkpoint needs: DeepSpeed numbers them by routed layer
     (model.moe.moe_layers 1,3 -> layer_0, layer_1), global expert and tensor-parallel rank."""
@@ -829,14 +844,20 @@ def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(
     saved_run_copy(straight, part, 2)  # as if stopped after the save of step 2
     # train.stop_after_minutes: saved and stopped at the first step boundary after the time passed;
     # launch.local exits with the trainer's code for that, 85
+    # launch.local exits with the trainer's code for that, 85. Here step 3 is the run's last
+    # (stop_at_step) and the time cut its validation short: it stops as on any signal, not as done.
+    last_step = {"train.stop_after_minutes": "1e-9", "train.stop_at_step": 3, "train.eval_interval": 3}
     local = [sys.executable, "-m", "launch.local", "--port", str(free_port()),
-             *tiny_overrides(tmp_path, part, **extra, **{"train.stop_after_minutes": "1e-9"})]
+             *tiny_overrides(tmp_path, part, **{**extra, **last_step})]
     stopped = subprocess.run(local, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
     assert stopped.returncode == 85, stopped.stdout[-2000:] + stopped.stderr[-3000:]
     assert "stopping at step 3 on train.stop_after_minutes=1e-09 passed" in stopped.stdout
+    assert "val loss" not in stopped.stdout
     assert json.loads((part / "STOPPED_ON_SIGNAL").read_text())["signal"] == "SIGALRM"
     resumed = train(1, tiny_overrides(tmp_path, part, **extra))
     assert "resumed from" in resumed.stdout and losses(part) == {s: losses(straight)[s] for s in (3, 4)}
+    assert "step 3: running the validation the stop interrupted" in resumed.stdout
+    assert [r["step"] for r in records_of(part) if "val/loss" in r] == [3, 4]
     assert sorted(losses(straight)) == [1, 2, 3, 4] and abs(losses(straight)[1] - math.log(256)) < 0.3
     [val] = [r for r in records_of(straight) if "val/loss" in r]
     assert abs(val["val/loss"] - math.log(256)) < 0.3 and {"val/shards/loss", "val/loss"} <= set(val)

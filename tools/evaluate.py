@@ -8,7 +8,8 @@ downstream tasks, in one process.
 
 --shards is a shard directory holding the split (DIR/val/index.json) or a split directory itself
 (DIR/index.json). Samples are read in order, batch b holding samples [b*B, (b+1)*B) (each once: a
-smaller split gives fewer full batches, as the trainer's validation, which the output notes), so `--batches N --batch-size B` covers the same N*B samples the trainer's
+smaller split gives fewer full batches, which the output notes; the trainer's validation reads
+whole rounds of micro_batch x data-parallel size there), so `--batches N --batch-size B` covers the same N*B samples the trainer's
 validation covers with train.eval_batches * data-parallel size = N and micro_batch = B; the loss is
 the trainer's (mean next-token cross-entropy over the padded vocabulary, no auxiliary losses; within
 documents when the run trained with data.document_mask, which its config.yaml says, or the checkpoint
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             # full batches only, as the trainer's validation (one short batch where there is no full one)
             full = max(len(rows) // args.batch_size, 1) * args.batch_size
             print(f"note: {location} holds {len(rows)} samples, fewer than --batches x --batch-size: "
-                  f"{min(full, len(rows))} of them are read, in batches of {args.batch_size}", file=sys.stderr)
+                  f"{min(full, len(rows))} of them are read, in batches of {args.batch_size} (the trainer at "
+                  "data-parallel size D reads whole rounds of micro_batch x D, as its start line says: "
+                  "give --batches for the samples it read)", file=sys.stderr)
             rows = rows[:full]
         rows = rows if bos is None else starting_with(rows, bos)
         result.update(evaluate_rows(model, rows, args.batch_size, eos), shards=str(location),
