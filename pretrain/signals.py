@@ -1,7 +1,7 @@
 """SIGUSR1 (Slurm time limit), SIGTERM (preemption, scancel), SIGINT (Ctrl-C, which launch.local's
-agent forwards too), SIGHUP (a closed terminal) and SIGALRM (train.stop_after_minutes) set a flag; the loops poll it and all ranks agree
-through an all-reduce, so they stop at the same step boundary, after a save. SIGQUIT and SIGKILL stop
-at once.
+agent forwards too), SIGHUP (a closed terminal) and SIGALRM (train.stop_after_minutes) set a flag;
+the loops poll it and all ranks agree through an all-reduce, so they stop at the same step boundary,
+after a save. SIGQUIT and SIGKILL stop at once.
 
 The handler only records the signal, so a second signal arriving while the checkpoint is being
 written changes nothing: the save runs to its end, outside the handler.

@@ -9,8 +9,9 @@ downstream tasks, in one process.
 --shards is a shard directory holding the split (DIR/val/index.json) or a split directory itself
 (DIR/index.json). Samples are read in order, batch b holding samples [b*B, (b+1)*B) (each once: a
 smaller split gives fewer full batches, which the output notes; the trainer's validation reads
-whole rounds of micro_batch x data-parallel size there), so `--batches N --batch-size B` covers the same N*B samples the trainer's
-validation covers with train.eval_batches * data-parallel size = N and micro_batch = B; the loss is
+whole rounds of micro_batch x data-parallel size there), so `--batches N --batch-size B` covers
+the same N*B samples the trainer's validation covers with train.eval_batches * data-parallel
+size = N and micro_batch = B; the loss is
 the trainer's (mean next-token cross-entropy over the padded vocabulary, no auxiliary losses; within
 documents when the run trained with data.document_mask, which its config.yaml says, or the checkpoint
 away from it). Prints `loss L | perplexity P | tokens T`; --json prints a JSON object instead.
