@@ -26,6 +26,7 @@ from models.config import (
     parse_indices,
     parse_switch,
 )
+from pretrain.batch_ramp import validate_batch_ramp
 from pretrain.schedule import validate_schedule
 
 
@@ -159,6 +160,10 @@ class TrainConfig:
     steps: int = 200
     micro_batch: int = 4
     grad_accum: int = 1
+    # Global batch (samples) of the first step, growing linearly over batch_ramp_steps steps to
+    # micro_batch x grad_accum x data-parallel size (0: no ramp; pretrain.batch_ramp)
+    batch_ramp_start: int = 0
+    batch_ramp_steps: int = 0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -466,6 +471,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.warmup_steps >= t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
     validate_schedule(t)
+    validate_batch_ramp(t, world_size // p.tensor)
     _validate_eval(cfg.eval)
     _validate_profile(cfg.profile, t.steps, world_size)
 

@@ -18,6 +18,7 @@ from megatron.core import parallel_state as ps
 
 from models.attention.masks import document_ids
 from pretrain import checkpoint, checkpoint_format, signals
+from pretrain.batch_ramp import micro_batches_at
 from pretrain.config import Config
 from pretrain.data import Batches, all_batches, run_document_eos, split_batch
 from pretrain.distributed import dp_mean
@@ -150,33 +151,40 @@ class Trainer:
         micro_batches = len(batches) * ps.get_data_parallel_world_size()
         return [float(t) * micro_batches / max(total, 1.0) for t in local]
 
-    def train_step(self, throughput: Throughput | None = None) -> torch.Tensor:
-        """One optimizer step over `grad_accum` micro-batches; returns the mean local loss."""
+    def train_step(self, throughput: Throughput | None = None, micro_batches: int | None = None) -> torch.Tensor:
+        """One optimizer step over `micro_batches` micro-batches (train.grad_accum unless a batch ramp
+        says otherwise); returns the mean local loss."""
+        micro_batches = micro_batches or self.cfg.train.grad_accum
         total = torch.zeros((), device=self.device)
         sums: dict[str, torch.Tensor] = {}
         batches = []
-        for _ in range(self.cfg.train.grad_accum):
+        for _ in range(micro_batches):
             waited = time.perf_counter()
             batches.append(next(self.batches))
             if throughput is not None:
                 throughput.data_wait(time.perf_counter() - waited)
         if throughput is not None:  # tokens/s: this rank's tokens x data-parallel size
             counted = [self.batch_tokens(batch) for batch in batches]
-            throughput.step(None if counted[0] is None else sum(counted) * ps.get_data_parallel_world_size())
+            if counted[0] is None:  # full-length samples
+                counted = [batch.shape[0] * (batch.shape[1] - 1) for batch in batches]
+            throughput.step(sum(counted) * ps.get_data_parallel_world_size())
         weights = self.micro_batch_weights(batches)
+        ramped = bool(self.cfg.train.batch_ramp_start)
         for micro, batch in enumerate(batches):
+            if ramped:  # DeepSpeed would count micro-batches since the start in steps of its last size
+                self.engine.set_gradient_accumulation_boundary(micro == micro_batches - 1)
             loss = self.forward(batch)
             if weights is not None:
                 loss = loss * weights[micro]
             self.engine.backward(loss)
             total += loss.detach().float()
-            if self.spikes is not None and micro == self.cfg.train.grad_accum - 1:
-                self.spikes.begin_step(dp_mean(total / self.cfg.train.grad_accum))  # before the update
+            if self.spikes is not None and micro == micro_batches - 1:
+                self.spikes.begin_step(dp_mean(total / micro_batches))  # before the update
             self.engine.step()
             for name, value in self.model.last_metrics.items():  # e.g. the z-loss, part of the loss
                 # weighted as the loss is: means over the step's tokens, as train/loss
                 sums[name] = sums.get(name, 0.0) + value.float() * (1.0 if weights is None else weights[micro])
-        self.last_metrics = {name: value / self.cfg.train.grad_accum for name, value in sums.items()}
+        self.last_metrics = {name: value / micro_batches for name, value in sums.items()}
         # Part of the optimizer step: validation and the checkpoint of this step see its result. A step
         # that changed no parameter (a spike, a non-finite norm, an fp16 overflow) moves nothing else.
         skipped = getattr(self.engine.basic_optimizer, "skipped", False)
@@ -185,7 +193,7 @@ class Trainer:
             self.engine.lr_scheduler.step()  # the rate follows the step count, as for a vetoed step
             self.steps_not_applied += 1
         self.model.after_optimizer_step(applied=applied and not skipped)
-        return total / self.cfg.train.grad_accum
+        return total / micro_batches
 
     def _check_non_finite(self, step: int, loss: float, skipped: bool) -> None:
         """A non-finite loss stops the run, unless train.skip_spikes is on and its update was skipped (by
@@ -311,6 +319,8 @@ class Trainer:
             result.metrics.update(zip(self.last_metrics, dp_mean(torch.stack(list(self.last_metrics.values())))))
         if self.spikes is not None:
             result.metrics["skipped_steps"] = len(self.spikes.skipped_steps)
+        if self.cfg.train.batch_ramp_start:  # samples in the step (train.batch_ramp_*)
+            result.metrics["global_batch"] = self.engine.train_batch_size()
         self.logger.scalars(result.step, result.metrics, prefix="train/")
         self.logger.print(progress_line(result.step, self.cfg.train.steps, result.metrics, tuple(self.last_metrics)))
 
@@ -365,7 +375,10 @@ class Trainer:
         while step < t.steps:
             self._emit("on_step_begin", step + 1)
             lr = self.engine.get_lr()[0]  # the rate this step applies; engine.step() moves to the next
-            loss = self.train_step(throughput)
+            micro_batches = micro_batches_at(step + 1, t, dp)
+            if micro_batches != self.engine.gradient_accumulation_steps():  # the ramp: the loss's 1 / count too
+                self.engine.set_train_batch_size(micro_batches * t.micro_batch * dp)
+            loss = self.train_step(throughput, micro_batches)
             step += 1
             if not self.last_step_applied:
                 self.logger.print(f"step {step}: the gradients were not finite; update skipped "

@@ -138,6 +138,12 @@ def test_bad_overrides(override, message):
     (["train.save_interval=100", "train.keep_every=250"], 1, "keep_every=250 must be 0 .* or a multiple of "
                                                              r"train.save_interval=100"),
     (["train.save_interval_minutes=-30"], 1, r"save_interval_minutes=-30.0 must be >= 0 \(0 = by steps only\)"),
+    (["train.batch_ramp_start=4", "train.grad_accum=4"], 1, "batch_ramp_steps=0 must be in \\[1, train.steps"),
+    (["train.batch_ramp_start=2", "train.batch_ramp_steps=5", "train.grad_accum=4"], 2,
+     r"batch_ramp_start=2 must be at least one micro-batch per data-parallel rank \(4 x 2 = 8 samples\)"),
+    (["train.batch_ramp_start=16", "train.batch_ramp_steps=5", "train.grad_accum=2"], 2,
+     r"below the global batch it ramps to \(4 x train.grad_accum=2 x 2 = 16\)"),
+    (["train.batch_ramp_steps=5"], 1, "ramps from train.batch_ramp_start, which is 0"),
     (["train.stop_after_minutes=-1"], 1, r"stop_after_minutes=-1.0 must be >= 0 \(0 = no time limit\)"),
     (["train.stop_after_minutes=1e9"], 1, r"stop_after_minutes=1e\+09 is more than a timer holds"),
 ])

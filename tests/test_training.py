@@ -588,6 +588,33 @@ def logged_lrs(run) -> dict[int, float]:
     return {r["step"]: r["train/lr"] for r in records if "train/lr" in r}
 
 
+def test_a_batch_ramp_trains_each_step_as_a_run_at_that_batch_would(data, tmp_path):
+    """train.batch_ramp_*: the first step at 4 samples (one micro-batch of the 2 grad_accum gives),
+    then 8: the losses and gradient norms of a run at grad_accum 1 for one step, resumed at grad_accum
+    2 (the same samples: the data position counts samples). DeepSpeed is told where each step's
+    accumulation ends: counting micro-batches since the start, it would step after the first one of
+    step 2."""
+    ramp, ref = tmp_path / "ramp", tmp_path / "ref"
+    common = {"train.steps": 3, "train.grad_clip": 0.05, "train.eval_interval": 3, "train.save_interval": 3}
+    train(1, tiny_overrides(data, ramp, **common, **{"train.grad_accum": 2, "train.batch_ramp_start": 4,
+                                                     "train.batch_ramp_steps": 1}))
+    train(1, tiny_overrides(data, ref, **common, **{"train.grad_accum": 1, "train.stop_at_step": 1}))
+    train(1, tiny_overrides(data, ref, **common, **{"train.grad_accum": 2}))
+    assert losses(ramp) == losses(ref) and sorted(losses(ramp)) == [1, 2, 3]
+    assert grad_norms(ramp) == grad_norms(ref)
+    assert [r["train/global_batch"] for r in records_of(ramp) if "train/loss" in r] == [4, 8, 8]
+
+
+def test_batch_ramp_sizes_grow_linearly_in_whole_micro_batches():
+    from pretrain.batch_ramp import micro_batches_at
+    from pretrain.config import TrainConfig
+
+    t = TrainConfig(micro_batch=2, grad_accum=8, batch_ramp_start=8, batch_ramp_steps=4, steps=10)
+    # 8 samples on 2 ranks (2 micro-batches of 2 each), growing to 32 (8 each) over 4 steps
+    assert [micro_batches_at(step, t, 2) for step in range(1, 7)] == [2, 3, 5, 6, 8, 8]
+    assert micro_batches_at(1, TrainConfig(grad_accum=3), 4) == 3  # no ramp
+
+
 def test_wsd_run_resumes_exactly_and_extends(data, tmp_path):
     """The logged rate is the one each step applied. A wsd run stopped at step 5 and resumed gives
     the uninterrupted losses bitwise; resumed with train.steps=14 instead, it stays at the full rate
