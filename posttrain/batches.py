@@ -101,7 +101,8 @@ def chunked(rows: list[Row], size: int, pad_id: int, cap: int) -> list[dict[str,
 def collate_pairs(pairs: list[PairExample], pad_id: int, cap: int | None = None) -> dict[str, torch.Tensor]:
     batch = collate_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id, cap)
     if pairs[0].scores.size:
-        length = _padded_length([len(p.raw_prompt) for p in pairs])
+        # model inputs only (no label column): at most cap - 1 = model.max_seq_len positions
+        length = _padded_length([len(p.raw_prompt) for p in pairs], cap - 1 if cap else None)
         prompts = np.full((len(pairs), length), pad_id, dtype=np.int64)
         for i, p in enumerate(pairs):
             prompts[i, :len(p.raw_prompt)] = p.raw_prompt

@@ -200,6 +200,13 @@ def _pair(rng, prompt_len, chosen_len, rejected_len, scores=()):
                        np.array(scores, dtype=np.float32))
 
 
+def test_padding_keeps_every_row_and_raw_prompt_within_the_model_s_positions():
+    """cap = model.max_seq_len + 1 (not a multiple of 8): the pair rows (inputs and the last label) pad
+    to it, SGA's raw prompt (inputs only) to one less."""
+    batch = collate_pairs([_pair(random.Random(1), 97, 2, 1, (0.5,))], pad_id=3, cap=101)
+    assert batch["tokens"].shape[1] == 101 and batch["prompt_tokens"].shape[1] == 100
+
+
 def test_dpo_loss_and_gradients_equal_the_plain_formula():
     from models.gpt import GPT
     from posttrain.model import PostTrainModel
