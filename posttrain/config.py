@@ -12,6 +12,7 @@ from posttrain.chat import ChatFormat
 from pretrain.config import Config, parse_paths
 
 METHODS = ("sft", "dpo", "sga")
+PREFERENCE_LOSSES = ("sigmoid", "ipo")  # posttrain.losses.dpo_loss
 
 
 @dataclass
@@ -35,6 +36,9 @@ class PostConfig:
     # the token running text has (false: prefix and response encoded apart, as before this key).
     prefix_spaces_in_response: bool = ChatFormat.prefix_spaces_in_response
     beta: float = 0.1  # DPO temperature
+    # DPO's (and SGA's) preference loss: sigmoid (DPO) | ipo (posttrain.losses.dpo_loss)
+    preference_loss: str = "sigmoid"
+    label_smoothing: float = 0.0  # sigmoid: the share of pairs taken as mislabelled (cDPO)
     # SGA: loss = dpo_weight x DPO(score-conditioned prompt) + mse_weight x MSE(value head on the raw prompt)
     dpo_weight: float = 1.0
     mse_weight: float = 1000.0
@@ -88,6 +92,11 @@ def validate_post(cfg: PostTrainConfig) -> None:
                           "responses, padded: set post.packing=false")
     if p.beta <= 0:
         raise ConfigError(f"post.beta={p.beta} must be > 0 (0.1 is usual)")
+    if p.preference_loss not in PREFERENCE_LOSSES:
+        raise ConfigError(f"post.preference_loss={p.preference_loss!r}: choose one of {', '.join(PREFERENCE_LOSSES)}")
+    if not 0 <= p.label_smoothing < 0.5 or (p.label_smoothing and p.preference_loss != "sigmoid"):
+        raise ConfigError(f"post.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the share of pairs taken "
+                          "as mislabelled; 0.5 would learn nothing) and is for post.preference_loss=sigmoid")
     if p.method != "sft" and cfg.model.mlp in ("moe", "uoe") and cfg.model.moe.capacity_factor > 0:
         raise ConfigError(f"model.moe.capacity_factor={cfg.model.moe.capacity_factor}: {p.method}'s frozen reference "
                           "routes every token (it runs in evaluation mode), so a policy that drops tokens over "

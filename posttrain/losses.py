@@ -22,20 +22,29 @@ def sft_loss(logprobs: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
     return -(logprobs * trained).sum() / trained.sum().clamp(min=1)
 
 
-def sequence_logprobs(logprobs: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-    """[rows, L] -> [rows]: the summed log-probability of each row's response."""
-    return (logprobs * trained.float()).sum(-1)
+def sequence_logprobs(logprobs: torch.Tensor, trained: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """[rows, L] -> [rows]: the summed log-probability of each row's response (`mean`: per token)."""
+    summed = (logprobs * trained.float()).sum(-1)
+    return summed / trained.sum(-1).clamp(min=1) if mean else summed
 
 
 def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-             beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPO on summed response log-probs [pairs] of the policy and the frozen reference:
-    mean of -log sigmoid(beta ((pi_w - ref_w) - (pi_l - ref_l))). Metrics (detached): the implicit
-    rewards beta (pi - ref) of chosen and rejected, their margin and how often chosen wins."""
+             beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A preference loss on response log-probs [pairs] of the policy and the frozen reference, with
+    h = (pi_w - ref_w) - (pi_l - ref_l), averaged over pairs:
+      sigmoid  DPO, -log sigmoid(beta h); with label_smoothing e, the pairs taken as mislabelled with
+               probability e: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h) (cDPO, as TRL's)
+      ipo      IPO (Azar et al.), (h - 1 / (2 beta))^2, on per-token mean log-probs (as TRL's)
+    Metrics (detached): the implicit rewards beta (pi - ref) of chosen and rejected, their margin and
+    how often chosen wins."""
     reward_chosen = beta * (chosen - ref_chosen)
     reward_rejected = beta * (rejected - ref_rejected)
     margin = reward_chosen - reward_rejected
-    loss = -F.logsigmoid(margin).mean()
+    if kind == "ipo":
+        loss = ((margin / beta - 1 / (2 * beta)) ** 2).mean()
+    else:
+        loss = -((1 - label_smoothing) * F.logsigmoid(margin) + label_smoothing * F.logsigmoid(-margin)).mean()
     metrics = {"reward_chosen": reward_chosen.mean(), "reward_rejected": reward_rejected.mean(),
                "reward_margin": margin.mean(), "reward_accuracy": (margin > 0).float().mean()}
     return loss, {k: v.detach() for k, v in metrics.items()}

@@ -238,7 +238,7 @@ class PostTrainTask(Task):
         post = cfg.post
         head = spec(cfg.model.hidden_size, self.train_data.objectives, post) if post.method == "sga" else None
         model = PostTrainModel(cfg.model, post.method, post.beta, post.dpo_weight, post.mse_weight, head,
-                               cfg.train.activation_checkpointing)
+                               cfg.train.activation_checkpointing, post.preference_loss, post.label_smoothing)
         if post.method != "sft":
             from models.gpt import GPT
 

@@ -242,6 +242,21 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
     assert metrics["reward_accuracy"].item() == pytest.approx((margin > 0).float().mean().item())
     torch.testing.assert_close(metrics["reward_chosen"], beta * (pi[:3] - ref[:3]).mean().detach())
     torch.testing.assert_close(metrics["reward_rejected"], beta * (pi[3:] - ref[3:]).mean().detach())
+    # The variants, as TRL computes them: cDPO's label smoothing; IPO on per-token mean log-probs
+    h = (pi[:3] - ref[:3]) - (pi[3:] - ref[3:])
+    tokens = batch["trained"][:, 1:].sum(-1)
+    with single_process_group():
+        smoothed = PostTrainModel(model_config(), "dpo", beta=beta, label_smoothing=0.2)
+        ipo = PostTrainModel(model_config(), "dpo", beta=beta, preference_loss="ipo")
+        for variant in (smoothed, ipo):
+            variant.load_state_dict(policy.state_dict())
+            variant.set_reference(policy._reference[0])
+        want = -(0.8 * F.logsigmoid(beta * h) + 0.2 * F.logsigmoid(-beta * h)).mean()
+        torch.testing.assert_close(smoothed(batch), want, rtol=1e-5, atol=1e-6)
+        pi_mean, ref_mean = pi / tokens, ref / tokens
+        h_mean = (pi_mean[:3] - ref_mean[:3]) - (pi_mean[3:] - ref_mean[3:])
+        torch.testing.assert_close(ipo(batch), ((h_mean - 1 / (2 * beta)) ** 2).mean(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ipo.last_metrics["reward_margin"], beta * h_mean.mean().detach())
     # At the start the policy is its reference: every margin is 0, and a tie is no win (as TRL counts).
     from posttrain.losses import dpo_loss
 
@@ -435,6 +450,10 @@ def test_config_errors_name_the_key(files):
     assert "train.init_from" in check()
     assert "post.packing" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.packing=true")
     assert "post.method" in check(f"train.init_from={files / 'init.pt'}", "post.method=ppo")
+    assert "choose one of sigmoid, ipo" in check(f"train.init_from={files / 'init.pt'}", "post.preference_loss=kto")
+    assert "is for post.preference_loss=sigmoid" in check(f"train.init_from={files / 'init.pt'}",
+                                                           "post.preference_loss=ipo", "post.label_smoothing=0.1")
+    assert "must be in [0, 0.5)" in check(f"train.init_from={files / 'init.pt'}", "post.label_smoothing=0.5")
     assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{score}>")
     assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{name}_score>")
     # The authors' HH-RLHF text, two decimals always: a format spec is taken.
