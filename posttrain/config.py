@@ -23,6 +23,9 @@ class PostConfig:
     data: list[str] = field(default_factory=list, metadata={"parse": parse_paths})
     val_data: list[str] = field(default_factory=list, metadata={"parse": parse_paths})  # validation files
     max_len: int = 0  # input tokens per example (all but its last label); 0 = model.max_seq_len; longer: dropped
+    # dpo / sga: a longer pair keeps its prompt's last max_prompt_len tokens (BOS first where one
+    # begins it) and its responses' first tokens that fit, as TRL truncates (0: dropped)
+    max_prompt_len: int = 0
     packing: bool = False  # sft: several examples per row, each attending only to itself
     # Chat rendering: each turn is prefix + content + turn_end; an assistant turn is assistant_prefix +
     # content + EOS, and only its content and EOS are trained.
@@ -87,6 +90,10 @@ def validate_post(cfg: PostTrainConfig) -> None:
     if p.max_len < 0 or p.max_len > cfg.model.max_seq_len:
         raise ConfigError(f"post.max_len={p.max_len} must be between 0 (= model.max_seq_len) and "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
+    if p.max_prompt_len and (p.method == "sft" or not 0 < p.max_prompt_len < (p.max_len or cfg.model.max_seq_len)):
+        raise ConfigError(f"post.max_prompt_len={p.max_prompt_len}: for post.method=dpo or sga, below post.max_len "
+                          f"(or model.max_seq_len: {p.max_len or cfg.model.max_seq_len}) to leave the responses room; "
+                          "0 drops the pairs that do not fit")
     if p.packing and p.method != "sft":
         raise ConfigError(f"post.packing=true is for post.method=sft; {p.method} pairs each prompt with two "
                           "responses, padded: set post.packing=false")

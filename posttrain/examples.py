@@ -8,6 +8,7 @@ import hashlib
 import numpy as np
 
 from data_prep.sources import BadInputReport
+from models.generation import context_window
 from posttrain import records
 from posttrain.batches import PairExample, Row, pack, response_row
 from posttrain.chat import ChatEncoder, ScoreFormat, with_scores
@@ -22,7 +23,8 @@ class Examples:
         """`objectives`: SGA's, in order (None: the first record's); `objectives_of`: whose they are,
         for the message a record with others gets."""
         self.report = BadInputReport()
-        self.too_long = 0
+        self.too_long = 0  # dropped
+        self.truncated = 0  # cut to fit (post.max_prompt_len)
         self.units: list = []  # examples, or with post.packing the rows they are packed into
         self.examples = 0  # usable examples (packed or not)
         self.objectives = objectives
@@ -59,8 +61,14 @@ class Examples:
             else:
                 prompt = raw_prompt = encoder.prompt(pair.prompt)
                 target = np.zeros(0, dtype=np.float32)
-            chosen = response_row(prompt, encoder.response(pair.chosen))
-            rejected = response_row(prompt, encoder.response(pair.rejected))
+            responses = encoder.response(pair.chosen), encoder.response(pair.rejected)
+            if len(prompt) + max(map(len, responses)) > limit and post.max_prompt_len:
+                # As TRL's truncation: the prompt's last tokens (BOS kept first), then the responses' first
+                prompt, raw_prompt = (context_window(ids, post.max_prompt_len, encoder.bos)
+                                      for ids in (prompt, raw_prompt))
+                responses = tuple(ids[:limit - len(prompt)] for ids in responses)
+                self.truncated += 1
+            chosen, rejected = (response_row(prompt, ids) for ids in responses)
             if max(len(chosen.ids), len(rejected.ids)) > limit:
                 self.too_long += 1
                 continue

@@ -454,6 +454,10 @@ def test_config_errors_name_the_key(files):
     assert "is for post.preference_loss=sigmoid" in check(f"train.init_from={files / 'init.pt'}",
                                                            "post.preference_loss=ipo", "post.label_smoothing=0.1")
     assert "must be in [0, 0.5)" in check(f"train.init_from={files / 'init.pt'}", "post.label_smoothing=0.5")
+    assert "for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.max_prompt_len=8")
+    assert "below post.max_len (or model.max_seq_len: 16)" in check(f"train.init_from={files / 'init.pt'}",
+                                                                    "post.method=dpo", "post.max_len=16",
+                                                                    "post.max_prompt_len=16")
     assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{score}>")
     assert "{value}" in check(f"train.init_from={files / 'init.pt'}", "post.score_item=<{name}_score>")
     # The authors' HH-RLHF text, two decimals always: a format spec is taken.
@@ -1038,6 +1042,22 @@ def test_examples_longer_than_a_row_are_counted_and_left_out(files, encoder, tmp
     (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps(long_rejected) + "\n")
     got = Examples(dpo, [str(tmp_path / "pairs.jsonl")], encoder, None)
     assert (len(got.units), got.too_long) == (1, 1)
+    # post.max_prompt_len: cut to fit instead, as TRL truncates: the prompt's last tokens, then the
+    # responses' first (a long prompt too)
+    long_prompt = {**pair, "prompt": " ".join(["ask"] * 4 * limit) + " " + pair["prompt"]}
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in (pair, long_rejected, long_prompt)))
+    cut = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + ["post.method=dpo", "post.max_prompt_len=10"],
+                      PostTrainConfig)
+    got = Examples(cut, [str(tmp_path / "pairs.jsonl")], encoder, None)
+    assert (len(got.units), got.too_long, got.truncated) == (3, 0, 2)
+    from posttrain.records import prompt_messages
+
+    whole, short_prompt = (encoder.prompt(prompt_messages(p["prompt"])) for p in (pair, long_prompt))
+    short_response = encoder.response(long_rejected["rejected"])
+    assert got.units[0].chosen.ids.tolist() == whole + encoder.response(pair["chosen"])  # fits: as it was
+    rejected = got.units[1].rejected
+    assert len(rejected.ids) == limit and rejected.ids.tolist() == (whole[-10:] + short_response)[:limit]
+    assert got.units[2].raw_prompt == short_prompt[-10:] and got.units[2].chosen.ids[:10].tolist() == short_prompt[-10:]
 
     sft = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + ["post.method=sft"], PostTrainConfig)
     prompt = [{"role": "user", "content": "say"}]
