@@ -90,7 +90,7 @@ class PaperAttention(nn.Module):
         for linear in (self.q, self.k, self.v, self.o):
             nn.init.normal_(linear.weight, std=0.02)
         if kind == "ours-softmax_sink":
-            self.sink = nn.Parameter(torch.zeros(heads))  # as models.attention.sink initialises it
+            self.sink = nn.Parameter(torch.zeros(heads))  # neutral at the start (models.attention.sink draws N(0, 0.02))
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, L, L] attention weights."""

@@ -1,5 +1,7 @@
-"""Trigger-conditional task (Ran-Milo 2026): do softmax heads need an attention sink where ReLU
-heads do not?
+"""A variant of the trigger-conditional task (Ran-Milo 2026): do softmax heads need an attention
+sink where ReLU heads do not? Its data, model and criterion are its own (Gaussian content, a trigger
+in half the sequences, position embeddings, residual layers with read-out, "learned" by half the
+zero-prediction error); bench/sink_paper runs the paper's own task, models and training.
 
 Sequence: BOS at position 0, then i.i.d. Gaussian content vectors x_j in R^dim; with probability
 1/2 one position i >= 2 holds the trigger. Target at the trigger: the mean of the preceding non-BOS

@@ -121,13 +121,16 @@ def sink_stats(maps: dict[int, torch.Tensor], starts: torch.Tensor | None = None
 
 
 @torch.no_grad()
-def capture_attention(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
-                      ) -> dict[int, torch.Tensor]:
+def capture_attention(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
+                      row_length: int | None = None) -> dict[int, torch.Tensor]:
     """Run model.logits on tokens [batch, seq] with capture on (within documents with
     document_ids); returns {layer: weights} of the layers whose kind exposes its weights (all
-    built-in kinds do). Under tensor parallelism every rank of the group must call it (it runs the
-    forward)."""
+    built-in kinds do). `row_length`: the sample length ReLU's seqlen normaliser divides by, as in
+    training (model.max_seq_len; default seq: a shorter probe would weigh every row up). Under
+    tensor parallelism every rank of the group must call it (it runs the forward)."""
     ctx = {"capture_attention": True}
+    if row_length:
+        ctx["row_length"] = row_length
     if document_ids is not None:
         ctx["document_ids"] = document_ids
     model.logits(tokens, ctx)
@@ -140,14 +143,14 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def measure(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
-            queries: torch.Tensor | None = None) -> SinkStats | None:
+            queries: torch.Tensor | None = None, row_length: int | None = None) -> SinkStats | None:
     """Sink statistics of the layers that expose their weights; None when none does. With
     document_ids (a model trained within documents) it attends as trained, and alpha_1 is each
     query's weight on its own document's first token; queries [batch, seq] bool leaves padding out."""
     was_training = model.training
     model.eval()
     try:
-        maps = capture_attention(model, tokens, document_ids)
+        maps = capture_attention(model, tokens, document_ids, row_length)
     finally:
         model.train(was_training)
     starts = document_starts(document_ids) if document_ids is not None else None

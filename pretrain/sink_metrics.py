@@ -18,6 +18,7 @@ class SinkMetricsCallback(Callback):
     def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
         seq = min(self.seq, trainer.cfg.model.max_seq_len)
         tokens, documents, queries = trainer.probe_batch(seq)
-        stats = measure(trainer.model, tokens, documents, queries)  # the same on every rank: all or none have maps
+        # the same on every rank: all or none have maps; rows weighed as at the training length
+        stats = measure(trainer.model, tokens, documents, queries, trainer.cfg.model.max_seq_len)
         if stats is not None:
             trainer.logger.scalars(step, scalars(gathered(stats), self.eps, self.per_head), prefix="sinks/")

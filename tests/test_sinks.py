@@ -107,6 +107,28 @@ def test_relu_absolute_weight_is_not_a_share():
     assert stats.sink_rate(0.3) == pytest.approx(0.5)
 
 
+def test_a_short_probe_of_a_seqlen_relu_model_weighs_rows_as_training_did():
+    """ReLU's seqlen normaliser divides every row by the sample length: the metrics' probe of the
+    first 12 tokens gives the weights those rows have in the model's 24-token samples (relu, and a
+    LISA layer reading relu scores)."""
+    from models.sinks import capture_attention
+    from tests.test_attention import build, small_cfg
+
+    cfg = small_cfg("rrl")
+    cfg.relu_attention.normalizer = "seqlen"
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
+    with single_process_group():
+        model = build(cfg).double().eval()
+        with torch.no_grad():
+            trained = capture_attention(model, tokens)
+            probe = capture_attention(model, tokens[:, :12], row_length=cfg.max_seq_len)
+            unscaled = capture_attention(model, tokens[:, :12])
+    assert sorted(probe) == [0, 1, 2]
+    for layer, weights in probe.items():
+        torch.testing.assert_close(weights, trained[layer][..., :12, :12], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(unscaled[0], 2 * probe[0])  # without it: divided by 12, not 24
+
+
 class UniformWithinDocuments(torch.nn.Module):
     """Stands in for a model: one head that attends evenly over the keys each query sees."""
 

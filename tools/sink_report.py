@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens, source = sample_tokens(ckpt, cfg, meta, args.batch, min(args.seq, cfg.max_seq_len), args.shards)
     full = run_config(ckpt)
     eos = run_document_eos(full, meta)
-    stats = measure(model, tokens, document_ids(tokens, eos))  # as training attended
+    stats = measure(model, tokens, document_ids(tokens, eos), row_length=cfg.max_seq_len)  # as training attended
     if stats is None:
         raise ToolError(f"no attention layer of this model ({cfg.attention}) exposes its weights; "
                         "nothing to report")

@@ -481,7 +481,7 @@ class LISAAttention(nn.Module):
 
     def mix(self, scores: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         """Attention weights from the explicit scores, applied to the values [batch, heads, seq, head_dim]."""
-        weights = self.weights(scores, ctx.get("document_ids"))
+        weights = self.weights(scores, ctx.get("document_ids"), ctx.get("row_length"))
         self.capture(ctx, weights, normalised=self.family != "relu")
         return grouped_matmul(weights.to(v.dtype), v)
 

@@ -174,7 +174,8 @@ class ReLUAttention(ProjectedAttention):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: dict) -> torch.Tensor:
         documents = ctx.get("document_ids")
         if self.explicit(q, k, ctx):  # pre-activation scores published
-            weights_of = partial(relu_weights, normalizer=self.settings.normalizer, documents=documents)
+            weights_of = partial(relu_weights, normalizer=self.settings.normalizer, documents=documents,
+                                 seq_len=ctx.get("row_length"))  # a metric's probe: the training length
             return self.attend_explicit(q, k, v, ctx, weights_of, normalised=False)
         self.publish_projection(ctx, q, k)
         return relu_attend(q, k, v, self.settings, documents)
