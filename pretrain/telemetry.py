@@ -194,6 +194,8 @@ def progress_line(step: int, total: int, values: dict[str, float], extra: tuple[
         parts.append(f"data {100 * values['data_wait_frac']:.0f}%")
     if "data_wait_frac_max_rank" in values:
         parts[-1] += f" (max {100 * values['data_wait_frac_max']:.0f}% on rank {values['data_wait_frac_max_rank']})"
+    if "tokens_seen" in values:
+        parts.append(f"seen {values['tokens_seen'] / 1e9:.3g}B tok")
     parts.append(f"mem {values['peak_memory_gb']:.2f} GB")
     if "peak_memory_gb_max_rank" in values:
         parts[-1] += f" (max {values['peak_memory_gb_max']:.2f} GB on rank {values['peak_memory_gb_max_rank']})"

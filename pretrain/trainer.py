@@ -89,6 +89,8 @@ class Trainer:
         # run validates those weights before it trains on.
         self.validation_due: int | None = None
         self.save_timer = SaveTimer(cfg.train.save_interval_minutes)
+        # Tokens trained on by all ranks so far (in the checkpoint; None: resumed from one without it)
+        self.tokens_seen: int | None = 0
         if cfg.train.skip_spikes:
             self.spikes = SpikeGuard(cfg.train.spike_window, cfg.train.spike_sigmas)
             zero = engine.optimizer  # DeepSpeed's ZeRO wrapper: it has the global norm before the torch step
@@ -163,11 +165,14 @@ class Trainer:
             batches.append(next(self.batches))
             if throughput is not None:
                 throughput.data_wait(time.perf_counter() - waited)
-        if throughput is not None:  # tokens/s: this rank's tokens x data-parallel size
-            counted = [self.batch_tokens(batch) for batch in batches]
-            if counted[0] is None:  # full-length samples
-                counted = [batch.shape[0] * (batch.shape[1] - 1) for batch in batches]
-            throughput.step(sum(counted) * ps.get_data_parallel_world_size())
+        counted = [self.batch_tokens(batch) for batch in batches]
+        if counted[0] is None:  # full-length samples
+            counted = [batch.shape[0] * (batch.shape[1] - 1) for batch in batches]
+        tokens = sum(counted) * ps.get_data_parallel_world_size()  # this rank's tokens x data-parallel size
+        if self.tokens_seen is not None:
+            self.tokens_seen += tokens
+        if throughput is not None:
+            throughput.step(tokens)
         weights = self.micro_batch_weights(batches)
         ramped = bool(self.cfg.train.batch_ramp_start)
         for micro, batch in enumerate(batches):
@@ -267,7 +272,7 @@ class Trainer:
         # during it leaves steps that the resume trains again, written twice; the later counts).
         self.write_losses()
         started = time.perf_counter()
-        rank_state = {"data": self.batches.state_dict()}
+        rank_state = {"data": self.batches.state_dict(), "tokens_seen": self.tokens_seen}
         if self.spikes is not None:
             rank_state["spikes"] = self.spikes.state_dict()
         if self.validation_due == step:
@@ -295,6 +300,7 @@ class Trainer:
         if self.spikes is not None and "spikes" in state:
             self.spikes.load_state_dict(state["spikes"])
         self.validation_due = state.get("validation_due")
+        self.tokens_seen = state.get("tokens_seen")
 
     def _emit(self, hook: str, *args) -> None:
         for callback in self.callbacks:
@@ -319,6 +325,8 @@ class Trainer:
             result.metrics.update(zip(self.last_metrics, dp_mean(torch.stack(list(self.last_metrics.values())))))
         if self.spikes is not None:
             result.metrics["skipped_steps"] = len(self.spikes.skipped_steps)
+        if self.tokens_seen is not None:
+            result.metrics["tokens_seen"] = self.tokens_seen
         if self.cfg.train.batch_ramp_start:  # samples in the step (train.batch_ramp_*)
             result.metrics["global_batch"] = self.engine.train_batch_size()
         self.logger.scalars(result.step, result.metrics, prefix="train/")

@@ -603,6 +603,7 @@ def test_a_batch_ramp_trains_each_step_as_a_run_at_that_batch_would(data, tmp_pa
     assert losses(ramp) == losses(ref) and sorted(losses(ramp)) == [1, 2, 3]
     assert grad_norms(ramp) == grad_norms(ref)
     assert [r["train/global_batch"] for r in records_of(ramp) if "train/loss" in r] == [4, 8, 8]
+    assert [r["train/tokens_seen"] for r in records_of(ramp) if "train/loss" in r] == [128, 384, 640]  # 32 per sample
 
 
 def test_batch_ramp_sizes_grow_linearly_in_whole_micro_batches():
@@ -884,6 +885,8 @@ def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(
     resumed = train(1, tiny_overrides(tmp_path, part, **extra))
     assert "resumed from" in resumed.stdout and losses(part) == {s: losses(straight)[s] for s in (3, 4)}
     assert "step 3: running the validation the stop interrupted" in resumed.stdout
+    # tokens trained on, kept in the checkpoint: 4 samples of 32 a step
+    assert [r["train/tokens_seen"] for r in records_of(part) if "train/loss" in r] == [384, 512]
     assert [r["step"] for r in records_of(part) if "val/loss" in r] == [3, 4]
     assert sorted(losses(straight)) == [1, 2, 3, 4] and abs(losses(straight)[1] - math.log(256)) < 0.3
     [val] = [r for r in records_of(straight) if "val/loss" in r]
