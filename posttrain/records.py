@@ -5,6 +5,9 @@
                 (ends with an assistant turn; every assistant turn is trained)
     preference  {"prompt": str | [messages ending with a user turn], "chosen": str, "rejected": str,
                  "scores": {objective: number in [0, 1]}}   (scores: the chosen response's; SGA needs them)
+                TRL's conversational records too: "chosen" / "rejected" as messages ending with the
+                assistant's response, after the prompt's turns or alone; without "prompt" the turns
+                before the responses are the prompt (TRL's implicit prompt), the same in both
 
 A record that breaks a rule raises BadRecord with the reason; readers count it and go on.
 """
@@ -77,10 +80,33 @@ def prompt_messages(value) -> list[dict]:
     return [{"role": "user", "content": text_field(value, "prompt")}]
 
 
+def _response(value, name: str) -> tuple[str, list[dict] | None]:
+    """(the response, the turns before it or None) of "chosen" / "rejected" as text or messages."""
+    if not isinstance(value, list):
+        return text_field(value, name), None
+    messages = _messages(value, name)
+    if messages[-1]["role"] != "assistant":
+        raise BadRecord(f"{name!r} given as messages must end with the assistant's response")
+    return messages[-1]["content"], messages[:-1]
+
+
 def preference(rec: dict) -> Pair:
     """A preference record without its scores (DPO)."""
-    return Pair(prompt_messages(rec.get("prompt")), text_field(rec.get("chosen"), "chosen"),
-                text_field(rec.get("rejected"), "rejected"), {})
+    (chosen, chosen_turns), (rejected, rejected_turns) = _response(rec.get("chosen"), "chosen"), \
+        _response(rec.get("rejected"), "rejected")
+    if "prompt" in rec:
+        prompt = prompt_messages(rec["prompt"])
+        for name, turns in (("chosen", chosen_turns), ("rejected", rejected_turns)):
+            if turns and turns != prompt:
+                raise BadRecord(f"the turns of {name!r} before its response are not the 'prompt'")
+    else:  # TRL's implicit prompt: the turns both responses follow
+        if not chosen_turns or rejected_turns is None:
+            raise BadRecord("no 'prompt': give it, or 'chosen' and 'rejected' as messages after the prompt's turns")
+        if chosen_turns != rejected_turns:
+            raise BadRecord("'chosen' and 'rejected' differ before their last turn: give the prompt they share "
+                            "(multi-turn responses are not trained)")
+        prompt = prompt_messages(chosen_turns)
+    return Pair(prompt, chosen, rejected, {})
 
 
 def scored_preference(rec: dict) -> Pair:

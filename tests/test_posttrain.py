@@ -707,6 +707,28 @@ def test_helpsteer2_pairs_ties_and_bad_rows(tmp_path):
         convert("helpsteer2", [str(src)], tmp_path / "out.jsonl")
 
 
+def test_trl_s_conversational_preference_records_give_the_pair_of_the_plain_shape():
+    """chosen / rejected as messages, after the prompt's turns or alone, with an explicit prompt or
+    TRL's implicit one (the turns both responses follow), as HF preference datasets hold them."""
+    from posttrain.records import BadRecord, Pair, preference
+
+    user = {"role": "user", "content": "Hi?"}
+    good, bad = {"role": "assistant", "content": "Hello."}, {"role": "assistant", "content": "Go."}
+    plain = preference({"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go."})
+    assert plain == Pair([user], "Hello.", "Go.", {})
+    for rec in ({"chosen": [user, good], "rejected": [user, bad]},  # implicit prompt
+                {"prompt": [user], "chosen": [good], "rejected": [bad]},
+                {"prompt": "Hi?", "chosen": [user, good], "rejected": [user, bad]}):  # HuggingFaceH4's
+        assert preference(rec) == plain, rec
+    other = {"role": "user", "content": "Bye?"}
+    for rec, why in (({"chosen": [user, good], "rejected": [other, bad]}, "differ before their last turn"),
+                     ({"chosen": [good], "rejected": [bad]}, "no 'prompt'"),
+                     ({"prompt": "Hi?", "chosen": [other, good], "rejected": [bad]}, "turns of 'chosen' before"),
+                     ({"chosen": [user, good], "rejected": [user]}, "must end with the assistant's response")):
+        with pytest.raises(BadRecord, match=why):
+            preference(rec)
+
+
 def test_ultrafeedback_both_shapes_and_na_ratings(tmp_path):
     def completion(text, *ratings):
         aspects = ["helpfulness", "honesty", "instruction_following", "truthfulness"]
