@@ -1,6 +1,7 @@
 """Post-training records as users have them on disk, checked field by field.
 
-    sft         {"prompt": str, "response": str}
+    sft         {"prompt": str | [messages ending with a user turn], "response" (or TRL's "completion"):
+                 str | [the assistant's message]}
                 {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
                 (ends with an assistant turn; every assistant turn is trained)
     preference  {"prompt": str | [messages ending with a user turn], "chosen": str, "rejected": str,
@@ -64,10 +65,13 @@ def sft_messages(rec: dict) -> list[dict]:
         if messages[-1]["role"] != "assistant":
             raise BadRecord("'messages' must end with an assistant turn (the response to train)")
         return messages
-    if "prompt" in rec or "response" in rec:
-        return [{"role": "user", "content": text_field(rec.get("prompt"), "prompt")},
-                {"role": "assistant", "content": text_field(rec.get("response"), "response")}]
-    raise BadRecord("expected 'prompt' and 'response', or 'messages'")
+    if "prompt" in rec or "response" in rec or "completion" in rec:
+        key = "completion" if "completion" in rec else "response"  # TRL's prompt-completion records
+        response, turns = _response(rec.get(key), key)
+        if turns:
+            raise BadRecord(f"{key!r} given as messages must hold the assistant's response alone")
+        return [*prompt_messages(rec.get("prompt")), {"role": "assistant", "content": response}]
+    raise BadRecord("expected 'prompt' and 'response' (or 'completion'), or 'messages'")
 
 
 def prompt_messages(value) -> list[dict]:

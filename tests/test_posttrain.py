@@ -720,6 +720,10 @@ def test_trl_s_conversational_preference_records_give_the_pair_of_the_plain_shap
                 {"prompt": [user], "chosen": [good], "rejected": [bad]},
                 {"prompt": "Hi?", "chosen": [user, good], "rejected": [user, bad]}):  # HuggingFaceH4's
         assert preference(rec) == plain, rec
+    from posttrain.records import sft_messages
+
+    for rec in ({"prompt": [user], "completion": [good]}, {"prompt": "Hi?", "completion": "Hello."}):  # TRL's SFT
+        assert sft_messages(rec) == [user, good], rec
     other = {"role": "user", "content": "Bye?"}
     for rec, why in (({"chosen": [user, good], "rejected": [other, bad]}, "differ before their last turn"),
                      ({"chosen": [good], "rejected": [bad]}, "no 'prompt'"),
