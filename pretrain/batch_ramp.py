@@ -1,7 +1,7 @@
 """Batch-size ramp (train.batch_ramp_start, train.batch_ramp_steps), as Megatron-LM's
 --rampup-batch-size and GPT-3's schedule: the global batch starts at batch_ramp_start samples and
 grows linearly over batch_ramp_steps optimizer steps to the full one (micro_batch x grad_accum x
-data-parallel size), in whole micro-batches per data-parallel rank.
+data-parallel size), in whole micro-batches per data-parallel rank (at least one).
 
 Only the number of micro-batches a step accumulates changes: the micro-batch, the learning-rate
 schedule (by steps) and the sample order stay as they are, so a resumed run, which counts samples,
@@ -38,13 +38,12 @@ def validate_batch_ramp(t: TrainConfig, data_parallel: int) -> None:
             raise ConfigError(f"train.batch_ramp_steps={t.batch_ramp_steps} ramps from train.batch_ramp_start, "
                               "which is 0: give the global batch (samples) of the first step")
         return
-    round_samples = t.micro_batch * data_parallel
-    full = t.grad_accum * round_samples
-    if not round_samples <= t.batch_ramp_start < full:
+    # Below one micro-batch per rank it rounds up to one: a run resumed on more ranks keeps its config
+    full = t.grad_accum * t.micro_batch * data_parallel
+    if t.batch_ramp_start >= full:
         raise ConfigError(
-            f"train.batch_ramp_start={t.batch_ramp_start} must be at least one micro-batch per data-parallel "
-            f"rank ({t.micro_batch} x {data_parallel} = {round_samples} samples) and below the global batch it "
-            f"ramps to ({t.micro_batch} x train.grad_accum={t.grad_accum} x {data_parallel} = {full})")
+            f"train.batch_ramp_start={t.batch_ramp_start} must be below the global batch it ramps to "
+            f"({t.micro_batch} x train.grad_accum={t.grad_accum} x {data_parallel} = {full})")
     if not 1 <= t.batch_ramp_steps <= t.steps:
         raise ConfigError(f"train.batch_ramp_steps={t.batch_ramp_steps} must be in [1, train.steps={t.steps}]: "
                           "the steps over which the global batch grows")

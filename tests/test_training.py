@@ -614,6 +614,7 @@ def test_batch_ramp_sizes_grow_linearly_in_whole_micro_batches():
     # 8 samples on 2 ranks (2 micro-batches of 2 each), growing to 32 (8 each) over 4 steps
     assert [micro_batches_at(step, t, 2) for step in range(1, 7)] == [2, 3, 5, 6, 8, 8]
     assert micro_batches_at(1, TrainConfig(grad_accum=3), 4) == 3  # no ramp
+    assert micro_batches_at(1, t, 8) == 1  # resumed on 8 ranks: 8 samples are less than a micro-batch each
 
 
 def test_wsd_run_resumes_exactly_and_extends(data, tmp_path):
