@@ -63,9 +63,17 @@ class Examples:
                 target = np.zeros(0, dtype=np.float32)
             responses = encoder.response(pair.chosen), encoder.response(pair.rejected)
             if len(prompt) + max(map(len, responses)) > limit and post.max_prompt_len:
-                # As TRL's truncation: the prompt's last tokens (BOS kept first), then the responses' first
-                prompt, raw_prompt = (context_window(ids, post.max_prompt_len, encoder.bos)
-                                      for ids in (prompt, raw_prompt))
+                # In TRL's order: the prompt's last tokens (BOS kept first), then the responses' first.
+                # SGA's scores (the tokens the conditioned prompt has beyond the raw one's common
+                # start) stay whole, with some of the conversation, or the pair is dropped.
+                common = next((i for i, (a, b) in enumerate(zip(prompt, raw_prompt)) if a != b),
+                              min(len(prompt), len(raw_prompt)))
+                if post.max_prompt_len <= len(prompt) - common:
+                    self.too_long += 1
+                    continue
+                scores_len = len(prompt) - len(raw_prompt)
+                prompt = context_window(prompt, post.max_prompt_len, encoder.bos)
+                raw_prompt = context_window(raw_prompt, post.max_prompt_len - scores_len, encoder.bos)
                 responses = tuple(ids[:limit - len(prompt)] for ids in responses)
                 self.truncated += 1
             chosen, rejected = (response_row(prompt, ids) for ids in responses)

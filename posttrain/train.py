@@ -84,6 +84,12 @@ class PostTrainer(Trainer):
 POST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PostConfig)}  # "left at its default"
 
 
+def cut_hint(cfg: PostTrainConfig) -> str:
+    """Where pairs are dropped for their length, the key that cuts them to fit instead."""
+    return (": post.max_prompt_len cuts long pairs to fit" if cfg.post.method != "sft" and not cfg.post.max_prompt_len
+            else "")
+
+
 def check_reference(path: Path, fingerprint: str | None, method: str, run_dir: str) -> None:
     """A resumed DPO / SGA run measures its policy against the reference it started from: that
     checkpoint must still be there, holding the same weights (fingerprint: as the run recorded it;
@@ -191,7 +197,7 @@ class PostTrainTask(Task):
                         "other objectives, start from the weights alone (python -m tools.consolidate writes them)"
                         if objectives and not resumed else "")
             raise ConfigError(f"post.data={cfg.post.data} holds no usable {cfg.post.method} example "
-                              f"({self.train_data.too_long} too long for post.max_len; "
+                              f"({self.train_data.too_long} too long for post.max_len{cut_hint(cfg)}; "
                               f"{self.train_data.report.summary()}){new_head}")
         dp = world_size // cfg.parallel.tensor
         units = len(self.train_data.units)
@@ -202,7 +208,8 @@ class PostTrainTask(Task):
                               f"({cfg.train.micro_batch} x {dp}); add examples or lower train.micro_batch"
                               + (" (or set post.packing=false)" if cfg.post.packing else ""))
         if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
-            raise ConfigError(f"post.data (or post.max_len, post.packing, the chat or score format) differs "
+            raise ConfigError(f"post.data (or post.max_len, post.max_prompt_len, post.packing, the chat or score "
+                              "format) differs "
                               "from what the "
                               f"run in {cfg.run.dir} was training on, so it cannot resume its position; restore them, "
                               "or start a new run.dir")
@@ -213,7 +220,8 @@ class PostTrainTask(Task):
                               f"train.seed={seed}, or start a new run.dir")
         if cfg.post.val_data and not self.val_data.units:
             raise ConfigError(f"post.val_data={cfg.post.val_data} holds no usable {cfg.post.method} example "
-                              f"({self.val_data.too_long} too long for post.max_len; {self.val_data.report.summary()})")
+                              f"({self.val_data.too_long} too long for post.max_len{cut_hint(cfg)}; "
+                              f"{self.val_data.report.summary()})")
         if cfg.post.val_data and len(self.val_data.units) < dp:
             val_units = len(self.val_data.units)
             what = (f"{self.val_data.examples} usable examples, packed (post.packing) into {val_units} rows"
@@ -289,12 +297,12 @@ class PostTrainTask(Task):
                 "data_sha256": self.train_data.fingerprint(),
                 "data_seed": cfg.train.seed,
                 "examples": self.train_data.examples, "too_long": self.train_data.too_long,
-                "bad_records": self.train_data.report.to_dict()}
+                "truncated": self.train_data.truncated, "bad_records": self.train_data.report.to_dict()}
         if post.packing:
             info["packed_rows"] = len(self.train_data.units)
         if post.val_data:
             info["val"] = {"examples": self.val_data.examples, "too_long": self.val_data.too_long,
-                           "bad_records": self.val_data.report.to_dict()}
+                           "truncated": self.val_data.truncated, "bad_records": self.val_data.report.to_dict()}
         meta = {"posttrain": info}
         if post.method == "sga":
             info["scores"] = ScoreFormat.from_config(post).__dict__

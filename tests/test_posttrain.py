@@ -1084,6 +1084,31 @@ def test_examples_longer_than_a_row_are_counted_and_left_out(files, encoder, tmp
     rejected = got.units[1].rejected
     assert len(rejected.ids) == limit and rejected.ids.tolist() == (whole[-10:] + short_response)[:limit]
     assert got.units[2].raw_prompt == short_prompt[-10:] and got.units[2].chosen.ids[:10].tolist() == short_prompt[-10:]
+    # SGA: the scores at the conditioned prompt's end stay whole, with some of the conversation (the
+    # raw prompt keeps the same), or the pair is dropped
+    from posttrain.chat import ScoreFormat, with_scores
+
+    scores = {"length": 0.5, "keyword": 1.0}
+    (tmp_path / "sga.jsonl").write_text(json.dumps({**long_prompt, "scores": scores}) + "\n")
+
+    def sga(max_prompt_len: int):
+        sga_cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()]
+                              + ["model.max_seq_len=256", "post.method=sga", f"post.max_prompt_len={max_prompt_len}"],
+                              PostTrainConfig)
+        conditioned = encoder.prompt(with_scores(prompt_messages(long_prompt["prompt"]), scores,
+                                                 ScoreFormat.from_config(sga_cfg.post)))
+        return Examples(sga_cfg, [str(tmp_path / "sga.jsonl")], encoder, None), conditioned
+
+    _, conditioned = sga(40)
+    common = next(i for i, (a, b) in enumerate(zip(conditioned, short_prompt)) if a != b)
+    tail, extra = len(conditioned) - common, len(conditioned) - len(short_prompt)  # scores onwards; scores
+    assert 0 < extra < tail < 200
+    tight, _ = sga(tail)  # no room for the conversation: dropped
+    assert (len(tight.units), tight.too_long) == (0, 1)
+    roomy, _ = sga(tail + 4)
+    unit = roomy.units[0]
+    assert unit.chosen.ids[:tail + 4].tolist() == conditioned[-(tail + 4):]
+    assert unit.raw_prompt == short_prompt[-(tail + 4 - extra):]
 
     sft = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + ["post.method=sft"], PostTrainConfig)
     prompt = [{"role": "user", "content": "say"}]

@@ -59,7 +59,7 @@ def layer_similarity(model, batches: list[torch.Tensor], documents: list | None 
     documents: per batch its document ids (a model trained within documents), or None."""
     sims: dict[int, torch.Tensor] = {}
     for tokens, docs in zip(batches, documents or [None] * len(batches)):
-        maps = capture_attention(model, tokens, docs)
+        maps = capture_attention(model, tokens, docs, row_length=model.cfg.max_seq_len)  # as trained
         for layer in (layer for layer in maps if layer - 1 in maps):  # layers whose kinds expose weights
             s = head_similarity(maps[layer - 1], maps[layer])
             sims[layer] = sims.get(layer, 0) + s / len(batches)
