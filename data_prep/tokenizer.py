@@ -69,3 +69,10 @@ def load_tokenizer(tokenizer_dir):
         raise ValueError(f"{model} does not match the sha256 in {meta_file}: the model was replaced "
                          "after training; retrain it with --overwrite")
     return spm.SentencePieceProcessor(model_file=str(model)), meta
+
+
+def continuation_text(sp, prompt_ids: list[int], new: list[int]) -> str:
+    """The text new ids add to the prompt's: decoded alone, a dummy-prefix tokenizer (Llama-2's)
+    would drop the space the first new piece begins with."""
+    head, whole = sp.decode(prompt_ids), sp.decode(prompt_ids + new)
+    return whole[len(head):] if whole.startswith(head) else sp.decode(new)

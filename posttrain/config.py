@@ -138,6 +138,9 @@ def validate_post(cfg: PostTrainConfig) -> None:
         raise ConfigError("model.relu_attention.normalizer=seqlen divides by the padded row length, so an example's "
                           "loss would depend on the others in its micro-batch: a model trained with it cannot be "
                           "post-trained here (prefix and content can)")
+    if cfg.eval.sample_prompts:
+        raise ConfigError("eval.sample_prompts continues plain text, not conversations in post-training's chat "
+                          "format: leave it out, and sample with python -m tools.generate (or tools.sga_generate)")
     if cfg.eval.val_sets:
         raise ConfigError("eval.val_sets holds pretraining shard sets; post-training validates on post.val_data: "
                           "leave eval.val_sets out")

@@ -26,6 +26,10 @@ def build_callbacks(cfg: Config, model: nn.Module) -> list[Callback]:
         from pretrain.downstream_metrics import DownstreamEval
 
         callbacks.append(DownstreamEval(cfg))  # downstream/ accuracies
+    if cfg.eval.sample_prompts:
+        from pretrain.generation_samples import GenerationSamples
+
+        callbacks.append(GenerationSamples(cfg))  # samples/ texts
     if cfg.profile.start_step:
         from pretrain.profiling import ProfilerCallback
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from data_prep.tokenizer import tokenizer_record
+from data_prep.tokenizer import MODEL_FILE, tokenizer_record
 from models import registry
 from models.config import (
     ConfigError,
@@ -243,6 +243,10 @@ class EvalConfig:
     # val split, or all of a set built with --val-fraction 0 (its train split); val/N/loss each, kept
     # out of val/loss.
     val_sets: list[DataSource] = field(default_factory=list, metadata={"parse": parse_val_sets})
+    # Prompts continued greedily at every evaluation, sample_tokens new tokens each, printed and logged
+    # as text samples/<i> (pretrain.generation_samples)
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_tokens: int = 32
 
 
 @dataclass
@@ -472,6 +476,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be smaller than train.steps={t.steps}")
     validate_schedule(t)
     validate_batch_ramp(t, world_size // p.tensor)
+    if cfg.data.synthetic and cfg.eval.sample_prompts:
+        raise ConfigError("eval.sample_prompts needs the run's tokenizer, which data.synthetic=true does without: "
+                          "leave eval.sample_prompts out")
     _validate_eval(cfg.eval)
     _validate_profile(cfg.profile, t.steps, world_size)
 
@@ -523,6 +530,9 @@ def _validate_profile(prof: ProfileConfig, steps: int, world_size: int) -> None:
 
 
 def _validate_eval(e: EvalConfig) -> None:
+    if e.sample_tokens < 1 or not all(isinstance(p, str) and p for p in e.sample_prompts):
+        raise ConfigError(f"eval.sample_prompts={e.sample_prompts} must be non-empty strings and eval.sample_tokens="
+                          f"{e.sample_tokens} >= 1 (the new tokens of each sample)")
     if e.downstream_interval < 0 or e.downstream_limit < 0:
         raise ConfigError("eval.downstream_interval and eval.downstream_limit must be >= 0 (0 = off / all)")
     if e.downstream_interval and not e.downstream_tasks:
@@ -593,8 +603,12 @@ def validate_data(cfg: Config, world_size: int | None = None) -> dict:
     """Match the model against every source's manifest and the tokenizer, and (given the world size)
     the train split against one micro-batch per data-parallel rank, before training starts.
     Returns the first local source's manifest ({} when all are remote)."""
-    if not cfg.data.tokenizer and cfg.eval.downstream_tasks:  # remote shards alone would not need it
-        raise ConfigError(f"{EMPTY_TOKENIZER} the downstream tasks are encoded with")
+    encodes = "the downstream tasks" if cfg.eval.downstream_tasks else "eval.sample_prompts"
+    if not cfg.data.tokenizer and (cfg.eval.downstream_tasks or cfg.eval.sample_prompts):  # remote shards need none
+        raise ConfigError(f"{EMPTY_TOKENIZER} {encodes} are encoded with")
+    if cfg.eval.sample_prompts and not (Path(cfg.data.tokenizer) / MODEL_FILE).is_file():
+        raise ConfigError(f"eval.sample_prompts are encoded with the SentencePiece model of data.tokenizer="
+                          f"{cfg.data.tokenizer}, and {MODEL_FILE} is not there: point it at the tokenizer directory")
     tokenizer_meta = Path(cfg.data.tokenizer) / "tokenizer.json"
     manifests, tokenizer, train_samples = [], None, 0
     if cfg.data.synthetic and (cfg.data.document_mask or cfg.data.start_with_bos):

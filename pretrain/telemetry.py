@@ -172,6 +172,16 @@ class Logger:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
 
+    def text(self, step: int, values: dict[str, str], prefix: str = "") -> None:
+        """Text values (TensorBoard's text tab, and the JSON-lines record of the step)."""
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            self.writer.add_text(f"{prefix}{key}", value, step)
+        record = {"step": step, "time": time.time(), **{f"{prefix}{k}": v for k, v in values.items()}}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+
     def print(self, message: str) -> None:
         if self.rank == 0:
             print(message, flush=True)
@@ -180,6 +190,14 @@ class Logger:
         if self.writer is not None:
             self.writer.close()
             self.metrics_file.close()
+
+
+def count_text(n: float) -> str:
+    """12345678 -> '12.3M'."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def progress_line(step: int, total: int, values: dict[str, float], extra: tuple[str, ...] = ()) -> str:
@@ -195,7 +213,7 @@ def progress_line(step: int, total: int, values: dict[str, float], extra: tuple[
     if "data_wait_frac_max_rank" in values:
         parts[-1] += f" (max {100 * values['data_wait_frac_max']:.0f}% on rank {values['data_wait_frac_max_rank']})"
     if "tokens_seen" in values:
-        parts.append(f"seen {values['tokens_seen'] / 1e9:.3g}B tok")
+        parts.append(f"seen {count_text(values['tokens_seen'])} tok")
     parts.append(f"mem {values['peak_memory_gb']:.2f} GB")
     if "peak_memory_gb_max_rank" in values:
         parts[-1] += f" (max {values['peak_memory_gb_max']:.2f} GB on rank {values['peak_memory_gb_max_rank']})"

@@ -82,7 +82,8 @@ def runs(data, tmp_path_factory):
                "tp2_zero3": {"parallel.tensor": 2, "parallel.zero_stage": 3}}
     for name, extra in layouts.items():
         settings = {"model.vocab_size": vocab, "train.steps": STEPS, "train.warmup_steps": 1,
-                    "train.eval_interval": STEPS, "train.save_interval": STEPS, "train.eval_batches": 1, **extra}
+                    "train.eval_interval": STEPS, "train.save_interval": STEPS, "train.eval_batches": 1,
+                    "eval.sample_prompts": '["def function_3("]', "eval.sample_tokens": 6, **extra}
         train_run(root, base / name, settings, nproc=4)
     return {name: base / name for name in layouts}
 
@@ -269,7 +270,7 @@ def test_imported_tokenizers_export_exactly_or_not_at_all(tmp_path):
         chat.chat_template = chat_template(fmt)  # as if it had no dummy prefix: other ids, and told so
         assert "where the model trained on" in chat_template_mismatch(chat, ChatEncoder(sp, fmt))
     # tools.generate prints the continuation with the space a dummy prefix strips from text decoded alone
-    from tools.generate import continuation_text
+    from data_prep.tokenizer import continuation_text
 
     ids = sp.encode("def main(x): return x")
     cut = next(i for i in range(1, len(ids)) if sp.id_to_piece(ids[i]).startswith("\u2581"))
@@ -406,6 +407,11 @@ def test_generate_cli_greedy_equals_hf_generate(runs, data, dist_env, tmp_path, 
     prompt = torch.tensor([result["prompt_ids"]])
     ids = hf.generate(prompt, do_sample=False, max_new_tokens=6)[0, prompt.shape[1]:].tolist()
     assert ids == result["ids"]
+    # eval.sample_prompts: the run's own greedy sample at its last evaluation, at TP=2 x DP=2, the same
+    for layout in runs:
+        [sample] = [r["samples/0"] for r in map(json.loads, (runs[layout] / "metrics.jsonl").read_text().splitlines())
+                    if "samples/0" in r and r["step"] == STEPS]
+        assert sample == result["text"], layout
     # A run trained with data.start_with_bos: the prompt begins with BOS, as its samples did.
     bos_run = tmp_path / "bos_run"
     shutil.copytree(run, bos_run)

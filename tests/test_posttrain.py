@@ -454,6 +454,8 @@ def test_config_errors_name_the_key(files):
     assert "is for post.preference_loss=sigmoid" in check(f"train.init_from={files / 'init.pt'}",
                                                            "post.preference_loss=ipo", "post.label_smoothing=0.1")
     assert "must be in [0, 0.5)" in check(f"train.init_from={files / 'init.pt'}", "post.label_smoothing=0.5")
+    assert "sample with python -m tools.generate" in check(f"train.init_from={files / 'init.pt'}",
+                                                           "eval.sample_prompts=[hi]")
     assert "for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.max_prompt_len=8")
     assert "below post.max_len (or model.max_seq_len: 16)" in check(f"train.init_from={files / 'init.pt'}",
                                                                     "post.method=dpo", "post.max_len=16",

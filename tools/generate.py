@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from data_prep.tokenizer import SPECIAL_IDS, load_tokenizer
+from data_prep.tokenizer import SPECIAL_IDS, continuation_text, load_tokenizer
 from models.generation import generate
 from pretrain.checkpoint_format import read_meta, resolve_checkpoint
 from pretrain.consolidate import load_model, run_config
@@ -90,13 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text if text is not None else " ".join(map(str, new)))
     return 0
-
-
-def continuation_text(sp, prompt_ids: list[int], new: list[int]) -> str:
-    """The text the new ids add to the prompt's: decoded alone, a dummy-prefix tokenizer (Llama-2's)
-    would drop the space the first new piece begins with."""
-    head, whole = sp.decode(prompt_ids), sp.decode(prompt_ids + new)
-    return whole[len(head):] if whole.startswith(head) else sp.decode(new)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""Greedy continuations of eval.sample_prompts at every evaluation, printed and logged (TensorBoard
+text samples/<i>, RUN_DIR/metrics.jsonl), to see what the model writes as it trains (as
+llm-foundry's Generate callback). Every rank decodes the same prompts in step: tensor-parallel ranks
+gather the vocabulary-split logits, ZeRO-3 and expert-parallel ranks run each forward together."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from data_prep.tokenizer import continuation_text, load_tokenizer
+from models.generation import generate
+from pretrain import signals
+from pretrain.config import Config
+from pretrain.data import run_bos
+from pretrain.trainer import Callback
+
+
+class FullVocabulary:
+    """The model as generate() reads it: the logits over the whole vocabulary on every rank."""
+
+    def __init__(self, model):
+        self.model, self.cfg = model, model.cfg
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def hidden_states(self, tokens, ctx=None):
+        return self.model.hidden_states(tokens, ctx)
+
+    def output_logits(self, hidden):
+        logits = self.model.output_logits(hidden).contiguous()  # this rank's share of the vocabulary
+        ranks = ps.get_tensor_model_parallel_world_size()
+        if ranks == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(ranks)]
+        dist.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts, dim=-1)
+
+
+class GenerationSamples(Callback):
+    def __init__(self, cfg: Config):
+        self.prompts, self.new_tokens = cfg.eval.sample_prompts, cfg.eval.sample_tokens
+        self.sp, _ = load_tokenizer(cfg.data.tokenizer)
+
+    def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
+        if signals.any_rank_received(trainer.device):  # collective: the stop's save comes first
+            return
+        bos = run_bos(trainer.cfg, trainer.meta)  # as the run's samples begin
+        model = trainer.model
+        was_training = model.training
+        model.eval()  # routed layers drop no token over capacity
+        try:
+            texts = {}
+            for i, prompt in enumerate(self.prompts):
+                ids = ([] if bos is None else [bos]) + self.sp.encode(prompt)
+                new = generate(FullVocabulary(model), ids, self.new_tokens, greedy=True, eos_id=self.sp.eos_id(),
+                               bos=bos)
+                texts[str(i)] = continuation_text(self.sp, ids, new)
+        finally:
+            model.train(was_training)
+        trainer.logger.text(step, texts, prefix="samples/")
+        for i, prompt in enumerate(self.prompts):
+            trainer.logger.print(f"step {step} | sample {i}: {prompt!r} -> {texts[str(i)]!r}")
