@@ -68,7 +68,8 @@ class Examples:
                 # start) stay whole, with some of the conversation, or the pair is dropped.
                 common = next((i for i, (a, b) in enumerate(zip(prompt, raw_prompt)) if a != b),
                               min(len(prompt), len(raw_prompt)))
-                if post.max_prompt_len <= len(prompt) - common:
+                window = post.max_prompt_len - (encoder.bos is not None and prompt[:1] == [encoder.bos])
+                if window - (len(prompt) - common) < 2:  # not 2 tokens of the conversation beside the scores
                     self.too_long += 1
                     continue
                 scores_len = len(prompt) - len(raw_prompt)

@@ -38,6 +38,10 @@ def validate_batch_ramp(t: TrainConfig, data_parallel: int) -> None:
             raise ConfigError(f"train.batch_ramp_steps={t.batch_ramp_steps} ramps from train.batch_ramp_start, "
                               "which is 0: give the global batch (samples) of the first step")
         return
+    if t.grad_accum < 2:
+        raise ConfigError(f"train.batch_ramp_start={t.batch_ramp_start}: a ramp grows the micro-batches a step "
+                          "accumulates, up to train.grad_accum, which is 1: raise train.grad_accum (and lower "
+                          "train.micro_batch to keep the global batch)")
     # Below one micro-batch per rank it rounds up to one: a run resumed on more ranks keeps its config
     full = t.grad_accum * t.micro_batch * data_parallel
     if t.batch_ramp_start >= full:

@@ -269,7 +269,8 @@ def save_weights_run(model: torch.nn.Module, cfg, out: Path, meta: dict) -> Path
         meta = {"model": cfg.to_dict()["model"], "flops_per_token": flops_per_token(cfg.model),
                 "params": param_counts(cfg.model), **meta}
         rank_state = {"data": {"epoch": 0, "sample_in_epoch": 0, "shuffle_seed": cfg.data.shuffle_seed,
-                               "num_canonical_nodes": cfg.data.num_canonical_nodes, "initial_physical_nodes": 1}}
+                               "num_canonical_nodes": cfg.data.num_canonical_nodes, "initial_physical_nodes": 1},
+                      "tokens_seen": 0}
         save(engine, checkpoint_dir(tmp), 0, meta, rank_state, keep_last=1)
         tag = tmp / "checkpoints" / tag_for(0)
         marker = read_meta(tag)

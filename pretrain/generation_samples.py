@@ -1,7 +1,10 @@
-"""Greedy continuations of eval.sample_prompts at every evaluation, printed and logged (TensorBoard
-text samples/<i>, RUN_DIR/metrics.jsonl), to see what the model writes as it trains (as
-llm-foundry's Generate callback). Every rank decodes the same prompts in step: tensor-parallel ranks
-gather the vocabulary-split logits, ZeRO-3 and expert-parallel ranks run each forward together."""
+"""Greedy continuations of eval.sample_prompts every train.eval_interval steps and at the last,
+printed and logged (TensorBoard text samples/<i>, RUN_DIR/metrics.jsonl), to see what the model
+writes as it trains (as llm-foundry's Generate callback). Every rank decodes the same prompts in
+step, each forward together (ZeRO-3 gathers, expert-parallel exchanges): tensor-parallel ranks
+gather the vocabulary-split logits, and rank 0's are broadcast, so that no rank can pick another
+token (GPU kernels need not give every rank the same last bits) and leave the others waiting.
+Under ZeRO-3 each new token is a forward that gathers the parameters: keep prompts few and short."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from megatron.core import parallel_state as ps
 from data_prep.tokenizer import continuation_text, load_tokenizer
 from models.generation import generate
 from pretrain import signals
-from pretrain.config import Config
+from pretrain.config import Config, ConfigError
 from pretrain.data import run_bos
 from pretrain.trainer import Callback
 
@@ -32,19 +35,27 @@ class FullVocabulary:
     def output_logits(self, hidden):
         logits = self.model.output_logits(hidden).contiguous()  # this rank's share of the vocabulary
         ranks = ps.get_tensor_model_parallel_world_size()
-        if ranks == 1:
-            return logits
-        parts = [torch.empty_like(logits) for _ in range(ranks)]
-        dist.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
-        return torch.cat(parts, dim=-1)
+        if ranks > 1:
+            parts = [torch.empty_like(logits) for _ in range(ranks)]
+            dist.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        if dist.get_world_size() > 1:
+            dist.broadcast(logits, src=0)
+        return logits
 
 
 class GenerationSamples(Callback):
     def __init__(self, cfg: Config):
         self.prompts, self.new_tokens = cfg.eval.sample_prompts, cfg.eval.sample_tokens
         self.sp, _ = load_tokenizer(cfg.data.tokenizer)
+        empty = [i for i, prompt in enumerate(self.prompts) if not self.sp.encode(prompt)]
+        if empty:
+            raise ConfigError(f"eval.sample_prompts {empty} encode to no token with data.tokenizer: give some text")
 
-    def on_evaluate(self, trainer, step: int, val: dict[str, float]) -> None:
+    def on_step_end(self, trainer, result) -> None:  # with validation or without
+        step, t = result.step, trainer.cfg.train
+        if step % t.eval_interval and step != t.steps:
+            return
         if signals.any_rank_received(trainer.device):  # collective: the stop's save comes first
             return
         bos = run_bos(trainer.cfg, trainer.meta)  # as the run's samples begin

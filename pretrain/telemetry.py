@@ -173,11 +173,12 @@ class Logger:
         self.metrics_file.flush()
 
     def text(self, step: int, values: dict[str, str], prefix: str = "") -> None:
-        """Text values (TensorBoard's text tab, and the JSON-lines record of the step)."""
+        """Text values (TensorBoard's text tab, as they are: in a code block, not read as Markdown; and
+        the JSON-lines record of the step)."""
         if self.writer is None:
             return
         for key, value in values.items():
-            self.writer.add_text(f"{prefix}{key}", value, step)
+            self.writer.add_text(f"{prefix}{key}", "```\n" + value.replace("```", "` ` `") + "\n```", step)
         record = {"step": step, "time": time.time(), **{f"{prefix}{k}": v for k, v in values.items()}}
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
@@ -194,6 +195,7 @@ class Logger:
 
 def count_text(n: float) -> str:
     """12345678 -> '12.3M'."""
+    n = float(f"{n:.3g}")  # rounded first: 999,600 is 1M, not 1e+03k
     for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
         if n >= size:
             return f"{n / size:.3g}{unit}"

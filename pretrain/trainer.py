@@ -308,6 +308,8 @@ class Trainer:
 
     def fit(self, start_step: int) -> int:
         """Train from `start_step` to `train.steps`; returns the last completed step."""
+        if start_step == 0 and self.tokens_seen is None:  # a weights-only start (import_hf, ...) written before
+            self.tokens_seen = 0
         self._emit("on_train_begin", start_step)
         step = self._train(start_step)
         self._emit("on_train_end", step)

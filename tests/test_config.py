@@ -142,6 +142,7 @@ def test_bad_overrides(override, message):
     (["train.batch_ramp_start=16", "train.batch_ramp_steps=5", "train.grad_accum=2"], 2,
      r"batch_ramp_start=16 must be below the global batch it ramps to \(4 x train.grad_accum=2 x 2 = 16\)"),
     (["train.batch_ramp_steps=5"], 1, "ramps from train.batch_ramp_start, which is 0"),
+    (["train.batch_ramp_start=2", "train.batch_ramp_steps=5"], 1, "up to train.grad_accum, which is 1"),
     (["eval.sample_tokens=0", "eval.sample_prompts=[def]"], 1, r"eval.sample_tokens=0 >= 1"),
     (["data.synthetic=true", "eval.sample_prompts=[def]"], 1, "eval.sample_prompts needs the run's tokenizer"),
     (["train.stop_after_minutes=-1"], 1, r"stop_after_minutes=-1.0 must be >= 0 \(0 = no time limit\)"),

@@ -82,3 +82,10 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     [aside] = (tmp_path / LOGS_ASIDE).iterdir()
     assert [json.loads(line)["step"] for line in (aside / "metrics.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
     assert (aside / "losses.jsonl").read_text().splitlines()[-1] == '{"step": 9, "lo'
+
+
+def test_counts_read_in_units_rounded_first():
+    from pretrain.telemetry import count_text
+
+    assert [count_text(n) for n in (999.6, 999_500, 999_600_000, 12_345_678, 3.2e12, 512)] == \
+        ["1k", "1M", "1B", "12.3M", "3.2T", "512"]
