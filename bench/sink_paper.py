@@ -90,7 +90,8 @@ class PaperAttention(nn.Module):
         for linear in (self.q, self.k, self.v, self.o):
             nn.init.normal_(linear.weight, std=0.02)
         if kind == "ours-softmax_sink":
-            self.sink = nn.Parameter(torch.zeros(heads))  # neutral at the start (models.attention.sink draws N(0, 0.02))
+            # neutral at the start (models.attention.sink draws N(0, 0.02))
+            self.sink = nn.Parameter(torch.zeros(heads))
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, L, L] attention weights."""

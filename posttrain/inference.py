@@ -47,7 +47,8 @@ class SGAModel:
     @torch.no_grad()
     def predict(self, messages: list[dict]) -> dict[str, float]:
         # The prompt's last max_seq_len tokens, as generation keeps them (the value head reads the last one).
-        ids = torch.tensor([context_window(self.encoder.prompt(messages), self.model.cfg.max_seq_len, self.encoder.bos)])
+        prompt = self.encoder.prompt(messages)
+        ids = torch.tensor([context_window(prompt, self.model.cfg.max_seq_len, self.encoder.bos)])
         hidden = last_token_states(self.model.hidden_states(ids), torch.tensor([ids.shape[1] - 1]))
         return dict(zip(self.objectives, self.value_head(hidden)[0].tolist()))
 

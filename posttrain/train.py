@@ -322,7 +322,8 @@ class PostTrainTask(Task):
             if files:
                 logger.print(f"{cfg.post.method}: {len(data.units)} {name} {kind} from {', '.join(files)} "
                              f"({data.too_long} longer than {example_length(cfg)} tokens with the last label dropped"
-                             + (f", {data.truncated} cut to fit (post.max_prompt_len)" if data.truncated else "") + "); "
+                             + (f", {data.truncated} cut to fit (post.max_prompt_len)" if data.truncated else "")
+                             + "); "
                              f"{data.report.summary()}")
         if cfg.post.method == "sga":
             logger.print(f"sga: objectives {', '.join(self.train_data.objectives)}")

@@ -243,8 +243,8 @@ class EvalConfig:
     # val split, or all of a set built with --val-fraction 0 (its train split); val/N/loss each, kept
     # out of val/loss.
     val_sets: list[DataSource] = field(default_factory=list, metadata={"parse": parse_val_sets})
-    # Prompts continued greedily at every evaluation, sample_tokens new tokens each, printed and logged
-    # as text samples/<i> (pretrain.generation_samples)
+    # Prompts continued greedily every train.eval_interval steps and at the last, sample_tokens new
+    # tokens each, printed and logged as text samples/<i> (pretrain.generation_samples)
     sample_prompts: list[str] = field(default_factory=list)
     sample_tokens: int = 32
 

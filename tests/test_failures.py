@@ -90,11 +90,11 @@ from pretrain.train import main
 
 calls, train_step = [0], trainer.Trainer.train_step
 
-def poisoned(self, throughput=None):
+def poisoned(self, *args, **kwargs):
     calls[0] += 1
     hook = self.model.norm.weight.register_hook(lambda g: g * float("nan")) if calls[0] == 2 else None
     try:
-        return train_step(self, throughput)
+        return train_step(self, *args, **kwargs)
     finally:
         if hook is not None:
             hook.remove()

@@ -864,7 +864,8 @@ def test_a_synthetic_data_run_reads_no_shards_saves_by_time_and_resumes_exactly(
     straight, part = tmp_path / "straight", tmp_path / "part"
     held = write_synthetic_shards(tmp_path / "held", train=8, val=4)  # a held-out set validated beside them
     extra = {"data.synthetic": "true", "data.shards": tmp_path / "none", "data.tokenizer": held / "tokenizer",
-             "train.steps": 4, "train.save_interval": 4, "train.save_interval_minutes": "1e-9", "train.eval_interval": 4,
+             "train.steps": 4, "train.save_interval": 4, "train.save_interval_minutes": "1e-9",
+             "train.eval_interval": 4,
              "eval.val_sets": f"[{{shards: {held / 'shards'}}}]"}
     out = train(1, tiny_overrides(tmp_path, straight, **extra))
     assert "read with data.synthetic=false only" in out.stdout
