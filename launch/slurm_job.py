@@ -92,8 +92,7 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
             return "stopped", f"{where} (preemption or cancel): not requeueing"
         if restarts >= max_requeues:
             return "stopped", f"{where} but the job was requeued {restarts} times (max {max_requeues})"
-        limit = "time limit" if reason == "USR1" else "train.stop_after_minutes"
-        return "requeue", f"{where} ({limit}): requeue {restarts + 1} of at most {max_requeues}"
+        return "requeue", f"{where} ({TIME_LIMIT_SIGNALS[reason]}): requeue {restarts + 1} of at most {max_requeues}"
     steps = configured_steps(run_dir)
     last = latest_complete_step(run_dir)
     if rc == 0:
@@ -114,8 +113,8 @@ def decide(run_dir: Path, rc: int, received: str, restarts: int, max_requeues: i
     return "failed", failed
 
 
-# Slurm's warning before the time limit, and the trainer's own (train.stop_after_minutes): requeued
-TIME_LIMIT_SIGNALS = ("USR1", "ALRM")
+# Slurm's warning before the time limit, and the trainer's own: requeued. Signal -> what it means.
+TIME_LIMIT_SIGNALS = {"USR1": "the time limit", "ALRM": "train.stop_after_minutes"}
 
 
 def marker_signal(marker: dict) -> str:

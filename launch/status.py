@@ -134,8 +134,7 @@ def unfinished(info: dict, ended: dict) -> str | None:
         return None
     signal, action = ended.get("signal", "none"), ended.get("action")
     if action == "stopped" and signal in slurm_job.TIME_LIMIT_SIGNALS:
-        limit = "the time limit" if signal == "USR1" else "train.stop_after_minutes"
-        why = f"{limit} stopped it after {info.get('restarts')} requeues (launch.submit --max-requeues)"
+        why = f"{slurm_job.TIME_LIMIT_SIGNALS[signal]} stopped it after {info.get('restarts')} requeues (launch.submit --max-requeues)"
     elif action == "stopped":
         why = f"it stopped on SIG{signal} (preemption or cancel)"
     elif action == "failed":

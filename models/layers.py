@@ -169,3 +169,16 @@ class SwiGLU(nn.Module):
         gate_up, _ = self.w_in(x)
         out, _ = self.w_out(swiglu(gate_up))
         return out
+
+
+def gather_tensor_parallel(t: torch.Tensor) -> torch.Tensor:
+    """Each tensor-parallel rank's share along the last dimension -> the whole, in rank order (the
+    column-parallel layout: heads, vocabulary rows); as it is at tensor-parallel size 1. Forward only
+    (megatron-core's gather assumes CUDA)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)

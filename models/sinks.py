@@ -157,24 +157,14 @@ def measure(model, tokens: torch.Tensor, document_ids: torch.Tensor | None = Non
     return sink_stats(maps, starts, queries) if maps else None
 
 
-def gather_heads(t: torch.Tensor) -> torch.Tensor:
-    """[layers, local_heads] on each tensor-parallel rank -> [layers, heads] in global head order
-    (rank r holds heads r*local .. (r+1)*local - 1)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)
-
-
 def gathered(stats: SinkStats) -> SinkStats:
-    return SinkStats(gather_heads(stats.alpha1), gather_heads(stats.row_total), gather_heads(stats.share1),
-                     stats.layers, stats.uniform1,
-                     None if stats.alpha1_sequences is None else gather_heads(stats.alpha1_sequences),
-                     stats.sequences_kept)
+    """Every head's statistics on every rank, in global head order (rank r holds heads r*local ..)."""
+    from models.layers import gather_tensor_parallel
+
+    sequences = stats.alpha1_sequences
+    return SinkStats(gather_tensor_parallel(stats.alpha1), gather_tensor_parallel(stats.row_total),
+                     gather_tensor_parallel(stats.share1), stats.layers, stats.uniform1,
+                     None if sequences is None else gather_tensor_parallel(sequences), stats.sequences_kept)
 
 
 def scalars(stats: SinkStats, eps: float = DEFAULT_EPS, per_head: bool = True) -> dict[str, float]:

@@ -8,12 +8,11 @@ Under ZeRO-3 each new token is a forward that gathers the parameters: keep promp
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from data_prep.tokenizer import continuation_text, load_tokenizer
 from models.generation import generate
+from models.layers import gather_tensor_parallel
 from pretrain import signals
 from pretrain.config import Config, ConfigError
 from pretrain.data import run_bos
@@ -33,12 +32,7 @@ class FullVocabulary:
         return self.model.hidden_states(tokens, ctx)
 
     def output_logits(self, hidden):
-        logits = self.model.output_logits(hidden).contiguous()  # this rank's share of the vocabulary
-        ranks = ps.get_tensor_model_parallel_world_size()
-        if ranks > 1:
-            parts = [torch.empty_like(logits) for _ in range(ranks)]
-            dist.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
-            logits = torch.cat(parts, dim=-1)
+        logits = gather_tensor_parallel(self.model.output_logits(hidden)).contiguous()  # the whole vocabulary
         if dist.get_world_size() > 1:
             dist.broadcast(logits, src=0)
         return logits
