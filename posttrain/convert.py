@@ -2,6 +2,7 @@
 
     python -m posttrain.convert helpsteer2 --input helpsteer2/train.jsonl.gz --out data/prefs/helpsteer2.jsonl
     python -m posttrain.convert ultrafeedback --input ultrafeedback/*.parquet --out data/prefs/uf.jsonl
+    python -m posttrain.convert hh-rlhf --input hh-rlhf/train.jsonl.gz --out data/prefs/hh.jsonl
 
 Responses are grouped by their exact prompt; for a prompt with at least two rated responses the
 chosen one has the highest mean rating and the rejected one the lowest (the first in file order
@@ -16,6 +17,12 @@ chosen response's ratings, normalised to [0, 1] and rounded to 2 decimals, are i
                    annotations}; aspects helpfulness, honesty, instruction_following, truthfulness
                    rated 1-5 -> (rating - 1) / 4
 
+Anthropic's hh-rlhf holds pairs already, as dialogues in plain text ("\\n\\nHuman: ...\\n\\nAssistant:
+..."), without ratings (DPO only): each row {chosen, rejected} becomes {prompt: the turns both
+dialogues share, as messages, chosen: the last assistant turn of one, rejected: of the other}. A
+row whose dialogues differ before their last turn, or do not end with an assistant turn, is a bad
+record; a row whose two responses are the same text is dropped (it prefers neither).
+
 A row or completion with a missing, non-numeric ("N/A") or out-of-range rating is counted and
 skipped. Input: JSON Lines (.jsonl, .gz, .zst) or Parquet files.
 """
@@ -25,16 +32,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from data_prep.readers import FileReadError, read_records
 from data_prep.sources import BadInputReport
-from posttrain.records import BadRecord, text_field
+from posttrain.records import BadRecord, preference, text_field
 
 HELPSTEER2 = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
 ULTRAFEEDBACK = ("helpfulness", "honesty", "instruction_following", "truthfulness")
 TURN_MARK = "<extra_id_1>"
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")  # hh-rlhf's turn marks (a space follows, as a rule)
+FORMATS = ("helpsteer2", "ultrafeedback", "hh-rlhf")
 
 
 def _rating(value, low: int, high: int, name: str) -> float:
@@ -111,6 +121,34 @@ def ultrafeedback_rows(rec: dict, report: BadInputReport, where: str):
         yield prompt, *done
 
 
+def hh_dialogue(text, name: str) -> list[dict]:
+    """An hh-rlhf dialogue ("\\n\\nHuman: ...\\n\\nAssistant: ...") as messages."""
+    text = text_field(text, name)
+    parts = HH_TURN.split("\n\n" + text.lstrip("\n"))  # ['', 'Human', content, 'Assistant', content, ...]
+    if parts[0].strip() or len(parts) < 3 or parts[1] != "Human":
+        raise BadRecord(f"{name!r} does not begin with a 'Human:' turn (expected \"\\n\\nHuman: ...\\n\\n"
+                        f"Assistant: ...\")")
+    messages = [{"role": "user" if role == "Human" else "assistant", "content": content.strip()}
+                for role, content in zip(parts[1::2], parts[2::2])]
+    if messages[-1]["role"] != "assistant":
+        raise BadRecord(f"{name!r} does not end with an assistant turn (the response)")
+    for i, message in enumerate(messages):
+        text_field(message["content"], f"{name} turn {i + 1} ({message['role']})")
+    return messages
+
+
+def hh_rlhf_pair(rec: dict) -> dict:
+    chosen, rejected = hh_dialogue(rec.get("chosen"), "chosen"), hh_dialogue(rec.get("rejected"), "rejected")
+    if chosen[:-1] != rejected[:-1]:
+        raise BadRecord("'chosen' and 'rejected' differ before their last turn (multi-turn responses are not "
+                        "trained)")
+    if chosen[-2]["role"] != "user":
+        raise BadRecord("the responses follow an assistant turn, not a 'Human:' one")
+    pair = {"prompt": chosen[:-1], "chosen": chosen[-1]["content"], "rejected": rejected[-1]["content"]}
+    preference(pair)  # as the trainer reads it
+    return pair
+
+
 def pairs(responses: dict[str, list[tuple[str, dict]]], counts: dict) -> list[dict]:
     """{prompt: [(response, scores)]} -> preference records (see the module docstring)."""
     out = []
@@ -131,8 +169,8 @@ def pairs(responses: dict[str, list[tuple[str, dict]]], counts: dict) -> list[di
 
 
 def convert(kind: str, inputs: list[str], out: Path, overwrite: bool = False) -> dict:
-    if kind not in ("helpsteer2", "ultrafeedback"):
-        raise ValueError(f"unknown format {kind!r}: choose helpsteer2 or ultrafeedback")
+    if kind not in FORMATS:
+        raise ValueError(f"unknown format {kind!r}: choose one of {', '.join(FORMATS)}")
     if out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; choose another file or pass --overwrite")
     missing = [p for p in inputs if not Path(p).is_file()]
@@ -140,11 +178,20 @@ def convert(kind: str, inputs: list[str], out: Path, overwrite: bool = False) ->
         raise FileNotFoundError(f"--input: no such file {', '.join(missing)}")
     report = BadInputReport()
     responses: dict[str, list] = {}
+    counts = {"single_response": 0, "ties": 0, "same_responses": 0}
+    records = []  # hh-rlhf's, as they come
     rows = 0
     for path in inputs:
         for rec, where in read_records(Path(path), report):
             rows += 1
             try:
+                if kind == "hh-rlhf":
+                    pair = hh_rlhf_pair(rec)
+                    if pair["chosen"] == pair["rejected"]:
+                        counts["same_responses"] += 1
+                    else:
+                        records.append(pair)
+                    continue
                 if kind == "helpsteer2":
                     found = list(helpsteer2_rows(rec))
                     found = [(helpsteer2_prompt(p), r, s) for p, r, s in found]
@@ -155,25 +202,27 @@ def convert(kind: str, inputs: list[str], out: Path, overwrite: bool = False) ->
                 continue
             for prompt, response, scores in found:
                 responses.setdefault(json.dumps(prompt), []).append((response, scores))
-    counts = {"single_response": 0, "ties": 0}
-    records = pairs(responses, counts)
+    if kind != "hh-rlhf":
+        records = pairs(responses, counts)
     if not records:
-        raise ValueError(f"no preference pair in {', '.join(inputs)} ({rows} rows, {len(responses)} prompts, "
-                         f"{counts['ties']} ties, {counts['single_response']} with one response; {report.summary()})")
+        found = (f"{counts['same_responses']} with the same response twice" if kind == "hh-rlhf" else
+                 f"{len(responses)} prompts, {counts['ties']} ties, {counts['single_response']} with one response")
+        raise ValueError(f"no preference pair in {', '.join(inputs)} ({rows} rows, {found}; {report.summary()})")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     os.replace(tmp, out)
-    return {"rows": rows, "prompts": len(responses), "pairs": len(records), **counts, "bad": report.to_dict(),
+    prompts = len(responses) if kind != "hh-rlhf" else len({json.dumps(r["prompt"]) for r in records})
+    return {"rows": rows, "prompts": prompts, "pairs": len(records), **counts, "bad": report.to_dict(),
             "summary": report.summary()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m posttrain.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("format", choices=["helpsteer2", "ultrafeedback"])
+    parser.add_argument("format", choices=FORMATS)
     parser.add_argument("--input", nargs="+", required=True, help="JSON Lines or Parquet files")
     parser.add_argument("--out", required=True, help="the preference JSONL to write")
     parser.add_argument("--overwrite", action="store_true")
@@ -183,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError, FileReadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    dropped = (f"dropped {result['same_responses']} rows with the same response twice" if args.format == "hh-rlhf"
+               else f"dropped {result['ties']} ties and {result['single_response']} prompts with one response")
     print(f"wrote {result['pairs']} pairs to {args.out} ({result['rows']} rows, {result['prompts']} prompts; "
-          f"dropped {result['ties']} ties and {result['single_response']} prompts with one response; "
-          f"{result['summary']})")
+          f"{dropped}; {result['summary']})")
     return 0
 
 

@@ -709,6 +709,35 @@ def test_helpsteer2_pairs_ties_and_bad_rows(tmp_path):
         convert("helpsteer2", [str(src)], tmp_path / "out.jsonl")
 
 
+def test_hh_rlhf_dialogues_split_into_prompt_turns_and_responses(tmp_path, capsys):
+    from posttrain.convert import main
+    from posttrain.records import Pair, preference
+
+    talk = "\n\nHuman: Hi?\n\nAssistant: Hello.\n\nHuman: Cats or dogs?\n\nAssistant:"
+    rows = [{"chosen": talk + " Both.\n\nThey differ.", "rejected": talk + " Dogs."},
+            {"chosen": "Human: One turn?\n\nAssistant: Yes.", "rejected": "Human: One turn?\n\nAssistant: No."},
+            {"chosen": talk + " Same.", "rejected": talk + " Same."},  # prefers neither: dropped
+            {"chosen": talk + " Both.", "rejected": "\n\nHuman: Hi?\n\nAssistant: Hey.\n\nHuman: Cats or dogs?"
+                                                   "\n\nAssistant: Dogs."},  # differ before the last turn
+            {"chosen": talk + " Both.", "rejected": talk},  # an empty response
+            {"chosen": "Hi?\n\nAssistant: Yes.", "rejected": "Hi?\n\nAssistant: No."},  # no Human mark
+            {"chosen": talk + " Both.\n\nHuman: Ok.", "rejected": talk + " Dogs.\n\nHuman: Ok."},
+            {"chosen": "\n\nHuman: A\n\nAssistant: B\n\nAssistant: C", "rejected": "\n\nHuman: A\n\n"
+                                                                                    "Assistant: B\n\nAssistant: D"}]
+    src, out = tmp_path / "hh.jsonl", tmp_path / "hh_pairs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["hh-rlhf", "--input", str(src), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote 2 pairs" in printed and "dropped 1 rows with the same response twice" in printed
+    assert "bad inputs: 5 skipped" in printed, printed
+    pairs = [preference(json.loads(line)) for line in out.read_text().splitlines()]
+    user, assistant = (lambda text: {"role": "user", "content": text}), \
+        (lambda text: {"role": "assistant", "content": text})
+    assert pairs == [Pair([user("Hi?"), assistant("Hello."), user("Cats or dogs?")], "Both.\n\nThey differ.",
+                          "Dogs.", {}),
+                     Pair([user("One turn?")], "Yes.", "No.", {})]
+
+
 def test_trl_s_conversational_preference_records_give_the_pair_of_the_plain_shape():
     """chosen / rejected as messages, after the prompt's turns or alone, with an explicit prompt or
     TRL's implicit one (the turns both responses follow), as HF preference datasets hold them."""
