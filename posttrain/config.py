@@ -13,6 +13,7 @@ from pretrain.config import Config, parse_paths
 
 METHODS = ("sft", "dpo", "sga")
 PREFERENCE_LOSSES = ("sigmoid", "ipo")  # posttrain.losses.dpo_loss
+SFT_TRUNCATION = ("drop", "keep_start", "keep_end")
 
 
 @dataclass
@@ -26,6 +27,10 @@ class PostConfig:
     # dpo / sga: a longer pair keeps its prompt's last max_prompt_len tokens (BOS first where one
     # begins it) and its responses' first tokens that fit, as TRL truncates (0: dropped)
     max_prompt_len: int = 0
+    # sft: an example longer than post.max_len is dropped, or cut to fit as TRL's truncation_mode:
+    # keep_start its first tokens (the last response loses its end and EOS), keep_end its last
+    # ones (BOS first where one begins it); dropped still where no trained token is left
+    sft_truncation: str = "drop"
     packing: bool = False  # sft: several examples per row, each attending only to itself
     # Chat rendering: each turn is prefix + content + turn_end; an assistant turn is assistant_prefix +
     # content + EOS, and only its content and EOS are trained.
@@ -94,6 +99,11 @@ def validate_post(cfg: PostTrainConfig) -> None:
         raise ConfigError(f"post.max_prompt_len={p.max_prompt_len}: for post.method=dpo or sga, below post.max_len "
                           f"(or model.max_seq_len: {p.max_len or cfg.model.max_seq_len}) to leave the responses room; "
                           "0 drops the pairs that do not fit")
+    if p.sft_truncation not in SFT_TRUNCATION:
+        raise ConfigError(f"post.sft_truncation={p.sft_truncation!r}: choose one of {', '.join(SFT_TRUNCATION)}")
+    if p.sft_truncation != "drop" and p.method != "sft":
+        raise ConfigError(f"post.sft_truncation={p.sft_truncation} is for post.method=sft; {p.method} cuts long "
+                          "pairs with post.max_prompt_len: set post.sft_truncation=drop")
     if p.packing and p.method != "sft":
         raise ConfigError(f"post.packing=true is for post.method=sft; {p.method} pairs each prompt with two "
                           "responses, padded: set post.packing=false")

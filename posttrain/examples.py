@@ -15,6 +15,16 @@ from posttrain.chat import ChatEncoder, ScoreFormat, with_scores
 from posttrain.config import PostTrainConfig, example_length
 
 
+def truncate(ids: np.ndarray, trained: np.ndarray, limit: int, keep_end: bool, bos: int | None):
+    """An SFT example cut to `limit` tokens: its first ones, or its last (BOS kept first where one
+    begins it)."""
+    if not keep_end:
+        return ids[:limit], trained[:limit]
+    keep = np.array([0] if bos is not None and ids[0] == bos else [], dtype=np.int64)
+    index = np.concatenate([keep, np.arange(len(ids) - limit + len(keep), len(ids))])
+    return ids[index], trained[index]
+
+
 class Examples:
     """The files of post.data or post.val_data, read, checked and tokenized once."""
 
@@ -24,7 +34,7 @@ class Examples:
         for the message a record with others gets."""
         self.report = BadInputReport()
         self.too_long = 0  # dropped
-        self.truncated = 0  # cut to fit (post.max_prompt_len)
+        self.truncated = 0  # cut to fit (post.max_prompt_len, post.sft_truncation)
         self.units: list = []  # examples, or with post.packing the rows they are packed into
         self.examples = 0  # usable examples (packed or not)
         self.objectives = objectives
@@ -35,8 +45,14 @@ class Examples:
             for messages, _ in records.read(files, records.sft_messages, self.report):
                 ids, trained = encoder.conversation(messages)
                 if len(ids) > limit:
-                    self.too_long += 1
-                    continue
+                    if post.sft_truncation == "drop":
+                        self.too_long += 1
+                        continue
+                    ids, trained = truncate(ids, trained, limit, post.sft_truncation == "keep_end", encoder.bos)
+                    if not trained[1:].any():  # the first token is never a label
+                        self.too_long += 1
+                        continue
+                    self.truncated += 1
                 rows.append(Row(ids, trained))
             self.examples = len(rows)
             if post.packing:  # the packing order is seeded, so the rows are the same at every start

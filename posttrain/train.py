@@ -85,9 +85,15 @@ POST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PostConfig)}  # "
 
 
 def cut_hint(cfg: PostTrainConfig) -> str:
-    """Where pairs are dropped for their length, the key that cuts them to fit instead."""
-    return (": post.max_prompt_len cuts long pairs to fit" if cfg.post.method != "sft" and not cfg.post.max_prompt_len
-            else "")
+    """Where examples are dropped for their length, the key that cuts them to fit instead."""
+    if cfg.post.method == "sft":
+        return ": post.sft_truncation=keep_start or keep_end cuts them to fit" if cfg.post.sft_truncation == "drop" \
+            else ""
+    return ": post.max_prompt_len cuts long pairs to fit" if not cfg.post.max_prompt_len else ""
+
+
+def truncation_key(cfg: PostTrainConfig) -> str:
+    return f"post.sft_truncation={cfg.post.sft_truncation}" if cfg.post.method == "sft" else "post.max_prompt_len"
 
 
 def check_reference(path: Path, fingerprint: str | None, method: str, run_dir: str) -> None:
@@ -208,7 +214,8 @@ class PostTrainTask(Task):
                               f"({cfg.train.micro_batch} x {dp}); add examples or lower train.micro_batch"
                               + (" (or set post.packing=false)" if cfg.post.packing else ""))
         if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
-            raise ConfigError(f"post.data (or post.max_len, post.max_prompt_len, post.packing, the chat or score "
+            raise ConfigError(f"post.data (or post.max_len, post.max_prompt_len, post.sft_truncation, post.packing, "
+                              "the chat or score "
                               "format) differs "
                               "from what the "
                               f"run in {cfg.run.dir} was training on, so it cannot resume its position; restore them, "
@@ -322,7 +329,7 @@ class PostTrainTask(Task):
             if files:
                 logger.print(f"{cfg.post.method}: {len(data.units)} {name} {kind} from {', '.join(files)} "
                              f"({data.too_long} longer than {example_length(cfg)} tokens with the last label dropped"
-                             + (f", {data.truncated} cut to fit (post.max_prompt_len)" if data.truncated else "")
+                             + (f", {data.truncated} cut to fit ({truncation_key(cfg)})" if data.truncated else "")
                              + "); "
                              f"{data.report.summary()}")
         if cfg.post.method == "sga":

@@ -456,6 +456,10 @@ def test_config_errors_name_the_key(files):
     assert "must be in [0, 0.5)" in check(f"train.init_from={files / 'init.pt'}", "post.label_smoothing=0.5")
     assert "sample with python -m tools.generate" in check(f"train.init_from={files / 'init.pt'}",
                                                            "eval.sample_prompts=[hi]")
+    assert "choose one of drop, keep_start, keep_end" in check(f"train.init_from={files / 'init.pt'}",
+                                                               "post.sft_truncation=keep")
+    assert "post.sft_truncation=keep_end is for post.method=sft" in check(
+        f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.sft_truncation=keep_end")
     assert "for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.max_prompt_len=8")
     assert "below post.max_len (or model.max_seq_len: 16)" in check(f"train.init_from={files / 'init.pt'}",
                                                                     "post.method=dpo", "post.max_len=16",
@@ -1155,6 +1159,42 @@ def test_examples_longer_than_a_row_are_counted_and_left_out(files, encoder, tmp
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     got = Examples(sft, [str(tmp_path / "sft.jsonl")], encoder, None)
     assert (got.examples, got.too_long) == (sum(n <= limit for n in lengths), sum(n > limit for n in lengths))
+
+
+def test_sft_truncation_keeps_the_first_or_the_last_tokens_with_their_masks(encoder, tok_dir, tmp_path):
+    from data_prep.tokenizer import load_tokenizer
+    from posttrain.config import PostTrainConfig
+    from posttrain.examples import Examples, example_length
+    from pretrain.config import load_config
+
+    user, assistant = {"role": "user", "content": " ".join(WORDS)}, {"role": "assistant", "content": " ".join(WORDS * 2)}
+    long_talk = {"messages": [user, assistant, user, assistant]}  # two trained turns, longer than a row
+    long_question = {"messages": [{**user, "content": " ".join(WORDS * 3)}, {**assistant, "content": "yes"}]}
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (long_talk, long_question)))
+
+    def examples(mode: str, *more: str, chat=encoder):
+        cfg = load_config(None, [f"{k}={v}" for k, v in MODEL.items()] + [f"post.sft_truncation={mode}", *more],
+                          PostTrainConfig)
+        return Examples(cfg, [str(data)], chat, None), example_length(cfg)
+
+    got, limit = examples("drop")
+    assert (got.examples, got.too_long, got.truncated) == (0, 2, 0)
+    ids, trained = encoder.conversation(long_talk["messages"])
+    question_ids, question_trained = encoder.conversation(long_question["messages"])
+    assert len(ids) > limit and len(question_ids) > limit and question_trained[:-limit].sum() == 0
+    got, _ = examples("keep_start")  # the question alone fills the row: nothing to train, dropped
+    assert (got.examples, got.too_long, got.truncated) == (1, 1, 1)
+    row = got.units[0]
+    assert row.ids.tolist() == ids[:limit].tolist() and row.trained.tolist() == trained[:limit].tolist()
+    got, _ = examples("keep_end")
+    assert (got.examples, got.too_long, got.truncated) == (2, 0, 2)
+    assert [u.ids.tolist() for u in got.units] == [ids[-limit:].tolist(), question_ids[-limit:].tolist()]
+    assert [u.trained.tolist() for u in got.units] == [trained[-limit:].tolist(), question_trained[-limit:].tolist()]
+    bos_encoder = ChatEncoder(load_tokenizer(tok_dir)[0], ChatFormat(add_bos=True))
+    got, _ = examples("keep_end", "post.add_bos=true", chat=bos_encoder)
+    bos_ids, _ = bos_encoder.conversation(long_talk["messages"])
+    assert got.units[0].ids.tolist() == [bos_encoder.bos] + bos_ids[-(limit - 1):].tolist()
 
 
 def test_an_export_s_chat_template_renders_the_trained_format(tok_dir, tmp_path):
