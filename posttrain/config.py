@@ -12,7 +12,7 @@ from posttrain.chat import ChatFormat
 from pretrain.config import Config, parse_paths
 
 METHODS = ("sft", "dpo", "sga")
-PREFERENCE_LOSSES = ("sigmoid", "ipo")  # posttrain.losses.dpo_loss
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # posttrain.losses.dpo_loss
 SFT_TRUNCATION = ("drop", "keep_start", "keep_end")
 
 
@@ -44,9 +44,11 @@ class PostConfig:
     # the token running text has (false: prefix and response encoded apart, as before this key).
     prefix_spaces_in_response: bool = ChatFormat.prefix_spaces_in_response
     beta: float = 0.1  # DPO temperature
-    # DPO's (and SGA's) preference loss: sigmoid (DPO) | ipo (posttrain.losses.dpo_loss)
+    # DPO's (and SGA's) preference loss: sigmoid (DPO) | ipo | hinge | simpo (no reference model)
+    # (posttrain.losses.dpo_loss)
     preference_loss: str = "sigmoid"
-    label_smoothing: float = 0.0  # sigmoid: the share of pairs taken as mislabelled (cDPO)
+    label_smoothing: float = 0.0  # sigmoid / simpo: the share of pairs taken as mislabelled (cDPO)
+    simpo_gamma: float = 0.5  # simpo: the reward margin asked of the chosen response (TRL's default)
     # SGA: loss = dpo_weight x DPO(score-conditioned prompt) + mse_weight x MSE(value head on the raw prompt)
     dpo_weight: float = 1.0
     mse_weight: float = 1000.0
@@ -75,8 +77,9 @@ class PostTrainConfig(Config):
         return self.post.max_len or self.model.max_seq_len
 
     def holds_reference_model(self) -> bool:
-        """DPO and SGA hold a frozen reference model beside the policy (posttrain.model)."""
-        return self.post.method != "sft"
+        """DPO and SGA hold a frozen reference model beside the policy (posttrain.model), but with
+        the SimPO loss."""
+        return self.post.method != "sft" and self.post.preference_loss != "simpo"
 
 
 def validate_post(cfg: PostTrainConfig) -> None:
@@ -111,10 +114,12 @@ def validate_post(cfg: PostTrainConfig) -> None:
         raise ConfigError(f"post.beta={p.beta} must be > 0 (0.1 is usual)")
     if p.preference_loss not in PREFERENCE_LOSSES:
         raise ConfigError(f"post.preference_loss={p.preference_loss!r}: choose one of {', '.join(PREFERENCE_LOSSES)}")
-    if not 0 <= p.label_smoothing < 0.5 or (p.label_smoothing and p.preference_loss != "sigmoid"):
+    if not 0 <= p.label_smoothing < 0.5 or (p.label_smoothing and p.preference_loss not in ("sigmoid", "simpo")):
         raise ConfigError(f"post.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the share of pairs taken "
-                          "as mislabelled; 0.5 would learn nothing) and is for post.preference_loss=sigmoid")
-    if p.method != "sft" and cfg.model.mlp in ("moe", "uoe") and cfg.model.moe.capacity_factor > 0:
+                          "as mislabelled; 0.5 would learn nothing) and is for post.preference_loss=sigmoid or simpo")
+    if p.simpo_gamma != PostConfig.simpo_gamma and p.preference_loss != "simpo":
+        raise ConfigError(f"post.simpo_gamma={p.simpo_gamma} is for post.preference_loss=simpo; leave it out")
+    if cfg.holds_reference_model() and cfg.model.mlp in ("moe", "uoe") and cfg.model.moe.capacity_factor > 0:
         raise ConfigError(f"model.moe.capacity_factor={cfg.model.moe.capacity_factor}: {p.method}'s frozen reference "
                           "routes every token (it runs in evaluation mode), so a policy that drops tokens over "
                           "capacity would differ from it by the drops alone; set model.moe.capacity_factor=0 "

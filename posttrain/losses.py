@@ -28,23 +28,30 @@ def sequence_logprobs(logprobs: torch.Tensor, trained: torch.Tensor, mean: bool 
     return summed / trained.sum(-1).clamp(min=1) if mean else summed
 
 
-def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-             beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
+             ref_rejected: torch.Tensor | None, beta: float, kind: str = "sigmoid", label_smoothing: float = 0.0,
+             gamma: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A preference loss on response log-probs [pairs] of the policy and the frozen reference, with
     h = (pi_w - ref_w) - (pi_l - ref_l), averaged over pairs:
       sigmoid  DPO, -log sigmoid(beta h); with label_smoothing e, the pairs taken as mislabelled with
                probability e: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h) (cDPO, as TRL's)
       ipo      IPO (Azar et al.), (h - 1 / (2 beta))^2, on per-token mean log-probs (as TRL's)
-    Metrics (detached): the implicit rewards beta (pi - ref) of chosen and rejected, their margin and
-    how often chosen wins."""
-    reward_chosen = beta * (chosen - ref_chosen)
-    reward_rejected = beta * (rejected - ref_rejected)
+      hinge    SLiC's, max(0, 1 - beta h) (as TRL's)
+      simpo    SimPO (Meng et al.), without a reference (ref_* None): h = pi_w - pi_l on per-token mean
+               log-probs, -log sigmoid(beta h - gamma), label_smoothing as for sigmoid (TRL's CPO
+               trainer with loss_type=simpo and cpo_alpha=0)
+    Metrics (detached): the implicit rewards beta (pi - ref) (SimPO: beta pi) of chosen and
+    rejected, their margin and how often chosen wins."""
+    reward_chosen = beta * (chosen - ref_chosen) if ref_chosen is not None else beta * chosen
+    reward_rejected = beta * (rejected - ref_rejected) if ref_rejected is not None else beta * rejected
     margin = reward_chosen - reward_rejected
     if kind == "ipo":
         loss = ((margin / beta - 1 / (2 * beta)) ** 2).mean()
+    elif kind == "hinge":
+        loss = F.relu(1 - margin).mean()
     else:
-        loss = -((1 - label_smoothing) * F.logsigmoid(margin) + label_smoothing * F.logsigmoid(-margin)).mean()
+        logits = margin - gamma if kind == "simpo" else margin
+        loss = -((1 - label_smoothing) * F.logsigmoid(logits) + label_smoothing * F.logsigmoid(-logits)).mean()
     metrics = {"reward_chosen": reward_chosen.mean(), "reward_rejected": reward_rejected.mean(),
                "reward_margin": margin.mean(), "reward_accuracy": (margin > 0).float().mean()}
     return loss, {k: v.detach() for k, v in metrics.items()}

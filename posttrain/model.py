@@ -22,10 +22,10 @@ from posttrain.value_head import ValueHead, last_token_states
 class PostTrainModel(GPT):
     def __init__(self, cfg: ModelConfig, method: str, beta: float = 0.1, dpo_weight: float = 1.0,
                  mse_weight: float = 0.0, value_head: dict | None = None, activation_checkpointing="none",
-                 preference_loss: str = "sigmoid", label_smoothing: float = 0.0):
+                 preference_loss: str = "sigmoid", label_smoothing: float = 0.0, simpo_gamma: float = 0.0):
         super().__init__(cfg, activation_checkpointing=activation_checkpointing)
         self.method, self.beta, self.dpo_weight, self.mse_weight = method, beta, dpo_weight, mse_weight
-        self.preference_loss, self.label_smoothing = preference_loss, label_smoothing
+        self.preference_loss, self.label_smoothing, self.simpo_gamma = preference_loss, label_smoothing, simpo_gamma
         if value_head is not None:
             self.value_head = ValueHead.from_spec(value_head)
         self._reference: list[GPT] = []  # a list: not a submodule
@@ -62,13 +62,16 @@ class PostTrainModel(GPT):
                 loss = loss + self.mse_weight * mse
                 metrics["value_mse"] = mse.detach()
                 prompt_aux = self.aux_loss()  # the routers' balance on the prompts; the next forward replaces it
-            mean = self.preference_loss == "ipo"  # IPO compares per-token log-probs
+            mean = self.preference_loss in ("ipo", "simpo")  # they compare per-token log-probs
             policy = losses.sequence_logprobs(self._logprobs(self, batch), trained, mean)
-            with torch.no_grad():
-                reference = losses.sequence_logprobs(self._logprobs(self._reference[0], batch), trained, mean)
             pairs = policy.shape[0] // 2
-            dpo, dpo_metrics = losses.dpo_loss(policy[:pairs], policy[pairs:], reference[:pairs], reference[pairs:],
-                                               self.beta, self.preference_loss, self.label_smoothing)
+            ref_chosen = ref_rejected = None  # SimPO holds no reference
+            if self._reference:
+                with torch.no_grad():
+                    reference = losses.sequence_logprobs(self._logprobs(self._reference[0], batch), trained, mean)
+                ref_chosen, ref_rejected = reference[:pairs], reference[pairs:]
+            dpo, dpo_metrics = losses.dpo_loss(policy[:pairs], policy[pairs:], ref_chosen, ref_rejected, self.beta,
+                                               self.preference_loss, self.label_smoothing, self.simpo_gamma)
             loss = loss + (self.dpo_weight if self.method == "sga" else 1.0) * dpo
             metrics.update(dpo_loss=dpo.detach(), **dpo_metrics)
         self.last_metrics = metrics  # validation reports them too

@@ -119,8 +119,8 @@ class PostTrainTask(Task):
         self.val_data: Examples | None = None
         # post keys (chat, score format, value head) taken from the start checkpoint, or differing from it
         self.start_notes: list[str] = []
-        self.reference: Path | None = None  # the start checkpoint: DPO / SGA's frozen reference
-        self.reference_fingerprint: str | None = None  # init_from.source_fingerprint (DPO / SGA)
+        self.reference: Path | None = None  # the start checkpoint: DPO / SGA's frozen reference (but SimPO's)
+        self.reference_fingerprint: str | None = None  # init_from.source_fingerprint (with a reference)
 
     def check(self, cfg: PostTrainConfig, world_size: int) -> dict:
         from data_prep.tokenizer import load_tokenizer
@@ -153,10 +153,11 @@ class PostTrainTask(Task):
         if resumed.get("reference"):
             start = Path(resumed["reference"])
             self.reference_fingerprint = resumed.get("reference_fingerprint")
-            check_reference(start, self.reference_fingerprint, resumed["method"], cfg.run.dir)
+            if cfg.holds_reference_model():
+                check_reference(start, self.reference_fingerprint, resumed["method"], cfg.run.dir)
         else:
             start = check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
-            self.reference_fingerprint = source_fingerprint(start) if cfg.post.method != "sft" else None
+            self.reference_fingerprint = source_fingerprint(start) if cfg.holds_reference_model() else None
         self.reference = start
         if resumed:  # the run recorded what it took from its start (an SFT run's start may be gone since)
             started, start_bos = resumed, None
@@ -253,8 +254,9 @@ class PostTrainTask(Task):
         post = cfg.post
         head = spec(cfg.model.hidden_size, self.train_data.objectives, post) if post.method == "sga" else None
         model = PostTrainModel(cfg.model, post.method, post.beta, post.dpo_weight, post.mse_weight, head,
-                               cfg.train.activation_checkpointing, post.preference_loss, post.label_smoothing)
-        if post.method != "sft":
+                               cfg.train.activation_checkpointing, post.preference_loss, post.label_smoothing,
+                               post.simpo_gamma)
+        if cfg.holds_reference_model():
             from models.gpt import GPT
 
             reference = GPT(cfg.model)

@@ -324,6 +324,9 @@ def test_a_post_training_plan_counts_its_rows_and_reference(capsys):
     assert dpo["memory_total_gb"] > sft["memory_total_gb"] + dpo["memory_gb"]["reference"]
     # Per token, a step also runs the reference forward over the pairs: a third of a training pass.
     assert dpo["tokens_per_s"] == pytest.approx(sft["tokens_per_s"] * 3 / 4)
+    simpo = planned("dpo", "post.preference_loss=simpo")  # no reference: the pair's two rows alone
+    assert "reference" not in simpo["memory_gb"] and simpo["tokens_per_s"] == pytest.approx(sft["tokens_per_s"])
+    assert simpo["memory_gb"]["activations"] == dpo["memory_gb"]["activations"]
     sga = planned("sga", "post.mse_weight=0.5")
     assert sga["memory_gb"]["activations"] == pytest.approx(3 * sft["memory_gb"]["activations"])
     zero3 = planned("dpo", "parallel.zero_stage=3", nodes=2)

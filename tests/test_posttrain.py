@@ -257,6 +257,23 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
         h_mean = (pi_mean[:3] - ref_mean[:3]) - (pi_mean[3:] - ref_mean[3:])
         torch.testing.assert_close(ipo(batch), ((h_mean - 1 / (2 * beta)) ** 2).mean(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ipo.last_metrics["reward_margin"], beta * h_mean.mean().detach())
+        hinge = PostTrainModel(model_config(), "dpo", beta=beta, preference_loss="hinge")
+        hinge.load_state_dict(policy.state_dict())
+        hinge.set_reference(policy._reference[0])
+        torch.testing.assert_close(hinge(batch), torch.relu(1 - beta * h).mean(), rtol=1e-5, atol=1e-6)
+        # SimPO: no reference; per-token mean log-probs against a margin gamma
+        simpo = PostTrainModel(model_config(), "dpo", beta=beta, preference_loss="simpo", label_smoothing=0.1,
+                               simpo_gamma=0.4)
+        simpo.load_state_dict(policy.state_dict())
+        got = simpo(batch)
+        pi_mean = summed(policy) / tokens  # a graph of its own
+        logits = beta * (pi_mean[:3] - pi_mean[3:]) - 0.4
+        want = -(0.9 * F.logsigmoid(logits) + 0.1 * F.logsigmoid(-logits)).mean()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for got_grad, want_grad in zip(torch.autograd.grad(got, list(simpo.parameters())),
+                                       torch.autograd.grad(want, list(policy.parameters()))):
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(simpo.last_metrics["reward_chosen"], beta * pi_mean[:3].mean().detach())
     # At the start the policy is its reference: every margin is 0, and a tie is no win (as TRL counts).
     from posttrain.losses import dpo_loss
 
@@ -450,8 +467,11 @@ def test_config_errors_name_the_key(files):
     assert "train.init_from" in check()
     assert "post.packing" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.packing=true")
     assert "post.method" in check(f"train.init_from={files / 'init.pt'}", "post.method=ppo")
-    assert "choose one of sigmoid, ipo" in check(f"train.init_from={files / 'init.pt'}", "post.preference_loss=kto")
-    assert "is for post.preference_loss=sigmoid" in check(f"train.init_from={files / 'init.pt'}",
+    assert "choose one of sigmoid, ipo, hinge, simpo" in check(f"train.init_from={files / 'init.pt'}",
+                                                               "post.preference_loss=kto")
+    assert "post.simpo_gamma=1.0 is for post.preference_loss=simpo" in check(
+        f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.simpo_gamma=1.0")
+    assert "is for post.preference_loss=sigmoid or simpo" in check(f"train.init_from={files / 'init.pt'}",
                                                            "post.preference_loss=ipo", "post.label_smoothing=0.1")
     assert "must be in [0, 0.5)" in check(f"train.init_from={files / 'init.pt'}", "post.label_smoothing=0.5")
     assert "sample with python -m tools.generate" in check(f"train.init_from={files / 'init.pt'}",
@@ -837,8 +857,8 @@ def validations(run_dir) -> dict[int, dict]:
 
 def test_a_resume_refuses_a_reference_that_is_gone_or_rewritten(tmp_path, files, tok_dir):
     """A DPO run measures every loss against the reference it started from: resumed after that
-    checkpoint was removed or written again, it is refused, naming the reference; an SFT run, which
-    has none, resumes without its start."""
+    checkpoint was removed or written again, it is refused, naming the reference; an SFT or SimPO
+    run, which has none, resumes without its start."""
     import os
     import shutil
 
@@ -853,12 +873,12 @@ def test_a_resume_refuses_a_reference_that_is_gone_or_rewritten(tmp_path, files,
     tag = tmp_path / "run" / "checkpoints" / "step_00000002"
     tag.mkdir(parents=True)
 
-    def resume(method: str) -> dict:
+    def resume(method: str, *more: str) -> dict:
         (tag / "COMPLETE").write_text(json.dumps({"step": 2, "posttrain": {
             "method": method, "reference": str(start), "reference_fingerprint": fingerprint}}))
         values = {**MODEL, "data.tokenizer": tok_dir, "train.init_from": start, "run.dir": tmp_path / "run",
                   "post.method": method, "post.data": files / ("sft.jsonl" if method == "sft" else "pref.jsonl")}
-        cfg = load_config(None, [f"{k}={v}" for k, v in values.items()], PostTrainConfig)
+        cfg = load_config(None, [f"{k}={v}" for k, v in values.items()] + list(more), PostTrainConfig)
         task = PostTrainTask()
         task.check(cfg, 1)
         return task.meta(cfg)["posttrain"]  # what the resumed run records again
@@ -878,6 +898,22 @@ def test_a_resume_refuses_a_reference_that_is_gone_or_rewritten(tmp_path, files,
     resume("dpo")
     start.unlink()
     assert resume("sft")["reference"] == str(start)
+    assert resume("dpo", "post.preference_loss=simpo")["reference"] == str(start)  # SimPO holds none
+
+
+@pytest.mark.slow
+def test_simpo_trains_without_a_reference_and_resumes_with_its_start_gone(tmp_path, files, tok_dir):
+    import shutil
+
+    start = tmp_path / "start.pt"
+    shutil.copy(files / "init.pt", start)
+    simpo = ("post.preference_loss=simpo", "post.beta=2.0", f"train.init_from={start}")
+    post_train(1, files, tok_dir, tmp_path / "run", "dpo", *simpo, "train.steps=2")
+    start.unlink()  # nothing reads it again: no reference model
+    post_train(1, files, tok_dir, tmp_path / "run", "dpo", *simpo, "train.resume=auto")
+    got = losses(tmp_path / "run")
+    assert len(got) == 4 and got[-1] < got[0] and all(map(math.isfinite, got))
+    assert validations(tmp_path / "run")[4]["reward_accuracy"] > 0.5
 
 
 @pytest.mark.slow
