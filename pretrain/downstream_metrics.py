@@ -7,7 +7,6 @@ from megatron.core import parallel_state as ps
 
 from data_prep.sources import BadInputReport
 from data_prep.tokenizer import load_tokenizer
-from pretrain import signals
 from pretrain.config import Config
 from pretrain.data import run_bos
 from pretrain.downstream import evaluate_tasks, load_task, task_name
@@ -28,12 +27,7 @@ class DownstreamEval(Callback):
 
     def on_step_end(self, trainer, result) -> None:
         step = result.step
-        if step % self.interval and step != trainer.cfg.train.steps:
-            return
-        # A stop signal waits for this step's save: scoring every task first could run past the
-        # time limit's grace (collective, so every rank decides alike).
-        if signals.any_rank_received(trainer.device):
-            trainer.logger.print(f"step {step} | downstream scoring skipped: stopping on a signal")
+        if not trainer.periodic_due(step, self.interval, "downstream scoring"):
             return
         scores = evaluate_tasks(trainer.model, self.tasks, self.sp, trainer.cfg.train.micro_batch, trainer.device,
                                 ps.get_data_parallel_group(), run_bos(trainer.cfg, trainer.meta))

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from data_prep.tokenizer import continuation_text, load_tokenizer
 from models.generation import generate
 from models.layers import gather_tensor_parallel
-from pretrain import signals
 from pretrain.config import Config, ConfigError
 from pretrain.data import run_bos
 from pretrain.trainer import Callback
@@ -47,10 +46,8 @@ class GenerationSamples(Callback):
             raise ConfigError(f"eval.sample_prompts {empty} encode to no token with data.tokenizer: give some text")
 
     def on_step_end(self, trainer, result) -> None:  # with validation or without
-        step, t = result.step, trainer.cfg.train
-        if step % t.eval_interval and step != t.steps:
-            return
-        if signals.any_rank_received(trainer.device):  # collective: the stop's save comes first
+        step = result.step
+        if not trainer.periodic_due(step, trainer.cfg.train.eval_interval, "generation samples"):
             return
         bos = run_bos(trainer.cfg, trainer.meta)  # as the run's samples begin
         model = trainer.model

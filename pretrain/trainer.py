@@ -302,6 +302,17 @@ class Trainer:
         self.validation_due = state.get("validation_due")
         self.tokens_seen = state.get("tokens_seen")
 
+    def periodic_due(self, step: int, interval: int, what: str) -> bool:
+        """For callbacks: whether work done every `interval` steps and at the last step runs after
+        `step`. Not while a stop signal waits for this step's save (the work could run past the
+        time limit's grace); collective then, so every rank must ask at the same steps."""
+        if step % interval and step != self.cfg.train.steps:
+            return False
+        if signals.any_rank_received(self.device):
+            self.logger.print(f"step {step} | {what} skipped: stopping on a signal")
+            return False
+        return True
+
     def _emit(self, hook: str, *args) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)

@@ -140,6 +140,9 @@ def test_task_files_must_exist_and_have_distinct_names(tmp_path):
 def test_a_stop_signal_skips_the_downstream_scoring_of_its_step(monkeypatch):
     """The save a signal asks for comes first: scoring every task could run past the grace time."""
     import types
+    from functools import partial
+
+    from pretrain.trainer import Trainer
 
     from pretrain import downstream_metrics, signals
 
@@ -153,6 +156,7 @@ def test_a_stop_signal_skips_the_downstream_scoring_of_its_step(monkeypatch):
     callback.interval, callback.tasks = 5, {}
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(train=types.SimpleNamespace(steps=100)),
                                     device="cpu", logger=types.SimpleNamespace(print=printed.append))
+    trainer.periodic_due = partial(Trainer.periodic_due, trainer)
     callback.on_step_end(trainer, types.SimpleNamespace(step=10))
     assert printed == ["step 10 | downstream scoring skipped: stopping on a signal"]
 
@@ -160,6 +164,9 @@ def test_a_stop_signal_skips_the_downstream_scoring_of_its_step(monkeypatch):
 def test_downstream_scoring_runs_every_interval_and_at_the_last_step(monkeypatch):
     """Steps 3 and 6 of 7 at interval 3, and step 7 (the last) though no multiple of it."""
     import types
+    from functools import partial
+
+    from pretrain.trainer import Trainer
 
     from pretrain import downstream_metrics, signals
 
@@ -173,6 +180,7 @@ def test_downstream_scoring_runs_every_interval_and_at_the_last_step(monkeypatch
     trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(train=types.SimpleNamespace(steps=7, micro_batch=2)),
                                     device="cpu", meta={}, model=None,
                                     logger=types.SimpleNamespace(print=lambda *a: None, scalars=lambda *a, **k: None))
+    trainer.periodic_due = partial(Trainer.periodic_due, trainer)
     for step in range(1, 8):
         callback.on_step_end(trainer, types.SimpleNamespace(step=step))
     assert scored_at == [3, 6, 7]
