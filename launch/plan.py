@@ -38,7 +38,7 @@ Peak = weights + optimizer + max(activations, gradients + buffers): activations 
 of the forward pass and are freed as the backward pass produces gradients.
 Post-training (--post): each example runs the config's rows_per_example() rows of post.max_len
 tokens (a DPO pair two, SGA's raw prompt one more), and DPO / SGA add their frozen reference's
-(none with SimPO) weights (bytes as weights, split over tensor / expert ranks, not by ZeRO) to the
+(none with SimPO or ORPO) weights (bytes as weights, split over tensor / expert ranks, not by ZeRO) to the
 peak and its forward over the pairs to the step's FLOPs.
 FLOPs per token: 6 x active matmul parameters + each layer's attention-score FLOPs (12 x hidden x seq,
 Megatron's formula, unless its kind counts its own: a LISA layer's low-rank scores and alignment);

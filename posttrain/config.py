@@ -12,7 +12,8 @@ from posttrain.chat import ChatFormat
 from pretrain.config import Config, parse_paths
 
 METHODS = ("sft", "dpo", "sga")
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # posttrain.losses.dpo_loss
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")  # posttrain.losses.dpo_loss
+REFERENCE_FREE = ("simpo", "orpo")  # losses of the policy alone: no reference model is held
 SFT_TRUNCATION = ("drop", "keep_start", "keep_end")
 
 
@@ -43,9 +44,9 @@ class PostConfig:
     # The spaces that end assistant_prefix are encoded with the response, whose first word then gets
     # the token running text has (false: prefix and response encoded apart, as before this key).
     prefix_spaces_in_response: bool = ChatFormat.prefix_spaces_in_response
-    beta: float = 0.1  # DPO temperature
-    # DPO's (and SGA's) preference loss: sigmoid (DPO) | ipo | hinge | simpo (no reference model)
-    # (posttrain.losses.dpo_loss)
+    beta: float = 0.1  # DPO temperature (orpo: the weight of the odds-ratio term, the paper's lambda)
+    # DPO's (and SGA's) preference loss: sigmoid (DPO) | ipo | hinge | simpo | orpo (the last two
+    # hold no reference model) (posttrain.losses.dpo_loss)
     preference_loss: str = "sigmoid"
     label_smoothing: float = 0.0  # sigmoid / simpo: the share of pairs taken as mislabelled (cDPO)
     simpo_gamma: float = 0.5  # simpo: the reward margin asked of the chosen response (TRL's default)
@@ -78,8 +79,8 @@ class PostTrainConfig(Config):
 
     def holds_reference_model(self) -> bool:
         """DPO and SGA hold a frozen reference model beside the policy (posttrain.model), but with
-        the SimPO loss."""
-        return self.post.method != "sft" and self.post.preference_loss != "simpo"
+        a reference-free loss (SimPO, ORPO)."""
+        return self.post.method != "sft" and self.post.preference_loss not in REFERENCE_FREE
 
 
 def validate_post(cfg: PostTrainConfig) -> None:

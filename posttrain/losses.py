@@ -40,21 +40,35 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
       simpo    SimPO (Meng et al.), without a reference (ref_* None): h = pi_w - pi_l on per-token mean
                log-probs, -log sigmoid(beta h - gamma), label_smoothing as for sigmoid (TRL's CPO
                trainer with loss_type=simpo and cpo_alpha=0)
-    Metrics (detached): the implicit rewards beta (pi - ref) (SimPO: beta pi) of chosen and
-    rejected, their margin and how often chosen wins."""
+      orpo     ORPO's odds-ratio term (Hong et al.), without a reference: on per-token mean log-probs,
+               -beta log sigmoid(log odds(pi_w) - log odds(pi_l)), odds(p) = p / (1 - p) (as TRL's; the
+               chosen response's NLL, the rest of ORPO's loss, is the caller's)
+    Metrics (detached): the implicit rewards beta (pi - ref) (without a reference: beta pi) of
+    chosen and rejected, their margin and how often chosen wins; ORPO's log odds ratio."""
     reward_chosen = beta * (chosen - ref_chosen) if ref_chosen is not None else beta * chosen
     reward_rejected = beta * (rejected - ref_rejected) if ref_rejected is not None else beta * rejected
     margin = reward_chosen - reward_rejected
+    metrics = {}
     if kind == "ipo":
         loss = ((margin / beta - 1 / (2 * beta)) ** 2).mean()
+    elif kind == "orpo":
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+        loss = -beta * F.logsigmoid(log_odds).mean()
+        metrics["log_odds_ratio"] = log_odds.mean()
     elif kind == "hinge":
         loss = F.relu(1 - margin).mean()
     else:
         logits = margin - gamma if kind == "simpo" else margin
         loss = -((1 - label_smoothing) * F.logsigmoid(logits) + label_smoothing * F.logsigmoid(-logits)).mean()
-    metrics = {"reward_chosen": reward_chosen.mean(), "reward_rejected": reward_rejected.mean(),
-               "reward_margin": margin.mean(), "reward_accuracy": (margin > 0).float().mean()}
+    metrics.update(reward_chosen=reward_chosen.mean(), reward_rejected=reward_rejected.mean(),
+                   reward_margin=margin.mean(), reward_accuracy=(margin > 0).float().mean())
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def log1mexp(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - p) from log p < 0, accurate where p is near 1 (where log1p(-exp) loses it); a mean
+    log-probability that rounds to 0 is taken as just below it, not as p = 1 (log 0)."""
+    return torch.log(-torch.expm1(logp.clamp(max=-1e-6)))
 
 
 def value_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

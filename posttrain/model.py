@@ -62,8 +62,9 @@ class PostTrainModel(GPT):
                 loss = loss + self.mse_weight * mse
                 metrics["value_mse"] = mse.detach()
                 prompt_aux = self.aux_loss()  # the routers' balance on the prompts; the next forward replaces it
-            mean = self.preference_loss in ("ipo", "simpo")  # they compare per-token log-probs
-            policy = losses.sequence_logprobs(self._logprobs(self, batch), trained, mean)
+            mean = self.preference_loss in ("ipo", "simpo", "orpo")  # they compare per-token log-probs
+            token_logprobs = self._logprobs(self, batch)
+            policy = losses.sequence_logprobs(token_logprobs, trained, mean)
             pairs = policy.shape[0] // 2
             ref_chosen = ref_rejected = None  # SimPO holds no reference
             if self._reference:
@@ -72,6 +73,10 @@ class PostTrainModel(GPT):
                 ref_chosen, ref_rejected = reference[:pairs], reference[pairs:]
             dpo, dpo_metrics = losses.dpo_loss(policy[:pairs], policy[pairs:], ref_chosen, ref_rejected, self.beta,
                                                self.preference_loss, self.label_smoothing, self.simpo_gamma)
+            if self.preference_loss == "orpo":  # ORPO: the odds-ratio term beside SFT on the chosen responses
+                nll = losses.sft_loss(token_logprobs[:pairs], trained[:pairs])
+                dpo = dpo + nll
+                dpo_metrics["nll_loss"] = nll.detach()
             loss = loss + (self.dpo_weight if self.method == "sga" else 1.0) * dpo
             metrics.update(dpo_loss=dpo.detach(), **dpo_metrics)
         self.last_metrics = metrics  # validation reports them too

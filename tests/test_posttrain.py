@@ -274,6 +274,28 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
                                        torch.autograd.grad(want, list(policy.parameters()))):
             torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(simpo.last_metrics["reward_chosen"], beta * pi_mean[:3].mean().detach())
+        # ORPO: SFT on the chosen responses plus beta x the log odds ratio's term, no reference
+        orpo = PostTrainModel(model_config(), "dpo", beta=beta, preference_loss="orpo")
+        orpo.load_state_dict(policy.state_dict())
+        got = orpo(batch)
+        logp = torch.log_softmax(policy.logits(batch["tokens"][:, :-1]).float(), -1)
+        picked = logp.gather(-1, batch["tokens"][:, 1:, None])[..., 0] * batch["trained"][:, 1:]
+        nll = -picked[:3].sum() / tokens[:3].sum()
+        mean_w, mean_l = picked[:3].sum(-1) / tokens[:3], picked[3:].sum(-1) / tokens[3:]
+        log_odds = (mean_w - mean_l) - (torch.log(1 - mean_w.exp()) - torch.log(1 - mean_l.exp()))
+        want = nll - beta * F.logsigmoid(log_odds).mean()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for got_grad, want_grad in zip(torch.autograd.grad(got, list(orpo.parameters())),
+                                       torch.autograd.grad(want, list(policy.parameters()))):
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(orpo.last_metrics["nll_loss"], nll.detach())
+        torch.testing.assert_close(orpo.last_metrics["log_odds_ratio"], log_odds.mean().detach())
+    from posttrain.losses import log1mexp
+
+    near_one = torch.tensor([-1e-4, -3.0, 0.0])  # log1p(-exp) keeps 3 digits of the first; p = 1 stays finite
+    torch.testing.assert_close(log1mexp(near_one)[:2], torch.tensor([math.log(-math.expm1(-1e-4)),
+                                                                    math.log(-math.expm1(-3.0))]))
+    assert log1mexp(near_one)[2].isfinite()
     # At the start the policy is its reference: every margin is 0, and a tie is no win (as TRL counts).
     from posttrain.losses import dpo_loss
 
@@ -467,7 +489,7 @@ def test_config_errors_name_the_key(files):
     assert "train.init_from" in check()
     assert "post.packing" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.packing=true")
     assert "post.method" in check(f"train.init_from={files / 'init.pt'}", "post.method=ppo")
-    assert "choose one of sigmoid, ipo, hinge, simpo" in check(f"train.init_from={files / 'init.pt'}",
+    assert "choose one of sigmoid, ipo, hinge, simpo, orpo" in check(f"train.init_from={files / 'init.pt'}",
                                                                "post.preference_loss=kto")
     assert "post.simpo_gamma=1.0 is for post.preference_loss=simpo" in check(
         f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.simpo_gamma=1.0")
