@@ -6,7 +6,7 @@ optimises, partitions nor saves it. Its log-probs are computed in the same step,
 no pass over the data before training, no cache that a change of data or post.max_len would make
 stale, and in bf16 its weights cost 2 bytes per parameter against the policy's ~16 (weights,
 gradients, AdamW states); it is split over tensor/expert-parallel ranks like the policy (it is
-not partitioned by ZeRO-3).
+not partitioned by ZeRO-3). The reference-free losses (post.preference_loss simpo, orpo) hold none.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PostTrainModel(GPT):
             token_logprobs = self._logprobs(self, batch)
             policy = losses.sequence_logprobs(token_logprobs, trained, mean)
             pairs = policy.shape[0] // 2
-            ref_chosen = ref_rejected = None  # SimPO holds no reference
+            ref_chosen = ref_rejected = None  # SimPO and ORPO hold no reference
             if self._reference:
                 with torch.no_grad():
                     reference = losses.sequence_logprobs(self._logprobs(self._reference[0], batch), trained, mean)
