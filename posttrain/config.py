@@ -120,11 +120,14 @@ def validate_post(cfg: PostTrainConfig) -> None:
                           "as mislabelled; 0.5 would learn nothing) and is for post.preference_loss=sigmoid or simpo")
     if p.simpo_gamma != PostConfig.simpo_gamma and p.preference_loss != "simpo":
         raise ConfigError(f"post.simpo_gamma={p.simpo_gamma} is for post.preference_loss=simpo; leave it out")
+    if p.method == "sft" and (p.preference_loss != PostConfig.preference_loss or p.label_smoothing):
+        raise ConfigError(f"post.preference_loss={p.preference_loss} / post.label_smoothing={p.label_smoothing} are "
+                          "for post.method=dpo or sga; SFT trains on the responses alone: leave them out")
     if cfg.holds_reference_model() and cfg.model.mlp in ("moe", "uoe") and cfg.model.moe.capacity_factor > 0:
         raise ConfigError(f"model.moe.capacity_factor={cfg.model.moe.capacity_factor}: {p.method}'s frozen reference "
                           "routes every token (it runs in evaluation mode), so a policy that drops tokens over "
                           "capacity would differ from it by the drops alone; set model.moe.capacity_factor=0 "
-                          "(it changes no weight)")
+                          "(it changes no weight), or a loss without a reference (post.preference_loss=simpo or orpo)")
     if p.dpo_weight < 0 or p.mse_weight < 0 or p.dpo_weight + p.mse_weight == 0:
         raise ConfigError(f"post.dpo_weight={p.dpo_weight} and post.mse_weight={p.mse_weight} must be >= 0 "
                           "and not both 0")

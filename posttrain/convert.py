@@ -19,9 +19,11 @@ chosen response's ratings, normalised to [0, 1] and rounded to 2 decimals, are i
 
 Anthropic's hh-rlhf holds pairs already, as dialogues in plain text ("\\n\\nHuman: ...\\n\\nAssistant:
 ..."), without ratings (DPO only): each row {chosen, rejected} becomes {prompt: the turns both
-dialogues share, as messages, chosen: the last assistant turn of one, rejected: of the other}. A
-row whose dialogues differ before their last turn, or do not end with an assistant turn, is a bad
-record; a row whose two responses are the same text is dropped (it prefers neither).
+dialogues share, as messages, chosen: the last assistant turn of one, rejected: of the other}, each
+turn's text as written but for the space after its mark and trailing whitespace. Empty turns of
+the prompt are left out (and counted). A row whose dialogues differ before their last turn, or do
+not end with a non-empty assistant turn after a Human one, is a bad record; a row whose two
+responses are the same text is dropped (it prefers neither).
 
 A row or completion with a missing, non-numeric ("N/A") or out-of-range rating is counted and
 skipped. Input: JSON Lines (.jsonl, .gz, .zst) or Parquet files.
@@ -121,32 +123,36 @@ def ultrafeedback_rows(rec: dict, report: BadInputReport, where: str):
         yield prompt, *done
 
 
-def hh_dialogue(text, name: str) -> list[dict]:
-    """An hh-rlhf dialogue ("\\n\\nHuman: ...\\n\\nAssistant: ...") as messages."""
+def hh_dialogue(text, name: str) -> tuple[list[dict], int]:
+    """An hh-rlhf dialogue ("\\n\\nHuman: ...\\n\\nAssistant: ...") as messages (each turn's text as
+    written, less the space after its mark and trailing whitespace), and how many empty turns before
+    the last were left out."""
     text = text_field(text, name)
     parts = HH_TURN.split("\n\n" + text.lstrip("\n"))  # ['', 'Human', content, 'Assistant', content, ...]
     if parts[0].strip() or len(parts) < 3 or parts[1] != "Human":
         raise BadRecord(f"{name!r} does not begin with a 'Human:' turn (expected \"\\n\\nHuman: ...\\n\\n"
                         f"Assistant: ...\")")
-    messages = [{"role": "user" if role == "Human" else "assistant", "content": content.strip()}
-                for role, content in zip(parts[1::2], parts[2::2])]
-    if messages[-1]["role"] != "assistant":
+    turns = [{"role": "user" if role == "Human" else "assistant",
+              "content": content.removeprefix(" ").rstrip()} for role, content in zip(parts[1::2], parts[2::2])]
+    if turns[-1]["role"] != "assistant":
         raise BadRecord(f"{name!r} does not end with an assistant turn (the response)")
-    for i, message in enumerate(messages):
-        text_field(message["content"], f"{name} turn {i + 1} ({message['role']})")
-    return messages
+    text_field(turns[-1]["content"], f"{name}'s response")
+    messages = [t for t in turns[:-1] if t["content"].strip()] + turns[-1:]
+    return messages, len(turns) - len(messages)
 
 
-def hh_rlhf_pair(rec: dict) -> dict:
-    chosen, rejected = hh_dialogue(rec.get("chosen"), "chosen"), hh_dialogue(rec.get("rejected"), "rejected")
+def hh_rlhf_pair(rec: dict) -> tuple[dict, int]:
+    """The preference record of an hh-rlhf row, and the empty turns its prompt left out."""
+    (chosen, empty), (rejected, _) = hh_dialogue(rec.get("chosen"), "chosen"), hh_dialogue(rec.get("rejected"),
+                                                                                          "rejected")
     if chosen[:-1] != rejected[:-1]:
         raise BadRecord("'chosen' and 'rejected' differ before their last turn (multi-turn responses are not "
                         "trained)")
-    if chosen[-2]["role"] != "user":
+    if len(chosen) < 2 or chosen[-2]["role"] != "user":
         raise BadRecord("the responses follow an assistant turn, not a 'Human:' one")
     pair = {"prompt": chosen[:-1], "chosen": chosen[-1]["content"], "rejected": rejected[-1]["content"]}
     preference(pair)  # as the trainer reads it
-    return pair
+    return pair, empty
 
 
 def pairs(responses: dict[str, list[tuple[str, dict]]], counts: dict) -> list[dict]:
@@ -178,7 +184,7 @@ def convert(kind: str, inputs: list[str], out: Path, overwrite: bool = False) ->
         raise FileNotFoundError(f"--input: no such file {', '.join(missing)}")
     report = BadInputReport()
     responses: dict[str, list] = {}
-    counts = {"single_response": 0, "ties": 0, "same_responses": 0}
+    counts = {"single_response": 0, "ties": 0, "same_responses": 0, "empty_turns": 0}
     records = []  # hh-rlhf's, as they come
     rows = 0
     for path in inputs:
@@ -186,7 +192,8 @@ def convert(kind: str, inputs: list[str], out: Path, overwrite: bool = False) ->
             rows += 1
             try:
                 if kind == "hh-rlhf":
-                    pair = hh_rlhf_pair(rec)
+                    pair, empty = hh_rlhf_pair(rec)
+                    counts["empty_turns"] += empty
                     if pair["chosen"] == pair["rejected"]:
                         counts["same_responses"] += 1
                     else:
@@ -232,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError, FileReadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    dropped = (f"dropped {result['same_responses']} rows with the same response twice" if args.format == "hh-rlhf"
+    dropped = (f"dropped {result['same_responses']} rows with the same response twice and "
+               f"{result['empty_turns']} empty turns of prompts" if args.format == "hh-rlhf"
                else f"dropped {result['ties']} ties and {result['single_response']} prompts with one response")
     print(f"wrote {result['pairs']} pairs to {args.out} ({result['rows']} rows, {result['prompts']} prompts; "
           f"{dropped}; {result['summary']})")

@@ -16,6 +16,7 @@ import torch
 from models.config import ModelConfig
 from models.gpt import GPT
 from posttrain import losses
+from posttrain.config import REFERENCE_FREE
 from posttrain.value_head import ValueHead, last_token_states
 
 
@@ -31,6 +32,8 @@ class PostTrainModel(GPT):
         self._reference: list[GPT] = []  # a list: not a submodule
 
     def set_reference(self, reference: GPT) -> None:
+        if self.preference_loss in REFERENCE_FREE:
+            raise ValueError(f"preference_loss={self.preference_loss} measures the policy alone: no reference")
         reference.eval().requires_grad_(False)
         self._reference[:] = [reference]
 
@@ -67,7 +70,9 @@ class PostTrainModel(GPT):
             policy = losses.sequence_logprobs(token_logprobs, trained, mean)
             pairs = policy.shape[0] // 2
             ref_chosen = ref_rejected = None  # SimPO and ORPO hold no reference
-            if self._reference:
+            if self.preference_loss not in REFERENCE_FREE:
+                if not self._reference:
+                    raise RuntimeError(f"preference_loss={self.preference_loss} needs the reference: set_reference")
                 with torch.no_grad():
                     reference = losses.sequence_logprobs(self._logprobs(self._reference[0], batch), trained, mean)
                 ref_chosen, ref_rejected = reference[:pairs], reference[pairs:]

@@ -87,8 +87,9 @@ POST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PostConfig)}  # "
 def cut_hint(cfg: PostTrainConfig) -> str:
     """Where examples are dropped for their length, the key that cuts them to fit instead."""
     if cfg.post.method == "sft":
-        return ": post.sft_truncation=keep_start or keep_end cuts them to fit" if cfg.post.sft_truncation == "drop" \
-            else ""
+        return {"drop": ": post.sft_truncation=keep_start or keep_end cuts them to fit",
+                "keep_start": ": their prompts fill the row; post.sft_truncation=keep_end keeps their ends"
+                }.get(cfg.post.sft_truncation, "")
     return ": post.max_prompt_len cuts long pairs to fit" if not cfg.post.max_prompt_len else ""
 
 
@@ -157,7 +158,8 @@ class PostTrainTask(Task):
                 check_reference(start, self.reference_fingerprint, resumed["method"], cfg.run.dir)
         else:
             start = check_source(cfg.train.init_from, cfg.to_dict()["model"], tokenizer["sha256"])
-            self.reference_fingerprint = source_fingerprint(start) if cfg.holds_reference_model() else None
+            # recorded with a reference-free loss too: a resume may change post.preference_loss
+            self.reference_fingerprint = source_fingerprint(start) if cfg.post.method != "sft" else None
         self.reference = start
         if resumed:  # the run recorded what it took from its start (an SFT run's start may be gone since)
             started, start_bos = resumed, None
@@ -171,6 +173,9 @@ class PostTrainTask(Task):
         objectives = started.get("value_head", {}).get("objectives") if cfg.post.method == "sga" else None
         # (add_bos among them: the start checkpoint's tokenizer is this one, checked above)
         self.start_notes = inherit_chat_format(cfg.post, started.get("chat"))
+        if cfg.post.preference_loss == "simpo" and cfg.post.beta == PostConfig.beta:
+            self.start_notes.append(f"post.beta={cfg.post.beta} with post.preference_loss=simpo: the SimPO paper "
+                                    "trains with beta 2-2.5 and post.simpo_gamma 0.3-0.8 x beta")
         if not started.get("chat") and not cfg.post.add_bos and start_bos and sp.bos_id() >= 0:
             cfg.post.add_bos = True  # a pretrained (or imported) model whose samples began with BOS
             self.start_notes.append("post.add_bos=True: the start checkpoint's run began its samples with BOS "

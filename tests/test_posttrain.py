@@ -302,6 +302,12 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
     same = torch.tensor([-4.0, -2.5])
     loss, metrics = dpo_loss(same, same - 1, same, same - 1, beta)
     assert metrics["reward_accuracy"].item() == 0.0 and loss.item() == pytest.approx(math.log(2))
+    # The hinge on both sides of its margin: pairs past beta h = 1 give neither loss nor gradient
+    far = torch.tensor([4.0, 1.0, -3.0], requires_grad=True)  # beta h = 2, 0.5, -1.5
+    loss, _ = dpo_loss(far, torch.zeros(3), torch.zeros(3), torch.zeros(3), 0.5, "hinge")
+    loss.backward()
+    assert loss.item() == pytest.approx((0 + 0.5 + 2.5) / 3)
+    assert far.grad.tolist() == pytest.approx([0.0, -0.5 / 3, -0.5 / 3])
 
 
 def test_sga_value_head_loss_and_conditioning_text():
@@ -491,6 +497,8 @@ def test_config_errors_name_the_key(files):
     assert "post.method" in check(f"train.init_from={files / 'init.pt'}", "post.method=ppo")
     assert "choose one of sigmoid, ipo, hinge, simpo, orpo" in check(f"train.init_from={files / 'init.pt'}",
                                                                "post.preference_loss=kto")
+    assert "are for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.method=sft",
+                                                     "post.preference_loss=simpo")
     assert "post.simpo_gamma=1.0 is for post.preference_loss=simpo" in check(
         f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.simpo_gamma=1.0")
     assert "is for post.preference_loss=sigmoid or simpo" in check(f"train.init_from={files / 'init.pt'}",
@@ -769,19 +777,22 @@ def test_hh_rlhf_dialogues_split_into_prompt_turns_and_responses(tmp_path, capsy
             {"chosen": "Hi?\n\nAssistant: Yes.", "rejected": "Hi?\n\nAssistant: No."},  # no Human mark
             {"chosen": talk + " Both.\n\nHuman: Ok.", "rejected": talk + " Dogs.\n\nHuman: Ok."},
             {"chosen": "\n\nHuman: A\n\nAssistant: B\n\nAssistant: C", "rejected": "\n\nHuman: A\n\n"
-                                                                                    "Assistant: B\n\nAssistant: D"}]
+                                                                                    "Assistant: B\n\nAssistant: D"},
+            {"chosen": "\n\nHuman: Code?\n\nAssistant:\n\nHuman: Please?\n\nAssistant:    x = 1\n    y = 2 ",
+             "rejected": "\n\nHuman: Code?\n\nAssistant:\n\nHuman: Please?\n\nAssistant: No."}]
     src, out = tmp_path / "hh.jsonl", tmp_path / "hh_pairs.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["hh-rlhf", "--input", str(src), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "wrote 2 pairs" in printed and "dropped 1 rows with the same response twice" in printed
+    assert "wrote 3 pairs" in printed and "dropped 1 rows with the same response twice and 1 empty turns" in printed
     assert "bad inputs: 5 skipped" in printed, printed
     pairs = [preference(json.loads(line)) for line in out.read_text().splitlines()]
     user, assistant = (lambda text: {"role": "user", "content": text}), \
         (lambda text: {"role": "assistant", "content": text})
     assert pairs == [Pair([user("Hi?"), assistant("Hello."), user("Cats or dogs?")], "Both.\n\nThey differ.",
                           "Dogs.", {}),
-                     Pair([user("One turn?")], "Yes.", "No.", {})]
+                     Pair([user("One turn?")], "Yes.", "No.", {}),
+                     Pair([user("Code?"), user("Please?")], "   x = 1\n    y = 2", "No.", {})]  # indentation kept
 
 
 def test_trl_s_conversational_preference_records_give_the_pair_of_the_plain_shape():
