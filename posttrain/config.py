@@ -50,6 +50,9 @@ class PostConfig:
     preference_loss: str = "sigmoid"
     label_smoothing: float = 0.0  # sigmoid / simpo: the share of pairs taken as mislabelled (cDPO)
     simpo_gamma: float = 0.5  # simpo: the reward margin asked of the chosen response (TRL's default)
+    # dpo / sga: the chosen responses' SFT loss added with this weight (TRL's rpo_alpha; with simpo,
+    # CPO-SimPO's cpo_alpha); orpo has its own, weight 1
+    sft_weight: float = 0.0
     # SGA: loss = dpo_weight x DPO(score-conditioned prompt) + mse_weight x MSE(value head on the raw prompt)
     dpo_weight: float = 1.0
     mse_weight: float = 1000.0
@@ -120,6 +123,10 @@ def validate_post(cfg: PostTrainConfig) -> None:
                           "as mislabelled; 0.5 would learn nothing) and is for post.preference_loss=sigmoid or simpo")
     if p.simpo_gamma != PostConfig.simpo_gamma and p.preference_loss != "simpo":
         raise ConfigError(f"post.simpo_gamma={p.simpo_gamma} is for post.preference_loss=simpo; leave it out")
+    if p.sft_weight < 0 or (p.sft_weight and (p.method == "sft" or p.preference_loss == "orpo")):
+        raise ConfigError(f"post.sft_weight={p.sft_weight}: a weight >= 0 on the chosen responses' SFT loss beside a "
+                          "preference loss (post.method=dpo or sga); post.preference_loss=orpo has its own: leave "
+                          "it out there")
     if p.method == "sft" and (p.preference_loss != PostConfig.preference_loss or p.label_smoothing):
         raise ConfigError(f"post.preference_loss={p.preference_loss} / post.label_smoothing={p.label_smoothing} are "
                           "for post.method=dpo or sga; SFT trains on the responses alone: leave them out")

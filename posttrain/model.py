@@ -23,10 +23,13 @@ from posttrain.value_head import ValueHead, last_token_states
 class PostTrainModel(GPT):
     def __init__(self, cfg: ModelConfig, method: str, beta: float = 0.1, dpo_weight: float = 1.0,
                  mse_weight: float = 0.0, value_head: dict | None = None, activation_checkpointing="none",
-                 preference_loss: str = "sigmoid", label_smoothing: float = 0.0, simpo_gamma: float = 0.0):
+                 preference_loss: str = "sigmoid", label_smoothing: float = 0.0, simpo_gamma: float = 0.0,
+                 sft_weight: float = 0.0):
         super().__init__(cfg, activation_checkpointing=activation_checkpointing)
         self.method, self.beta, self.dpo_weight, self.mse_weight = method, beta, dpo_weight, mse_weight
         self.preference_loss, self.label_smoothing, self.simpo_gamma = preference_loss, label_smoothing, simpo_gamma
+        # the chosen responses' SFT loss beside the preference loss: ORPO's own, or post.sft_weight's
+        self.sft_weight = 1.0 if preference_loss == "orpo" else sft_weight
         if value_head is not None:
             self.value_head = ValueHead.from_spec(value_head)
         self._reference: list[GPT] = []  # a list: not a submodule
@@ -78,9 +81,9 @@ class PostTrainModel(GPT):
                 ref_chosen, ref_rejected = reference[:pairs], reference[pairs:]
             dpo, dpo_metrics = losses.dpo_loss(policy[:pairs], policy[pairs:], ref_chosen, ref_rejected, self.beta,
                                                self.preference_loss, self.label_smoothing, self.simpo_gamma)
-            if self.preference_loss == "orpo":  # ORPO: the odds-ratio term beside SFT on the chosen responses
+            if self.sft_weight:  # ORPO's odds-ratio term beside SFT on the chosen responses, or RPO's
                 nll = losses.sft_loss(token_logprobs[:pairs], trained[:pairs])
-                dpo = dpo + nll
+                dpo = dpo + self.sft_weight * nll
                 dpo_metrics["nll_loss"] = nll.detach()
             loss = loss + (self.dpo_weight if self.method == "sga" else 1.0) * dpo
             metrics.update(dpo_loss=dpo.detach(), **dpo_metrics)

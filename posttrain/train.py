@@ -260,7 +260,7 @@ class PostTrainTask(Task):
         head = spec(cfg.model.hidden_size, self.train_data.objectives, post) if post.method == "sga" else None
         model = PostTrainModel(cfg.model, post.method, post.beta, post.dpo_weight, post.mse_weight, head,
                                cfg.train.activation_checkpointing, post.preference_loss, post.label_smoothing,
-                               post.simpo_gamma)
+                               post.simpo_gamma, post.sft_weight)
         if cfg.holds_reference_model():
             from models.gpt import GPT
 

@@ -290,6 +290,12 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
             torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(orpo.last_metrics["nll_loss"], nll.detach())
         torch.testing.assert_close(orpo.last_metrics["log_odds_ratio"], log_odds.mean().detach())
+        # post.sft_weight (TRL's rpo_alpha): DPO plus the chosen responses' SFT loss
+        rpo = PostTrainModel(model_config(), "dpo", beta=beta, sft_weight=0.5)
+        rpo.load_state_dict(policy.state_dict())
+        rpo.set_reference(policy._reference[0])
+        want = -F.logsigmoid(beta * h.detach()).mean() + 0.5 * nll.detach()
+        torch.testing.assert_close(rpo(batch), want, rtol=1e-5, atol=1e-6)
     from posttrain.losses import log1mexp
 
     near_one = torch.tensor([-1e-4, -3.0, 0.0])  # log1p(-exp) keeps 3 digits of the first; p = 1 stays finite
@@ -499,6 +505,8 @@ def test_config_errors_name_the_key(files):
                                                                "post.preference_loss=kto")
     assert "are for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.method=sft",
                                                      "post.preference_loss=simpo")
+    assert "orpo has its own" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo",
+                                       "post.preference_loss=orpo", "post.sft_weight=1")
     assert "post.simpo_gamma=1.0 is for post.preference_loss=simpo" in check(
         f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.simpo_gamma=1.0")
     assert "is for post.preference_loss=sigmoid or simpo" in check(f"train.init_from={files / 'init.pt'}",
