@@ -1004,7 +1004,7 @@ def test_dpo_of_a_uoe_model_at_expert_parallel_2_matches_one_process(tmp_path, f
 
 
 @pytest.mark.slow
-def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok_dir):
+def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok_dir, capsys):
     whole = post_train(1, files, tok_dir, tmp_path / "whole", "sft", "post.packing=true", "train.micro_batch=2")
     assert "sft:" in whole.stdout and "1 skipped (1 malformed JSON)" in whole.stdout
     saved_run_copy(tmp_path / "whole", tmp_path / "parts", 2)  # as if stopped after step 2
@@ -1023,6 +1023,24 @@ def test_sft_packed_resume_reproduces_the_uninterrupted_run(tmp_path, files, tok
     assert losses(tmp_path / "dp2") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5, abs=1e-6)
     assert grad_norms(tmp_path / "dp2") == pytest.approx(grad_norms(tmp_path / "whole"), rel=1e-4)
     assert validations(tmp_path / "dp2")[4] == pytest.approx(val, rel=1e-5)
+    # tools.generate --chat answers in the chat format the run trained with: the reference is the
+    # prompt as ChatEncoder renders it, decoded greedily
+    from models.generation import generate
+    from pretrain.consolidate import load_model
+    from tools.generate import main as generate_main
+
+    system, message = "Be brief.", "red tree"
+    assert generate_main(["--checkpoint", str(tmp_path / "whole"), "--chat", message, "--system", system,
+                          "--greedy", "--max-new-tokens", "8", "--json", "--device", "cpu"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    from data_prep.tokenizer import load_tokenizer
+
+    encoder = ChatEncoder(load_tokenizer(tok_dir)[0], ChatFormat())
+    prompt = encoder.prompt([{"role": "system", "content": system}, {"role": "user", "content": message}])
+    model = load_model(tmp_path / "whole")[0]
+    want = generate(model, prompt, 8, greedy=True, eos_id=encoder.eos)
+    assert got["prompt_ids"] == prompt and got["ids"] == want
+    assert got["text"] == encoder.decode_response(want[:-1] if want[-1:] == [encoder.eos] else want)
 
 
 def test_sft_of_an_expert_model_logs_the_cross_entropy_weighted_as_the_loss(tmp_path, files, tok_dir):
@@ -1056,12 +1074,17 @@ def sga_run(tmp_path_factory, files, tok_dir):
 
 
 @pytest.mark.slow
-def test_sga_trains_and_two_stage_inference_prints_scores_then_text(sga_run, tok_dir):
+def test_sga_trains_and_two_stage_inference_prints_scores_then_text(sga_run, tok_dir, capsys):
     import subprocess
     import sys
 
     run_dir, proc = sga_run
     assert "objectives length, keyword" in proc.stdout and "value_mse" in proc.stdout
+    from tools.generate import main as generate_main
+
+    # an SGA model answers with its scores in the prompt
+    assert generate_main(["--checkpoint", str(run_dir), "--chat", "red tree", "--device", "cpu"]) == 2
+    assert "python -m tools.sga_generate" in capsys.readouterr().err
     assert "1 skipped" in proc.stdout  # the record whose score is outside [0, 1]
 
     def generate(*args):
