@@ -120,8 +120,8 @@ class PostTrainTask(Task):
         self.val_data: Examples | None = None
         # post keys (chat, score format, value head) taken from the start checkpoint, or differing from it
         self.start_notes: list[str] = []
-        self.reference: Path | None = None  # the start checkpoint: DPO / SGA's frozen reference (but SimPO's)
-        self.reference_fingerprint: str | None = None  # init_from.source_fingerprint (with a reference)
+        self.reference: Path | None = None  # the start checkpoint: DPO / SGA's frozen reference, if the loss has one
+        self.reference_fingerprint: str | None = None  # init_from.source_fingerprint (DPO / SGA)
 
     def check(self, cfg: PostTrainConfig, world_size: int) -> dict:
         from data_prep.tokenizer import load_tokenizer
