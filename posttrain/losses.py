@@ -44,7 +44,8 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
                -beta log sigmoid(log odds(pi_w) - log odds(pi_l)), odds(p) = p / (1 - p) (as TRL's; the
                chosen response's NLL, the rest of ORPO's loss, is the caller's)
     Metrics (detached): the implicit rewards beta (pi - ref) (without a reference: beta pi) of
-    chosen and rejected, their margin and how often chosen wins; ORPO's log odds ratio."""
+    chosen and rejected, their margin and how often chosen wins; ORPO's log odds of chosen over
+    rejected (TRL's log_odds_chosen) and their mean log sigmoid (TRL's log_odds_ratio)."""
     reward_chosen = beta * (chosen - ref_chosen) if ref_chosen is not None else beta * chosen
     reward_rejected = beta * (rejected - ref_rejected) if ref_rejected is not None else beta * rejected
     margin = reward_chosen - reward_rejected
@@ -54,7 +55,7 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
     elif kind == "orpo":
         log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
         loss = -beta * F.logsigmoid(log_odds).mean()
-        metrics["log_odds_ratio"] = log_odds.mean()
+        metrics.update(log_odds_chosen=log_odds.mean(), log_odds_ratio=F.logsigmoid(log_odds).mean())
     elif kind == "hinge":
         loss = F.relu(1 - margin).mean()
     else:

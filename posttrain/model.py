@@ -81,12 +81,14 @@ class PostTrainModel(GPT):
                 ref_chosen, ref_rejected = reference[:pairs], reference[pairs:]
             dpo, dpo_metrics = losses.dpo_loss(policy[:pairs], policy[pairs:], ref_chosen, ref_rejected, self.beta,
                                                self.preference_loss, self.label_smoothing, self.simpo_gamma)
-            if self.sft_weight:  # ORPO's odds-ratio term beside SFT on the chosen responses, or RPO's
-                nll = losses.sft_loss(token_logprobs[:pairs], trained[:pairs])
-                dpo = dpo + self.sft_weight * nll
-                dpo_metrics["nll_loss"] = nll.detach()
             loss = loss + (self.dpo_weight if self.method == "sga" else 1.0) * dpo
             metrics.update(dpo_loss=dpo.detach(), **dpo_metrics)
+            if self.sft_weight:  # SFT on the chosen responses beside the preference loss (ORPO's, RPO's)
+                # nll_scale: this micro-batch's share of the step's chosen tokens (PostTrainer), so the
+                # term is the mean over the step's tokens at any layout, as SFT's loss is
+                nll = losses.sft_loss(token_logprobs[:pairs], trained[:pairs]) * batch.get("nll_scale", 1.0)
+                loss = loss + self.sft_weight * nll
+                metrics["nll_loss"] = nll.detach()
         self.last_metrics = metrics  # validation reports them too
         if self.training:
             aux = self.aux_loss()

@@ -55,6 +55,25 @@ class PostTrainer(Trainer):
         SGA average over pairs, as many in each."""
         return batch["trained"][:, 1:].sum() if self.cfg.post.method == "sft" else None
 
+    def micro_batch_weights(self, batches: list) -> list[float] | None:
+        """SFT's micro-batches weigh by their response tokens. DPO and SGA's pair losses weigh the
+        same in each; the chosen responses' SFT term beside them (post.sft_weight, ORPO's) weighs by
+        the chosen tokens, as a scale each batch carries to the model."""
+        if self.cfg.post.method == "sft":
+            return super().micro_batch_weights(batches)
+        if self.model.sft_weight:
+            from megatron.core import parallel_state as ps
+
+            from pretrain.distributed import dp_mean
+
+            chosen = [batch["trained"][:batch["tokens"].shape[0] // 2, 1:].sum() for batch in batches]
+            local = torch.stack([c.float() for c in chosen]).to(self.device)
+            total = dp_mean(local.sum()) * ps.get_data_parallel_world_size()
+            micro_batches = len(batches) * ps.get_data_parallel_world_size()
+            for batch, tokens in zip(batches, local.tolist()):
+                batch["nll_scale"] = torch.tensor(tokens * micro_batches / max(total, 1.0))
+        return None
+
     def batch_tokens(self, batch: dict) -> int:
         """Every row the model runs (DPO and SGA: chosen and rejected), padded as it runs them."""
         return batch["tokens"][:, :-1].numel()

@@ -289,7 +289,9 @@ def test_dpo_loss_and_gradients_equal_the_plain_formula():
                                        torch.autograd.grad(want, list(policy.parameters()))):
             torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(orpo.last_metrics["nll_loss"], nll.detach())
-        torch.testing.assert_close(orpo.last_metrics["log_odds_ratio"], log_odds.mean().detach())
+        torch.testing.assert_close(orpo.last_metrics["dpo_loss"], want.detach() - nll.detach())  # the odds term
+        torch.testing.assert_close(orpo.last_metrics["log_odds_chosen"], log_odds.mean().detach())
+        torch.testing.assert_close(orpo.last_metrics["log_odds_ratio"], F.logsigmoid(log_odds).mean().detach())
         # post.sft_weight (TRL's rpo_alpha): DPO plus the chosen responses' SFT loss
         rpo = PostTrainModel(model_config(), "dpo", beta=beta, sft_weight=0.5)
         rpo.load_state_dict(policy.state_dict())
@@ -505,6 +507,8 @@ def test_config_errors_name_the_key(files):
                                                                "post.preference_loss=kto")
     assert "are for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.method=sft",
                                                      "post.preference_loss=simpo")
+    assert "a weight >= 0" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.sft_weight=-1")
+    assert "a weight >= 0" in check(f"train.init_from={files / 'init.pt'}", "post.method=sft", "post.sft_weight=1")
     assert "orpo has its own" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo",
                                        "post.preference_loss=orpo", "post.sft_weight=1")
     assert "post.simpo_gamma=1.0 is for post.preference_loss=simpo" in check(
@@ -943,18 +947,22 @@ def test_a_resume_refuses_a_reference_that_is_gone_or_rewritten(tmp_path, files,
 
 
 @pytest.mark.slow
-def test_simpo_trains_without_a_reference_and_resumes_with_its_start_gone(tmp_path, files, tok_dir):
+def test_orpo_holds_no_reference_and_weighs_its_sft_term_by_tokens_at_any_layout(tmp_path, files, tok_dir):
+    """ORPO (reference-free, with an SFT term on the chosen responses) at two data-parallel ranks
+    gives one process's losses and gradient norms, and resumes with its start checkpoint gone."""
     import shutil
 
     start = tmp_path / "start.pt"
     shutil.copy(files / "init.pt", start)
-    simpo = ("post.preference_loss=simpo", "post.beta=2.0", f"train.init_from={start}")
-    post_train(1, files, tok_dir, tmp_path / "run", "dpo", *simpo, "train.steps=2")
+    orpo = ("post.preference_loss=orpo", f"train.init_from={start}")
+    post_train(1, files, tok_dir, tmp_path / "one", "dpo", *orpo)
+    post_train(2, files, tok_dir, tmp_path / "dp2", "dpo", *orpo, "train.micro_batch=2", "train.stop_at_step=2")
     start.unlink()  # nothing reads it again: no reference model
-    post_train(1, files, tok_dir, tmp_path / "run", "dpo", *simpo, "train.resume=auto")
-    got = losses(tmp_path / "run")
-    assert len(got) == 4 and got[-1] < got[0] and all(map(math.isfinite, got))
-    assert validations(tmp_path / "run")[4]["reward_accuracy"] > 0.5
+    post_train(2, files, tok_dir, tmp_path / "dp2", "dpo", *orpo, "train.micro_batch=2", "train.resume=auto")
+    one, dp2 = losses(tmp_path / "one"), losses(tmp_path / "dp2")
+    assert len(one) == 4 and one[-1] < one[0]
+    assert dp2 == pytest.approx(one, rel=1e-5, abs=1e-6)
+    assert grad_norms(tmp_path / "dp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
 
 
 @pytest.mark.slow
@@ -1295,6 +1303,22 @@ def test_sft_truncation_keeps_the_first_or_the_last_tokens_with_their_masks(enco
     got, _ = examples("keep_end", "post.add_bos=true", chat=bos_encoder)
     bos_ids, _ = bos_encoder.conversation(long_talk["messages"])
     assert got.units[0].ids.tolist() == [bos_encoder.bos] + bos_ids[-(limit - 1):].tolist()
+
+
+def test_generate_chat_renders_the_recorded_format(encoder, tmp_path):
+    """tools.generate --chat renders a message in the format the checkpoint records (BOS included),
+    not the defaults."""
+    from tools.cli import ToolError
+    from tools.generate import chat_encoder
+
+    trained = ChatFormat(user_prefix="Q: ", assistant_prefix="A: ", add_bos=True).__dict__
+    chat = chat_encoder(tmp_path, {"posttrain": {"chat": trained}}, encoder.sp)
+    message = [{"role": "user", "content": "red tree"}]
+    prompt = chat.prompt(message)
+    assert prompt == ChatEncoder(encoder.sp, ChatFormat(**trained)).prompt(message) != encoder.prompt(message)
+    assert prompt[0] == encoder.sp.bos_id() and encoder.sp.decode(prompt).startswith("Q: red tree")
+    with pytest.raises(ToolError, match="was not post-trained"):
+        chat_encoder(tmp_path, {"step": 5}, encoder.sp)
 
 
 def test_an_export_s_chat_template_renders_the_trained_format(tok_dir, tmp_path):
