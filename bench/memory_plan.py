@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +35,11 @@ HYBRID = {"h512-l8-hybrid": "auto", "h512-l8-hybrid-naive": "naive", "h512-l8-hy
 
 def measurement_env() -> dict:
     """A fixed mmap threshold makes freed tensors leave resident memory at once, so the peak
-    resident size tracks live tensors instead of the allocator's fragmentation."""
-    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    resident size tracks live tensors instead of the allocator's fragmentation. Without this
+    process's rendezvous variables: the measured process starts a process group of its own."""
+    from pretrain.distributed import environment_for_child
+
+    return {**environment_for_child(), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
 
 
 def rss_kib(field: str) -> int:

@@ -118,6 +118,15 @@ def test_bad_layout_is_a_config_error(capsys):
     assert "num_heads=16 is not divisible by parallel.tensor=3" in capsys.readouterr().err
 
 
+def test_a_measured_process_never_joins_the_measuring_one_s_process_group(monkeypatch):
+    """A process that ran a tool in-process holds rank and rendezvous variables: the measured child
+    starts a group of its own on a free port."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", "43689")
+    env = measurement_env()
+    assert "RANK" not in env and "MASTER_PORT" not in env and env["MALLOC_MMAP_THRESHOLD_"] == "65536"
+
+
 @pytest.mark.parametrize("size", ["h512-l8", "h512-l8-gqa", "h512-l8-ckpt", "h512-l8-sel", "h512-l8-uoe"])
 def test_memory_estimate_within_20_percent_of_measured(size):
     env = {**child_env(), **measurement_env()}
