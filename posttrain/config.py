@@ -102,7 +102,10 @@ def validate_post(cfg: PostTrainConfig) -> None:
     if p.max_len < 0 or p.max_len > cfg.model.max_seq_len:
         raise ConfigError(f"post.max_len={p.max_len} must be between 0 (= model.max_seq_len) and "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
-    if p.max_prompt_len and (p.method == "sft" or not 0 < p.max_prompt_len < (p.max_len or cfg.model.max_seq_len)):
+    if p.max_prompt_len and p.method == "sft":
+        raise ConfigError(f"post.max_prompt_len={p.max_prompt_len} cuts preference pairs (post.method=dpo or sga); "
+                          "SFT examples are cut by post.sft_truncation: leave post.max_prompt_len out")
+    if p.max_prompt_len and not 0 < p.max_prompt_len < (p.max_len or cfg.model.max_seq_len):
         raise ConfigError(f"post.max_prompt_len={p.max_prompt_len}: for post.method=dpo or sga, below post.max_len "
                           f"(or model.max_seq_len: {p.max_len or cfg.model.max_seq_len}) to leave the responses room; "
                           "0 drops the pairs that do not fit")
@@ -123,10 +126,14 @@ def validate_post(cfg: PostTrainConfig) -> None:
                           "as mislabelled; 0.5 would learn nothing) and is for post.preference_loss=sigmoid or simpo")
     if p.simpo_gamma != PostConfig.simpo_gamma and p.preference_loss != "simpo":
         raise ConfigError(f"post.simpo_gamma={p.simpo_gamma} is for post.preference_loss=simpo; leave it out")
-    if p.sft_weight < 0 or (p.sft_weight and (p.method == "sft" or p.preference_loss == "orpo")):
-        raise ConfigError(f"post.sft_weight={p.sft_weight}: a weight >= 0 on the chosen responses' SFT loss beside a "
-                          "preference loss (post.method=dpo or sga); post.preference_loss=orpo has its own: leave "
-                          "it out there")
+    if p.sft_weight < 0:
+        raise ConfigError(f"post.sft_weight={p.sft_weight} must be >= 0 (the weight of the chosen responses' SFT loss)")
+    if p.sft_weight and p.method == "sft":
+        raise ConfigError(f"post.sft_weight={p.sft_weight} adds an SFT term to a preference loss (post.method=dpo or "
+                          "sga); post.method=sft is that loss alone: leave post.sft_weight out")
+    if p.sft_weight and p.preference_loss == "orpo":
+        raise ConfigError(f"post.sft_weight={p.sft_weight}: post.preference_loss=orpo has its own SFT term at weight 1: "
+                          "leave post.sft_weight out")
     if p.method == "sft" and (p.preference_loss != PostConfig.preference_loss or p.label_smoothing):
         raise ConfigError(f"post.preference_loss={p.preference_loss} / post.label_smoothing={p.label_smoothing} are "
                           "for post.method=dpo or sga; SFT trains on the responses alone: leave them out")

@@ -112,6 +112,13 @@ def cut_hint(cfg: PostTrainConfig) -> str:
     return ": post.max_prompt_len cuts long pairs to fit" if not cfg.post.max_prompt_len else ""
 
 
+def method_name(cfg: PostTrainConfig) -> str:
+    """The method, with its preference loss where that is not DPO's own."""
+    post = cfg.post
+    return post.method if post.method == "sft" or post.preference_loss == "sigmoid" else \
+        f"{post.method} ({post.preference_loss})"
+
+
 def truncation_key(cfg: PostTrainConfig) -> str:
     return f"post.sft_truncation={cfg.post.sft_truncation}" if cfg.post.method == "sft" else "post.max_prompt_len"
 
@@ -237,7 +244,9 @@ class PostTrainTask(Task):
                     if cfg.post.packing else f"{units} usable examples")
             raise ConfigError(f"post.data has {what}, fewer than one micro-batch on each data-parallel rank "
                               f"({cfg.train.micro_batch} x {dp}); add examples or lower train.micro_batch"
-                              + (" (or set post.packing=false)" if cfg.post.packing else ""))
+                              + (" (or set post.packing=false)" if cfg.post.packing else "")
+                              + f" ({self.train_data.too_long} too long for post.max_len{cut_hint(cfg)}; "
+                              f"{self.train_data.report.summary()})")
         if resumed.get("data_sha256") and resumed["data_sha256"] != self.train_data.fingerprint():
             raise ConfigError(f"post.data (or post.max_len, post.max_prompt_len, post.sft_truncation, post.packing, "
                               "the chat or score "
@@ -353,8 +362,9 @@ class PostTrainTask(Task):
         for name, data, files in (("training", self.train_data, cfg.post.data), ("validation", self.val_data,
                                                                                 cfg.post.val_data)):
             if files:
-                logger.print(f"{cfg.post.method}: {len(data.units)} {name} {kind} from {', '.join(files)} "
-                             f"({data.too_long} longer than {example_length(cfg)} tokens with the last label dropped"
+                logger.print(f"{method_name(cfg)}: {len(data.units)} {name} {kind} from {', '.join(files)} "
+                             f"({data.too_long} dropped as longer than post.max_len={example_length(cfg) - 1} "
+                             f"inputs and the last label{cut_hint(cfg) if data.too_long else ''}"
                              + (f", {data.truncated} cut to fit ({truncation_key(cfg)})" if data.truncated else "")
                              + "); "
                              f"{data.report.summary()}")

@@ -507,8 +507,9 @@ def test_config_errors_name_the_key(files):
                                                                "post.preference_loss=kto")
     assert "are for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.method=sft",
                                                      "post.preference_loss=simpo")
-    assert "a weight >= 0" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.sft_weight=-1")
-    assert "a weight >= 0" in check(f"train.init_from={files / 'init.pt'}", "post.method=sft", "post.sft_weight=1")
+    assert "must be >= 0" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.sft_weight=-1")
+    assert "leave post.sft_weight out" in check(f"train.init_from={files / 'init.pt'}", "post.method=sft",
+                                                "post.sft_weight=1")
     assert "orpo has its own" in check(f"train.init_from={files / 'init.pt'}", "post.method=dpo",
                                        "post.preference_loss=orpo", "post.sft_weight=1")
     assert "post.simpo_gamma=1.0 is for post.preference_loss=simpo" in check(
@@ -522,7 +523,7 @@ def test_config_errors_name_the_key(files):
                                                                "post.sft_truncation=keep")
     assert "post.sft_truncation=keep_end is for post.method=sft" in check(
         f"train.init_from={files / 'init.pt'}", "post.method=dpo", "post.sft_truncation=keep_end")
-    assert "for post.method=dpo or sga" in check(f"train.init_from={files / 'init.pt'}", "post.max_prompt_len=8")
+    assert "cut by post.sft_truncation" in check(f"train.init_from={files / 'init.pt'}", "post.max_prompt_len=8")
     assert "below post.max_len (or model.max_seq_len: 16)" in check(f"train.init_from={files / 'init.pt'}",
                                                                     "post.method=dpo", "post.max_len=16",
                                                                     "post.max_prompt_len=16")
@@ -625,7 +626,7 @@ def test_check_refuses_a_pretraining_run_dir_and_an_unusable_val_set_and_records
     assert info["examples"] == 24 == info["val"]["examples"] and info["val"]["bad_records"]["count"] == 1
     assert info["packed_rows"] == len(task.train_data.units) < 24
     with pytest.raises(ConfigError, match=r"post.data has 24 usable examples, packed \(post.packing\) into \d+ "
-                                          r"rows, fewer than one micro-batch .*post.packing=false"):
+                                          r"rows, fewer than one micro-batch .*post.packing=false\) \(0 too long"):
         check(f"run.dir={tmp_path / 'packed'}", "post.packing=true", "train.micro_batch=24")
     marker = json.loads((tag / COMPLETE).read_text())
     check(f"run.dir={tmp_path / 'pretrained'}")  # weights without an optimizer (a pruned model) resume
@@ -1305,7 +1306,7 @@ def test_sft_truncation_keeps_the_first_or_the_last_tokens_with_their_masks(enco
     assert got.units[0].ids.tolist() == [bos_encoder.bos] + bos_ids[-(limit - 1):].tolist()
 
 
-def test_generate_chat_renders_the_recorded_format(encoder, tmp_path):
+def test_generate_chat_renders_the_recorded_format(encoder, tmp_path, capsys):
     """tools.generate --chat renders a message in the format the checkpoint records (BOS included),
     not the defaults."""
     from tools.cli import ToolError
@@ -1319,6 +1320,10 @@ def test_generate_chat_renders_the_recorded_format(encoder, tmp_path):
     assert prompt[0] == encoder.sp.bos_id() and encoder.sp.decode(prompt).startswith("Q: red tree")
     with pytest.raises(ToolError, match="was not post-trained"):
         chat_encoder(tmp_path, {"step": 5}, encoder.sp)
+    from tools.generate import main as generate_main
+
+    assert generate_main(["--checkpoint", str(tmp_path), "--chat", " "]) == 2
+    assert "--chat is empty" in capsys.readouterr().err
 
 
 def test_an_export_s_chat_template_renders_the_trained_format(tok_dir, tmp_path):

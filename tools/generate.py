@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise ToolError(f"--prompt-ids {args.prompt_ids!r}: give comma-separated token ids such as "
                             "5,6,7") from None
+    if args.chat is not None and not args.chat.strip():
+        raise ToolError("--chat is empty: give the user's message")
     if args.system is not None and args.chat is None:
         raise ToolError("--system goes with --chat (a conversation); with --prompt, write it into the text")
     device = tool_device(args.device)
