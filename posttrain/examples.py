@@ -20,8 +20,8 @@ def truncate(ids: np.ndarray, trained: np.ndarray, limit: int, keep_end: bool, b
     begins it)."""
     if not keep_end:
         return ids[:limit], trained[:limit]
-    keep = np.array([0] if bos is not None and ids[0] == bos else [], dtype=np.int64)
-    index = np.concatenate([keep, np.arange(len(ids) - limit + len(keep), len(ids))])
+    # generation's window over the positions: position 0 stands for BOS where the example begins with it
+    index = context_window(list(range(len(ids))), limit, 0 if bos is not None and ids[0] == bos else None)
     return ids[index], trained[index]
 
 

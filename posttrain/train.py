@@ -62,16 +62,9 @@ class PostTrainer(Trainer):
         if self.cfg.post.method == "sft":
             return super().micro_batch_weights(batches)
         if self.model.sft_weight:
-            from megatron.core import parallel_state as ps
-
-            from pretrain.distributed import dp_mean
-
             chosen = [batch["trained"][:batch["tokens"].shape[0] // 2, 1:].sum() for batch in batches]
-            local = torch.stack([c.float() for c in chosen]).to(self.device)
-            total = dp_mean(local.sum()) * ps.get_data_parallel_world_size()
-            micro_batches = len(batches) * ps.get_data_parallel_world_size()
-            for batch, tokens in zip(batches, local.tolist()):
-                batch["nll_scale"] = torch.tensor(tokens * micro_batches / max(total, 1.0))
+            for batch, share in zip(batches, self.token_shares(chosen)):
+                batch["nll_scale"] = torch.tensor(share)
         return None
 
     def batch_tokens(self, batch: dict) -> int:

@@ -146,11 +146,14 @@ class Trainer:
         rank), whatever the micro-batch size, accumulation and data-parallel size: weight = tokens x
         micro-batches in the step / tokens in the step (DeepSpeed divides by the number of them)."""
         tokens = [self.loss_tokens(batch) for batch in batches]
-        if tokens[0] is None:
-            return None
+        return None if tokens[0] is None else self.token_shares(tokens)
+
+    def token_shares(self, tokens: list[torch.Tensor]) -> list[float]:
+        """Each micro-batch's tokens x micro-batches in the step / tokens in the step (all ranks'):
+        the weight that turns a mean over its tokens into its part of the mean over the step's."""
         local = torch.stack([t.float() for t in tokens]).to(self.device)
         total = dp_mean(local.sum()) * ps.get_data_parallel_world_size()
-        micro_batches = len(batches) * ps.get_data_parallel_world_size()
+        micro_batches = len(tokens) * ps.get_data_parallel_world_size()
         return [float(t) * micro_batches / max(total, 1.0) for t in local]
 
     def train_step(self, throughput: Throughput | None = None, micro_batches: int | None = None) -> torch.Tensor:
